@@ -1,0 +1,16 @@
+"""BM25 negatives ("BM25 Neg", ANCE / Gao et al. 2020): one negative per query drawn uniformly from its BM25
+top 100 (mined once with bm25s and cached in the workdir), plus the batch's other documents.
+
+  python -m jdr.train --config configs/bm25_neg.py:runlocal --workdir runs/bm25_neg \
+      --config.data.dataset=../shared/data/scifact
+"""
+
+import inbatch
+
+
+def get_config(arg=None):
+  c = inbatch.get_config(arg)
+  c.negatives.source = "bm25"
+  c.negatives.per_query = 1
+  c.negatives.bm25_top_k = 100
+  return c

@@ -1,0 +1,29 @@
+"""In-batch negatives (DPR / STAR's "In-Batch Neg"): each query's negatives are the other queries' positives.
+
+STAR paper baseline (Zhan et al. 2021, Sec. 7.2): LAMB, batch 256, learning rate 2e-4. `runlocal` scales it
+to this two-core machine: the bundled MiniLM, batch 32, AdamW 2e-5, a few hundred steps.
+
+  python -m jdr.train --config configs/inbatch.py:runlocal --workdir runs/inbatch \
+      --config.data.dataset=../shared/data/scifact
+"""
+
+import base
+
+
+def get_config(arg=None):
+  c = base.get_config()
+  c.negatives.source = "none"
+  c.negatives.in_batch = True
+  c.loss.name = "softmax_nll"
+  if base.runlocal(arg):
+    c.batch_size = 32
+    c.num_train_steps = 150
+    c.optimizer.learning_rate = 2e-5
+    c.optimizer.warmup_steps = 15
+  else:
+    c.batch_size = 256
+    c.optimizer.name = "lamb"
+    c.optimizer.learning_rate = 2e-4
+    c.optimizer.warmup_steps = 1000
+    c.num_train_steps = 20000
+  return c

@@ -1,0 +1,20 @@
+"""`python -m jdr.bench NAME [args]`: run one benchmark (see `--help` for the names)."""
+
+import argparse
+import importlib
+import sys
+
+BENCHMARKS = {
+    "encode": "jdr.bench.encode_speed",
+}
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(prog="python -m jdr.bench")
+  parser.add_argument("name", choices=sorted(BENCHMARKS))
+  args, rest = parser.parse_known_args()
+  importlib.import_module(BENCHMARKS[args.name]).main(rest)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

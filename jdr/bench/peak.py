@@ -1,0 +1,49 @@
+"""The machine's float32 matrix-multiply peak, measured, so a benchmark can report FLOP/s as a fraction."""
+
+import time
+
+import numpy as np
+
+
+def _best_rate(matmul, a, b, repeats: int) -> float:
+  n = a.shape[0]
+  matmul(a, b)  # warm-up (and compile, for jax)
+  best = float("inf")
+  for _ in range(repeats):
+    start = time.perf_counter()
+    matmul(a, b)
+    best = min(best, time.perf_counter() - start)
+  return 2 * n**3 / best
+
+
+def matmul_peak_flops(n: int = 2048, repeats: int = 5) -> dict[str, float]:
+  """Best float32 GEMM FLOP/s of each library present (jax, torch, numpy), and their max as `peak`."""
+  rng = np.random.default_rng(0)
+  a = rng.standard_normal((n, n), dtype=np.float32)
+  b = rng.standard_normal((n, n), dtype=np.float32)
+  rates = {"numpy": _best_rate(np.matmul, a, b, repeats)}
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  ja, jb = jnp.asarray(a), jnp.asarray(b)
+  jit_mm = jax.jit(jnp.matmul)
+  rates["jax"] = _best_rate(lambda x, y: jit_mm(x, y).block_until_ready(), ja, jb, repeats)
+  try:
+    import torch  # pylint: disable=g-import-not-at-top
+    ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+    with torch.inference_mode():
+      rates["torch"] = _best_rate(torch.mm, ta, tb, repeats)
+  except ImportError:
+    pass
+  rates["peak"] = max(rates.values())
+  return rates
+
+
+def encoder_flops(num_tokens: np.ndarray, *, layers: int, hidden: int, intermediate: int) -> float:
+  """Forward FLOPs of a BERT encoder over documents of the given (unpadded) lengths.
+
+  Per token and layer: Q, K, V and output projections (8 H^2), the feed-forward pair (4 H I); per
+  document and layer: attention scores and the weighted sum (4 n^2 H). Padding is not counted, so
+  this is the useful work, the same for every implementation.
+  """
+  n = np.asarray(num_tokens, dtype=np.float64)
+  return float(layers * (n.sum() * (8 * hidden**2 + 4 * hidden * intermediate) + 4 * hidden * (n**2).sum()))

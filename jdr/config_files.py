@@ -1,0 +1,115 @@
+"""Loading recipe files (`configs/X.py[:arg]`) and `--config.key=value` overrides.
+
+A recipe is a Python file whose `get_config(arg)` returns a ConfigDict. Overrides are typed by the
+value they replace, and an unknown key is an error that lists the valid names, so a typo never
+silently trains the default.
+"""
+
+import ast
+import difflib
+import importlib.util
+import pathlib
+import sys
+from typing import Sequence
+
+import ml_collections
+
+
+class ConfigError(ValueError):
+  pass
+
+
+def load_config_file(spec: str) -> ml_collections.ConfigDict:
+  """Loads `path/to/recipe.py[:arg]` and returns its locked ConfigDict."""
+  path_str, _, arg = spec.partition(":")
+  path = pathlib.Path(path_str)
+  if not path.is_file():
+    raise ConfigError(f"{path}: config file not found")
+  # Recipes import `base` from their own folder.
+  folder = str(path.resolve().parent)
+  if folder not in sys.path:
+    sys.path.insert(0, folder)
+  module_spec = importlib.util.spec_from_file_location(f"jdr_recipe_{path.stem}", path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  if not hasattr(module, "get_config"):
+    raise ConfigError(f"{path}: has no get_config(arg) function")
+  config = module.get_config(arg or None)
+  config.lock()
+  return config
+
+
+def all_keys(config: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
+  keys = []
+  for key, value in config.items():
+    if isinstance(value, ml_collections.ConfigDict):
+      keys.extend(all_keys(value, f"{prefix}{key}."))
+    else:
+      keys.append(prefix + key)
+  return keys
+
+
+def _parse_value(text: str, old):
+  """Parses `text` to the type of the value it replaces."""
+  if isinstance(old, bool):
+    lowered = text.lower()
+    if lowered in ("1", "true", "yes", "on"):
+      return True
+    if lowered in ("0", "false", "no", "off"):
+      return False
+    raise ValueError(f"expected a boolean, got {text!r}")
+  if isinstance(old, int):
+    return int(text)
+  if isinstance(old, float):
+    return float(text)
+  if isinstance(old, str):
+    return text
+  if isinstance(old, (tuple, list)):
+    value = ast.literal_eval(text)
+    if not isinstance(value, (tuple, list)):
+      value = (value,)
+    return type(old)(value)
+  return ast.literal_eval(text)
+
+
+def apply_overrides(config: ml_collections.ConfigDict, overrides: Sequence[str]) -> None:
+  """Applies `key=value` pairs (keys dotted, e.g. `optimizer.learning_rate=1e-5`) in place."""
+  valid = all_keys(config)
+  for item in overrides:
+    key, sep, text = item.partition("=")
+    if not sep:
+      raise ConfigError(f"override {item!r} must look like --config.KEY=VALUE")
+    if key not in valid:
+      close = difflib.get_close_matches(key, valid, n=3)
+      hint = f" Did you mean {', '.join(close)}?" if close else ""
+      raise ConfigError(f"unknown config key {key!r}.{hint} Valid keys: {', '.join(sorted(valid))}")
+    *parents, leaf = key.split(".")
+    node = config
+    for parent in parents:
+      node = node[parent]
+    try:
+      value = _parse_value(text, node[leaf])
+    except (ValueError, SyntaxError) as e:
+      raise ConfigError(f"config key {key!r}: cannot use {text!r} ({e})") from None
+    node[leaf] = value  # a locked ConfigDict still takes new values for existing keys
+
+
+def split_config_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+  """Separates `--config.KEY=VALUE` / `--config.KEY VALUE` overrides from the other arguments."""
+  rest, overrides = [], []
+  argv = list(argv)
+  i = 0
+  while i < len(argv):
+    arg = argv[i]
+    if arg.startswith("--config."):
+      body = arg[len("--config."):]
+      if "=" not in body:
+        if i + 1 >= len(argv):
+          raise ConfigError(f"{arg} needs a value")
+        body = f"{body}={argv[i + 1]}"
+        i += 1
+      overrides.append(body)
+    else:
+      rest.append(arg)
+    i += 1
+  return rest, overrides

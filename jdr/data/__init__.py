@@ -1,0 +1,1 @@
+"""Reading, validating and tokenizing retrieval data."""

@@ -1,0 +1,459 @@
+"""Readers and writers for BEIR, MS MARCO and TREC files, with line-level validation.
+
+Formats (the reader picks one from the file's extension and first line):
+
+  corpus   BEIR `corpus.jsonl` ({"_id", "title", "text"} per line) or MS MARCO `collection.tsv` (`pid\\ttext`)
+  queries  BEIR `queries.jsonl` ({"_id", "text"}) or MS MARCO `queries.tsv` (`qid\\ttext`)
+  qrels    BEIR `qrels/<split>.tsv` (header `query-id\\tcorpus-id\\tscore`, then tab-separated rows) or
+           TREC four columns `qid 0 docid rel` (any whitespace; MS MARCO's `qrels.*.tsv` are this kind)
+  runs     TREC six columns `qid Q0 docid rank score tag`
+
+Every problem in a file raises `DataFormatError` naming the file, the 1-based line and the reason, so a broken
+download is found at load time rather than as a silently wrong metric. Files are read as bytes and decoded one
+line at a time: bad UTF-8 is reported with its line number, and only `\\n` ends a line (a str-mode
+`splitlines` would also split on U+2028 and friends, which occur inside real passages). With
+`skip_invalid=True` bad records are dropped and a count per reason is printed to stderr, never silently.
+Blank lines are not records and are ignored. Readers keep file order (dicts preserve insertion order).
+"""
+
+import collections
+import contextlib
+import dataclasses
+import gzip
+import json
+import math
+import os
+import pathlib
+import sys
+from collections.abc import Container, Iterator, Mapping
+from typing import NamedTuple
+
+PathLike = str | os.PathLike
+
+
+class Doc(NamedTuple):
+  id: str
+  title: str
+  text: str
+
+
+Corpus = dict[str, Doc]
+Queries = dict[str, str]
+Qrels = dict[str, dict[str, int]]
+Run = dict[str, dict[str, float]]
+
+# The reasons a record is rejected; `skip_invalid` counts per reason.
+MALFORMED = "malformed line"
+DUPLICATE = "duplicate id"
+EMPTY = "empty text"
+BAD_UTF8 = "bad UTF-8"
+UNKNOWN = "unknown id"
+
+_BEIR_QRELS_HEADER = ("query-id", "corpus-id", "score")
+
+
+class DataFormatError(ValueError):
+  """A data file is malformed; `str()` is "{path}:{line}: {reason}" (line is 1-based, None for the whole file)."""
+
+  def __init__(self, path: PathLike, line: int | None, reason: str):
+    # Passing all three to ValueError keeps the exception picklable (multiprocessing, pytest-xdist).
+    super().__init__(str(path), line, reason)
+    self.path = str(path)
+    self.line = line
+    self.reason = reason
+
+  def __str__(self) -> str:
+    where = self.path if self.line is None else f"{self.path}:{self.line}"
+    return f"{where}: {self.reason}"
+
+
+class _Invalid(Exception):
+  """A bad record found while parsing one line; `_File.bad` turns it into an error or a count."""
+
+  def __init__(self, kind: str, detail: str):
+    super().__init__(kind, detail)
+    self.kind = kind
+    self.detail = detail
+
+
+@dataclasses.dataclass
+class _File:
+  """One file being read: yields its decoded lines and either raises on bad records or counts them."""
+
+  path: pathlib.Path
+  skip_invalid: bool
+  counts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  first_line: dict = dataclasses.field(default_factory=dict)
+
+  def bad(self, lineno: int, err: _Invalid) -> None:
+    if not self.skip_invalid:
+      raise DataFormatError(self.path, lineno, f"{err.kind}: {err.detail}")
+    self.counts[err.kind] += 1
+    self.first_line.setdefault(err.kind, lineno)
+
+  def lines(self) -> Iterator[tuple[int, str]]:
+    opener = gzip.open if self.path.suffix == ".gz" else open
+    with opener(self.path, "rb") as f:
+      for lineno, raw in enumerate(f, 1):
+        if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
+          raw = raw[3:]  # a UTF-8 byte-order mark, as some Windows tools write
+        try:
+          line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+          self.bad(lineno, _Invalid(BAD_UTF8, f"invalid byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line"))
+          continue
+        line = line.rstrip("\r\n")
+        if line.strip():
+          yield lineno, line
+
+  def report(self) -> None:
+    if self.counts:
+      parts = ", ".join(f"{n} {kind} (first on line {self.first_line[kind]})"
+                        for kind, n in sorted(self.counts.items()))
+      print(f"jdr: skipped {sum(self.counts.values())} invalid records in {self.path}: {parts}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def _reading(path: PathLike, skip_invalid: bool) -> Iterator[_File]:
+  f = _File(pathlib.Path(path), skip_invalid)
+  try:
+    yield f
+  finally:
+    # Also runs when a streaming consumer stops early, so skipped records are always reported.
+    f.report()
+
+
+def _is_jsonl(path: pathlib.Path) -> bool:
+  """BEIR JSONL or a TSV? By extension, else by whether the first non-blank byte opens a JSON object."""
+  name = path.name[:-3] if path.name.endswith(".gz") else path.name
+  if name.endswith((".jsonl", ".json")):
+    return True
+  if name.endswith((".tsv", ".txt")):
+    return False
+  opener = gzip.open if path.suffix == ".gz" else open
+  with opener(path, "rb") as f:
+    return f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"{")
+
+
+def _json_record(line: str) -> dict:
+  try:
+    obj = json.loads(line)
+  except json.JSONDecodeError as e:
+    raise _Invalid(MALFORMED, f"bad JSON ({e.msg} at column {e.colno})") from None
+  if not isinstance(obj, dict):
+    raise _Invalid(MALFORMED, f"expected a JSON object, got {type(obj).__name__}")
+  return obj
+
+
+def _json_field(obj: dict, key: str, *, required: bool = True) -> str:
+  value = obj.get(key)
+  if value is None:
+    if required:
+      raise _Invalid(MALFORMED, f"missing field {key!r}")
+    return ""
+  if key == "_id" and isinstance(value, int) and not isinstance(value, bool):
+    return str(value)  # some BEIR exports write numeric ids; BEIR itself treats ids as strings
+  if not isinstance(value, str):
+    raise _Invalid(MALFORMED, f"field {key!r} must be a string, got {type(value).__name__}")
+  return value
+
+
+def _tsv_fields(line: str, n: int, what: str) -> list[str]:
+  fields = line.split("\t")
+  if len(fields) != n:
+    raise _Invalid(MALFORMED, f"expected {n} tab-separated columns ({what}), got {len(fields)}")
+  return fields
+
+
+def _check_id(value: str, what: str) -> str:
+  if not value.strip():
+    raise _Invalid(MALFORMED, f"empty {what} id")
+  return value
+
+
+def _check_new(seen: dict, key, what: str) -> None:
+  if key in seen:
+    raise _Invalid(DUPLICATE, f"{what} {key!r} already on line {seen[key]}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Corpus and queries
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _corpus_file(path: PathLike) -> pathlib.Path:
+  path = pathlib.Path(path)
+  if path.is_dir():
+    path = path / "corpus.jsonl"
+  return path
+
+
+def iter_corpus(path: PathLike, *, skip_invalid: bool = False) -> Iterator[Doc]:
+  """Streams a corpus file (or a BEIR directory) one validated `Doc` at a time; see `read_corpus`."""
+  path = _corpus_file(path)
+  jsonl = _is_jsonl(path)
+  seen: dict[str, int] = {}  # id -> line; the only per-document state kept while streaming
+  with _reading(path, skip_invalid) as f:
+    for lineno, line in f.lines():
+      try:
+        if jsonl:
+          obj = _json_record(line)
+          doc = Doc(_check_id(_json_field(obj, "_id"), "doc"), _json_field(obj, "title", required=False),
+                    _json_field(obj, "text"))
+        else:
+          doc_id, text = _tsv_fields(line, 2, "pid, text")
+          doc = Doc(_check_id(doc_id, "doc"), "", text)
+        _check_new(seen, doc.id, "doc id")
+        if not doc.title.strip() and not doc.text.strip():
+          raise _Invalid(EMPTY, f"doc {doc.id!r} has empty title and text")
+      except _Invalid as e:
+        f.bad(lineno, e)
+        continue
+      seen[doc.id] = lineno
+      yield doc
+
+
+def read_corpus(path: PathLike, *, skip_invalid: bool = False) -> Corpus:
+  """Reads BEIR corpus.jsonl, an MS MARCO collection TSV (`pid\\ttext`), or a BEIR directory -> {id: Doc}."""
+  return {doc.id: doc for doc in iter_corpus(path, skip_invalid=skip_invalid)}
+
+
+def iter_queries(path: PathLike, *, skip_invalid: bool = False) -> Iterator[tuple[str, str]]:
+  """Streams (query id, text) pairs from BEIR queries.jsonl or an MS MARCO queries TSV (`qid\\ttext`)."""
+  path = pathlib.Path(path)
+  jsonl = _is_jsonl(path)
+  seen: dict[str, int] = {}
+  with _reading(path, skip_invalid) as f:
+    for lineno, line in f.lines():
+      try:
+        if jsonl:
+          obj = _json_record(line)
+          qid, text = _check_id(_json_field(obj, "_id"), "query"), _json_field(obj, "text")
+        else:
+          qid, text = _tsv_fields(line, 2, "qid, text")
+          _check_id(qid, "query")
+        _check_new(seen, qid, "query id")
+        if not text.strip():
+          raise _Invalid(EMPTY, f"query {qid!r} has empty text")
+      except _Invalid as e:
+        f.bad(lineno, e)
+        continue
+      seen[qid] = lineno
+      yield qid, text
+
+
+def read_queries(path: PathLike, *, skip_invalid: bool = False) -> Queries:
+  """Reads BEIR queries.jsonl or an MS MARCO queries TSV -> {query id: text}."""
+  return dict(iter_queries(path, skip_invalid=skip_invalid))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Qrels
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def read_qrels(path: PathLike, *, doc_ids: Container[str] | None = None, query_ids: Container[str] | None = None,
+               skip_invalid: bool = False) -> Qrels:
+  """Reads BEIR qrels TSV (with header) or TREC `qid 0 docid rel` -> {query id: {doc id: relevance}}.
+
+  The format is detected from the first line: the BEIR header (or three tab-separated columns) means BEIR,
+  four whitespace-separated columns mean TREC; every later line must match it. Relevance must be an integer.
+  With `doc_ids` / `query_ids` (e.g. the corpus and queries dicts), a judgment naming an id outside them is an
+  error too: such a judgment can never be retrieved or asked, and would silently skew recall.
+  """
+  path = pathlib.Path(path)
+  qrels: Qrels = {}
+  seen: dict[tuple[str, str], int] = {}
+  trec = None  # decided on the first line
+  with _reading(path, skip_invalid) as f:
+    for lineno, line in f.lines():
+      try:
+        if trec is None:
+          if tuple(line.split("\t")) == _BEIR_QRELS_HEADER:
+            trec = False
+            continue
+          trec = len(line.split()) == 4 and len(line.split("\t")) != 3
+        if trec:
+          fields = line.split()
+          if len(fields) != 4:
+            raise _Invalid(MALFORMED, f"expected 4 columns (TREC qrels: qid 0 docid rel), got {len(fields)}")
+          qid, _, doc_id, rel = fields
+        else:
+          qid, doc_id, rel = _tsv_fields(line, 3, "BEIR qrels: query-id, corpus-id, score")
+          _check_id(qid, "query")
+          _check_id(doc_id, "doc")
+        try:
+          rel = int(rel)
+        except ValueError:
+          raise _Invalid(MALFORMED, f"relevance {rel!r} is not an integer") from None
+        _check_new(seen, (qid, doc_id), "qrels pair")
+        if query_ids is not None and qid not in query_ids:
+          raise _Invalid(UNKNOWN, f"query id {qid!r} is not among the queries")
+        if doc_ids is not None and doc_id not in doc_ids:
+          raise _Invalid(UNKNOWN, f"doc id {doc_id!r} is not in the corpus")
+      except _Invalid as e:
+        f.bad(lineno, e)
+        continue
+      seen[(qid, doc_id)] = lineno
+      qrels.setdefault(qid, {})[doc_id] = rel
+  return qrels
+
+
+def write_qrels(path: PathLike, qrels: Mapping[str, Mapping[str, int]], *, trec: bool = False) -> None:
+  """Writes BEIR qrels (header + `qid\\tdocid\\trel`), or TREC `qid 0 docid rel` lines when `trec`."""
+  lines = [] if trec else ["\t".join(_BEIR_QRELS_HEADER)]
+  for qid, docs in qrels.items():
+    for doc_id, rel in docs.items():
+      _check_writable_id(qid), _check_writable_id(doc_id)
+      lines.append(f"{qid} 0 {doc_id} {int(rel)}" if trec else f"{qid}\t{doc_id}\t{int(rel)}")
+  _write_lines(path, lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Runs
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def ranked(scores: Mapping[str, float]) -> list[tuple[str, float]]:
+  """One query's (doc id, score) pairs in rank order: score descending, ties by doc id descending.
+
+  That is trec_eval's order (it ignores the rank column and re-sorts this way), so a run written here and a
+  metric computed by trec_eval / pytrec_eval agree on every tie.
+  """
+  return sorted(scores.items(), key=lambda kv: (kv[1], kv[0]), reverse=True)
+
+
+def read_run(path: PathLike, *, skip_invalid: bool = False) -> Run:
+  """Reads a TREC run (`qid Q0 docid rank score tag`) -> {query id: {doc id: score}}.
+
+  Queries keep file order; each query's docs are in rank order as `ranked` defines it (trec_eval's), not the
+  file's rank column, so iterating a query's dict walks its ranking.
+  """
+  path = pathlib.Path(path)
+  run: Run = {}
+  seen: dict[tuple[str, str], int] = {}
+  with _reading(path, skip_invalid) as f:
+    for lineno, line in f.lines():
+      try:
+        fields = line.split()
+        if len(fields) != 6:
+          raise _Invalid(MALFORMED, f"expected 6 columns (TREC run: qid Q0 docid rank score tag), got {len(fields)}")
+        qid, _, doc_id, rank, score, _ = fields
+        try:
+          int(rank)
+        except ValueError:
+          raise _Invalid(MALFORMED, f"rank {rank!r} is not an integer") from None
+        try:
+          score = float(score)
+        except ValueError:
+          raise _Invalid(MALFORMED, f"score {score!r} is not a number") from None
+        if not math.isfinite(score):
+          raise _Invalid(MALFORMED, f"score {score!r} is not finite")
+        _check_new(seen, (qid, doc_id), "run pair")
+      except _Invalid as e:
+        f.bad(lineno, e)
+        continue
+      seen[(qid, doc_id)] = lineno
+      run.setdefault(qid, {})[doc_id] = score
+  return {qid: dict(ranked(docs)) for qid, docs in run.items()}
+
+
+def write_run(path: PathLike, run: Mapping[str, Mapping[str, float]], tag: str = "jdr") -> None:
+  """Writes a TREC run: per query (in the mapping's order) docs sorted by `ranked`, ranks from 1.
+
+  Scores are written with `repr` so reading the file back gives the same floats and the same tie order.
+  """
+  if not tag or any(c.isspace() for c in tag):
+    raise ValueError(f"run tag must be non-empty without whitespace, got {tag!r}")
+  lines = []
+  for qid, docs in run.items():
+    _check_writable_id(qid)
+    for rank, (doc_id, score) in enumerate(ranked({d: float(s) for d, s in docs.items()}), 1):
+      _check_writable_id(doc_id)
+      lines.append(f"{qid} Q0 {doc_id} {rank} {score!r} {tag}")
+  _write_lines(path, lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Writers and BEIR directories
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _check_writable_id(value: str) -> None:
+  if not value or any(c.isspace() for c in value):
+    raise ValueError(f"id {value!r} cannot be written to a TSV/TREC file (empty or contains whitespace)")
+
+
+def _check_tsv_text(value: str, what: str) -> None:
+  if "\t" in value or "\n" in value or "\r" in value:
+    raise ValueError(f"{what} contains a tab or newline, which a TSV file cannot hold; write JSONL instead")
+
+
+def _write_lines(path: PathLike, lines: list[str]) -> None:
+  """Writes through a temporary file and a rename, so readers never see half a file and reruns are idempotent."""
+  path = pathlib.Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+  with open(tmp, "w", encoding="utf-8", newline="\n") as f:
+    for line in lines:
+      f.write(line)
+      f.write("\n")
+  os.replace(tmp, path)
+
+
+def write_corpus(path: PathLike, corpus: Mapping[str, Doc]) -> None:
+  """Writes BEIR corpus.jsonl, or an MS MARCO collection TSV when the name ends in .tsv (no titles allowed)."""
+  path = pathlib.Path(path)
+  if path.suffix == ".tsv":
+    for doc in corpus.values():
+      if doc.title:
+        raise ValueError(f"doc {doc.id!r} has a title, which an MS MARCO TSV cannot hold; write JSONL instead")
+      _check_writable_id(doc.id), _check_tsv_text(doc.text, f"doc {doc.id!r}")
+    _write_lines(path, [f"{doc.id}\t{doc.text}" for doc in corpus.values()])
+  else:
+    _write_lines(path, [json.dumps({"_id": d.id, "title": d.title, "text": d.text}, ensure_ascii=False)
+                        for d in corpus.values()])
+
+
+def write_queries(path: PathLike, queries: Mapping[str, str]) -> None:
+  """Writes BEIR queries.jsonl, or an MS MARCO queries TSV when the name ends in .tsv."""
+  path = pathlib.Path(path)
+  if path.suffix == ".tsv":
+    for qid, text in queries.items():
+      _check_writable_id(qid), _check_tsv_text(text, f"query {qid!r}")
+    _write_lines(path, [f"{qid}\t{text}" for qid, text in queries.items()])
+  else:
+    _write_lines(path, [json.dumps({"_id": qid, "text": text}, ensure_ascii=False) for qid, text in queries.items()])
+
+
+def write_beir(directory: PathLike, corpus: Mapping[str, Doc], queries: Mapping[str, str],
+               qrels: Mapping[str, Mapping[str, int]] | None = None, split: str = "test") -> None:
+  """Writes the BEIR layout: corpus.jsonl, queries.jsonl and (with qrels) qrels/<split>.tsv."""
+  directory = pathlib.Path(directory)
+  write_corpus(directory / "corpus.jsonl", corpus)
+  write_queries(directory / "queries.jsonl", queries)
+  if qrels is not None:
+    write_qrels(directory / "qrels" / f"{split}.tsv", qrels)
+
+
+def load_beir(directory: PathLike, split: str | None = None, *,
+              skip_invalid: bool = False) -> tuple[Corpus, Queries, Qrels | None]:
+  """Loads a BEIR directory -> (corpus, queries, qrels or None).
+
+  With a split, qrels/<split>.tsv is checked against the corpus and queries (unknown ids are errors), and the
+  queries are narrowed to those the split judges, as BEIR's GenericDataLoader does: SciFact's queries.jsonl
+  holds train and test queries together, and evaluating the unjudged ones would score them as zero.
+  """
+  directory = pathlib.Path(directory)
+  if not directory.is_dir():
+    raise FileNotFoundError(f"BEIR directory not found: {directory}")
+  corpus = read_corpus(directory / "corpus.jsonl", skip_invalid=skip_invalid)
+  queries = read_queries(directory / "queries.jsonl", skip_invalid=skip_invalid)
+  if split is None:
+    return corpus, queries, None
+  qrels_path = directory / "qrels" / f"{split}.tsv"
+  if not qrels_path.exists():
+    splits = sorted(p.stem for p in (directory / "qrels").glob("*.tsv"))
+    raise FileNotFoundError(f"no split {split!r} in {directory}: {qrels_path} is missing (splits: {splits})")
+  qrels = read_qrels(qrels_path, doc_ids=corpus, query_ids=queries, skip_invalid=skip_invalid)
+  return corpus, {qid: text for qid, text in queries.items() if qid in qrels}, qrels

@@ -1,0 +1,206 @@
+"""Supervised training data: (query, positive document) pairs and the batches built from them.
+
+A batch is a pure function of (seed, step): the pair order is a per-epoch permutation drawn from
+(seed, epoch) and the negatives are drawn from (seed, step). A resumed run therefore sees exactly the
+batches it would have seen, with no data-loader state to checkpoint, and every host can build the same
+global batch layout and keep only its own rows.
+"""
+
+import dataclasses
+import pathlib
+import sys
+from typing import Any, Sequence
+
+import ml_collections
+import numpy as np
+
+from jdr import negatives as negatives_lib
+from jdr.data import builtin
+from jdr.data import formats
+from jdr.data import text as text_lib
+
+
+@dataclasses.dataclass
+class RetrievalData:
+  corpus: dict  # doc id -> formats.Doc
+  queries: dict  # query id -> text (train and eval queries)
+  train_qrels: dict  # query id -> {doc id: relevance}
+  eval_qrels: dict | None
+  name: str
+
+
+def load(data_cfg: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> RetrievalData:
+  """Reads the dataset a config names, validated; every problem is raised before training starts."""
+  if data_cfg.dataset == "builtin":
+    directory = pathlib.Path(workdir) / "data" / "stdlib-docstrings"
+    builtin.write_builtin(directory)
+  else:
+    directory = pathlib.Path(data_cfg.dataset)
+    if not directory.is_dir():
+      raise FileNotFoundError(f"data.dataset: directory not found: {directory}")
+  if data_cfg.source == "tfds":
+    corpus, queries, train_qrels = _load_tfds(directory, data_cfg, workdir)
+  elif data_cfg.source == "files":
+    corpus, queries, train_qrels = formats.load_beir(directory, data_cfg.train_split)
+    queries = formats.read_queries(directory / "queries.jsonl")
+  else:
+    raise ValueError(f"data.source must be 'files' or 'tfds', got {data_cfg.source!r}")
+  eval_qrels = None
+  if data_cfg.eval_split:
+    eval_qrels = formats.read_qrels(directory / "qrels" / f"{data_cfg.eval_split}.tsv",
+                                    doc_ids=corpus, query_ids=queries)
+  data = RetrievalData(corpus, queries, train_qrels, eval_qrels, directory.name)
+  check(data, directory, data_cfg)
+  return data
+
+
+def _load_tfds(directory: pathlib.Path, data_cfg: ml_collections.ConfigDict, workdir):
+  """The same data through the jdr TFDS builders (array_record files, random access, no TensorFlow)."""
+  from jdr.data import tfds as tfds_lib  # pylint: disable=g-import-not-at-top  (tfds imports slowly)
+  data_dir = pathlib.Path(data_cfg.tfds_data_dir or pathlib.Path(workdir) / "tfds")
+  name = directory.name.replace("-", "_").lower()
+  tfds_lib.prepare(directory, data_dir, name=name)
+  corpus = {d["doc_id"]: formats.Doc(d["doc_id"], d["title"], d["text"])
+            for d in tfds_lib.load_corpus(data_dir, name)}
+  queries, qrels = {}, {}
+  for example in tfds_lib.load_training_examples(data_dir, name, data_cfg.train_split):
+    queries[example["query_id"]] = example["query"]
+    qrels.setdefault(example["query_id"], {})[example["doc_id"]] = example["relevance"]
+  if data_cfg.eval_split:
+    eval_queries, _ = tfds_lib.load_qrels(data_dir, name, data_cfg.eval_split)
+    queries.update(eval_queries)
+  return corpus, queries, qrels
+
+
+def check(data: RetrievalData, directory: pathlib.Path, data_cfg: ml_collections.ConfigDict) -> None:
+  """Refuses data that would train on nothing, with the file to look at."""
+  train_file = directory / "qrels" / f"{data_cfg.train_split}.tsv"
+  positives = sum(1 for q in data.train_qrels.values() for r in q.values() if r > 0)
+  if not positives:
+    raise ValueError(f"{train_file}: no (query, document) pair with relevance > 0 to train on")
+  overlap = set(data.train_qrels) & set(data.queries)
+  if not overlap:
+    raise ValueError(f"{train_file}: none of its {len(data.train_qrels)} query ids is in "
+                     f"{directory / 'queries.jsonl'}; are the qrels from another dataset?")
+  if data.eval_qrels is not None and not set(data.eval_qrels) & set(data.queries):
+    raise ValueError(f"{directory / 'qrels' / (data_cfg.eval_split + '.tsv')}: none of its query ids is "
+                     f"in {directory / 'queries.jsonl'}")
+
+
+def training_pairs(qrels: dict) -> list[tuple[str, str]]:
+  """Every (query, document) pair with relevance > 0, in a fixed order."""
+  return sorted((q, d) for q, docs in qrels.items() for d, rel in docs.items() if rel > 0)
+
+
+def make_negative_source(neg_cfg: ml_collections.ConfigDict, data: RetrievalData,
+                         cache_dir: pathlib.Path):
+  """The host-side negative sampler a config names, or None for in-batch negatives only."""
+  name = neg_cfg.source
+  if name == "none":
+    if neg_cfg.per_query:
+      raise ValueError("negatives.per_query > 0 needs negatives.source (random, bm25, ...)")
+    return None
+  if neg_cfg.per_query < 1:
+    raise ValueError(f"negatives.source={name!r} needs negatives.per_query >= 1")
+  corpus_ids = list(data.corpus)
+
+  def bm25():
+    return negatives_lib.BM25Negatives(data.corpus, data.queries, data.train_qrels,
+                                       top_k=neg_cfg.bm25_top_k, cache_dir=cache_dir)
+
+  if name == "random":
+    return negatives_lib.RandomNegatives(corpus_ids, data.train_qrels)
+  if name == "bm25":
+    return bm25()
+  if name == "bm25_random":
+    # DPR's mix, 1:1 (ANCE's "BM25 + Rand Neg").
+    return negatives_lib.MixedNegatives([(bm25(), 0.5),
+                                         (negatives_lib.RandomNegatives(corpus_ids, data.train_qrels), 0.5)])
+  if name == "static":
+    if not neg_cfg.static_run:
+      raise ValueError("negatives.source='static' needs negatives.static_run (a TREC run file)")
+    return negatives_lib.StaticNegatives(neg_cfg.static_run, data.train_qrels)
+  raise ValueError(f"negatives.source must be none, random, bm25, bm25_random or static; got {name!r}")
+
+
+def _pad(rows: Sequence[np.ndarray], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+  ids = np.full((len(rows), length), pad_id, np.int32)
+  mask = np.zeros((len(rows), length), np.int32)
+  for i, row in enumerate(rows):
+    ids[i, :len(row)] = row
+    mask[i, :len(row)] = 1
+  return ids, mask
+
+
+class Batches:
+  """Global batches as a pure function of the step; `local(step)` is this process's rows."""
+
+  def __init__(self, data: RetrievalData, tokenizer: Any, *, batch_size: int, query_max_length: int,
+               doc_max_length: int, negative_source=None, negatives_per_query: int = 0,
+               in_batch: bool = True, seed: int = 0, process_index: int = 0, process_count: int = 1):
+    self.data = data
+    self.tokenizer = tokenizer
+    self.pairs = training_pairs(data.train_qrels)
+    self.batch_size = batch_size
+    self.query_max_length = query_max_length
+    self.doc_max_length = doc_max_length
+    self.negative_source = negative_source
+    self.per_query = negatives_per_query if negative_source is not None else 0
+    self.in_batch = in_batch
+    self.seed = seed
+    self.process_index, self.process_count = process_index, process_count
+    self.doc_row = {d: i for i, d in enumerate(data.corpus)}
+    self.pad_id = tokenizer.pad_token_id or 0
+    self._perms: dict[int, np.ndarray] = {}
+
+  @property
+  def examples_per_epoch(self) -> int:
+    return len(self.pairs)
+
+  def _permutation(self, epoch: int) -> np.ndarray:
+    if epoch not in self._perms:
+      self._perms = {epoch: np.random.default_rng([self.seed, epoch]).permutation(len(self.pairs))}
+    return self._perms[epoch]
+
+  def pair_indices(self, step: int) -> np.ndarray:
+    positions = step * self.batch_size + np.arange(self.batch_size)
+    epochs, within = np.divmod(positions, len(self.pairs))
+    return np.array([self._permutation(int(e))[i] for e, i in zip(epochs, within)])
+
+  def global_layout(self, step: int) -> tuple[list[str], list[str], np.ndarray]:
+    """(query ids [B], document ids [C], valid [B, C]) of the batch at `step`; see jdr/negatives.py."""
+    chosen = [self.pairs[i] for i in self.pair_indices(step)]
+    qids = [q for q, _ in chosen]
+    doc_ids = [d for _, d in chosen]
+    if self.per_query:
+      rng = np.random.default_rng([self.seed, step, 1])
+      sampled = self.negative_source.sample(qids, doc_ids, rng, self.per_query)
+      doc_ids = doc_ids + [d for row in sampled for d in row]
+    valid = negatives_lib.candidate_mask(qids, doc_ids, self.data.train_qrels, in_batch=self.in_batch)
+    return qids, doc_ids, valid
+
+  def _tokens(self, texts: list[str], max_length: int) -> tuple[np.ndarray, np.ndarray]:
+    return _pad(text_lib.tokenize(self.tokenizer, texts, max_length), max_length, self.pad_id)
+
+  def local(self, step: int) -> dict[str, np.ndarray]:
+    """This process's rows of the global batch at `step`, as numpy arrays."""
+    qids, doc_ids, valid = self.global_layout(step)
+    q_lo, q_hi = self._rows(len(qids))
+    d_lo, d_hi = self._rows(len(doc_ids))
+    query_ids, query_mask = self._tokens([self.data.queries[q] for q in qids[q_lo:q_hi]],
+                                         self.query_max_length)
+    doc_tokens, doc_mask = self._tokens(
+        [text_lib.doc_text(self.data.corpus[d]) for d in doc_ids[d_lo:d_hi]], self.doc_max_length)
+    return {"query_ids": query_ids, "query_mask": query_mask, "doc_ids": doc_tokens,
+            "doc_mask": doc_mask,
+            "doc_index": np.array([self.doc_row[d] for d in doc_ids[d_lo:d_hi]], np.int32),
+            "valid": valid[q_lo:q_hi]}
+
+  def _rows(self, n: int) -> tuple[int, int]:
+    per = n // self.process_count
+    return self.process_index * per, (self.process_index + 1) * per
+
+
+def describe_counts(data: RetrievalData, batches: Batches, file=sys.stderr) -> None:
+  print(f"data {data.name}: {len(data.corpus)} documents, {len(batches.pairs)} training pairs, "
+        f"{len(data.eval_qrels or {})} evaluation queries", file=file)

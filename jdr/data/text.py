@@ -1,0 +1,129 @@
+"""Text to token ids, and token ids to padded batches of a few fixed shapes.
+
+A jitted encoder compiles once per input shape, and on CPU every padded position costs as much as a real one.
+So sequences are sorted by length, packed into batches, and each batch is padded to the smallest length of a
+small fixed set (`default_bucket_lengths`) that holds its longest sequence: a handful of compiled shapes and
+little padding. The token-budget mode (`max_tokens`) picks a larger batch for shorter buckets so every batch
+costs about the same.
+"""
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+
+def doc_text(doc) -> str:
+  """The text a document is encoded as: `title + " " + text`, stripped; just the text when there is no title.
+
+  This is BEIR's convention for sentence-transformers models (what MTEB scores are computed with), so scores
+  stay comparable with published ones. `doc` is a `formats.Doc` or a mapping with "title" and "text".
+  """
+  if isinstance(doc, Mapping):
+    title, text = doc.get("title") or "", doc.get("text") or ""
+  else:
+    title, text = doc.title, doc.text
+  return (title + " " + text).strip() if title else text.strip()
+
+
+def tokenize(tokenizer, texts: Sequence[str], max_length: int, *, chunk_size: int = 2048) -> list[np.ndarray]:
+  """Token ids (int32, unpadded, special tokens included, truncated to `max_length`) for each text.
+
+  Uses the fast tokenizer's batch call, in chunks so a large corpus never holds two full copies of its ids.
+  Queries and documents are tokenized by separate calls, each with its own tower's `max_length`.
+  """
+  out: list[np.ndarray] = []
+  for start in range(0, len(texts), chunk_size):
+    enc = tokenizer(list(texts[start:start + chunk_size]), truncation=True, max_length=max_length, padding=False,
+                    return_attention_mask=False, return_token_type_ids=False)
+    out.extend(np.asarray(ids, dtype=np.int32) for ids in enc["input_ids"])
+  return out
+
+
+def default_bucket_lengths(max_length: int, min_length: int = 16) -> list[int]:
+  """16, 24, 32, 48, 64, 96, 128, 192, 256, ... up to `max_length` (always included).
+
+  Two lengths per octave: padding a sequence to its bucket wastes at most a third of the batch, while a
+  256-token model compiles only nine shapes.
+  """
+  lengths, n = [], min_length
+  while n < max_length:
+    lengths += [n, n * 3 // 2] if n * 3 // 2 < max_length else [n]
+    n *= 2
+  return sorted({x for x in lengths if x < max_length} | {max_length})
+
+
+class BatchPlan(NamedTuple):
+  indices: np.ndarray  # positions in the input, longest sequence first
+  rows: int  # batch rows >= len(indices); extra rows are filler (all padding, attention mask 0)
+  length: int  # padded sequence length, one of the bucket lengths
+
+
+def plan_batches(lengths: Sequence[int], *, batch_size: int | None = None, max_tokens: int | None = None,
+                 bucket_lengths: Sequence[int] | None = None, multiple_of: int = 1) -> list[BatchPlan]:
+  """Groups sequences into batches without touching the ids; `bucketed_batches` fills them in.
+
+  Sequences are taken longest first (a too-large batch fails on the first step, not the last). A batch holds
+  `batch_size` sequences, or with `max_tokens` as many as keep rows * bucket length <= max_tokens (at least
+  `multiple_of`; `batch_size` then caps it). Rows are rounded up to a multiple of `multiple_of` (e.g. the data
+  parallel device count) with filler rows. `bucket_lengths` defaults to `default_bucket_lengths` of the longest
+  sequence rounded up to the same grid, so the shapes do not depend on the data.
+  """
+  if batch_size is None and max_tokens is None:
+    raise ValueError("give batch_size or max_tokens")
+  if multiple_of < 1 or (batch_size is not None and batch_size < 1):
+    raise ValueError(f"batch_size and multiple_of must be positive, got {batch_size}, {multiple_of}")
+  lengths = np.asarray(lengths, dtype=np.int64)
+  if lengths.size == 0:
+    return []
+  longest = int(lengths.max())
+  if bucket_lengths is None:
+    bucket_lengths = default_bucket_lengths(max(16, 2 ** math.ceil(math.log2(max(longest, 1)))))
+  buckets = np.array(sorted(set(bucket_lengths)), dtype=np.int64)
+  if longest > buckets[-1]:
+    i = int(np.argmax(lengths))
+    raise ValueError(f"sequence {i} has {longest} tokens, more than the largest bucket length {buckets[-1]}")
+
+  def rows_for(bucket_len: int) -> int:
+    if max_tokens is None:
+      return batch_size
+    rows = max(multiple_of, max_tokens // bucket_len // multiple_of * multiple_of)
+    return rows if batch_size is None else max(1, min(rows, batch_size))
+
+  order = np.argsort(-lengths, kind="stable")
+  plans, start = [], 0
+  while start < len(order):
+    bucket_len = int(buckets[np.searchsorted(buckets, lengths[order[start]])])
+    indices = order[start:start + rows_for(bucket_len)]
+    start += len(indices)
+    plans.append(BatchPlan(indices, -(-len(indices) // multiple_of) * multiple_of, bucket_len))
+  return plans
+
+
+def bucketed_batches(token_ids: Sequence[np.ndarray], *, batch_size: int | None = None, max_tokens: int | None = None,
+                     bucket_lengths: Sequence[int] | None = None, pad_id: int = 0,
+                     multiple_of: int = 1) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+  """Yields (indices, input_ids int32 [B, L], attention_mask int32 [B, L]); each input index appears once.
+
+  Row i of a batch holds sequence `indices[i]`; rows past `len(indices)` are filler. See `plan_batches` for
+  the batching arguments.
+  """
+  lengths = [len(ids) for ids in token_ids]
+  for plan in plan_batches(lengths, batch_size=batch_size, max_tokens=max_tokens, bucket_lengths=bucket_lengths,
+                           multiple_of=multiple_of):
+    input_ids = np.full((plan.rows, plan.length), pad_id, dtype=np.int32)
+    mask = np.zeros((plan.rows, plan.length), dtype=np.int32)
+    for row, i in enumerate(plan.indices):
+      n = lengths[i]
+      input_ids[row, :n] = token_ids[i]
+      mask[row, :n] = 1
+    yield plan.indices, input_ids, mask
+
+
+def padding_fraction(plans: Sequence[BatchPlan], lengths: Sequence[int]) -> float:
+  """Share of the batch cells (filler rows included) that are padding rather than real tokens."""
+  lengths = np.asarray(lengths, dtype=np.int64)
+  total = sum(p.rows * p.length for p in plans)
+  real = sum(int(lengths[p.indices].sum()) for p in plans)
+  return 1.0 - real / total if total else 0.0

@@ -1,0 +1,76 @@
+"""Export trained towers for serving: `python -m jdr.export --workdir DIR --out OUT`.
+
+Writes, from the latest checkpoint of a training workdir:
+  OUT/jdr_model.json + OUT/params/   a params-only orbax checkpoint (no optimizer state), which
+                                     `jdr.encode --model OUT` and `jdr.retrieve --model OUT` load;
+  OUT/hf/ (shared towers) or OUT/hf-query/ + OUT/hf-doc/ (separate towers): Hugging Face directories that
+                                     transformers.AutoModel loads, with the tokenizer and, when the tower is
+                                     an encoder plus pooling (no projection head), the sentence-transformers
+                                     files that declare its pooling and normalization.
+"""
+
+import argparse
+import json
+import pathlib
+import sys
+
+import jax
+
+from jdr import checkpoint
+from jdr.models import build as build_lib
+from jdr.models import hf
+
+
+def _sentence_transformers_files(path: pathlib.Path, tower: dict, max_length: int) -> None:
+  modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+             {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+  if tower["normalize"]:
+    modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                    "type": "sentence_transformers.models.Normalize"})
+  (path / "modules.json").write_text(json.dumps(modules, indent=2))
+  (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_length}))
+  (path / "1_Pooling").mkdir(exist_ok=True)
+  hidden = tower["encoder"]["hidden_size"]
+  (path / "1_Pooling" / "config.json").write_text(json.dumps({
+      "word_embedding_dimension": hidden,
+      "pooling_mode_cls_token": tower["pooling"] == "cls",
+      "pooling_mode_mean_tokens": tower["pooling"] == "mean",
+      "pooling_mode_max_tokens": tower["pooling"] == "max"}, indent=2))
+
+
+def export(workdir: str | pathlib.Path, out: str | pathlib.Path) -> pathlib.Path:
+  """Writes the params-only checkpoint and the Hugging Face directories; returns `out`."""
+  model, params, tokenizer, description = build_lib.load_jdr_model(workdir)
+  out = pathlib.Path(out)
+  out.mkdir(parents=True, exist_ok=True)
+  tokenizer.save_pretrained(str(out / "tokenizer"))
+  description = {**description, "tokenizer": str((out / "tokenizer").absolute())}
+  params = jax.device_get(params)
+  checkpoint.save_params(out, params, description)
+  sides = {"hf": ("tower", "query")} if model.shared else {
+      "hf-query": ("query_tower", "query"), "hf-doc": ("doc_tower", "doc")}
+  for folder, (param_key, side) in sides.items():
+    tower = description[side]
+    if tower.get("kind", "transformer") != "transformer":
+      print(f"{side} tower is {tower['kind']}: no Hugging Face equivalent, skipped", file=sys.stderr)
+      continue
+    path = hf.export_hf(getattr(model, side).encoder, params[param_key]["encoder"], out / folder, tokenizer=tokenizer)
+    max_length = description[f"{side}_max_length"]
+    if tower.get("projection_dim"):
+      print(f"{path}: holds the encoder only; the projection head lives in {out}/params", file=sys.stderr)
+    else:
+      _sentence_transformers_files(path, tower, max_length)
+  return out
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(prog="python -m jdr.export", description=__doc__.splitlines()[0])
+  parser.add_argument("--workdir", required=True, help="a training workdir (its latest checkpoint)")
+  parser.add_argument("--out", required=True, help="output directory")
+  args = parser.parse_args(argv)
+  out = export(args.workdir, args.out)
+  print(f"exported {args.workdir} to {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,479 @@
+"""Nearest-neighbour search over document embeddings: one Retriever interface, two back-ends.
+
+* `FaissRetriever`: any faiss index_factory string ("Flat" exact, "HNSW32", "OPQ16,IVF1,PQ16", ...),
+  inner product by default, on the host; on every GPU (sharded) when faiss has GPU support and GPUs
+  are present.
+* `JaxRetriever`: exact top-k of queries @ embeddings.T with the embedding matrix sharded by rows over
+  a device mesh; each device takes its local top-k and the k * devices candidates are merged, so no
+  device ever holds the full [queries, documents] score matrix.
+
+Both return (scores float32 [Q, k], ids list[list[str]]) with higher scores first, so the training loop
+and the command lines can swap one for the other through a config value (DESIGN.md, style point 5).
+
+Memory is reported as `bytes_per_doc()`: what one more document costs in the index (the string ids,
+kept in a Python list by both back-ends, are not counted).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import sys
+from typing import Any, Literal, Protocol, Sequence
+
+import numpy as np
+
+_META = "meta.json"
+_IDS = "ids.txt"
+_FORMAT = 1
+
+
+class Retriever(Protocol):
+  """What the trainer, `jdr.retrieve` and the benchmarks need from an index."""
+
+  dim: int
+
+  def add(self, embeddings: np.ndarray, ids: Sequence[str]) -> None:
+    """Appends documents: float32 [N, dim] embeddings and their N string ids."""
+
+  def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, list[list[str]]]:
+    """Top k per query: scores float32 [Q, k'] (k' = min(k, len(self))) and ids, best first."""
+
+  def bytes_per_doc(self) -> float:
+    """Index memory per document, in bytes."""
+
+  def save(self, directory: str | pathlib.Path) -> None:
+    """Writes the index to a directory that `load_retriever` reads back."""
+
+  @classmethod
+  def load(cls, directory: str | pathlib.Path, **kwargs) -> "Retriever":
+    """Reads a directory written by `save`."""
+
+  def __len__(self) -> int:
+    """Number of documents added."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Shared helpers.
+
+
+def _as_vectors(x: np.ndarray, dim: int, what: str) -> np.ndarray:
+  x = np.asarray(x)
+  if x.ndim != 2 or x.shape[1] != dim:
+    raise ValueError(f"{what} must have shape [n, {dim}], got {x.shape}")
+  # faiss needs C-contiguous float32 and silently misreads anything else.
+  return np.ascontiguousarray(x, dtype=np.float32)
+
+
+def _as_ids(ids: Sequence[str], n: int) -> list[str]:
+  ids = [str(i) for i in ids]
+  if len(ids) != n:
+    raise ValueError(f"got {n} embeddings but {len(ids)} ids")
+  for i in ids:
+    # ids are stored one per line.
+    if not i or "\n" in i or "\r" in i:
+      raise ValueError(f"document ids must be non-empty and single-line, got {i!r}")
+  return ids
+
+
+def _write_common(directory: str | pathlib.Path, ids: list[str], meta: dict[str, Any]) -> pathlib.Path:
+  path = pathlib.Path(directory)
+  path.mkdir(parents=True, exist_ok=True)
+  with open(path / _IDS, "w", encoding="utf-8") as f:
+    f.writelines(i + "\n" for i in ids)
+  (path / _META).write_text(json.dumps({"format": _FORMAT, **meta}, indent=2) + "\n")
+  return path
+
+
+def _read_meta(directory: str | pathlib.Path) -> dict[str, Any]:
+  path = pathlib.Path(directory) / _META
+  if not path.is_file():
+    raise FileNotFoundError(f"{path} not found: not a directory written by a jdr retriever's save()")
+  meta = json.loads(path.read_text())
+  if meta.get("format") != _FORMAT:
+    raise ValueError(f"{path}: unsupported index format {meta.get('format')!r} (expected {_FORMAT})")
+  return meta
+
+
+def _read_ids(directory: str | pathlib.Path) -> list[str]:
+  with open(pathlib.Path(directory) / _IDS, encoding="utf-8") as f:
+    return [line.rstrip("\n") for line in f]
+
+
+def to_run(query_ids: Sequence[str], scores: np.ndarray, ids: list[list[str]]) -> dict[str, dict[str, float]]:
+  """Search output as a run dict {qid: {docid: score}} (slots an index could not fill are dropped)."""
+  run = {}
+  for qid, row_scores, row_ids in zip(query_ids, scores, ids):
+    run[qid] = {d: float(s) for d, s in zip(row_ids, row_scores) if d and np.isfinite(s)}
+  return run
+
+
+# --------------------------------------------------------------------------------------------------
+# Faiss.
+
+
+def _faiss():
+  import faiss  # pylint: disable=import-outside-toplevel
+  return faiss
+
+
+def _gpu_count() -> int:
+  faiss = _faiss()
+  return faiss.get_num_gpus() if hasattr(faiss, "get_num_gpus") else 0
+
+
+class FaissRetriever:
+  """A faiss index with string ids.
+
+  Args:
+    dim: embedding width.
+    factory: a faiss.index_factory string: "Flat" (exact), "HNSW32", "IVF1024,PQ32", "OPQ16,IVF1,PQ16"...
+    metric: "ip" (inner product, what dense retrievers train for) or "l2" (scores are then negated
+      squared distances, so that higher is still better).
+    use_gpu: "auto" puts the index on all GPUs (sharded) when faiss has GPU support and sees GPUs;
+      True requires that; False keeps it on the host. Index types faiss cannot move to the GPU (HNSW)
+      stay on the host with a warning.
+    train_size: indexes that need training (IVF, PQ, OPQ) are trained on the first `add`, on at most
+      this many of its vectors sampled at random; call `train()` first to choose the vectors yourself.
+    search_params: faiss ParameterSpace string applied before each search, e.g. "nprobe=16" or
+      "efSearch=128".
+    seed: for the training sample.
+  """
+
+  kind = "faiss"
+
+  def __init__(self, dim: int, factory: str = "Flat", metric: Literal["ip", "l2"] = "ip",
+               use_gpu: bool | Literal["auto"] = "auto", train_size: int = 100_000,
+               search_params: str | None = None, seed: int = 0, *, _index=None):
+    faiss = _faiss()
+    if metric not in ("ip", "l2"):
+      raise ValueError(f"metric must be 'ip' or 'l2', got {metric!r}")
+    self.dim = int(dim)
+    self.factory = factory
+    self.metric = metric
+    self.train_size = int(train_size)
+    self.search_params = search_params
+    self.seed = seed
+    if use_gpu not in (True, False, "auto"):
+      raise ValueError(f"use_gpu must be True, False or 'auto', got {use_gpu!r}")
+    gpus = _gpu_count()
+    if use_gpu is True and gpus == 0:
+      raise RuntimeError("use_gpu=True but faiss sees no GPU (is faiss-gpu installed?)")
+    self._want_gpu = bool(gpus) and use_gpu is not False
+    metric_type = faiss.METRIC_INNER_PRODUCT if metric == "ip" else faiss.METRIC_L2
+    self._cpu = _index if _index is not None else faiss.index_factory(self.dim, factory, metric_type)
+    if self._cpu.d != self.dim:
+      raise ValueError(f"index has dim {self._cpu.d}, expected {self.dim}")
+    self._index = None  # What searches run on: the CPU index or its GPU clone; set once trained.
+    self._ids: list[str] = []
+    self._id_array: np.ndarray | None = None
+    # Serialized size of the trained, empty index (codebooks, rotations, centroids): subtracted so
+    # bytes_per_doc is the marginal cost of a document, not fixed overhead spread over a small corpus.
+    self._fixed_bytes: int | None = None
+    if self._cpu.is_trained:
+      self._ready()
+
+  @property
+  def on_gpu(self) -> bool:
+    return self._index is not None and self._index is not self._cpu
+
+  def __len__(self) -> int:
+    return len(self._ids)
+
+  def _ready(self) -> None:
+    faiss = _faiss()
+    if self._fixed_bytes is None and self._cpu.ntotal == 0:
+      self._fixed_bytes = int(faiss.serialize_index(self._cpu).size)
+    self._index = self._cpu
+    if self._want_gpu:
+      try:
+        options = faiss.GpuMultipleClonerOptions()
+        options.shard = True  # Split documents over the GPUs rather than replicate them.
+        self._index = faiss.index_cpu_to_all_gpus(self._cpu, options)
+      except RuntimeError as e:  # e.g. HNSW has no GPU implementation.
+        print(f"jdr.index: {self.factory!r} stays on the CPU ({str(e).splitlines()[0]})", file=sys.stderr)
+
+  def train(self, vectors: np.ndarray) -> None:
+    """Trains the quantizers (no-op for indexes that need none)."""
+    if self._cpu.is_trained:
+      return
+    vectors = _as_vectors(vectors, self.dim, "training vectors")
+    try:
+      self._cpu.train(vectors)
+    except RuntimeError as e:
+      raise RuntimeError(
+          f"training faiss index {self.factory!r} on {len(vectors)} vectors failed (PQ needs at least "
+          f"256 and IVFn about 39*n): {e}") from e
+    self._ready()
+
+  def add(self, embeddings: np.ndarray, ids: Sequence[str]) -> None:
+    embeddings = _as_vectors(embeddings, self.dim, "embeddings")
+    ids = _as_ids(ids, len(embeddings))
+    if not len(ids):
+      return
+    if not self._cpu.is_trained:
+      sample = embeddings
+      if len(embeddings) > self.train_size:
+        rows = np.random.default_rng(self.seed).choice(len(embeddings), self.train_size, replace=False)
+        sample = embeddings[np.sort(rows)]
+      self.train(sample)
+    self._index.add(embeddings)
+    self._ids.extend(ids)
+    self._id_array = None
+
+  def _apply_search_params(self) -> None:
+    if not self.search_params:
+      return
+    faiss = _faiss()
+    space = faiss.GpuParameterSpace() if self.on_gpu else faiss.ParameterSpace()
+    space.set_index_parameters(self._index, self.search_params)
+
+  def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, list[list[str]]]:
+    if not self._ids:
+      raise ValueError("search on an empty index: add documents first")
+    queries = _as_vectors(queries, self.dim, "queries")
+    k = min(int(k), len(self._ids))
+    self._apply_search_params()
+    scores, rows = self._index.search(queries, k)
+    if self.metric == "l2":
+      scores = -scores
+    # Approximate indexes may find fewer than k documents: those slots are -1.
+    missing = rows < 0
+    scores = np.where(missing, -np.inf, scores).astype(np.float32)
+    if self._id_array is None:
+      self._id_array = np.array(self._ids + [""], dtype=object)  # Row -1 reads the trailing "".
+    return scores, self._id_array[rows].tolist()
+
+  def _cpu_copy(self):
+    return _faiss().index_gpu_to_cpu(self._index) if self.on_gpu else self._cpu
+
+  def memory_bytes(self) -> int:
+    """Serialized size of the whole index (codes, graph, quantizers)."""
+    return int(_faiss().serialize_index(self._cpu_copy()).size)
+
+  def bytes_per_doc(self) -> float:
+    """Marginal bytes per document: (serialized size - size when empty) / documents.
+
+    Serializing copies the index once, so call this for reports, not in a loop.
+    """
+    if not self._ids:
+      raise ValueError("bytes_per_doc of an empty index")
+    return (self.memory_bytes() - (self._fixed_bytes or 0)) / len(self._ids)
+
+  def save(self, directory: str | pathlib.Path) -> None:
+    path = _write_common(directory, self._ids, {
+        "kind": self.kind, "dim": self.dim, "factory": self.factory, "metric": self.metric,
+        "train_size": self.train_size, "search_params": self.search_params, "seed": self.seed,
+        "fixed_bytes": self._fixed_bytes, "ntotal": len(self._ids)})
+    _faiss().write_index(self._cpu_copy(), str(path / "index.faiss"))
+
+  @classmethod
+  def load(cls, directory: str | pathlib.Path, use_gpu: bool | Literal["auto"] = "auto",
+           search_params: str | None = None) -> "FaissRetriever":
+    meta = _read_meta(directory)
+    if meta["kind"] != cls.kind:
+      raise ValueError(f"{directory} holds a {meta['kind']!r} index, not {cls.kind!r}")
+    index = _faiss().read_index(str(pathlib.Path(directory) / "index.faiss"))
+    ids = _read_ids(directory)
+    if len(ids) != index.ntotal:
+      raise ValueError(f"{directory}: {len(ids)} ids for {index.ntotal} vectors")
+    self = cls(meta["dim"], meta["factory"], meta["metric"], use_gpu, meta["train_size"],
+               search_params if search_params is not None else meta.get("search_params"),
+               meta["seed"], _index=index)
+    self._fixed_bytes = meta.get("fixed_bytes")
+    self._ids = ids
+    return self
+
+
+# --------------------------------------------------------------------------------------------------
+# JAX.
+
+
+class JaxRetriever:
+  """Exact inner-product top-k with the embedding matrix sharded by rows over a device mesh.
+
+  Args:
+    dim: embedding width.
+    mesh: a jax.sharding.Mesh whose devices all hold a slice of the documents (rows are split over
+      all of its axes, e.g. the training mesh); default: a 1-D mesh over `devices`.
+    devices: default jax.devices().
+    dtype: storage dtype, "float32" (exact) or "bfloat16" (half the memory, scores in float32).
+    query_chunk: queries scored per step; lowered when one chunk's [chunk, docs per device] float32
+      scores would exceed score_budget_bytes.
+    precision: matmul precision; "highest" keeps float32 exact on GPUs/TPUs, whose default
+      precision (TF32/bfloat16 passes) would reorder near-ties.
+  """
+
+  kind = "jax"
+
+  def __init__(self, dim: int, mesh=None, devices=None, dtype: str = "float32",
+               query_chunk: int = 256, score_budget_bytes: int = 1 << 30,
+               precision: str = "highest"):
+    import jax  # pylint: disable=import-outside-toplevel
+    self.dim = int(dim)
+    if mesh is None:
+      mesh = jax.sharding.Mesh(np.array(list(devices or jax.devices())), ("docs",))
+    self.mesh = mesh
+    self._axis = tuple(mesh.axis_names)
+    self._num_shards = int(mesh.devices.size)
+    if dtype not in ("float32", "bfloat16"):
+      raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+    self.dtype = dtype
+    self.query_chunk = int(query_chunk)
+    self.score_budget_bytes = int(score_budget_bytes)
+    self.precision = precision
+    self._pending: list[np.ndarray] = []  # Host arrays added since the device matrix was built.
+    self._emb = None  # [padded docs, dim] sharded over self._axis.
+    self._bias = None  # [padded docs]: 0 for documents, -inf for padding rows.
+    self._ids: list[str] = []
+    self._id_array: np.ndarray | None = None
+    self._fns: dict[tuple[int, int], Any] = {}
+
+  def __len__(self) -> int:
+    return len(self._ids)
+
+  def add(self, embeddings: np.ndarray, ids: Sequence[str]) -> None:
+    embeddings = _as_vectors(embeddings, self.dim, "embeddings")
+    ids = _as_ids(ids, len(embeddings))
+    if not len(ids):
+      return
+    self._pending.append(embeddings)
+    self._ids.extend(ids)
+    self._id_array = None
+
+  def _host_matrix(self) -> np.ndarray:
+    parts = []
+    if self._emb is not None:
+      n_built = len(self._ids) - sum(len(p) for p in self._pending)
+      parts.append(np.asarray(self._emb[:n_built], dtype=np.float32))
+    parts.extend(self._pending)
+    return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+  def _materialize(self) -> None:
+    """Moves pending documents to the devices (rebuilding the sharded matrix once per batch of adds)."""
+    if not self._pending:
+      return
+    import jax  # pylint: disable=import-outside-toplevel
+    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+    P = jax.sharding.PartitionSpec
+    host = self._host_matrix()
+    n = len(host)
+    padded = -(-n // self._num_shards) * self._num_shards
+    dtype = jnp.bfloat16 if self.dtype == "bfloat16" else jnp.float32
+    rows = jax.sharding.NamedSharding(self.mesh, P(self._axis, None))
+    # Each device copies only its own row block (padding rows are zeros), which also works when every
+    # host of a multi-host job passes the same full matrix.
+    def block(index):
+      start = index[0].start or 0
+      stop = padded if index[0].stop is None else index[0].stop
+      part = host[start:min(stop, n)]
+      if stop > n:
+        part = np.concatenate([part, np.zeros((stop - max(start, n), self.dim), np.float32)])
+      return np.asarray(part).astype(dtype)
+
+    host_padded_bias = np.where(np.arange(padded) < n, 0.0, -np.inf).astype(np.float32)
+    self._pending = []
+    self._emb = jax.make_array_from_callback((padded, self.dim), rows, block)
+    self._bias = jax.make_array_from_callback(
+        (padded,), jax.sharding.NamedSharding(self.mesh, P(self._axis)),
+        lambda index: host_padded_bias[index])
+
+  def _search_fn(self, k: int, k_local: int):
+    key = (k, k_local)
+    if key not in self._fns:
+      import jax  # pylint: disable=import-outside-toplevel
+      import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+      P = jax.sharding.PartitionSpec
+      axis = self._axis
+      precision = jax.lax.Precision[self.precision.upper()] if self.precision else None
+
+      def local(queries, emb, bias):
+        scores = jnp.dot(queries.astype(emb.dtype), emb.T, precision=precision,
+                         preferred_element_type=jnp.float32) + bias
+        values, rows = jax.lax.top_k(scores, k_local)
+        rows = rows + jax.lax.axis_index(axis) * emb.shape[0]
+        # k_local candidates from each device; the global top k is among them.
+        values = jax.lax.all_gather(values, axis, axis=1, tiled=True)
+        rows = jax.lax.all_gather(rows, axis, axis=1, tiled=True)
+        values, best = jax.lax.top_k(values, k)
+        return values, jnp.take_along_axis(rows, best, axis=1)
+
+      self._fns[key] = jax.jit(jax.shard_map(
+          local, mesh=self.mesh, in_specs=(P(), P(axis, None), P(axis)), out_specs=(P(), P()),
+          check_vma=False))
+    return self._fns[key]
+
+  def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, list[list[str]]]:
+    if not self._ids:
+      raise ValueError("search on an empty index: add documents first")
+    queries = _as_vectors(queries, self.dim, "queries")
+    self._materialize()
+    k = min(int(k), len(self._ids))
+    rows_per_device = self._emb.shape[0] // self._num_shards
+    fn = self._search_fn(k, min(k, rows_per_device))
+    # A power-of-two chunk keeps the number of compiled shapes small.
+    chunk = min(self.query_chunk, max(1, self.score_budget_bytes // (4 * rows_per_device)))
+    chunk = min(1 << (chunk.bit_length() - 1), 1 << max(0, (len(queries) - 1).bit_length()))
+    all_scores, all_rows = [], []
+    for start in range(0, len(queries), chunk):
+      block = queries[start:start + chunk]
+      real = len(block)
+      if real < chunk:
+        block = np.concatenate([block, np.zeros((chunk - real, self.dim), np.float32)])
+      values, rows = fn(block, self._emb, self._bias)
+      # Outputs are replicated: any local copy is the whole result, also on multi-host meshes.
+      all_scores.append(np.asarray(values.addressable_data(0))[:real])
+      all_rows.append(np.asarray(rows.addressable_data(0))[:real])
+    if self._id_array is None:
+      self._id_array = np.array(self._ids, dtype=object)
+    rows = np.concatenate(all_rows)
+    return np.concatenate(all_scores).astype(np.float32), self._id_array[rows].tolist()
+
+  def bytes_per_doc(self) -> float:
+    return float(self.dim * (2 if self.dtype == "bfloat16" else 4))
+
+  def save(self, directory: str | pathlib.Path) -> None:
+    path = _write_common(directory, self._ids, {
+        "kind": self.kind, "dim": self.dim, "dtype": self.dtype, "query_chunk": self.query_chunk,
+        "score_budget_bytes": self.score_budget_bytes, "precision": self.precision,
+        "ntotal": len(self._ids)})
+    matrix = self._host_matrix() if self._ids else np.zeros((0, self.dim), np.float32)
+    np.save(path / "embeddings.npy", matrix.astype(np.float32))
+
+  @classmethod
+  def load(cls, directory: str | pathlib.Path, mesh=None, devices=None) -> "JaxRetriever":
+    meta = _read_meta(directory)
+    if meta["kind"] != cls.kind:
+      raise ValueError(f"{directory} holds a {meta['kind']!r} index, not {cls.kind!r}")
+    self = cls(meta["dim"], mesh=mesh, devices=devices, dtype=meta["dtype"],
+               query_chunk=meta["query_chunk"], score_budget_bytes=meta["score_budget_bytes"],
+               precision=meta["precision"])
+    embeddings = np.load(pathlib.Path(directory) / "embeddings.npy", mmap_mode="r")
+    ids = _read_ids(directory)
+    if len(ids) != len(embeddings):
+      raise ValueError(f"{directory}: {len(ids)} ids for {len(embeddings)} vectors")
+    if ids:
+      self.add(embeddings, ids)
+    return self
+
+
+# --------------------------------------------------------------------------------------------------
+# Factories.
+
+_KINDS = {"faiss": FaissRetriever, "jax": JaxRetriever}
+
+
+def make_retriever(kind: Literal["faiss", "jax"], dim: int, **kwargs) -> Retriever:
+  """A new empty retriever: make_retriever("faiss", 768, factory="HNSW32") or ("jax", 768)."""
+  if kind not in _KINDS:
+    raise ValueError(f"unknown retriever kind {kind!r}; valid: {', '.join(_KINDS)}")
+  return _KINDS[kind](dim, **kwargs)
+
+
+def load_retriever(directory: str | pathlib.Path, **kwargs) -> Retriever:
+  """Reads any retriever written by `save`; kwargs go to the back-end's load (use_gpu, mesh...)."""
+  kind = _read_meta(directory).get("kind")
+  if kind not in _KINDS:
+    raise ValueError(f"{directory}: unknown retriever kind {kind!r}")
+  return _KINDS[kind].load(directory, **kwargs)

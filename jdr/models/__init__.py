@@ -1,0 +1,1 @@
+"""Encoders (BERT, RoBERTa), towers on top of them, and Hugging Face weight conversion."""

@@ -1,0 +1,248 @@
+"""BERT and RoBERTa encoders in Flax linen, numerically matching Hugging Face's PyTorch models.
+
+The module tree mirrors Hugging Face's layer by layer (`embeddings`, `layer_0` ... `layer_{n-1}`) so that
+`jdr.models.hf` converts weights with a flat name table and no model surgery. Every parameter carries
+logical axis names ("vocab", "embed", "mlp", "heads", "kv", "position", "type") through
+`nn.with_logical_partitioning`: sharding is decided by a rule table in `jdr.parallel`, never here.
+
+Mixed precision: parameters are always float32; `EncoderConfig.dtype` is the compute dtype of matmuls and the
+residual stream. Attention logits, softmax and LayerNorm statistics stay in float32 and the encoder's output
+is cast back to float32, so bfloat16 changes speed and memory, not the interface.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+# Hugging Face model_type values whose checkpoints use RoBERTa's embeddings (padding-offset positions).
+_ROBERTA_TYPES = ("roberta", "xlm-roberta", "camembert")
+_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class EncoderConfig:
+  """Architecture of a BERT-style encoder. Defaults are bert-base-uncased."""
+  model_type: str = "bert"  # "bert" | "roberta"
+  vocab_size: int = 30522
+  hidden_size: int = 768
+  num_layers: int = 12
+  num_heads: int = 12
+  intermediate_size: int = 3072
+  max_position_embeddings: int = 512
+  type_vocab_size: int = 2
+  layer_norm_eps: float = 1e-12
+  pad_token_id: int = 0
+  hidden_dropout: float = 0.1
+  attention_dropout: float = 0.1
+  hidden_act: str = "gelu"  # "gelu" is the exact (erf) GELU, as in Hugging Face.
+  dtype: str = "float32"  # compute dtype: "float32" | "bfloat16"; params are float32 regardless.
+  remat: bool = False  # recompute each layer's activations in the backward pass (saves memory).
+
+  def __post_init__(self):
+    if self.model_type not in ("bert", "roberta"):
+      raise ValueError(f"model_type must be 'bert' or 'roberta', got {self.model_type!r}")
+    if self.hidden_size % self.num_heads:
+      raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
+    if self.hidden_act not in _ACTIVATIONS:
+      raise ValueError(f"hidden_act {self.hidden_act!r} unsupported; expected one of {_ACTIVATIONS}")
+    if self.dtype not in _DTYPES:
+      raise ValueError(f"dtype must be one of {tuple(_DTYPES)}, got {self.dtype!r}")
+
+  @property
+  def head_dim(self) -> int:
+    return self.hidden_size // self.num_heads
+
+  @property
+  def compute_dtype(self) -> Any:
+    return _DTYPES[self.dtype]
+
+  @property
+  def max_length(self) -> int:
+    """Longest sequence the position table supports (RoBERTa spends pad_token_id + 1 slots on the offset)."""
+    if self.model_type == "roberta":
+      return self.max_position_embeddings - self.pad_token_id - 1
+    return self.max_position_embeddings
+
+  def replace(self, **changes) -> EncoderConfig:
+    return dataclasses.replace(self, **changes)
+
+  @classmethod
+  def from_hf(cls, config: dict[str, Any], **overrides) -> EncoderConfig:
+    """Builds a config from a transformers `config.json` dict; `overrides` set jdr-only fields (dtype...)."""
+    model_type = config.get("model_type", "bert")
+    if model_type in _ROBERTA_TYPES:
+      model_type = "roberta"
+    elif model_type != "bert":
+      raise ValueError(f"unsupported Hugging Face model_type {model_type!r}: jdr has BERT and RoBERTa encoders")
+    position_type = config.get("position_embedding_type", "absolute")
+    if position_type != "absolute":
+      raise ValueError(f"position_embedding_type {position_type!r} unsupported: only 'absolute'")
+    if config.get("is_decoder") or config.get("add_cross_attention"):
+      raise ValueError("decoder / cross-attention BERT configs are not encoders")
+    fields = dict(
+        model_type=model_type,
+        vocab_size=config["vocab_size"],
+        hidden_size=config["hidden_size"],
+        num_layers=config["num_hidden_layers"],
+        num_heads=config["num_attention_heads"],
+        intermediate_size=config["intermediate_size"],
+        max_position_embeddings=config["max_position_embeddings"],
+        type_vocab_size=config.get("type_vocab_size", 2),
+        layer_norm_eps=config.get("layer_norm_eps", 1e-12),
+        pad_token_id=config.get("pad_token_id") if config.get("pad_token_id") is not None else 0,
+        hidden_dropout=config.get("hidden_dropout_prob", 0.1),
+        attention_dropout=config.get("attention_probs_dropout_prob", 0.1),
+        hidden_act=config.get("hidden_act", "gelu"),
+    )
+    fields.update(overrides)
+    return cls(**fields)
+
+  def to_hf(self) -> dict[str, Any]:
+    """The transformers `config.json` dict for this architecture (jdr-only fields are dropped)."""
+    arch = "RobertaModel" if self.model_type == "roberta" else "BertModel"
+    config = {
+        "architectures": [arch],
+        "model_type": self.model_type,
+        "vocab_size": self.vocab_size,
+        "hidden_size": self.hidden_size,
+        "num_hidden_layers": self.num_layers,
+        "num_attention_heads": self.num_heads,
+        "intermediate_size": self.intermediate_size,
+        "hidden_act": self.hidden_act,
+        "hidden_dropout_prob": self.hidden_dropout,
+        "attention_probs_dropout_prob": self.attention_dropout,
+        "max_position_embeddings": self.max_position_embeddings,
+        "type_vocab_size": self.type_vocab_size,
+        "initializer_range": 0.02,
+        "layer_norm_eps": self.layer_norm_eps,
+        "pad_token_id": self.pad_token_id,
+        "position_embedding_type": "absolute",
+    }
+    if self.model_type == "roberta":
+      # RoBERTa's special-token ids sit next to the pad id (<s>=0, <pad>=1, </s>=2).
+      config.update(bos_token_id=0, eos_token_id=2)
+    return config
+
+
+def _init(names: tuple[str | None, ...], init=None):
+  # BERT's initialiser: N(0, 0.02) for every matrix and table.
+  return nn.with_logical_partitioning(init or nn.initializers.normal(stddev=0.02), names)
+
+
+def _dense(cfg: EncoderConfig, features, names, *, axis=-1, name: str) -> nn.DenseGeneral:
+  out_names = names[-len(features):] if isinstance(features, tuple) else names[-1:]
+  return nn.DenseGeneral(
+      features, axis=axis, dtype=cfg.compute_dtype, param_dtype=jnp.float32,
+      kernel_init=_init(names), bias_init=_init(out_names, nn.initializers.zeros_init()), name=name)
+
+
+def _layer_norm(cfg: EncoderConfig, name: str, dtype=None) -> nn.LayerNorm:
+  # Flax computes the statistics in float32 even for bfloat16 inputs; `dtype` is only the output dtype.
+  return nn.LayerNorm(
+      epsilon=cfg.layer_norm_eps, dtype=dtype or cfg.compute_dtype, param_dtype=jnp.float32,
+      scale_init=_init(("embed",), nn.initializers.ones_init()),
+      bias_init=_init(("embed",), nn.initializers.zeros_init()), name=name)
+
+
+def _activation(name: str):
+  if name == "gelu":
+    return lambda x: jax.nn.gelu(x, approximate=False)
+  if name in ("gelu_new", "gelu_pytorch_tanh"):
+    return lambda x: jax.nn.gelu(x, approximate=True)
+  return jax.nn.relu
+
+
+def roberta_position_ids(input_ids: jax.Array, pad_token_id: int) -> jax.Array:
+  """RoBERTa (fairseq) positions: pad tokens get pad_token_id, real tokens pad_token_id + 1, + 2, ..."""
+  not_pad = (input_ids != pad_token_id).astype(jnp.int32)
+  return jnp.cumsum(not_pad, axis=1) * not_pad + pad_token_id
+
+
+class Embeddings(nn.Module):
+  """Word + position + token-type embeddings, LayerNorm, dropout."""
+  config: EncoderConfig
+
+  @nn.compact
+  def __call__(self, input_ids, token_type_ids, *, deterministic: bool):
+    cfg = self.config
+    length = input_ids.shape[1]
+    if length > cfg.max_length:
+      raise ValueError(f"sequence length {length} exceeds the model's maximum {cfg.max_length}")
+    h = cfg.hidden_size
+    # Tables are gathered in float32 and summed before the cast, so bfloat16 mode only rounds once and
+    # never converts the whole vocabulary table.
+    word = self.param("word_embeddings", _init(("vocab", "embed")), (cfg.vocab_size, h), jnp.float32)
+    position = self.param(
+        "position_embeddings", _init(("position", "embed")), (cfg.max_position_embeddings, h), jnp.float32)
+    token_type = self.param("token_type_embeddings", _init(("type", "embed")), (cfg.type_vocab_size, h),
+                            jnp.float32)
+    x = jnp.take(word, input_ids, axis=0)
+    if cfg.model_type == "roberta":
+      x = x + jnp.take(position, roberta_position_ids(input_ids, cfg.pad_token_id), axis=0)
+    else:
+      # BERT positions are 0..L-1 for every row: a slice, not a gather.
+      x = x + position[None, :length]
+    if token_type_ids is None:
+      x = x + token_type[0]  # Hugging Face's default: all segment 0.
+    else:
+      x = x + jnp.take(token_type, token_type_ids, axis=0)
+    x = _layer_norm(cfg, "norm")(x)
+    return nn.Dropout(cfg.hidden_dropout)(x, deterministic=deterministic)
+
+
+class Layer(nn.Module):
+  """One post-LayerNorm transformer block: self-attention, add & norm, GELU MLP, add & norm."""
+  config: EncoderConfig
+
+  @nn.compact
+  def __call__(self, x, key_mask, deterministic: bool):
+    # `deterministic` is positional: nn.remat marks it static by position.
+    cfg = self.config
+    heads = (cfg.num_heads, cfg.head_dim)
+    # [B, L, E] x [E, N, D] -> [B, L, N, D]: heads come out of the projection with no reshape or transpose.
+    q = _dense(cfg, heads, ("embed", "heads", "kv"), name="query")(x)
+    k = _dense(cfg, heads, ("embed", "heads", "kv"), name="key")(x)
+    v = _dense(cfg, heads, ("embed", "heads", "kv"), name="value")(x)
+    # Scaling q ([B, L, N, D]) is cheaper than scaling the [B, N, L, L] logits.
+    q = q * jnp.asarray(cfg.head_dim ** -0.5, q.dtype)
+    logits = jnp.einsum("bqnd,bknd->bnqk", q, k, preferred_element_type=jnp.float32)
+    # Boolean mask + where (not an additive bias) keeps padded keys at exactly zero weight.
+    logits = jnp.where(key_mask[:, None, None, :], logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1)
+    probs = nn.Dropout(cfg.attention_dropout)(probs, deterministic=deterministic)
+    ctx = jnp.einsum("bnqk,bknd->bqnd", probs.astype(cfg.compute_dtype), v)
+    attn = _dense(cfg, cfg.hidden_size, ("heads", "kv", "embed"), axis=(-2, -1), name="attention_output")(ctx)
+    attn = nn.Dropout(cfg.hidden_dropout)(attn, deterministic=deterministic)
+    x = _layer_norm(cfg, "attention_norm")(x + attn)
+
+    y = _dense(cfg, cfg.intermediate_size, ("embed", "mlp"), name="intermediate")(x)
+    y = _activation(cfg.hidden_act)(y)
+    y = _dense(cfg, cfg.hidden_size, ("mlp", "embed"), name="output")(y)
+    y = nn.Dropout(cfg.hidden_dropout)(y, deterministic=deterministic)
+    return _layer_norm(cfg, "output_norm")(x + y)
+
+
+class Encoder(nn.Module):
+  """BERT / RoBERTa encoder: token ids -> contextual token vectors [B, L, H] in float32.
+
+  Params: {"embeddings": {...}, "layer_0": {...}, ...}. Dropout draws from the "dropout" rng stream when
+  `deterministic=False`.
+  """
+  config: EncoderConfig
+
+  @nn.compact
+  def __call__(self, input_ids, attention_mask, token_type_ids=None, *, deterministic: bool = True):
+    cfg = self.config
+    key_mask = attention_mask.astype(bool)
+    x = Embeddings(cfg, name="embeddings")(input_ids, token_type_ids, deterministic=deterministic)
+    # Same param tree with or without remat, so checkpoints and HF conversion do not care.
+    layer_cls = nn.remat(Layer, static_argnums=(3,)) if cfg.remat else Layer
+    for i in range(cfg.num_layers):
+      x = layer_cls(cfg, name=f"layer_{i}")(x, key_mask, deterministic)
+    return x.astype(jnp.float32)

@@ -1,0 +1,116 @@
+"""Two-tower models from a config, and jdr's own saved-model format.
+
+A jdr model is described by a small JSON-able dict (`describe`): both towers' configs, whether they are
+shared, the tokenizer directory and the query / document lengths. It travels with every checkpoint and
+export, so `jdr.encode --model DIR` rebuilds exactly the towers that were trained.
+"""
+
+import dataclasses
+import json
+import pathlib
+from typing import Any, NamedTuple
+
+import ml_collections
+
+from jdr.models import hf
+from jdr.models.bert import EncoderConfig
+from jdr.models.towers import TowerConfig, TwoTower
+
+# Architectures for freshly initialised models (model.init_from=""); they use the BERT uncased vocab of the
+# bundled MiniLM tokenizer.
+FRESH = {
+    "tiny": dict(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128),
+    "mini": dict(hidden_size=384, num_layers=6, num_heads=12, intermediate_size=1536),
+}
+
+
+class Built(NamedTuple):
+  model: TwoTower
+  tokenizer: Any
+  description: dict  # see `describe`
+  encoder_params: dict | None  # pretrained Encoder params to put in every tower, or None
+  params: dict | None  # a whole TwoTower param tree (init from a jdr model), or None
+
+
+def describe(model: TwoTower, tokenizer_path: str, query_max_length: int, doc_max_length: int) -> dict:
+  return {"query": dataclasses.asdict(model.query), "doc": dataclasses.asdict(model.doc),
+          "shared": model.shared, "tokenizer": tokenizer_path,
+          "query_max_length": query_max_length, "doc_max_length": doc_max_length}
+
+
+def _tower_config(d: dict) -> TowerConfig:
+  d = dict(d)
+  if d.get("encoder") is not None:
+    d["encoder"] = EncoderConfig(**d["encoder"])
+  return TowerConfig(**d)
+
+
+def from_description(description: dict) -> TwoTower:
+  return TwoTower(query=_tower_config(description["query"]), doc=_tower_config(description["doc"]),
+                  shared=description["shared"])
+
+
+def _tokenizer(path: str):
+  import transformers  # pylint: disable=g-import-not-at-top
+  return transformers.AutoTokenizer.from_pretrained(path)
+
+
+def is_jdr_model(path: str | pathlib.Path) -> bool:
+  """A jdr export (jdr_model.json + params) or a training workdir (config.json + checkpoints/)."""
+  path = pathlib.Path(path)
+  return (path / "jdr_model.json").exists() or (path / "checkpoints").is_dir()
+
+
+def load_jdr_model(path: str | pathlib.Path) -> tuple[TwoTower, dict, Any, dict]:
+  """(model, params, tokenizer, description) from a jdr export or the latest checkpoint of a workdir."""
+  from jdr import checkpoint  # pylint: disable=g-import-not-at-top
+  path = pathlib.Path(path)
+  if (path / "jdr_model.json").exists():
+    params, description = checkpoint.load_params(path)
+  else:
+    description_file = path / "model.json"
+    if not description_file.exists():
+      raise FileNotFoundError(f"{path}: a jdr workdir needs model.json beside checkpoints/")
+    description = json.loads(description_file.read_text())
+    params = checkpoint.latest_params(path)
+  return from_description(description), params, _tokenizer(description["tokenizer"]), description
+
+
+def build(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collections.ConfigDict) -> Built:
+  """The TwoTower a config asks for, with the pretrained weights it starts from (if any)."""
+  init_from = model_cfg.init_from
+  if init_from and is_jdr_model(init_from):
+    model, params, tokenizer, description = load_jdr_model(init_from)
+    return Built(model, tokenizer, description, None, params)
+
+  overrides = dict(dtype=model_cfg.dtype, remat=model_cfg.remat, hidden_dropout=model_cfg.dropout,
+                   attention_dropout=model_cfg.dropout)
+  declared = {}
+  if init_from:
+    path = hf.minilm_path() if init_from == "minilm" else pathlib.Path(init_from)
+    encoder_config, encoder_params = hf.load_hf(path, **overrides)
+    declared = hf.sentence_transformers_settings(path)
+    tokenizer_path = str(path)
+  else:
+    if model_cfg.fresh not in FRESH:
+      raise ValueError(f"model.fresh must be one of {sorted(FRESH)}, got {model_cfg.fresh!r}")
+    tokenizer_path = str(hf.minilm_path())
+    vocab = _tokenizer(model_cfg.tokenizer or tokenizer_path).vocab_size
+    encoder_config = EncoderConfig(vocab_size=vocab, **FRESH[model_cfg.fresh], **overrides)
+    encoder_params = None
+  tokenizer_path = model_cfg.tokenizer or tokenizer_path
+  normalize = declared.get("normalize", False) if model_cfg.normalize < 0 else bool(model_cfg.normalize)
+  tower = TowerConfig(encoder=encoder_config, pooling=model_cfg.pooling or declared.get("pooling", "cls"),
+                      projection_dim=model_cfg.projection_dim or None, normalize=normalize)
+  model = TwoTower(query=tower, doc=tower, shared=model_cfg.shared)
+  description = describe(model, tokenizer_path, data_cfg.query_max_length, data_cfg.doc_max_length)
+  return Built(model, _tokenizer(tokenizer_path), description, encoder_params, None)
+
+
+def with_encoder_params(params: dict, encoder_params: dict) -> dict:
+  """Puts pretrained Encoder params into every tower of a freshly initialised TwoTower param tree."""
+  params = dict(params)
+  for name in ("tower", "query_tower", "doc_tower"):
+    if name in params:
+      params[name] = {**params[name], "encoder": encoder_params}
+  return params

@@ -1,0 +1,169 @@
+"""Towers: an encoder plus pooling, an optional projection head and optional L2 normalisation.
+
+A tower maps token ids to one vector per text. `TwoTower` pairs a query tower and a document tower that
+either share one set of weights (DPR-style tied / ANCE) or keep their own (ADORE trains only the query side).
+
+Param trees (the `params` collection):
+  Tower:    {"encoder": Encoder params} or {"bow": ...}, plus {"projection", "projection_norm"} with a head.
+  TwoTower: shared -> {"tower": Tower params}; separate -> {"query_tower": ..., "doc_tower": ...}.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jdr.models.bert import Encoder, EncoderConfig
+
+POOLINGS = ("cls", "mean", "max")
+
+
+@dataclasses.dataclass(frozen=True)
+class TowerConfig:
+  """One tower. `kind="transformer"` needs `encoder`; `kind="bow_mlp"` needs `vocab_size`.
+
+  projection_dim: None for no head; an int adds Dense(projection_dim) + LayerNorm on the pooled vector
+    (ANCE / STAR's embedding head).
+  BoW-MLP (Chang et al. 2020's shallow baseline): a bag of token embeddings (`bow_embed_dim` wide) averaged
+    over the unpadded tokens, then two tanh Dense layers (`bow_hidden`, then `bow_dim` = the output width).
+    It pools with "mean" (the paper) or "max", never "cls".
+  """
+  encoder: EncoderConfig | None = None
+  kind: str = "transformer"  # "transformer" | "bow_mlp"
+  pooling: str = "cls"  # "cls" | "mean" | "max"
+  projection_dim: int | None = None
+  normalize: bool = False
+  vocab_size: int | None = None  # bow_mlp only (transformers take it from `encoder`).
+  bow_embed_dim: int = 512
+  bow_hidden: int = 512
+  bow_dim: int = 512
+
+  def __post_init__(self):
+    if self.pooling not in POOLINGS:
+      raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
+    if self.kind == "transformer":
+      if self.encoder is None:
+        raise ValueError("a transformer tower needs an EncoderConfig (TowerConfig.encoder)")
+    elif self.kind == "bow_mlp":
+      if self.vocab_size is None:
+        raise ValueError("a bow_mlp tower needs vocab_size")
+      if self.pooling == "cls":
+        raise ValueError("a bow_mlp tower pools with 'mean' (as Chang et al. 2020) or 'max', not 'cls'")
+    else:
+      raise ValueError(f"kind must be 'transformer' or 'bow_mlp', got {self.kind!r}")
+    if self.projection_dim is not None and self.projection_dim <= 0:
+      raise ValueError(f"projection_dim must be positive or None, got {self.projection_dim}")
+
+  @property
+  def dim(self) -> int:
+    """Width of the tower's output vectors."""
+    if self.projection_dim is not None:
+      return self.projection_dim
+    return self.bow_dim if self.kind == "bow_mlp" else self.encoder.hidden_size
+
+  def replace(self, **changes) -> TowerConfig:
+    return dataclasses.replace(self, **changes)
+
+
+def pool(hidden: jax.Array, mask: jax.Array, how: str) -> jax.Array:
+  """Pools token vectors [B, L, H] into [B, H] over the tokens where `mask` is true."""
+  if how == "cls":
+    return hidden[:, 0]
+  mask = mask.astype(bool)[..., None]
+  if how == "mean":
+    # sentence-transformers' mean: clamp the count so an all-padding row gives zeros, not NaN.
+    total = jnp.sum(jnp.where(mask, hidden, 0), axis=1)
+    count = jnp.maximum(jnp.sum(mask, axis=1).astype(hidden.dtype), 1e-9)
+    return total / count
+  if how == "max":
+    return jnp.max(jnp.where(mask, hidden, jnp.finfo(hidden.dtype).min), axis=1)
+  raise ValueError(f"unknown pooling {how!r}")
+
+
+def l2_normalize(x: jax.Array, eps: float = 1e-12) -> jax.Array:
+  # Same eps as torch.nn.functional.normalize, so zero vectors stay zero instead of NaN.
+  return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), eps)
+
+
+class BowMLP(nn.Module):
+  """Bag-of-words token embeddings -> masked pooling -> two tanh Dense layers (Chang et al. 2020)."""
+  config: TowerConfig
+
+  @nn.compact
+  def __call__(self, input_ids, attention_mask, *, deterministic: bool = True):
+    del deterministic  # no dropout in the paper's baseline
+    cfg = self.config
+    init = nn.initializers.normal(stddev=0.02)
+    table = self.param("embeddings", nn.with_logical_partitioning(init, ("vocab", "embed")),
+                       (cfg.vocab_size, cfg.bow_embed_dim), jnp.float32)
+    x = pool(jnp.take(table, input_ids, axis=0), attention_mask, cfg.pooling)
+    for name, width, axes in (("hidden", cfg.bow_hidden, ("embed", "mlp")),
+                              ("output", cfg.bow_dim, ("mlp", "embed"))):
+      x = nn.tanh(nn.Dense(
+          width, kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), axes),
+          bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), axes[1:]), name=name)(x))
+    return x
+
+
+class Tower(nn.Module):
+  """Token ids -> one float32 vector per text, [B, config.dim]."""
+  config: TowerConfig
+
+  @nn.compact
+  def __call__(self, input_ids, attention_mask, token_type_ids=None, *, deterministic: bool = True):
+    cfg = self.config
+    if cfg.kind == "bow_mlp":
+      x = BowMLP(cfg, name="bow")(input_ids, attention_mask, deterministic=deterministic)
+    else:
+      hidden = Encoder(cfg.encoder, name="encoder")(
+          input_ids, attention_mask, token_type_ids, deterministic=deterministic)
+      x = pool(hidden, attention_mask, cfg.pooling)
+    if cfg.projection_dim is not None:
+      # The head is tiny: it stays float32 and replicated (its output axis has no logical name).
+      x = nn.Dense(
+          cfg.projection_dim, kernel_init=nn.with_logical_partitioning(nn.initializers.normal(0.02), ("embed", None)),
+          bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), (None,)), name="projection")(x)
+      eps = cfg.encoder.layer_norm_eps if cfg.encoder is not None else 1e-5
+      x = nn.LayerNorm(
+          epsilon=eps, scale_init=nn.with_logical_partitioning(nn.initializers.ones_init(), (None,)),
+          bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), (None,)), name="projection_norm")(x)
+    if cfg.normalize:
+      x = l2_normalize(x)
+    return x.astype(jnp.float32)
+
+
+class TwoTower(nn.Module):
+  """A query tower and a document tower; `shared=True` ties them to one set of weights.
+
+  Use `apply(..., method="encode_query")` / `method="encode_doc"` to encode one side; `__call__` encodes
+  both (and is what `init` should run so both sides get params).
+  """
+  query: TowerConfig
+  doc: TowerConfig
+  shared: bool = True
+
+  def setup(self):
+    if self.shared:
+      if self.query != self.doc:
+        raise ValueError("shared towers need identical query and doc TowerConfigs "
+                         f"(got query={self.query} doc={self.doc})")
+      self.tower = Tower(self.query)
+    else:
+      self.query_tower = Tower(self.query)
+      self.doc_tower = Tower(self.doc)
+
+  def encode_query(self, input_ids, attention_mask, token_type_ids=None, *, deterministic: bool = True):
+    tower = self.tower if self.shared else self.query_tower
+    return tower(input_ids, attention_mask, token_type_ids, deterministic=deterministic)
+
+  def encode_doc(self, input_ids, attention_mask, token_type_ids=None, *, deterministic: bool = True):
+    tower = self.tower if self.shared else self.doc_tower
+    return tower(input_ids, attention_mask, token_type_ids, deterministic=deterministic)
+
+  def __call__(self, query_ids, query_mask, doc_ids, doc_mask, *, deterministic: bool = True):
+    """Returns (query vectors [Bq, D], doc vectors [Bd, D])."""
+    return (self.encode_query(query_ids, query_mask, deterministic=deterministic),
+            self.encode_doc(doc_ids, doc_mask, deterministic=deterministic))

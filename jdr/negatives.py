@@ -1,0 +1,390 @@
+"""Host-side negative sources and the candidate mask of a training batch.
+
+A training batch holds B queries and C = B * (1 + n_neg) documents: docs[0:B] are the positives (doc b is
+query b's positive) and query b's n_neg sampled negatives sit at B + b*n_neg ... B + (b+1)*n_neg - 1.
+A `NegativeSource` fills the second part; `candidate_mask` builds the `valid` [B, C] matrix the losses in
+`jdr.losses` take.
+
+Sources (the "negatives come from" column of DESIGN.md):
+  RandomNegatives   uniform over the corpus (Rand Neg)
+  BM25Negatives     uniform over BM25's top-k, mined once with `bm25s` and cached (BM25 Neg; DPR, ANCE warm-up)
+  StaticNegatives   top-k of a TREC run file, e.g. a warm-up dense model's (STAR's static hard negatives)
+  MixedNegatives    per-query mixture by fractions (DPR's 1:1 BM25 + random)
+
+Every source excludes all of the query's positives (qrels relevance > 0) and samples without replacement
+within a query. All randomness comes from the `np.random.Generator` passed to `sample`, and nothing iterates
+a set, so a seed reproduces the batch in any process (string hashing is randomized per process).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pathlib
+import tempfile
+from collections.abc import Collection, Mapping, Sequence
+from typing import Protocol
+
+import numpy as np
+
+from jdr.data.formats import Doc, read_run
+from jdr.data.text import doc_text
+
+log = logging.getLogger(__name__)
+
+Qrels = Mapping[str, Mapping[str, int]]
+
+# Bump when the mining procedure changes, so old caches are not reused.
+_BM25_CACHE_VERSION = 1
+
+
+def positive_ids(qrels: Qrels, qid: str) -> list[str]:
+  """The query's relevant docs (relevance > 0) in qrels order; an error naming the query if it has none."""
+  judged = qrels.get(qid)
+  if judged is None:
+    raise KeyError(f"query {qid!r} is not in the qrels, so it has no positives and cannot be a training query")
+  positives = [doc_id for doc_id, rel in judged.items() if rel > 0]
+  if not positives:
+    raise ValueError(f"query {qid!r} has no positive document in the qrels (all {len(judged)} judgments have "
+                     "relevance <= 0); drop it from the training queries")
+  return positives
+
+
+class NegativeSource(Protocol):
+  """Samples `n` negative doc ids for each query of a batch.
+
+  `query_ids[i]` is row i's query and `positives[i]` its positive in this batch (excluded along with every
+  other positive the qrels give the query). `exclude[i]`, when given, holds further doc ids row i must not
+  get; `MixedNegatives` uses it so two sources never hand a row the same doc.
+  """
+
+  def sample(self, query_ids: Sequence[str], positives: Sequence[str], rng: np.random.Generator, n: int, *,
+             exclude: Sequence[Collection[str]] | None = None) -> list[list[str]]:
+    ...
+
+
+def _excluded(qrels: Qrels, qid: str, positive: str, extra: Collection[str] | None) -> set[str]:
+  out = set(positive_ids(qrels, qid))
+  out.add(positive)
+  if extra:
+    out.update(extra)
+  return out
+
+
+def _check_rows(query_ids, positives, exclude, n):
+  if len(query_ids) != len(positives):
+    raise ValueError(f"{len(query_ids)} queries but {len(positives)} positives")
+  if exclude is not None and len(exclude) != len(query_ids):
+    raise ValueError(f"{len(query_ids)} queries but {len(exclude)} exclude sets")
+  if n < 0:
+    raise ValueError(f"n must be >= 0, got {n}")
+
+
+class RandomNegatives:
+  """Uniform negatives from the whole corpus, without replacement within a query (Rand Neg)."""
+
+  def __init__(self, corpus_ids: Sequence[str] | Mapping[str, Doc], qrels: Qrels):
+    self.corpus_ids = list(corpus_ids)
+    self.qrels = qrels
+    if not self.corpus_ids:
+      raise ValueError("RandomNegatives needs a non-empty corpus")
+
+  def sample_one(self, qid: str, excluded: set[str], rng: np.random.Generator, n: int) -> list[str]:
+    """`n` distinct corpus docs outside `excluded`, uniformly at random."""
+    if n == 0:
+      return []
+    size = len(self.corpus_ids)
+    # At most len(excluded) of the draws can be rejected, so n + len(excluded) distinct draws always leave n.
+    # Generator.choice without replacement is O(draws), not O(corpus), when draws << corpus.
+    draws = rng.choice(size, size=min(size, n + len(excluded)), replace=False)
+    out = []
+    for row in draws:
+      doc_id = self.corpus_ids[row]
+      if doc_id not in excluded:
+        out.append(doc_id)
+        if len(out) == n:
+          return out
+    raise ValueError(f"query {qid!r}: wanted {n} negatives but the corpus has only {len(out)} documents that are "
+                     f"not its positives or already chosen")
+
+  def sample(self, query_ids, positives, rng, n, *, exclude=None):
+    _check_rows(query_ids, positives, exclude, n)
+    return [self.sample_one(qid, _excluded(self.qrels, qid, pos, exclude and exclude[i]), rng, n)
+            for i, (qid, pos) in enumerate(zip(query_ids, positives))]
+
+
+class _PoolNegatives:
+  """Uniform negatives from a fixed per-query candidate pool, topped up with random docs when it runs short.
+
+  `fallback_negatives` / `fallback_queries` count the random top-ups (reported by `stats`), so a pool that
+  is mostly empty shows up instead of silently turning a hard-negative run into a random-negative one.
+  """
+
+  def __init__(self, qrels: Qrels, fallback: RandomNegatives | None, name: str):
+    self.qrels = qrels
+    self.fallback = fallback
+    self.name = name
+    self.sampled_negatives = 0
+    self.fallback_negatives = 0
+    self.fallback_queries = 0
+
+  def pool(self, qid: str) -> list[str]:
+    """The query's candidates in rank order (positives not yet removed); [] when it has none."""
+    raise NotImplementedError
+
+  def sample(self, query_ids, positives, rng, n, *, exclude=None):
+    _check_rows(query_ids, positives, exclude, n)
+    out = []
+    for i, (qid, pos) in enumerate(zip(query_ids, positives)):
+      excluded = _excluded(self.qrels, qid, pos, exclude and exclude[i])
+      candidates = [d for d in self.pool(qid) if d not in excluded]
+      if len(candidates) >= n:
+        picks = rng.choice(len(candidates), size=n, replace=False)
+        out.append([candidates[j] for j in picks])
+        self.sampled_negatives += n
+        continue
+      if self.fallback is None:
+        raise ValueError(f"{self.name}: query {qid!r} has {len(candidates)} candidates left after removing its "
+                         f"positives, fewer than the {n} negatives asked for; pass corpus_ids to top up with "
+                         "random negatives")
+      # Keep every candidate (in random order) and fill the rest uniformly from the corpus.
+      chosen = [candidates[j] for j in rng.permutation(len(candidates))]
+      chosen += self.fallback.sample_one(qid, excluded | set(chosen), rng, n - len(chosen))
+      out.append(chosen)
+      self.sampled_negatives += len(candidates)
+      self.fallback_negatives += n - len(candidates)
+      self.fallback_queries += 1
+    return out
+
+  def stats(self) -> dict[str, int]:
+    return {"sampled_negatives": self.sampled_negatives, "fallback_negatives": self.fallback_negatives,
+            "fallback_queries": self.fallback_queries}
+
+
+class BM25Negatives(_PoolNegatives):
+  """Negatives drawn uniformly from each training query's BM25 top-k (default 100, as DPR and ANCE).
+
+  Training queries are the qrels' queries with a positive; each must have text in `queries` (which may
+  also hold other splits' queries: they are not mined). Documents are indexed as `doc_text` (title + " " +
+  text) with `bm25s` (lowercase, English stopwords, no stemming) and Anserini's MS MARCO defaults
+  k1=0.9, b=0.4. Mining runs once; the top-k doc rows and scores are saved under `cache_dir` in a file
+  keyed by a hash of the corpus (ids and texts), the mined queries' ids and texts, k, the BM25 parameters
+  and the procedure version, so any change re-mines and an unchanged setup loads in seconds.
+  Docs with BM25 score 0 (no query term in common) are not candidates: bm25s pads a short result list
+  with arbitrary such docs. Queries whose pool runs short get random negatives (counted in `stats`).
+  `cache_dir=None` mines without caching. After construction, `from_cache` says whether mining was skipped.
+  Mining is host-side and single-pass: MS MARCO passages (8.8M docs) take minutes, a 5k-doc BEIR set seconds.
+  """
+
+  def __init__(self, corpus: Mapping[str, Doc], queries: Mapping[str, str], qrels: Qrels, *, top_k: int = 100,
+               cache_dir: str | os.PathLike | None = None, k1: float = 0.9, b: float = 0.4,
+               chunk_size: int = 4096, n_threads: int = 0, show_progress: bool = True):
+    super().__init__(qrels, RandomNegatives(corpus, qrels), "BM25Negatives")
+    if top_k < 1:
+      raise ValueError(f"top_k must be >= 1, got {top_k}")
+    self.corpus_ids = self.fallback.corpus_ids
+    self.top_k = min(top_k, len(self.corpus_ids))
+    self.qids = [qid for qid, judged in qrels.items() if any(rel > 0 for rel in judged.values())]
+    missing = [qid for qid in self.qids if qid not in queries]
+    if missing:
+      raise ValueError(f"{len(missing)} qrels queries have no text in `queries`, e.g. {missing[:5]}")
+    query_texts = [queries[qid] for qid in self.qids]
+    params = dict(version=_BM25_CACHE_VERSION, top_k=self.top_k, k1=k1, b=b, stopwords="en")
+    self.cache_path = None
+    self.from_cache = False
+    if cache_dir is not None:
+      key = _bm25_key(corpus, self.qids, query_texts, params)
+      self.cache_path = pathlib.Path(cache_dir) / f"bm25-top{self.top_k}-{key[:20]}.npz"
+      if self.cache_path.exists():
+        rows, scores = _load_mined(self.cache_path, self.qids)
+        self.from_cache = True
+    if not self.from_cache:
+      rows, scores = _mine_bm25([doc_text(doc) for doc in corpus.values()], query_texts, self.top_k, k1=k1, b=b,
+                                chunk_size=chunk_size, n_threads=n_threads, show_progress=show_progress)
+      if self.cache_path is not None:
+        _save_mined(self.cache_path, self.qids, rows, scores)
+    # Zero-score docs are arbitrary filler, not BM25 candidates.
+    self._rows = np.where(scores > 0, rows, -1).astype(np.int32)
+    self._scores = scores
+    self._row_of = {qid: i for i, qid in enumerate(self.qids)}
+    empty = int(np.sum(np.all(self._rows < 0, axis=1)))
+    if empty:
+      log.warning("BM25Negatives: %d of %d training queries share no term with any document; their negatives "
+                  "will be random", empty, len(self.qids))
+
+  def pool(self, qid: str) -> list[str]:
+    i = self._row_of.get(qid)
+    if i is None:
+      positive_ids(self.qrels, qid)  # raises the clear error for a query without positives
+      raise KeyError(f"query {qid!r} was not mined: it is not among the qrels this source was built from")
+    return [self.corpus_ids[r] for r in self._rows[i] if r >= 0]
+
+  def scores_of(self, qid: str) -> dict[str, float]:
+    """The mined (doc id -> BM25 score) ranking of a training query; for inspection and tests."""
+    self.pool(qid)  # the same errors as sampling for an unknown query
+    i = self._row_of[qid]
+    return {self.corpus_ids[r]: float(s) for r, s in zip(self._rows[i], self._scores[i]) if r >= 0}
+
+
+def _bm25_key(corpus: Mapping[str, Doc], qids: Sequence[str], query_texts: Sequence[str], params: dict) -> str:
+  h = hashlib.sha256(repr(sorted(params.items())).encode())
+  # NUL separators keep ("ab", "c") and ("a", "bc") apart; ids and texts never contain NUL in valid data.
+  for doc_id, doc in corpus.items():
+    h.update(f"{doc_id}\0{doc_text(doc)}\0".encode())
+  h.update(b"\1")
+  for qid, text in zip(qids, query_texts):
+    h.update(f"{qid}\0{text}\0".encode())
+  return h.hexdigest()
+
+
+def _mine_bm25(doc_texts: Sequence[str], query_texts: Sequence[str], k: int, *, k1: float, b: float,
+               chunk_size: int, n_threads: int, show_progress: bool) -> tuple[np.ndarray, np.ndarray]:
+  """Top-k corpus rows and BM25 scores [Q, k] for every query, with bm25s (n_threads: its retrieval threads,
+  0 = this thread, -1 = all cores)."""
+  import bm25s  # imported here: only BM25 users need it
+  from tqdm.auto import tqdm
+
+  log.info("BM25Negatives: indexing %d documents, mining top-%d for %d queries", len(doc_texts), k,
+           len(query_texts))
+  retriever = bm25s.BM25(k1=k1, b=b)
+  retriever.index(bm25s.tokenize(list(doc_texts), stopwords="en", show_progress=show_progress),
+                  show_progress=show_progress)
+  rows = np.full((len(query_texts), k), -1, np.int32)
+  scores = np.zeros((len(query_texts), k), np.float32)
+  with tqdm(total=len(query_texts), desc="BM25 negatives", unit="query", disable=not show_progress) as bar:
+    for start in range(0, len(query_texts), chunk_size):
+      chunk = list(query_texts[start:start + chunk_size])
+      tokens = bm25s.tokenize(chunk, stopwords="en", show_progress=False)
+      docs, chunk_scores = retriever.retrieve(tokens, k=k, show_progress=False, n_threads=n_threads)
+      rows[start:start + len(chunk)] = docs
+      scores[start:start + len(chunk)] = chunk_scores
+      bar.update(len(chunk))
+  return rows, scores
+
+
+def _save_mined(path: pathlib.Path, qids: Sequence[str], rows: np.ndarray, scores: np.ndarray) -> None:
+  path.parent.mkdir(parents=True, exist_ok=True)
+  # Write then rename, so an interrupted run never leaves a truncated cache that a later run would trust.
+  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+  try:
+    with os.fdopen(fd, "wb") as f:
+      np.savez(f, qids=np.asarray(qids, dtype=str), rows=rows, scores=scores)
+    os.replace(tmp, path)
+  except BaseException:
+    pathlib.Path(tmp).unlink(missing_ok=True)
+    raise
+
+
+def _load_mined(path: pathlib.Path, qids: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+  with np.load(path, allow_pickle=False) as f:
+    cached_qids, rows, scores = f["qids"], f["rows"], f["scores"]
+  if cached_qids.tolist() != list(qids):
+    raise ValueError(f"{path}: cached BM25 negatives are for other queries; delete the file to re-mine")
+  return rows, scores
+
+
+class StaticNegatives(_PoolNegatives):
+  """Negatives drawn uniformly from each query's top-k in a fixed TREC run (STAR: a warm-up model's top-200).
+
+  `run` is a TREC run file or an already read {qid: {doc id: score}}; each query's top `top_k` by score
+  (trec_eval order) form its pool, positives removed. With `corpus_ids`, queries whose pool runs short
+  (or that the run lacks) are topped up with random negatives and counted in `stats`; without, that is
+  an error.
+  """
+
+  def __init__(self, run: str | os.PathLike | Mapping[str, Mapping[str, float]], qrels: Qrels, *,
+               top_k: int = 200, corpus_ids: Sequence[str] | Mapping[str, Doc] | None = None):
+    fallback = RandomNegatives(corpus_ids, qrels) if corpus_ids is not None else None
+    super().__init__(qrels, fallback, "StaticNegatives")
+    if top_k < 1:
+      raise ValueError(f"top_k must be >= 1, got {top_k}")
+    if not isinstance(run, Mapping):
+      run = read_run(run)
+    # read_run returns each query's docs in rank order; a dict given by the caller may not be, so sort.
+    self._pools = {qid: [d for d, _ in sorted(docs.items(), key=lambda kv: (kv[1], kv[0]), reverse=True)[:top_k]]
+                   for qid, docs in run.items()}
+
+  def pool(self, qid: str) -> list[str]:
+    if qid not in self._pools and self.fallback is None:
+      raise KeyError(f"StaticNegatives: query {qid!r} is not in the run; pass corpus_ids to fall back to random")
+    return self._pools.get(qid, [])
+
+
+class MixedNegatives:
+  """Each row's n negatives split between sources by fraction: [(BM25Negatives, 1), (RandomNegatives, 1)] is
+  DPR's 1:1 BM25 + random.
+
+  Fractions are normalized. Row counts are floor(n * f) per source, and the leftover slots go to sources
+  drawn (without replacement) with probability proportional to their remainders, so the expected share is
+  exactly n * f even when n is small. Sources run in list order and each excludes the docs the earlier
+  ones picked for the row.
+  """
+
+  def __init__(self, sources: Sequence[tuple[NegativeSource, float]]):
+    if not sources:
+      raise ValueError("MixedNegatives needs at least one (source, fraction)")
+    fractions = np.asarray([f for _, f in sources], np.float64)
+    if np.any(fractions < 0) or not np.isfinite(fractions).all() or fractions.sum() <= 0:
+      raise ValueError(f"fractions must be >= 0 with a positive sum, got {fractions.tolist()}")
+    self.sources = [s for s, _ in sources]
+    self.fractions = fractions / fractions.sum()
+
+  def counts(self, rng: np.random.Generator, n: int) -> np.ndarray:
+    """How many of a row's n negatives each source gives."""
+    exact = n * self.fractions
+    counts = np.floor(exact).astype(np.int64)
+    left = n - int(counts.sum())
+    if left:
+      remainder = exact - counts
+      extra = rng.choice(len(counts), size=left, replace=False, p=remainder / remainder.sum())
+      counts[extra] += 1
+    return counts
+
+  def sample(self, query_ids, positives, rng, n, *, exclude=None):
+    _check_rows(query_ids, positives, exclude, n)
+    out = []
+    for i, (qid, pos) in enumerate(zip(query_ids, positives)):
+      taken: list[str] = []
+      base = set(exclude[i]) if exclude is not None else set()
+      for source, count in zip(self.sources, self.counts(rng, n)):
+        if count:
+          taken += source.sample([qid], [pos], rng, int(count), exclude=[base | set(taken)])[0]
+      out.append(taken)
+    return out
+
+
+def candidate_mask(batch_query_ids: Sequence[str | None], doc_ids_in_batch: Sequence[str | None], qrels: Qrels,
+                   in_batch: bool = True, *, doc_index: np.ndarray | None = None) -> np.ndarray:
+  """valid [B, C]: may column c be a candidate for query b, for the batch layout in the module docstring.
+
+  Column b is always valid for row b (its target). Another column c is invalid when
+  - doc c is padding (id None, or `doc_index[c] == -1`);
+  - doc c is a positive of query b (qrels relevance > 0) or the same doc as column b: scoring a relevant
+    doc as a negative would push the query away from it;
+  - in_batch is False and c is not one of query b's own sampled negatives (B + b*n_neg ... B + (b+1)*n_neg - 1).
+  A padding query (id None) keeps only its target, so softmax and pairwise losses give it 0.
+  The same negative doc appearing in two columns stays valid in both (as in DPR).
+  """
+  num_queries, num_docs = len(batch_query_ids), len(doc_ids_in_batch)
+  if num_queries == 0 or num_docs < num_queries or num_docs % num_queries:
+    raise ValueError(f"{num_docs} docs for {num_queries} queries: the batch must hold B * (1 + n_neg) docs")
+  n_neg = num_docs // num_queries - 1
+  padding = np.asarray([d is None for d in doc_ids_in_batch])
+  if doc_index is not None:
+    doc_index = np.asarray(doc_index)
+    if doc_index.shape != (num_docs,):
+      raise ValueError(f"doc_index has shape {doc_index.shape}, expected ({num_docs},)")
+    padding |= doc_index < 0
+  valid = np.zeros((num_queries, num_docs), bool)
+  for b, qid in enumerate(batch_query_ids):
+    valid[b, b] = True
+    if qid is None:
+      continue
+    relevant = {d for d, rel in qrels.get(qid, {}).items() if rel > 0}
+    relevant.add(doc_ids_in_batch[b])
+    columns = range(num_docs) if in_batch else range(num_queries + b * n_neg, num_queries + (b + 1) * n_neg)
+    for c in columns:
+      if c != b and not padding[c] and doc_ids_in_batch[c] not in relevant:
+        valid[b, c] = True
+  return valid

@@ -1,0 +1,46 @@
+import pytest
+
+from jdr.data.shared import shared_data_dir, shared_dataset
+
+
+@pytest.fixture
+def scifact():
+  path = shared_dataset("scifact")
+  if path is None:
+    pytest.skip(f"real data absent: {shared_data_dir() / 'scifact'} (set JDR_SHARED_DATA)")
+  return path
+
+
+def write_tiny_beir(directory, num_docs: int = 40, seed: int = 0):
+  """A tiny generated BEIR dataset with train and test splits: each query shares rare words with its doc."""
+  import json
+  import pathlib
+  import random
+  rnd = random.Random(seed)
+  vocab = [f"{a}{b}" for a in ("alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta")
+           for b in ("ton", "lith", "mere", "vox", "zen")]
+  directory = pathlib.Path(directory)
+  (directory / "qrels").mkdir(parents=True, exist_ok=True)
+  docs, queries = {}, {}
+  for i in range(num_docs):
+    words = rnd.sample(vocab, 12)
+    docs[f"d{i}"] = {"_id": f"d{i}", "title": " ".join(words[:2]), "text": " ".join(words)}
+    queries[f"q{i}"] = {"_id": f"q{i}", "text": " ".join(rnd.sample(words, 3))}
+  with open(directory / "corpus.jsonl", "w") as f:
+    for d in docs.values():
+      f.write(json.dumps(d) + "\n")
+  with open(directory / "queries.jsonl", "w") as f:
+    for q in queries.values():
+      f.write(json.dumps(q) + "\n")
+  split_at = num_docs * 3 // 4
+  for split, ids in (("train", range(split_at)), ("test", range(split_at, num_docs))):
+    with open(directory / "qrels" / f"{split}.tsv", "w") as f:
+      f.write("query-id\tcorpus-id\tscore\n")
+      for i in ids:
+        f.write(f"q{i}\td{i}\t1\n")
+  return directory
+
+
+@pytest.fixture
+def tiny_beir(tmp_path):
+  return write_tiny_beir(tmp_path / "tiny-beir")

@@ -1,0 +1,235 @@
+"""Encoder and tower behaviour on tiny random models (HF parity lives in test_hf.py)."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jdr.models.bert import Encoder, EncoderConfig, roberta_position_ids
+from jdr.models.towers import Tower, TowerConfig, TwoTower, l2_normalize, pool
+
+TINY = EncoderConfig(vocab_size=50, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
+                     max_position_embeddings=24)
+AXES = {"vocab", "embed", "mlp", "heads", "kv", "position", "type", None}
+
+
+def batch(pad_id=0, length=9):
+  rng = np.random.default_rng(0)
+  ids = rng.integers(3, TINY.vocab_size, size=(3, length)).astype(np.int32)
+  mask = np.ones_like(ids)
+  for row, n in ((1, 5), (2, 2)):
+    ids[row, n:], mask[row, n:] = pad_id, 0
+  return ids, mask
+
+
+@pytest.fixture(scope="module")
+def encoder_params():
+  ids, mask = batch()
+  return nn.unbox(Encoder(TINY).init(jax.random.key(0), ids, mask)["params"])
+
+
+def test_params_carry_logical_axes():
+  ids, mask = batch()
+  boxed = Encoder(TINY).init(jax.random.key(0), ids, mask)["params"]
+  leaves = jax.tree_util.tree_leaves(boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+  assert leaves and all(isinstance(x, nn.LogicallyPartitioned) for x in leaves)
+  for leaf in leaves:
+    assert len(leaf.names) == leaf.value.ndim and set(leaf.names) <= AXES
+    assert leaf.value.dtype == jnp.float32
+  layer = nn.unbox(boxed)["layer_0"]
+  assert layer["query"]["kernel"].shape == (32, 4, 8)
+  assert layer["attention_output"]["kernel"].shape == (4, 8, 32)
+
+
+def test_padding_does_not_change_real_tokens(encoder_params):
+  # Extra padding columns must not leak into real positions (mask) or shift positions (RoBERTa offsets).
+  for cfg, pad in ((TINY, 0), (TINY.replace(model_type="roberta", pad_token_id=1), 1)):
+    ids, mask = batch(pad)
+    short = Encoder(cfg).apply({"params": encoder_params}, ids, mask)
+    longer_ids = np.pad(ids, ((0, 0), (0, 4)), constant_values=pad)
+    longer = Encoder(cfg).apply({"params": encoder_params}, longer_ids, np.pad(mask, ((0, 0), (0, 4))))
+    valid = mask.astype(bool)
+    np.testing.assert_allclose(np.asarray(longer)[:, :9][valid], np.asarray(short)[valid], atol=1e-5)
+
+
+def test_roberta_positions_follow_fairseq():
+  ids = jnp.array([[0, 5, 6, 2, 1, 1], [0, 7, 2, 1, 1, 1]])
+  np.testing.assert_array_equal(roberta_position_ids(ids, 1), [[2, 3, 4, 5, 1, 1], [2, 3, 4, 1, 1, 1]])
+
+
+def test_token_types_default_to_segment_zero(encoder_params):
+  ids, mask = batch()
+  enc = Encoder(TINY)
+  default = enc.apply({"params": encoder_params}, ids, mask)
+  zeros = enc.apply({"params": encoder_params}, ids, mask, np.zeros_like(ids))
+  ones = enc.apply({"params": encoder_params}, ids, mask, np.ones_like(ids))
+  np.testing.assert_allclose(default, zeros, atol=1e-6)
+  assert np.abs(np.asarray(ones - zeros)).max() > 1e-3
+
+
+def test_dropout_only_when_not_deterministic(encoder_params):
+  ids, mask = batch()
+  enc, variables = Encoder(TINY), {"params": encoder_params}
+  a = enc.apply(variables, ids, mask)
+  b = enc.apply(variables, ids, mask, deterministic=True, rngs={"dropout": jax.random.key(1)})
+  np.testing.assert_array_equal(a, b)
+  c = enc.apply(variables, ids, mask, deterministic=False, rngs={"dropout": jax.random.key(1)})
+  c2 = enc.apply(variables, ids, mask, deterministic=False, rngs={"dropout": jax.random.key(1)})
+  d = enc.apply(variables, ids, mask, deterministic=False, rngs={"dropout": jax.random.key(2)})
+  np.testing.assert_array_equal(c, c2)
+  assert np.abs(np.asarray(c - a)).max() > 1e-3 and np.abs(np.asarray(c - d)).max() > 1e-3
+
+
+def test_remat_gives_identical_outputs_and_grads(encoder_params):
+  ids, mask = batch()
+
+  # A random readout: sum(out ** 2) would be constant after the final LayerNorm and have no gradient.
+  readout = jax.random.normal(jax.random.key(4), (3, 9, 32))
+
+  def loss(params, cfg):
+    out = Encoder(cfg).apply({"params": params}, ids, mask, deterministic=False,
+                             rngs={"dropout": jax.random.key(3)})
+    return jnp.sum(out * readout)
+
+  np.testing.assert_array_equal(Encoder(TINY).apply({"params": encoder_params}, ids, mask),
+                                Encoder(TINY.replace(remat=True)).apply({"params": encoder_params}, ids, mask))
+  # Gradients on one layer: compiling backward passes dominates this file's runtime.
+  plain, remat = TINY.replace(num_layers=1), TINY.replace(num_layers=1, remat=True)
+  params = {k: v for k, v in encoder_params.items() if k != "layer_1"}
+  grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
+  l1, g1 = grad(params, plain)
+  l2, g2 = grad(params, remat)
+  np.testing.assert_allclose(l1, l2, rtol=1e-6)
+  # Recomputation changes XLA's fusion and summation order, so gradients agree to float32 rounding only.
+  # (Key biases have an exactly-zero true gradient, so compare against the largest gradient overall.)
+  scale = max(np.abs(np.asarray(x)).max() for x in jax.tree_util.tree_leaves(g1))
+  for x, y in zip(jax.tree_util.tree_leaves(g1), jax.tree_util.tree_leaves(g2)):
+    assert np.abs(np.asarray(x - y)).max() <= 1e-5 * scale
+
+
+def test_bfloat16_compute_float32_io(encoder_params):
+  ids, mask = batch()
+  f32 = Encoder(TINY).apply({"params": encoder_params}, ids, mask)
+  bf16 = Encoder(TINY.replace(dtype="bfloat16")).apply({"params": encoder_params}, ids, mask)
+  assert bf16.dtype == jnp.float32
+  assert np.abs(np.asarray(bf16 - f32)).max() < 0.1  # post-LN activations are O(1); bf16 keeps ~3 digits
+
+
+def test_config_hf_round_trip_and_validation():
+  for cfg in (TINY, TINY.replace(model_type="roberta", pad_token_id=1, type_vocab_size=1)):
+    assert EncoderConfig.from_hf(cfg.to_hf()) == cfg
+  assert EncoderConfig.from_hf(TINY.to_hf(), dtype="bfloat16").dtype == "bfloat16"
+  with pytest.raises(ValueError, match="unsupported Hugging Face model_type"):
+    EncoderConfig.from_hf(dict(TINY.to_hf(), model_type="gpt2"))
+  with pytest.raises(ValueError, match="relative_key"):
+    EncoderConfig.from_hf(dict(TINY.to_hf(), position_embedding_type="relative_key"))
+  with pytest.raises(ValueError, match="multiple"):
+    TINY.replace(num_heads=5)
+
+
+def test_too_long_sequence_is_an_error(encoder_params):
+  ids = np.ones((1, 25), np.int32)
+  with pytest.raises(ValueError, match="exceeds"):
+    Encoder(TINY).apply({"params": encoder_params}, ids, ids)
+
+
+# ------------------------------------------------------------------------------------------------ towers
+
+
+def numpy_pool(hidden, mask, how):
+  if how == "cls":
+    return hidden[:, 0]
+  out = []
+  for h, m in zip(hidden, mask.astype(bool)):
+    out.append(h[m].mean(0) if how == "mean" else h[m].max(0))
+  return np.stack(out)
+
+
+@pytest.mark.parametrize("how", ["cls", "mean", "max"])
+def test_pooling_matches_numpy(how):
+  rng = np.random.default_rng(1)
+  hidden = rng.normal(size=(4, 6, 5)).astype(np.float32)
+  mask = np.array([[1] * 6, [1, 1, 1, 0, 0, 0], [1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 0]])
+  np.testing.assert_allclose(pool(jnp.asarray(hidden), jnp.asarray(mask), how), numpy_pool(hidden, mask, how),
+                             rtol=1e-6, atol=1e-6)
+
+
+def test_empty_rows_pool_to_zero_not_nan():
+  out = pool(jnp.ones((1, 3, 2)), jnp.zeros((1, 3)), "mean")
+  np.testing.assert_array_equal(out, 0)
+  np.testing.assert_array_equal(l2_normalize(jnp.zeros((1, 4))), 0)
+
+
+@pytest.mark.parametrize("how", ["cls", "mean", "max"])
+def test_tower_pools_encoder_output(encoder_params, how):
+  ids, mask = batch()
+  hidden = np.asarray(Encoder(TINY).apply({"params": encoder_params}, ids, mask))
+  out = Tower(TowerConfig(encoder=TINY, pooling=how)).apply({"params": {"encoder": encoder_params}}, ids, mask)
+  np.testing.assert_allclose(out, numpy_pool(hidden, mask, how), rtol=1e-5, atol=1e-5)
+
+
+def test_projection_head_and_normalization():
+  ids, mask = batch()
+  cfg = TowerConfig(encoder=TINY, pooling="mean", projection_dim=7)
+  params = nn.unbox(Tower(cfg).init(jax.random.key(0), ids, mask)["params"])
+  assert set(params) == {"encoder", "projection", "projection_norm"}
+  assert params["projection"]["kernel"].shape == (32, 7) and params["projection_norm"]["scale"].shape == (7,)
+  assert cfg.dim == 7
+  out = np.asarray(Tower(cfg).apply({"params": params}, ids, mask))
+  assert out.shape == (3, 7)
+  # LayerNorm at init (scale 1, bias 0): each row has zero mean and unit variance.
+  np.testing.assert_allclose(out.mean(-1), 0, atol=1e-5)
+  np.testing.assert_allclose(out.var(-1), 1, atol=1e-3)
+  normed = np.asarray(Tower(cfg.replace(normalize=True)).apply({"params": params}, ids, mask))
+  np.testing.assert_allclose(np.linalg.norm(normed, axis=-1), 1, atol=1e-6)
+  np.testing.assert_allclose(normed, out / np.linalg.norm(out, axis=-1, keepdims=True), atol=1e-6)
+
+
+def test_tower_dropout_only_when_not_deterministic(encoder_params):
+  ids, mask = batch()
+  tower, variables = Tower(TowerConfig(encoder=TINY)), {"params": {"encoder": encoder_params}}
+  a = tower.apply(variables, ids, mask)
+  np.testing.assert_array_equal(a, tower.apply(variables, ids, mask, rngs={"dropout": jax.random.key(0)}))
+  b = tower.apply(variables, ids, mask, deterministic=False, rngs={"dropout": jax.random.key(0)})
+  assert np.abs(np.asarray(a - b)).max() > 1e-3
+
+
+def test_bow_mlp_matches_manual_computation():
+  ids, mask = batch()
+  cfg = TowerConfig(kind="bow_mlp", pooling="mean", vocab_size=50, bow_embed_dim=12, bow_hidden=10, bow_dim=6)
+  params = nn.unbox(Tower(cfg).init(jax.random.key(0), ids, mask)["params"])
+  assert set(params) == {"bow"} and set(params["bow"]) == {"embeddings", "hidden", "output"}
+  out = np.asarray(Tower(cfg).apply({"params": params}, ids, mask))
+  p = jax.tree_util.tree_map(np.asarray, params["bow"])
+  avg = numpy_pool(p["embeddings"][ids], mask, "mean")
+  hidden = np.tanh(avg @ p["hidden"]["kernel"] + p["hidden"]["bias"])
+  expected = np.tanh(hidden @ p["output"]["kernel"] + p["output"]["bias"])
+  assert out.shape == (3, 6) and cfg.dim == 6
+  np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+  with pytest.raises(ValueError, match="not 'cls'"):
+    TowerConfig(kind="bow_mlp", vocab_size=50)
+
+
+def test_two_tower_shared_and_separate_params():
+  ids, mask = batch()
+  cfg = TowerConfig(encoder=TINY, pooling="mean", normalize=True)
+  shared = TwoTower(cfg, cfg, shared=True)
+  params = nn.unbox(shared.init(jax.random.key(0), ids, mask, ids, mask)["params"])
+  assert set(params) == {"tower"}
+  q = shared.apply({"params": params}, ids, mask, method="encode_query")
+  d = shared.apply({"params": params}, ids, mask, method="encode_doc")
+  np.testing.assert_array_equal(q, d)
+  both = shared.apply({"params": params}, ids, mask, ids, mask)
+  np.testing.assert_array_equal(both[0], q)
+
+  separate = TwoTower(cfg, cfg.replace(projection_dim=16), shared=False)
+  params = nn.unbox(separate.init(jax.random.key(0), ids, mask, ids, mask)["params"])
+  assert set(params) == {"query_tower", "doc_tower"}
+  assert "projection" in params["doc_tower"] and "projection" not in params["query_tower"]
+  q = separate.apply({"params": params}, ids, mask, method="encode_query")
+  d = separate.apply({"params": params}, ids, mask, method="encode_doc")
+  assert q.shape == (3, 32) and d.shape == (3, 16)
+
+  with pytest.raises(ValueError, match="identical"):
+    TwoTower(cfg, cfg.replace(pooling="cls"), shared=True).init(jax.random.key(0), ids, mask, ids, mask)

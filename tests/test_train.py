@@ -1,0 +1,182 @@
+"""The trainer end to end on a tiny random BERT and tiny generated data: sharding, resume, bad input."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from conftest import write_tiny_beir
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# A tiny random BERT, no evaluation: what these tests check is the optimisation itself.
+TINY = [
+    "--config.model.init_from=", "--config.model.fresh=tiny", "--config.model.pooling=mean",
+    "--config.model.dropout=0.1", "--config.optimizer.learning_rate=1e-3", "--config.optimizer.warmup_steps=5",
+    "--config.batch_size=8", "--config.log_every=1", "--config.data.query_max_length=16",
+    "--config.data.doc_max_length=32",
+]
+
+
+def _env(devices: int = 1) -> dict:
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+  env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+  return env
+
+
+def _train_cmd(workdir, data, *extra):
+  return [sys.executable, "-m", "jdr.train", "--config", str(ROOT / "configs" / "demo.py"),
+          "--workdir", str(workdir), f"--config.data.dataset={data}", *TINY, *extra]
+
+
+def _losses(workdir) -> list[float]:
+  records = [json.loads(l) for l in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+  return [r["train/loss"] for r in records if "train/loss" in r]
+
+
+def test_sharded_runs_equal_one_device(tmp_path):
+  """20 steps on 8 simulated CPU devices (data parallel; fully sharded) match the 1-device run."""
+  data = write_tiny_beir(tmp_path / "data")
+  script = textwrap.dedent(f"""
+      import json, sys, numpy as np, jax
+      from jdr import config_files, train
+      runs = {{"single": ["mesh.shape=(1,1,1)"],
+               "data_parallel": ["mesh.shape=(8,1,1)", "mesh.rules=dp"],
+               "fully_sharded": ["mesh.shape=(2,4,1)", "mesh.rules=fsdp"]}}
+      base = {[a[len('--config.'):] for a in TINY]!r} + [
+          "data.dataset={data}", "data.eval_split=", "num_train_steps=20", "checkpoint_every=100"]
+      out = {{}}
+      for name, extra in runs.items():
+        config = config_files.load_config_file("{ROOT / 'configs' / 'demo.py'}")
+        config_files.apply_overrides(config, base + extra)
+        result = train.train_and_evaluate(config, "{tmp_path}/" + name)
+        state = result["state"]
+        shardings = {{str(x.sharding.spec) for x in jax.tree.leaves(state.params)}}
+        params = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(state.params))]
+        np.savez("{tmp_path}/" + name + ".npz", *params)
+        out[name] = sorted(shardings)
+      print("SHARDINGS=" + json.dumps(out))
+  """)
+  proc = subprocess.run([sys.executable, "-c", script], env=_env(8), capture_output=True, text=True,
+                        timeout=600, cwd=tmp_path)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  shardings = json.loads(proc.stdout.split("SHARDINGS=")[1].splitlines()[0])
+  assert any("fsdp" in s for s in shardings["fully_sharded"]), shardings  # parameters really were split
+  single = np.load(tmp_path / "single.npz")
+  reference_losses = _losses(tmp_path / "single")
+  assert len(reference_losses) == 20
+  for name in ("data_parallel", "fully_sharded"):
+    np.testing.assert_allclose(_losses(tmp_path / name), reference_losses, rtol=1e-5, atol=1e-5)
+    sharded = np.load(tmp_path / f"{name}.npz")
+    for key in single.files:
+      np.testing.assert_allclose(sharded[key], single[key], rtol=1e-4, atol=2e-5, err_msg=f"{name} {key}")
+
+
+def test_resume_after_sigkill_is_exact(tmp_path):
+  """A run killed with SIGKILL after step 30 and resumed to 60 equals an uninterrupted 60-step run."""
+  data = write_tiny_beir(tmp_path / "data")
+  common = ["--config.num_train_steps=60", "--config.checkpoint_every=10", "--config.data.eval_split="]
+  subprocess.run(_train_cmd(tmp_path / "straight", data, *common), env=_env(), check=True,
+                 capture_output=True, timeout=600)
+
+  workdir = tmp_path / "killed"
+  proc = subprocess.Popen(_train_cmd(workdir, data, *common), env=_env(), stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+  deadline = time.time() + 300
+  while not (workdir / "checkpoints" / "30").is_dir() and proc.poll() is None and time.time() < deadline:
+    time.sleep(0.01)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  assert proc.returncode == -signal.SIGKILL
+  saved = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+  assert 30 in saved and 60 not in saved, saved  # killed mid-run, after step 30's checkpoint
+  subprocess.run(_train_cmd(workdir, data, *common), env=_env(), check=True, capture_output=True,
+                 timeout=600)
+
+  from jdr import checkpoint  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  straight = jax.tree.leaves(checkpoint.latest_params(tmp_path / "straight"))
+  resumed = jax.tree.leaves(checkpoint.latest_params(workdir))
+  assert len(straight) == len(resumed)
+  for a, b in zip(straight, resumed):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # bitwise
+
+
+def _run_train(tmp_path, *args, devices=1):
+  return subprocess.run([sys.executable, "-m", "jdr.train", *args], env=_env(devices), capture_output=True,
+                        text=True, timeout=600, cwd=tmp_path)
+
+
+def test_unknown_config_key_lists_valid_names(tmp_path):
+  proc = _run_train(tmp_path, "--config", str(ROOT / "configs" / "demo.py"), "--workdir", str(tmp_path / "w"),
+                    "--config.optimizer.learnin_rate=1e-4")
+  assert proc.returncode != 0
+  assert "unknown config key 'optimizer.learnin_rate'" in proc.stderr
+  assert "optimizer.learning_rate" in proc.stderr  # the suggestion and the valid names
+  assert not (tmp_path / "w" / "checkpoints").exists()
+
+
+def test_missing_data_file_is_named(tmp_path):
+  data = write_tiny_beir(tmp_path / "data")
+  (data / "qrels" / "train.tsv").unlink()
+  proc = _run_train(tmp_path, *_train_cmd(tmp_path / "w", data)[3:])
+  assert proc.returncode != 0
+  assert "train.tsv" in proc.stderr and "missing" in proc.stderr
+  assert not (tmp_path / "w" / "checkpoints").exists()
+
+
+def test_qrels_without_overlap_with_queries(tmp_path):
+  data = write_tiny_beir(tmp_path / "data")
+  lines = (data / "qrels" / "train.tsv").read_text().splitlines()
+  (data / "qrels" / "train.tsv").write_text(
+      "\n".join([lines[0]] + [l.replace("q", "other-q", 1) for l in lines[1:]]) + "\n")
+  proc = _run_train(tmp_path, *_train_cmd(tmp_path / "w", data)[3:])
+  assert proc.returncode != 0
+  assert "train.tsv" in proc.stderr and "other-q" in proc.stderr
+  assert not (tmp_path / "w" / "checkpoints").exists()
+
+
+def test_batch_not_divisible_by_devices(tmp_path):
+  data = write_tiny_beir(tmp_path / "data")
+  proc = _run_train(tmp_path, *_train_cmd(tmp_path / "w", data, "--config.batch_size=12")[3:], devices=8)
+  assert proc.returncode != 0
+  assert "batch_size=12 is not divisible by the 8 data-parallel devices" in proc.stderr
+  assert not (tmp_path / "w" / "checkpoints").exists()
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
+  data = write_tiny_beir(tmp_path / "data")
+  # A huge learning rate blows the weights up within a few steps.
+  proc = _run_train(tmp_path, *_train_cmd(
+      tmp_path / "w", data, "--config.optimizer.learning_rate=1e25", "--config.optimizer.warmup_steps=0",
+      "--config.optimizer.grad_clip_norm=0", "--config.checkpoint_every=1", "--config.num_train_steps=50",
+      "--config.data.eval_split=")[3:])
+  assert proc.returncode != 0
+  assert "FloatingPointError" in proc.stderr and "at step" in proc.stderr
+  bad_step = int(proc.stderr.split("at step ")[1].split(";")[0])
+  saved = sorted(int(p.name) for p in (tmp_path / "w" / "checkpoints").iterdir() if p.name.isdigit())
+  assert saved and max(saved) == bad_step - 1
+  from jdr import checkpoint  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(checkpoint.latest_params(tmp_path / "w")))
+
+
+def test_train_then_evaluate_end_to_end(tmp_path):
+  """A few steps of in-batch training, evaluated before and after; the metrics reach the log."""
+  data = write_tiny_beir(tmp_path / "data")
+  proc = _run_train(tmp_path, *_train_cmd(tmp_path / "w", data, "--config.num_train_steps=10",
+                                          "--config.checkpoint_every=5")[3:])
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "before training: ndcg@10=" in proc.stdout and "after 10 steps: ndcg@10=" in proc.stdout
+  records = [json.loads(l) for l in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
+  evals = [r for r in records if "eval/ndcg@10" in r]
+  assert [r["step"] for r in evals] == [0, 10]
+  assert all(0.0 <= r["eval/ndcg@10"] <= 1.0 for r in evals)
