@@ -75,6 +75,21 @@ def load_runtime(model: str, *, pooling: str | None = None, normalize: bool | No
   return EncoderRuntime(apply_fn, params, tokenizer, int(info["max_length"]), info)
 
 
+def plan_batches(lengths: Sequence[int], max_length: int,
+                 tokens_per_batch: int) -> list[tuple[np.ndarray, int, int]]:
+  """(indices, rows, length) per batch: length-bucketed, about `tokens_per_batch` padded tokens each.
+
+  A bucket's last batch is short; padding its rows up to a power of two bounds the compiled shapes at
+  about log2(rows) per bucket while wasting less than half of that one batch.
+  """
+  buckets = text_lib.default_bucket_lengths(max_length)
+  out = []
+  for plan in text_lib.plan_batches(lengths, max_tokens=tokens_per_batch, bucket_lengths=buckets):
+    full_rows = max(1, tokens_per_batch // plan.length)
+    out.append((plan.indices, min(full_rows, 1 << (len(plan.indices) - 1).bit_length()), plan.length))
+  return out
+
+
 def encode_texts(runtime: EncoderRuntime, texts: Sequence[str], *,
                  tokens_per_batch: int = DEFAULT_TOKENS_PER_BATCH,
                  progress: tqdm.tqdm | None = None) -> np.ndarray:
@@ -84,24 +99,19 @@ def encode_texts(runtime: EncoderRuntime, texts: Sequence[str], *,
   token_ids = text_lib.tokenize(runtime.tokenizer, list(texts), runtime.max_length)
   pad_id = runtime.tokenizer.pad_token_id or 0
   lengths = [len(ids) for ids in token_ids]
-  buckets = text_lib.default_bucket_lengths(runtime.max_length)
   out = None
-  for plan in text_lib.plan_batches(lengths, max_tokens=tokens_per_batch, bucket_lengths=buckets):
-    # A bucket's last batch is short; padding its rows up to a power of two bounds the compiled shapes
-    # at about log2(rows) per bucket while wasting less than half of that one batch.
-    full_rows = max(1, tokens_per_batch // plan.length)
-    rows = min(full_rows, 1 << (len(plan.indices) - 1).bit_length())
-    input_ids = np.full((rows, plan.length), pad_id, dtype=np.int32)
-    mask = np.zeros((rows, plan.length), dtype=np.int32)
-    for row, i in enumerate(plan.indices):
+  for indices, rows, length in plan_batches(lengths, runtime.max_length, tokens_per_batch):
+    input_ids = np.full((rows, length), pad_id, dtype=np.int32)
+    mask = np.zeros((rows, length), dtype=np.int32)
+    for row, i in enumerate(indices):
       input_ids[row, :lengths[i]] = token_ids[i]
       mask[row, :lengths[i]] = 1
     emb = np.asarray(runtime.apply_fn(runtime.params, input_ids, mask), dtype=np.float32)
     if out is None:
       out = np.empty((len(texts), emb.shape[-1]), np.float32)
-    out[plan.indices] = emb[:len(plan.indices)]
+    out[indices] = emb[:len(indices)]
     if progress is not None:
-      progress.update(len(plan.indices))
+      progress.update(len(indices))
   return out
 
 

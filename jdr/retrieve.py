@@ -80,7 +80,7 @@ def main(argv: Iterable[str] | None = None) -> None:
   q_emb = encode_lib.encode_texts(runtime, [queries[q] for q in qids],
                                   tokens_per_batch=args.tokens_per_batch)
   scores, ids = retriever.search(q_emb, args.top_k)
-  run = {q: dict(zip(ids[i], map(float, scores[i]))) for i, q in enumerate(qids)}
+  run = index_lib.to_run(qids, scores, ids)
   formats.write_run(args.run, run, tag="jdr")
   print(f"retrieved top-{args.top_k} for {len(qids)} queries in "
         f"{time.perf_counter() - start:.1f} s -> {args.run}", file=sys.stderr)

@@ -258,7 +258,7 @@ def initial_params(model: TwoTower, built: build_lib.Built, config: ml_collectio
                    rng: jax.Array, shardings: Any) -> Any:
   """init_from's weights (a jdr model, or a pretrained encoder in every tower), else fresh ones."""
   init = jax.jit(lambda r: nn.unbox(model.init(r, *_dummy_inputs(config))["params"]),
-                 out_shardings=shardings)
+                 **({"out_shardings": shardings} if shardings is not None else {}))
   if built.params is not None:
     params = built.params
   else:

@@ -6,6 +6,7 @@ import sys
 
 BENCHMARKS = {
     "encode": "jdr.bench.encode_speed",
+    "train-step": "jdr.bench.train_step",
 }
 
 

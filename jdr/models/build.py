@@ -99,6 +99,9 @@ def build(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collections.ConfigD
     encoder_config = EncoderConfig(vocab_size=vocab, **FRESH[model_cfg.fresh], **overrides)
     encoder_params = None
   tokenizer_path = model_cfg.tokenizer or tokenizer_path
+  if not model_cfg.pooling and "unsupported_pooling" in declared:
+    raise ValueError(f"{init_from} declares pooling {declared['unsupported_pooling']}, which jdr does not "
+                     "implement; set model.pooling to cls, mean or max")
   normalize = declared.get("normalize", False) if model_cfg.normalize < 0 else bool(model_cfg.normalize)
   tower = TowerConfig(encoder=encoder_config, pooling=model_cfg.pooling or declared.get("pooling", "cls"),
                       projection_dim=model_cfg.projection_dim or None, normalize=normalize)

@@ -1,0 +1,134 @@
+"""Training step time: jdr's jitted step vs an equivalent PyTorch step, same model, same shapes, one process.
+
+  python -m jdr.bench train-step [--batch-size 32] [--query-length 32] [--doc-length 128] [--steps 10]
+
+Both sides train the bundled all-MiniLM-L6-v2 as one shared tower (mean pooling, L2-normalized) on a batch of
+B queries and B positive documents with in-batch softmax NLL, dropout on, AdamW (lr 2e-5, weight decay 0.01,
+gradient clipping at 1.0). The PyTorch step is transformers' BertModel + torch.optim.AdamW. Inputs are
+random token ids at full length (no padding), so both compute exactly the same work; FLOP/s count forward
+plus backward as 3x the forward FLOPs and are given as a fraction of the float32 matmul peak measured in
+the same run.
+"""
+
+import argparse
+import json
+import sys
+import time
+
+import jax
+import ml_collections
+import numpy as np
+
+from jdr.bench import peak as peak_lib
+from jdr.models import hf
+
+
+def _config(args) -> ml_collections.ConfigDict:
+  import base  # pylint: disable=g-import-not-at-top  (configs/base.py, put on sys.path by main)
+  c = base.get_config()
+  c.model.init_from = "minilm"
+  c.data.query_max_length, c.data.doc_max_length = args.query_length, args.doc_length
+  c.batch_size = args.batch_size
+  c.optimizer.learning_rate, c.optimizer.warmup_steps = 2e-5, 0
+  c.num_train_steps = 10_000
+  return c
+
+
+def _time_steps(run_step, steps: int) -> float:
+  run_step()  # warm-up (and, for jax, compilation)
+  run_step()
+  times = []
+  for _ in range(steps):
+    start = time.perf_counter()
+    run_step()
+    times.append(time.perf_counter() - start)
+  return float(np.median(times))
+
+
+def jdr_step_seconds(args, batch) -> float:
+  from jdr import optimizers, train  # pylint: disable=g-import-not-at-top
+  from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
+  config = _config(args)
+  built = build_lib.build(config.model, config.data)
+  tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps)
+  params = train.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
+  state = train.TrainState(step=jax.numpy.int32(0), params=params, opt_state=tx.init(params),
+                           rng=jax.random.PRNGKey(1))
+  step_fn = jax.jit(train.make_train_step(built.model, tx, config), donate_argnums=(0,))
+  holder = {"state": state}
+
+  def run_step():
+    holder["state"], metrics = step_fn(holder["state"], batch)
+    jax.block_until_ready(metrics["loss"])
+
+  return _time_steps(run_step, args.steps)
+
+
+def torch_step_seconds(args, batch) -> float:
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  model = transformers.BertModel.from_pretrained(str(hf.minilm_path()), add_pooling_layer=False)
+  model.train()
+  decay = [p for n, p in model.named_parameters() if p.ndim > 1]
+  no_decay = [p for n, p in model.named_parameters() if p.ndim <= 1]
+  optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01},
+                                 {"params": no_decay, "weight_decay": 0.0}], lr=2e-5)
+  t = {k: torch.from_numpy(np.asarray(v)).long() for k, v in batch.items() if k != "valid"}
+
+  def embed(ids, mask):
+    hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    m = mask.unsqueeze(-1).float()
+    pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
+    return torch.nn.functional.normalize(pooled, dim=-1)
+
+  def run_step():
+    optimizer.zero_grad(set_to_none=True)
+    q = embed(t["query_ids"], t["query_mask"])
+    d = embed(t["doc_ids"], t["doc_mask"])
+    loss = torch.nn.functional.cross_entropy(q @ d.T, torch.arange(q.shape[0]))
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+
+  return _time_steps(run_step, args.steps)
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(prog="python -m jdr.bench train-step", description=__doc__.splitlines()[0])
+  parser.add_argument("--batch-size", type=int, default=32)
+  parser.add_argument("--query-length", type=int, default=32)
+  parser.add_argument("--doc-length", type=int, default=128)
+  parser.add_argument("--steps", type=int, default=10)
+  args = parser.parse_args(argv)
+  import pathlib  # pylint: disable=g-import-not-at-top
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "configs"))
+
+  rng = np.random.default_rng(0)
+  b = args.batch_size
+  batch = {
+      "query_ids": rng.integers(1000, 30000, (b, args.query_length)).astype(np.int32),
+      "query_mask": np.ones((b, args.query_length), np.int32),
+      "doc_ids": rng.integers(1000, 30000, (b, args.doc_length)).astype(np.int32),
+      "doc_mask": np.ones((b, args.doc_length), np.int32),
+      "valid": np.ones((b, b), bool),
+  }
+  peak = peak_lib.matmul_peak_flops()
+  flops = 3 * (peak_lib.encoder_flops([args.query_length] * b, layers=6, hidden=384, intermediate=1536)
+               + peak_lib.encoder_flops([args.doc_length] * b, layers=6, hidden=384, intermediate=1536))
+  jdr_s = jdr_step_seconds(args, batch)
+  torch_s = torch_step_seconds(args, batch)
+  result = {
+      "benchmark": "train-step", "units": "seconds/step (ratio = reference / jdr)",
+      "jdr": round(jdr_s, 4), "reference": round(torch_s, 4), "ratio": round(torch_s / jdr_s, 3),
+      "reference_name": "transformers BertModel + torch AdamW",
+      "batch_size": b, "query_length": args.query_length, "doc_length": args.doc_length,
+      "peak_gflops": round(peak["peak"] / 1e9, 1),
+      "jdr_peak_fraction": round(flops / jdr_s / peak["peak"], 3),
+      "reference_peak_fraction": round(flops / torch_s / peak["peak"], 3),
+  }
+  print(f"jdr {jdr_s:.3f} s/step, PyTorch {torch_s:.3f} s/step: ratio {result['ratio']:.2f}", file=sys.stderr)
+  print(json.dumps(result))
+
+
+if __name__ == "__main__":
+  main()
