@@ -16,6 +16,9 @@ def get_config(arg=None):
   c.negatives.source = "none"
   c.negatives.in_batch = True
   c.loss.name = "softmax_nll"
+  # MiniLM's embeddings are L2-normalized, so scores are cosines in [-1, 1]: a temperature of 0.05 (a
+  # scale of 20, as sentence-transformers trains it) gives the softmax room to separate positives.
+  c.loss.temperature = 0.05
   c.batch_size = 16
   c.num_train_steps = 200
   c.optimizer.learning_rate = 2e-5

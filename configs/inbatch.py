@@ -20,6 +20,7 @@ def get_config(arg=None):
     c.num_train_steps = 150
     c.optimizer.learning_rate = 2e-5
     c.optimizer.warmup_steps = 15
+    c.loss.temperature = 0.05  # MiniLM's embeddings are normalized: scores are cosines
   else:
     c.batch_size = 256
     c.optimizer.name = "lamb"

@@ -17,7 +17,7 @@ from jdr.data import builtin
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(prog="python -m jdr.demo", description=__doc__.splitlines()[0])
-  parser.add_argument("--workdir", default="runs/demo", help="where data, embeddings and the run go")
+  parser.add_argument("--workdir", default="runs/pipeline-demo", help="where data, embeddings and the run go")
   parser.add_argument("--model", default="minilm")
   args = parser.parse_args(argv)
   work = pathlib.Path(args.workdir)

@@ -150,7 +150,7 @@ def encode_corpus(runtime: EncoderRuntime, corpus: dict, out_dir: str | os.PathL
   if done:
     print(f"resuming: {len(done)} of {num_shards} shards already encoded in {out_dir}", file=sys.stderr)
   bar = tqdm.tqdm(total=len(doc_ids), initial=done_docs, unit="doc", desc="encode", smoothing=0.1,
-                  disable=None)
+                  mininterval=1.0)
   for shard in todo:
     ids = doc_ids[shard * shard_size:(shard + 1) * shard_size]
     texts = [text_lib.doc_text(corpus[i]) for i in ids]

@@ -21,10 +21,14 @@ def load_queries(path: str, split: str | None) -> dict[str, str]:
   """Queries from a BEIR directory (optionally only those judged in qrels/SPLIT.tsv) or a file."""
   path_ = pathlib.Path(path)
   if path_.is_dir():
-    _, queries, qrels = formats.load_beir(path_, split=split, with_corpus=False)
-    if qrels is not None:
-      queries = {q: queries[q] for q in qrels}
-    return queries
+    queries = formats.read_queries(path_ / "queries.jsonl")
+    if split is None:
+      return queries
+    qrels_path = path_ / "qrels" / f"{split}.tsv"
+    if not qrels_path.exists():
+      raise SystemExit(f"--split {split}: {qrels_path} is missing")
+    qrels = formats.read_qrels(qrels_path, query_ids=queries)
+    return {q: queries[q] for q in qrels}
   if split is not None:
     raise SystemExit(f"--split needs a BEIR directory, but {path} is a file")
   return formats.read_queries(path_)
