@@ -75,7 +75,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval.backend = "jax"  # jax (exact top-k on the mesh) | faiss
   c.eval.max_queries = 0  # 0 = every query of the eval split
   c.eval.doc_max_length = 0  # 0 = data.doc_max_length
-  c.eval.tokens_per_batch = 8192
+  c.eval.tokens_per_batch = 0  # 0 = jdr.encode's default for the device (small on CPU, large on GPU/TPU)
 
   # --- parallelism ---
   c.mesh = ml_collections.ConfigDict()

@@ -127,9 +127,9 @@ class Evaluator:
     query_runtime = encode_lib.EncoderRuntime(
         self.encode_query, params, self.tokenizer, cfg.data.query_max_length, {})
     doc_emb = encode_lib.encode_texts(doc_runtime, self.doc_texts,
-                                      tokens_per_batch=cfg.eval.tokens_per_batch)
+                                      tokens_per_batch=cfg.eval.tokens_per_batch or None)
     query_emb = encode_lib.encode_texts(query_runtime, [self.data.queries[q] for q in self.qids],
-                                        tokens_per_batch=cfg.eval.tokens_per_batch)
+                                        tokens_per_batch=cfg.eval.tokens_per_batch or None)
     kwargs = {"mesh": self.mesh} if cfg.eval.backend == "jax" else {}
     retriever = index_lib.make_retriever(cfg.eval.backend, doc_emb.shape[1], **kwargs)
     retriever.add(doc_emb, self.doc_ids)
