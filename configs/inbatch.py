@@ -4,7 +4,7 @@ STAR paper baseline (Zhan et al. 2021, Sec. 7.2): LAMB, batch 256, learning rate
 to this two-core machine: the bundled MiniLM, batch 32, AdamW 2e-5, a few hundred steps.
 
   python -m jdr.train --config configs/inbatch.py:runlocal --workdir runs/inbatch \
-      --config.data.dataset=../shared/data/scifact
+      --config.data.dataset=../shared/data/scifact --config.eval.doc_max_length=256
 """
 
 import base
@@ -17,9 +17,9 @@ def get_config(arg=None):
   c.loss.name = "softmax_nll"
   if base.runlocal(arg):
     c.batch_size = 32
-    c.num_train_steps = 150
+    c.num_train_steps = 90  # about three epochs of SciFact's 919 training pairs
     c.optimizer.learning_rate = 2e-5
-    c.optimizer.warmup_steps = 15
+    c.optimizer.warmup_steps = 9
     c.loss.temperature = 0.05  # MiniLM's embeddings are normalized: scores are cosines
   else:
     c.batch_size = 256

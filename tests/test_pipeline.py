@@ -1,0 +1,132 @@
+"""The command lines end to end on a tiny random BERT: encode (with resume), retrieve, evaluate, export."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import transformers
+
+from conftest import write_tiny_beir
+from jdr import encode
+from jdr import retrieve
+from jdr.data import formats
+from jdr.data import text as text_lib
+from jdr.models import hf
+from jdr.models.bert import Encoder, EncoderConfig
+from jdr.models.towers import Tower, TowerConfig
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+  """A random 2-layer BERT saved as a Hugging Face directory with the MiniLM tokenizer."""
+  path = tmp_path_factory.mktemp("tiny-bert")
+  tokenizer = transformers.AutoTokenizer.from_pretrained(str(hf.minilm_path()))
+  cfg = EncoderConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_layers=2, num_heads=2,
+                      intermediate_size=64)
+  params = Encoder(cfg).init(jax.random.PRNGKey(0), jnp.ones((1, 8), jnp.int32), jnp.ones((1, 8), jnp.int32))
+  hf.export_hf(cfg, jax.device_get(params["params"]), path, tokenizer=tokenizer)
+  return path
+
+
+def _direct_embeddings(model_dir, texts, max_length, pooling=None, normalize=None):
+  """The oracle: one padded batch through the tower, no bucketing, no shards."""
+  tower, params, tokenizer, _ = hf.load_tower(str(model_dir), pooling=pooling, normalize=normalize,
+                                              max_length=max_length)
+  enc = tokenizer(texts, truncation=True, max_length=max_length, padding=True, return_tensors="np")
+  return np.asarray(tower.apply({"params": params}, enc["input_ids"], enc["attention_mask"]))
+
+
+def test_encode_matches_direct_and_resumes(tmp_path, tiny_model):
+  data = write_tiny_beir(tmp_path / "data", num_docs=23)
+  out = tmp_path / "emb"
+  args = ["--model", str(tiny_model), "--corpus", str(data), "--out", str(out), "--pooling", "mean",
+          "--normalize", "--max-length", "32", "--shard-size", "5", "--tokens-per-batch", "64"]
+  encode.main(args)
+  emb, ids, meta = encode.load_embeddings(out)
+  corpus = formats.read_corpus(data / "corpus.jsonl")
+  assert ids == list(corpus) and meta["num_shards"] == 5 and meta["complete"]
+  expected = _direct_embeddings(tiny_model, [text_lib.doc_text(corpus[i]) for i in ids], 32, "mean", True)
+  np.testing.assert_allclose(emb, expected, atol=1e-5)
+
+  # What a kill leaves: two finished shards gone, a half-written temp file, meta not complete.
+  for shard in (3, 4):
+    (out / f"emb-{shard:05d}.npy").unlink()
+  (out / "emb-00003.npy.tmp").write_bytes(b"partial")
+  meta_file = out / "meta.json"
+  meta_file.write_text(json.dumps({**json.loads(meta_file.read_text()), "complete": False}))
+  with pytest.raises(SystemExit, match="unfinished"):
+    encode.load_embeddings(out)
+  untouched = (out / "emb-00000.npy").stat().st_mtime_ns
+  encode.main(args)
+  assert (out / "emb-00000.npy").stat().st_mtime_ns == untouched  # finished shards are not redone
+  emb2, ids2, _ = encode.load_embeddings(out)
+  assert ids2 == ids
+  np.testing.assert_array_equal(emb2, emb)
+
+  # Resuming with other settings would mix two models' vectors in one index: refused.
+  with pytest.raises(SystemExit, match="other settings"):
+    encode.main([*args[:-2], "--max-length", "16"])
+
+
+def test_retrieve_backends_agree_and_evaluate(tmp_path, tiny_model):
+  data = write_tiny_beir(tmp_path / "data")
+  emb_dir = tmp_path / "emb"
+  encode.main(["--model", str(tiny_model), "--corpus", str(data), "--out", str(emb_dir), "--max-length", "32"])
+  runs = {}
+  for backend in ("faiss", "jax"):
+    run_file = tmp_path / f"{backend}.trec"
+    retrieve.main(["--index", str(emb_dir), "--queries", str(data), "--split", "test", "--top-k", "10",
+                   "--backend", backend, "--run", str(run_file)])
+    runs[backend] = formats.read_run(run_file)
+  assert set(runs["faiss"]) == {f"q{i}" for i in range(30, 40)}  # only the test split's queries
+
+  # Brute-force numpy over the saved embeddings is the oracle. A random tiny model scores some documents
+  # within float noise of each other, so rankings are compared by score: every back-end's k-th score is
+  # the k-th best, and every returned document carries its true score.
+  emb, ids, _ = encode.load_embeddings(emb_dir)
+  runtime = encode.load_runtime(str(tiny_model), max_length=32)
+  queries = formats.load_beir(data, "test")[1]
+  q_emb = encode.encode_texts(runtime, list(queries.values()))
+  for qid, scores in zip(queries, q_emb @ emb.T):
+    best = np.sort(scores)[::-1][:10]
+    true_score = dict(zip(ids, scores))
+    for backend, run in runs.items():
+      np.testing.assert_allclose(list(run[qid].values()), best, atol=1e-5, err_msg=backend)
+      np.testing.assert_allclose([true_score[d] for d in run[qid]], best, atol=1e-5, err_msg=backend)
+
+  proc = subprocess.run([sys.executable, "-m", "jdr.evaluate", "--qrels", str(data / "qrels" / "test.tsv"),
+                         "--run", str(tmp_path / "faiss.trec"), "--metrics", "ndcg@10,mrr@10", "--json"],
+                        capture_output=True, text=True, check=True, cwd=ROOT)
+  scores = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert set(scores) == {"ndcg@10", "mrr@10"} and all(0 <= v <= 1 for v in scores.values())
+
+
+def test_train_export_then_encode_with_the_trained_towers(tmp_path):
+  """jdr.export writes a params checkpoint that jdr.encode loads, and a HF dir that transformers loads."""
+  data = write_tiny_beir(tmp_path / "data")
+  env_cmd = [sys.executable, "-m", "jdr.train", "--config", str(ROOT / "configs" / "demo.py:tiny"),
+             "--workdir", str(tmp_path / "w"), f"--config.data.dataset={data}", "--config.num_train_steps=3",
+             "--config.batch_size=4", "--config.data.eval_split=", "--config.checkpoint_every=3",
+             "--config.data.doc_max_length=32", "--config.data.query_max_length=16"]
+  subprocess.run(env_cmd, check=True, capture_output=True, cwd=ROOT)
+  subprocess.run([sys.executable, "-m", "jdr.export", "--workdir", str(tmp_path / "w"), "--out",
+                  str(tmp_path / "export")], check=True, capture_output=True, cwd=ROOT)
+  export = tmp_path / "export"
+  assert (export / "jdr_model.json").exists() and (export / "hf" / "model.safetensors").exists()
+
+  corpus = formats.read_corpus(data / "corpus.jsonl")
+  texts = [text_lib.doc_text(d) for d in corpus.values()][:6]
+  from_export = encode.encode_texts(encode.load_runtime(str(export)), texts)
+  from_workdir = encode.encode_texts(encode.load_runtime(str(tmp_path / "w")), texts)
+  np.testing.assert_array_equal(from_export, from_workdir)
+  # The Hugging Face export with its sentence-transformers pooling files gives the same vectors.
+  np.testing.assert_allclose(from_export, _direct_embeddings(export / "hf", texts, 32), atol=1e-5)
+  hf_model = transformers.AutoModel.from_pretrained(str(export / "hf"))
+  assert hf_model.config.hidden_size == 64
