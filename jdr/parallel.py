@@ -36,7 +36,7 @@ def initialize_distributed() -> None:
   """Joins a multi-host job when the launcher set the coordinator variables; a no-op otherwise.
 
   TPU pods and SLURM are detected by jax itself; JDR_COORDINATOR / JDR_NUM_PROCESSES /
-  JDR_PROCESS_ID let `launch/local.sh` (and tests) run several processes on one machine.
+  JDR_PROCESS_ID start any other launcher's processes (several on one machine included).
   """
   if jax.process_count() > 1 or getattr(initialize_distributed, "_done", False):
     return
