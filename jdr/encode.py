@@ -104,8 +104,15 @@ def encode_texts(runtime: EncoderRuntime, texts: Sequence[str], *,
   """Embeds texts in their given order; returns float32 [len(texts), D]."""
   if not texts:
     raise ValueError("no texts to encode")
-  tokens_per_batch = tokens_per_batch or default_tokens_per_batch()
   token_ids = text_lib.tokenize(runtime.tokenizer, list(texts), runtime.max_length)
+  return encode_tokens(runtime, token_ids, tokens_per_batch=tokens_per_batch, progress=progress)
+
+
+def encode_tokens(runtime: EncoderRuntime, token_ids: Sequence[np.ndarray], *,
+                  tokens_per_batch: int | None = None,
+                  progress: tqdm.tqdm | None = None) -> np.ndarray:
+  """Embeds already tokenized texts (unpadded id arrays, each <= runtime.max_length) in their order."""
+  tokens_per_batch = tokens_per_batch or default_tokens_per_batch()
   pad_id = runtime.tokenizer.pad_token_id or 0
   lengths = [len(ids) for ids in token_ids]
   out = None
@@ -117,7 +124,7 @@ def encode_texts(runtime: EncoderRuntime, texts: Sequence[str], *,
       mask[row, :lengths[i]] = 1
     emb = np.asarray(runtime.apply_fn(runtime.params, input_ids, mask), dtype=np.float32)
     if out is None:
-      out = np.empty((len(texts), emb.shape[-1]), np.float32)
+      out = np.empty((len(token_ids), emb.shape[-1]), np.float32)
     out[indices] = emb[:len(indices)]
     if progress is not None:
       progress.update(len(indices))

@@ -114,7 +114,12 @@ class Evaluator:
       qids = qids[:config.eval.max_queries]
     self.qids = qids
     self.doc_ids = list(data.corpus)
-    self.doc_texts = [text_lib.doc_text(data.corpus[d]) for d in self.doc_ids]
+    self.doc_max_length = config.eval.doc_max_length or config.data.doc_max_length
+    # Tokenized once: every evaluation of the run encodes the same texts.
+    self.doc_tokens = text_lib.tokenize(
+        tokenizer, [text_lib.doc_text(data.corpus[d]) for d in self.doc_ids], self.doc_max_length)
+    self.query_tokens = text_lib.tokenize(
+        tokenizer, [data.queries[q] for q in self.qids], config.data.query_max_length)
     # Jitted once here; each evaluation reuses the compiled length buckets.
     self.encode_doc = jax.jit(lambda p, i, m: model.apply({"params": p}, i, m, method=TwoTower.encode_doc))
     self.encode_query = jax.jit(
@@ -122,14 +127,12 @@ class Evaluator:
 
   def __call__(self, params) -> dict[str, float]:
     cfg = self.config
-    doc_runtime = encode_lib.EncoderRuntime(
-        self.encode_doc, params, self.tokenizer, cfg.eval.doc_max_length or cfg.data.doc_max_length, {})
+    batch_tokens = cfg.eval.tokens_per_batch or None
+    doc_runtime = encode_lib.EncoderRuntime(self.encode_doc, params, self.tokenizer, self.doc_max_length, {})
     query_runtime = encode_lib.EncoderRuntime(
         self.encode_query, params, self.tokenizer, cfg.data.query_max_length, {})
-    doc_emb = encode_lib.encode_texts(doc_runtime, self.doc_texts,
-                                      tokens_per_batch=cfg.eval.tokens_per_batch or None)
-    query_emb = encode_lib.encode_texts(query_runtime, [self.data.queries[q] for q in self.qids],
-                                        tokens_per_batch=cfg.eval.tokens_per_batch or None)
+    doc_emb = encode_lib.encode_tokens(doc_runtime, self.doc_tokens, tokens_per_batch=batch_tokens)
+    query_emb = encode_lib.encode_tokens(query_runtime, self.query_tokens, tokens_per_batch=batch_tokens)
     kwargs = {"mesh": self.mesh} if cfg.eval.backend == "jax" else {}
     retriever = index_lib.make_retriever(cfg.eval.backend, doc_emb.shape[1], **kwargs)
     retriever.add(doc_emb, self.doc_ids)
