@@ -89,7 +89,7 @@ def make_train_step(model: TwoTower, tx: optax.GradientTransformation, config: m
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
-    return new_state, {"loss": loss, "grad_norm": optax.global_norm(grads), **aux}
+    return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
 
   return train_step
 
