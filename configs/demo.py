@@ -29,5 +29,6 @@ def get_config(arg=None):
     c.model.init_from = ""
     c.model.fresh = "tiny"
     c.model.pooling = "mean"
+    c.model.normalize = 1  # like MiniLM, so the same temperature suits it
     c.optimizer.learning_rate = 1e-3
   return c

@@ -38,7 +38,8 @@ def initialize_distributed() -> None:
   TPU pods and SLURM are detected by jax itself; JDR_COORDINATOR / JDR_NUM_PROCESSES /
   JDR_PROCESS_ID start any other launcher's processes (several on one machine included).
   """
-  if jax.process_count() > 1 or getattr(initialize_distributed, "_done", False):
+  # Nothing here may touch a jax backend (not even jax.process_count()) before initialize().
+  if getattr(initialize_distributed, "_done", False):
     return
   if "JDR_COORDINATOR" in os.environ:
     jax.distributed.initialize(

@@ -144,12 +144,11 @@ class Evaluator:
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict:
   """Trains per `config`, checkpointing to and resuming from `workdir`; returns the final metrics."""
+  # ---------------------------------------------------------------- hosts and mesh
+  parallel.initialize_distributed()  # first: it must run before anything starts a jax backend
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   is_host0 = jax.process_index() == 0
-
-  # ---------------------------------------------------------------- mesh
-  parallel.initialize_distributed()
   mesh = parallel.make_mesh(config.mesh.shape)
   rules = parallel.rules_for(config.mesh.rules)
   parallel.check_batch_size(config.batch_size, mesh)
