@@ -237,3 +237,23 @@ def test_every_recipe_trains(tmp_path, recipe):
   if config.negatives.per_query:
     # The cached BM25 candidates land in the workdir, mined once.
     assert (tmp_path / "w" / "cache").exists() or config.negatives.source == "random"
+
+
+def test_query_tower_only_leaves_document_tower_untouched(tmp_path):
+  """model.train_towers=query (ADORE / LTRe): separate towers, and the document tower never moves."""
+  from jdr import config_files, train  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  data = write_tiny_beir(tmp_path / "data")
+  config = config_files.load_config_file(str(ROOT / "configs" / "demo.py"))
+  config_files.apply_overrides(config, [a[len("--config."):] for a in TINY] + [
+      f"data.dataset={data}", "data.eval_split=", "num_train_steps=3", "checkpoint_every=100",
+      "model.shared=false", "model.train_towers=query"])
+  first = train.train_and_evaluate(config.copy_and_resolve_references(), tmp_path / "one")["state"]
+  config_files.apply_overrides(config, ["num_train_steps=1"])
+  start = jax.device_get(train.train_and_evaluate(config, tmp_path / "zero")["state"].params)
+  end = jax.device_get(first.params)
+  for a, b in zip(jax.tree.leaves(start["doc_tower"]), jax.tree.leaves(end["doc_tower"])):
+    np.testing.assert_array_equal(a, b)
+  moved = [float(np.max(np.abs(a - b))) for a, b in
+           zip(jax.tree.leaves(start["query_tower"]), jax.tree.leaves(end["query_tower"]))]
+  assert max(moved) > 0
