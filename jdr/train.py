@@ -210,7 +210,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     _print_metrics("before training", results["before"])
 
   bar = tqdm.tqdm(total=config.num_train_steps, initial=start, unit="step", desc="train",
-                  disable=not is_host0 or None)
+                  disable=not is_host0, mininterval=1.0 if sys.stderr.isatty() else 30.0)
   window, window_start = [], time.perf_counter()
   next_batch = parallel.global_batch(batches.local(start), mesh) if start < config.num_train_steps else None
   for step in range(start, config.num_train_steps):
