@@ -83,19 +83,10 @@ def load_runtime(model: str, *, pooling: str | None = None, normalize: bool | No
   return EncoderRuntime(apply_fn, params, tokenizer, int(info["max_length"]), info)
 
 
-def plan_batches(lengths: Sequence[int], max_length: int,
-                 tokens_per_batch: int) -> list[tuple[np.ndarray, int, int]]:
-  """(indices, rows, length) per batch: length-bucketed, about `tokens_per_batch` padded tokens each.
-
-  A bucket's last batch is short; padding its rows up to a power of two bounds the compiled shapes at
-  about log2(rows) per bucket while wasting less than half of that one batch.
-  """
-  buckets = text_lib.default_bucket_lengths(max_length)
-  out = []
-  for plan in text_lib.plan_batches(lengths, max_tokens=tokens_per_batch, bucket_lengths=buckets):
-    full_rows = max(1, tokens_per_batch // plan.length)
-    out.append((plan.indices, min(full_rows, 1 << (len(plan.indices) - 1).bit_length()), plan.length))
-  return out
+def batch_plan_args(max_length: int, tokens_per_batch: int) -> dict:
+  """How jdr.encode batches: ~tokens_per_batch padded tokens per length bucket, few compiled shapes."""
+  return {"max_tokens": tokens_per_batch, "bucket_lengths": text_lib.default_bucket_lengths(max_length),
+          "short_rows_to_power_of_two": True}
 
 
 def encode_texts(runtime: EncoderRuntime, texts: Sequence[str], *,
@@ -113,18 +104,14 @@ def encode_tokens(runtime: EncoderRuntime, token_ids: Sequence[np.ndarray], *,
                   progress: tqdm.tqdm | None = None) -> np.ndarray:
   """Embeds already tokenized texts (unpadded id arrays, each <= runtime.max_length) in their order."""
   tokens_per_batch = tokens_per_batch or default_tokens_per_batch()
-  pad_id = runtime.tokenizer.pad_token_id or 0
-  lengths = [len(ids) for ids in token_ids]
   out = None
-  for indices, rows, length in plan_batches(lengths, runtime.max_length, tokens_per_batch):
-    input_ids = np.full((rows, length), pad_id, dtype=np.int32)
-    mask = np.zeros((rows, length), dtype=np.int32)
-    for row, i in enumerate(indices):
-      input_ids[row, :lengths[i]] = token_ids[i]
-      mask[row, :lengths[i]] = 1
+  for indices, input_ids, mask in text_lib.bucketed_batches(
+      token_ids, pad_id=runtime.tokenizer.pad_token_id or 0,
+      **batch_plan_args(runtime.max_length, tokens_per_batch)):
     emb = np.asarray(runtime.apply_fn(runtime.params, input_ids, mask), dtype=np.float32)
     if out is None:
       out = np.empty((len(token_ids), emb.shape[-1]), np.float32)
+    # Filler rows past len(indices) only round the batch up to a compiled shape.
     out[indices] = emb[:len(indices)]
     if progress is not None:
       progress.update(len(indices))

@@ -89,3 +89,16 @@ def test_default_bucket_lengths():
   # Default buckets come from the fixed grid, not the data's exact longest length.
   plans = T.plan_batches([70, 20], batch_size=1)
   assert [p.length for p in plans] == [96, 24]
+
+
+def test_short_rows_round_up_to_a_power_of_two():
+  """A bucket's short last batch gets a power-of-two row count (never above a full batch); all indices once."""
+  def shapes(lengths):
+    plans = T.plan_batches(lengths, max_tokens=256, bucket_lengths=[32, 128], short_rows_to_power_of_two=True)
+    assert sorted(i for p in plans for i in p.indices) == list(range(len(lengths)))
+    assert all(p.rows * p.length <= 256 for p in plans)
+    return [(len(p.indices), p.rows, p.length) for p in plans]
+
+  assert shapes([30] * 13) == [(8, 8, 32), (5, 8, 32)]  # 5 -> 8 rows, a full batch
+  assert shapes([30] * 11) == [(8, 8, 32), (3, 4, 32)]  # 3 -> 4
+  assert shapes([100] * 5) == [(2, 2, 128), (2, 2, 128), (1, 1, 128)]  # never above a full batch

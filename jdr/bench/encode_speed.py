@@ -33,13 +33,11 @@ def _texts(num_docs: int) -> list[str]:
   return [text_lib.doc_text(doc) for doc in list(corpus.values())[:num_docs]]
 
 
-def warm_up(runtime: encode_lib.EncoderRuntime, texts: list[str], tokens_per_batch: int) -> float:
-  """Compiles every batch shape `encode_texts` will use for `texts`; returns the seconds it took."""
+def warm_up(runtime: encode_lib.EncoderRuntime, lengths: list[int], tokens_per_batch: int) -> float:
+  """Compiles every batch shape `encode_texts` will use for texts of these token lengths; returns seconds."""
   start = time.perf_counter()
-  lengths = [len(t) for t in text_lib.tokenize(runtime.tokenizer, texts, runtime.max_length)]
-  shapes = {(rows, length) for _, rows, length in
-            encode_lib.plan_batches(lengths, runtime.max_length, tokens_per_batch)}
-  for rows, length in sorted(shapes):
+  plans = text_lib.plan_batches(lengths, **encode_lib.batch_plan_args(runtime.max_length, tokens_per_batch))
+  for rows, length in sorted({(p.rows, p.length) for p in plans}):
     ids = np.zeros((rows, length), np.int32)
     np.asarray(runtime.apply_fn(runtime.params, ids, np.ones_like(ids)))
   return time.perf_counter() - start
@@ -65,7 +63,7 @@ def main(argv=None) -> None:
   flops = peak_lib.encoder_flops(lengths, layers=6, hidden=384, intermediate=1536)
 
   tokens_per_batch = args.tokens_per_batch or encode_lib.default_tokens_per_batch()
-  compile_s = warm_up(runtime, texts, tokens_per_batch)
+  compile_s = warm_up(runtime, lengths, tokens_per_batch)
   start = time.perf_counter()
   jdr_emb = encode_lib.encode_texts(runtime, texts, tokens_per_batch=tokens_per_batch)
   jdr_s = time.perf_counter() - start

@@ -61,7 +61,8 @@ class BatchPlan(NamedTuple):
 
 
 def plan_batches(lengths: Sequence[int], *, batch_size: int | None = None, max_tokens: int | None = None,
-                 bucket_lengths: Sequence[int] | None = None, multiple_of: int = 1) -> list[BatchPlan]:
+                 bucket_lengths: Sequence[int] | None = None, multiple_of: int = 1,
+                 short_rows_to_power_of_two: bool = False) -> list[BatchPlan]:
   """Groups sequences into batches without touching the ids; `bucketed_batches` fills them in.
 
   Sequences are taken longest first (a too-large batch fails on the first step, not the last). A batch holds
@@ -69,6 +70,10 @@ def plan_batches(lengths: Sequence[int], *, batch_size: int | None = None, max_t
   `multiple_of`; `batch_size` then caps it). Rows are rounded up to a multiple of `multiple_of` (e.g. the data
   parallel device count) with filler rows. `bucket_lengths` defaults to `default_bucket_lengths` of the longest
   sequence rounded up to the same grid, so the shapes do not depend on the data.
+
+  `short_rows_to_power_of_two`: a bucket's last batch is usually short, and each odd row count is one more
+  compiled shape; padding it to a power of two (capped at a full batch) bounds the shapes at about log2(rows)
+  per bucket while wasting less than half of that one batch.
   """
   if batch_size is None and max_tokens is None:
     raise ValueError("give batch_size or max_tokens")
@@ -95,15 +100,20 @@ def plan_batches(lengths: Sequence[int], *, batch_size: int | None = None, max_t
   plans, start = [], 0
   while start < len(order):
     bucket_len = int(buckets[np.searchsorted(buckets, lengths[order[start]])])
-    indices = order[start:start + rows_for(bucket_len)]
+    full = rows_for(bucket_len)
+    indices = order[start:start + full]
     start += len(indices)
-    plans.append(BatchPlan(indices, -(-len(indices) // multiple_of) * multiple_of, bucket_len))
+    rows = len(indices)
+    if short_rows_to_power_of_two:
+      rows = min(full, 1 << (rows - 1).bit_length())
+    plans.append(BatchPlan(indices, -(-rows // multiple_of) * multiple_of, bucket_len))
   return plans
 
 
 def bucketed_batches(token_ids: Sequence[np.ndarray], *, batch_size: int | None = None, max_tokens: int | None = None,
                      bucket_lengths: Sequence[int] | None = None, pad_id: int = 0,
-                     multiple_of: int = 1) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+                     multiple_of: int = 1,
+                     short_rows_to_power_of_two: bool = False) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
   """Yields (indices, input_ids int32 [B, L], attention_mask int32 [B, L]); each input index appears once.
 
   Row i of a batch holds sequence `indices[i]`; rows past `len(indices)` are filler. See `plan_batches` for
@@ -111,7 +121,7 @@ def bucketed_batches(token_ids: Sequence[np.ndarray], *, batch_size: int | None 
   """
   lengths = [len(ids) for ids in token_ids]
   for plan in plan_batches(lengths, batch_size=batch_size, max_tokens=max_tokens, bucket_lengths=bucket_lengths,
-                           multiple_of=multiple_of):
+                           multiple_of=multiple_of, short_rows_to_power_of_two=short_rows_to_power_of_two):
     input_ids = np.full((plan.rows, plan.length), pad_id, dtype=np.int32)
     mask = np.zeros((plan.rows, plan.length), dtype=np.int32)
     for row, i in enumerate(plan.indices):
