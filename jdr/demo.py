@@ -9,6 +9,7 @@ import argparse
 import pathlib
 import sys
 
+from jdr import cli
 from jdr import encode
 from jdr import evaluate
 from jdr import retrieve
@@ -22,7 +23,8 @@ def main(argv=None) -> None:
   args = parser.parse_args(argv)
   work = pathlib.Path(args.workdir)
   data_dir = work / "stdlib-docstrings"
-  builtin.write_builtin(data_dir)
+  with cli.reporting_errors():  # the steps below report their own errors the same way
+    builtin.write_builtin(data_dir)
   print(f"[1/3] encode {data_dir}/corpus.jsonl with {args.model}", file=sys.stderr)
   encode.main(["--model", args.model, "--corpus", str(data_dir), "--out", str(work / "embeddings")])
   print("[2/3] retrieve the test queries", file=sys.stderr)

@@ -14,6 +14,7 @@ import json
 import sys
 from typing import Sequence
 
+from jdr import cli
 from jdr import metrics
 from jdr.data import formats
 
@@ -30,6 +31,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
   parser.add_argument("--missing", choices=["skip", "zero"], default="skip",
                       help="qrels queries absent from the run: skip them (trec_eval, BEIR) or score 0 (trec_eval -c)")
   parser.add_argument("--per-query", metavar="FILE", help="also write {qid: {metric: value}} as JSON")
+  cli.add_skip_invalid_flag(parser)
   args = parser.parse_args(argv)
 
   names = [m.strip() for m in args.metrics.split(",") if m.strip()]
@@ -41,17 +43,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
   if not names:
     parser.error("--metrics is empty")
 
-  try:
-    qrels = formats.read_qrels(args.qrels)
-    run = formats.read_run(args.run)
-  except (formats.DataFormatError, OSError) as e:
-    raise SystemExit(f"error: {e}") from None
-
-  per_query = metrics.evaluate(qrels, run, names, per_query=True, missing=args.missing)
-  if not per_query:
-    raise SystemExit(
-        f"error: no query to evaluate: {len(qrels)} queries in {args.qrels}, {len(run)} in {args.run}, "
-        f"{sum(1 for q in qrels if q in run)} in both (queries without a relevant document are skipped)")
+  with cli.reporting_errors(skip_flag="--skip-invalid"):
+    qrels = formats.read_qrels(args.qrels, skip_invalid=args.skip_invalid)
+    run = formats.read_run(args.run, skip_invalid=args.skip_invalid)
+    per_query = metrics.evaluate(qrels, run, names, per_query=True, missing=args.missing)
+    if not per_query:
+      raise ValueError(
+          f"no query to evaluate: {len(qrels)} queries in {args.qrels}, {len(run)} in {args.run}, "
+          f"{sum(1 for q in qrels if q in run)} in both (queries without a relevant document are skipped)")
   results = metrics.mean(per_query)
 
   # Say what was left out of the mean, so a half-written run is not mistaken for a bad model.
@@ -69,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
   print("; ".join(notes), file=sys.stderr)
 
   if args.per_query:
-    with open(args.per_query, "w", encoding="utf-8") as f:
+    with cli.reporting_errors(), open(args.per_query, "w", encoding="utf-8") as f:
       json.dump(per_query, f, indent=1)
   if args.json:
     print(json.dumps(results))

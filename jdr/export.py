@@ -6,7 +6,8 @@ Writes, from the latest checkpoint of a training workdir:
   OUT/hf/ (shared towers) or OUT/hf-query/ + OUT/hf-doc/ (separate towers): Hugging Face directories that
                                      transformers.AutoModel loads, with the tokenizer and, when the tower is
                                      an encoder plus pooling (no projection head), the sentence-transformers
-                                     files that declare its pooling and normalization.
+                                     files that declare its pooling, normalization and max_seq_length (the
+                                     document length it was trained for, or the base model's if longer).
 """
 
 import argparse
@@ -17,8 +18,10 @@ import sys
 import jax
 
 from jdr import checkpoint
+from jdr import cli
 from jdr.models import build as build_lib
 from jdr.models import hf
+from jdr.models.bert import EncoderConfig
 
 
 def _sentence_transformers_files(path: pathlib.Path, tower: dict, max_length: int) -> None:
@@ -38,6 +41,18 @@ def _sentence_transformers_files(path: pathlib.Path, tower: dict, max_length: in
       "pooling_mode_max_tokens": tower["pooling"] == "max"}, indent=2))
 
 
+def sentence_transformers_max_length(description: dict, side: str) -> int:
+  """The max_seq_length a Hugging Face export declares for one side's tower.
+
+  A shared tower also embeds documents, so the document length governs it: declaring the query
+  length would make sentence-transformers cut documents at it. The base model's declared length
+  (description["base_max_length"], e.g. 256 for MiniLM) is kept when longer, capped at the positions.
+  """
+  length_side = "doc" if description["shared"] else side
+  length = max(int(description[f"{length_side}_max_length"]), int(description.get("base_max_length") or 0))
+  return min(length, EncoderConfig(**description[side]["encoder"]).max_length)
+
+
 def export(workdir: str | pathlib.Path, out: str | pathlib.Path) -> pathlib.Path:
   """Writes the params-only checkpoint and the Hugging Face directories; returns `out`."""
   model, params, tokenizer, description = build_lib.load_jdr_model(workdir)
@@ -55,7 +70,7 @@ def export(workdir: str | pathlib.Path, out: str | pathlib.Path) -> pathlib.Path
       print(f"{side} tower is {tower['kind']}: no Hugging Face equivalent, skipped", file=sys.stderr)
       continue
     path = hf.export_hf(getattr(model, side).encoder, params[param_key]["encoder"], out / folder, tokenizer=tokenizer)
-    max_length = description[f"{side}_max_length"]
+    max_length = sentence_transformers_max_length(description, side)
     if tower.get("projection_dim"):
       print(f"{path}: holds the encoder only; the projection head lives in {out}/params", file=sys.stderr)
     else:
@@ -68,7 +83,10 @@ def main(argv=None) -> None:
   parser.add_argument("--workdir", required=True, help="a training workdir (its latest checkpoint)")
   parser.add_argument("--out", required=True, help="output directory")
   args = parser.parse_args(argv)
-  out = export(args.workdir, args.out)
+  with cli.reporting_errors():
+    if not pathlib.Path(args.workdir).is_dir():
+      raise FileNotFoundError(f"--workdir {args.workdir}: no such directory")
+    out = export(args.workdir, args.out)
   print(f"exported {args.workdir} to {out}", file=sys.stderr)
 
 

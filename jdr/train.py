@@ -6,13 +6,12 @@ mesh, data, model, state (resume | init_from | fresh), the jitted step, the loop
 """
 
 import argparse
-import functools
 import json
 import math
 import pathlib
 import sys
 import time
-from typing import Any, Callable
+from typing import Any
 
 import flax
 import flax.linen as nn
@@ -25,15 +24,15 @@ import tqdm
 
 from jdr import checkpoint
 from jdr import config_files
-from jdr import encode as encode_lib
-from jdr import index as index_lib
+from jdr import evaluation
 from jdr import losses
 from jdr import metric_writers
-from jdr import metrics as metrics_lib
 from jdr import optimizers
 from jdr import parallel
+from jdr.data import formats
 from jdr.data import pairs
-from jdr.data import text as text_lib
+from jdr.negatives import retrieved
+from jdr.negatives import sources
 from jdr.models import build as build_lib
 from jdr.models.towers import TwoTower
 
@@ -46,100 +45,91 @@ class TrainState:
   rng: jax.Array  # uint32[2] base key; step s uses fold_in(rng, s)
 
 
-def make_loss(loss_cfg: ml_collections.ConfigDict) -> Callable[[jax.Array, jax.Array], jax.Array]:
-  """Per-example loss of a [B, C] score matrix whose row b's positive is column b."""
-  if loss_cfg.name == "softmax_nll":
-    return functools.partial(losses.softmax_nll, temperature=loss_cfg.temperature)
-  if loss_cfg.name == "ranknet":
-    return losses.ranknet
-  if loss_cfg.name == "hinge":
-    return functools.partial(losses.hinge, margin=loss_cfg.margin)
-  if loss_cfg.name == "bce":
-    return losses.bce
-  raise ValueError(f"loss.name must be softmax_nll, ranknet, hinge or bce; got {loss_cfg.name!r}")
+def make_train_step(model: TwoTower, tx: optax.GradientTransformation, config: ml_collections.ConfigDict,
+                    mesh=None, candidates: str = "tokens", retrieve_in_step: bool = False):
+  """The pure step (state, batch[, corpus, bias]) -> (state, metrics); the caller jits it with shardings.
 
-
-def make_train_step(model: TwoTower, tx: optax.GradientTransformation, config: ml_collections.ConfigDict):
-  """The pure step (state, batch) -> (state, metrics); the caller jits it with explicit shardings."""
-  loss_fn_of_scores = make_loss(config.loss)
+  Batches follow the contract of jdr/data/batch.py. "tokens": documents are token ids encoded in the step
+  by the document tower. "corpus": candidates are rows of the fixed corpus matrix `corpus` (ADORE / LTRe),
+  retrieved here (`retrieve_in_step`) or given as the batch field `cand_rows`; no document tower runs.
+  """
+  loss_of = losses.make_loss(config.loss)
   hardest = config.negatives.hardest_in_batch
+  query_only = config.model.train_towers == "query"
+  top_n = config.negatives.top_n
 
-  def train_step(state: TrainState, batch: dict[str, jax.Array]):
+  def train_step(state: TrainState, batch: dict[str, jax.Array], corpus=None, bias=None):
     query_rng, doc_rng = jax.random.split(jax.random.fold_in(state.rng, state.step))
 
     def loss_fn(params):
       variables = {"params": params}
       q = model.apply(variables, batch["query_ids"], batch["query_mask"], deterministic=False,
                       rngs={"dropout": query_rng}, method=TwoTower.encode_query)
-      d = model.apply(variables, batch["doc_ids"], batch["doc_mask"], deterministic=False,
-                      rngs={"dropout": doc_rng}, method=TwoTower.encode_doc)
-      # Every query is scored against every document of the global batch: under jit the batch-sharded
-      # document matrix is all-gathered across devices and hosts by XLA, no hand-written collective.
-      scores = q @ d.T
-      valid = batch["valid"]
-      if hardest:
-        valid = losses.hardest_negative_mask(scores, valid)
-      per_example = loss_fn_of_scores(scores, valid)
-      masked = jnp.where(valid, scores, -jnp.inf)
-      rows = jnp.arange(scores.shape[0])
-      accuracy = jnp.mean(jnp.argmax(masked, axis=1) == rows)
-      return jnp.mean(per_example), {"train_accuracy": accuracy}
+      aux = {}
+      if candidates == "corpus":
+        if retrieve_in_step:
+          rows = retrieved.sharded_top_k(jax.lax.stop_gradient(q), corpus, bias, top_n, mesh)
+        else:
+          rows = batch["cand_rows"]
+        rows, labels, retrieved_labels = retrieved.replace_last(rows, batch["positive_rows"])
+        docs = retrieved.gather_rows(corpus, rows, mesh)
+        scores = jnp.einsum("bd,bnd->bn", q, docs)
+        fields = {"labels": labels, "valid": rows >= 0}
+        aux.update(retrieved.retrieval_diagnostics(retrieved_labels, batch["positive_rows"]))
+        positive = labels > 0
+      else:
+        # A frozen document tower runs forward only, without dropout: nothing of it is trained.
+        d = model.apply(variables, batch["doc_ids"], batch["doc_mask"], deterministic=query_only,
+                        rngs={} if query_only else {"dropout": doc_rng}, method=TwoTower.encode_doc)
+        if query_only:
+          d = jax.lax.stop_gradient(d)
+        # Every query is scored against every document of the global batch: under jit the batch-sharded
+        # document matrix is all-gathered across devices and hosts by XLA, no hand-written collective.
+        scores = q @ d.T
+        valid = batch["valid"]
+        if hardest:
+          valid = losses.hardest_negative_mask(scores, valid)
+        fields = {"valid": valid}
+        if "weights" in batch:
+          fields["weights"] = batch["weights"]
+        positive = jnp.arange(scores.shape[1])[None, :] == jnp.arange(scores.shape[0])[:, None]
+      per_example = loss_of(scores, fields)
+      masked = jnp.where(fields["valid"] | positive, scores, -jnp.inf)
+      top = jnp.argmax(masked, axis=1)
+      aux["train_accuracy"] = jnp.mean(jnp.take_along_axis(positive, top[:, None], axis=1))
+      return jnp.mean(per_example), aux
 
     (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
-    return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
+    return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux,
+                       **group_grad_norms(grads, skip=("doc_tower",) if query_only else ())}
 
   return train_step
+
+
+def group_grad_norms(grads, skip: tuple[str, ...] = ()) -> dict[str, jax.Array]:
+  """Gradient norm per layer group ("grad_norm/query_tower/layer_3", ".../embeddings", ".../head")."""
+  groups: dict[str, list] = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(grads)[0]:
+    keys = [getattr(k, "key", str(k)) for k in path]
+    if keys[0] in skip:
+      continue
+    if "encoder" in keys:
+      group = keys[keys.index("encoder") + 1]
+    elif keys[1].startswith("projection"):
+      group = "head"
+    else:
+      group = keys[1]
+    groups.setdefault(f"grad_norm/{keys[0]}/{group}", []).append(leaf)
+  return {name: optax.tree.norm(leaves) for name, leaves in groups.items()}
 
 
 def _dummy_inputs(config: ml_collections.ConfigDict):
   q = jnp.ones((1, config.data.query_max_length), jnp.int32)
   d = jnp.ones((1, config.data.doc_max_length), jnp.int32)
   return q, q, d, d
-
-
-class Evaluator:
-  """Encodes the corpus with the document tower, indexes it, retrieves for the eval queries, scores."""
-
-  def __init__(self, model: TwoTower, tokenizer, data: pairs.RetrievalData,
-               config: ml_collections.ConfigDict, mesh):
-    self.data, self.config, self.mesh, self.tokenizer = data, config, mesh, tokenizer
-    self.metric_names = [m.strip() for m in config.eval.metrics.split(",") if m.strip()]
-    for name in self.metric_names:
-      metrics_lib.parse_metric(name)  # an unknown metric name fails here, before training
-    qids = sorted(data.eval_qrels or {})
-    if config.eval.max_queries:
-      qids = qids[:config.eval.max_queries]
-    self.qids = qids
-    self.doc_ids = list(data.corpus)
-    self.doc_max_length = config.eval.doc_max_length or config.data.doc_max_length
-    # Tokenized once: every evaluation of the run encodes the same texts.
-    self.doc_tokens = text_lib.tokenize(
-        tokenizer, [text_lib.doc_text(data.corpus[d]) for d in self.doc_ids], self.doc_max_length)
-    self.query_tokens = text_lib.tokenize(
-        tokenizer, [data.queries[q] for q in self.qids], config.data.query_max_length)
-    # Jitted once here; each evaluation reuses the compiled length buckets.
-    self.encode_doc = jax.jit(lambda p, i, m: model.apply({"params": p}, i, m, method=TwoTower.encode_doc))
-    self.encode_query = jax.jit(
-        lambda p, i, m: model.apply({"params": p}, i, m, method=TwoTower.encode_query))
-
-  def __call__(self, params) -> dict[str, float]:
-    cfg = self.config
-    batch_tokens = cfg.eval.tokens_per_batch or None
-    doc_runtime = encode_lib.EncoderRuntime(self.encode_doc, params, self.tokenizer, self.doc_max_length, {})
-    query_runtime = encode_lib.EncoderRuntime(
-        self.encode_query, params, self.tokenizer, cfg.data.query_max_length, {})
-    doc_emb = encode_lib.encode_tokens(doc_runtime, self.doc_tokens, tokens_per_batch=batch_tokens)
-    query_emb = encode_lib.encode_tokens(query_runtime, self.query_tokens, tokens_per_batch=batch_tokens)
-    kwargs = {"mesh": self.mesh} if cfg.eval.backend == "jax" else {}
-    retriever = index_lib.make_retriever(cfg.eval.backend, doc_emb.shape[1], **kwargs)
-    retriever.add(doc_emb, self.doc_ids)
-    scores, ids = retriever.search(query_emb, min(cfg.eval.top_k, len(self.doc_ids)))
-    run = index_lib.to_run(self.qids, scores, ids)
-    qrels = {q: self.data.eval_qrels[q] for q in self.qids}
-    return metrics_lib.evaluate(qrels, run, self.metric_names)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict:
@@ -152,24 +142,20 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   mesh = parallel.make_mesh(config.mesh.shape)
   rules = parallel.rules_for(config.mesh.rules)
   parallel.check_batch_size(config.batch_size, mesh)
+  sources.check(config)
+  losses.make_loss(config.loss)  # an unknown loss fails here, before any data is read
 
-  # ---------------------------------------------------------------- data
+  # ---------------------------------------------------------------- data and model
   data = pairs.load(config.data, workdir)
-  negative_source = pairs.make_negative_source(config.negatives, data, workdir / "cache")
   built = build_lib.build(config.model, config.data)
-  batches = pairs.Batches(
-      data, built.tokenizer, batch_size=config.batch_size,
-      query_max_length=config.data.query_max_length, doc_max_length=config.data.doc_max_length,
-      negative_source=negative_source, negatives_per_query=config.negatives.per_query,
-      in_batch=config.negatives.in_batch, seed=config.seed,
-      process_index=jax.process_index(), process_count=jax.process_count())
+  model = built.model
+  query_only = config.model.train_towers == "query"
+  candidates = "corpus" if config.negatives.source == "retrieval" else "tokens"
   if is_host0:
-    pairs.describe_counts(data, batches)
     (workdir / "config.json").write_text(config.to_json_best_effort(indent=1))
     (workdir / "model.json").write_text(json.dumps(built.description, indent=1))
 
-  # ---------------------------------------------------------------- model and optimizer
-  model = built.model
+  # ---------------------------------------------------------------- optimizer and abstract state
   tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps, config.model.train_towers)
   init_rng = jax.random.PRNGKey(config.seed)
   boxed_params = jax.eval_shape(lambda r: model.init(r, *_dummy_inputs(config))["params"], init_rng)
@@ -192,54 +178,97 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
                        opt_state=opt_state,
                        rng=jax.device_put(jax.random.PRNGKey(config.seed + 1), state_shardings.rng))
 
+  # ---------------------------------------------------------------- negatives (may mine with the weights)
+  encoder = evaluation.TowerEncoder(
+      model, built.tokenizer, data, query_max_length=config.data.query_max_length,
+      doc_max_length=config.eval.doc_max_length or config.data.doc_max_length,
+      tokens_per_batch=config.eval.tokens_per_batch)
+
+  @jax.jit
+  def step_query_vectors(state, query_ids, query_mask):
+    # Exactly the query vectors the step computes (same params, same dropout rng), for host retrieval.
+    query_rng, _ = jax.random.split(jax.random.fold_in(state.rng, state.step))
+    return model.apply({"params": state.params}, query_ids, query_mask, deterministic=False,
+                       rngs={"dropout": query_rng}, method=TwoTower.encode_query)
+
+  negatives = sources.make(config, data, workdir, encoder, state.params, mesh, step_query_vectors)
+  batches = pairs.Batches(
+      data, built.tokenizer, batch_size=config.batch_size,
+      query_max_length=config.data.query_max_length, doc_max_length=config.data.doc_max_length,
+      negative_source=negatives.sampler, negatives_per_query=config.negatives.per_query,
+      in_batch=config.negatives.in_batch, seed=config.seed,
+      process_index=jax.process_index(), process_count=jax.process_count(),
+      candidates=candidates, random_weight=config.negatives.random_weight)
+  if is_host0:
+    pairs.describe_counts(data, batches)
+
   # ---------------------------------------------------------------- the step, jitted once
   batch_shardings = parallel.batch_sharding(mesh)
-  step_fn = jax.jit(make_train_step(model, tx, config),
-                    in_shardings=(state_shardings, batch_shardings),
-                    out_shardings=(state_shardings, parallel.replicated(mesh)),
-                    donate_argnums=(0,))
+  train_step = make_train_step(model, tx, config, mesh, candidates, negatives.retrieve_in_step)
+  if candidates == "corpus":
+    corpus_sharding, bias_sharding = retrieved.corpus_shardings(mesh)
+    jitted = jax.jit(train_step, in_shardings=(state_shardings, batch_shardings, corpus_sharding, bias_sharding),
+                     out_shardings=(state_shardings, parallel.replicated(mesh)), donate_argnums=(0,))
+    step_fn = lambda st, b: jitted(st, b, negatives.corpus.device, negatives.corpus.bias)
+  else:
+    step_fn = jax.jit(train_step, in_shardings=(state_shardings, batch_shardings),
+                      out_shardings=(state_shardings, parallel.replicated(mesh)), donate_argnums=(0,))
 
-  # ---------------------------------------------------------------- loop
+  def batch_at(step: int, state) -> dict[str, jax.Array]:
+    negatives.prepare(step, state)
+    return parallel.global_batch(negatives.complete(batches.local(step), state), mesh)
+
+  # ---------------------------------------------------------------- evaluation
   writer = metric_writers.MetricWriter(workdir)
-  evaluator = Evaluator(model, built.tokenizer, data, config, mesh) if data.eval_qrels else None
+  evaluator = None
+  if data.eval_qrels:
+    diagnostics = evaluation.TrainingDiagnostics(encoder, data, negatives, config)
+    evaluator = evaluation.Evaluator(encoder, config, mesh, doc_tower_frozen=query_only,
+                                     diagnostics=diagnostics, fixed_doc_emb=negatives.doc_emb)
   results = {}
   start = int(state.step)
   if evaluator and start == 0 and config.eval_before_training:
     results["before"] = evaluator(state.params)
     writer.write(0, {f"eval/{k}": v for k, v in results["before"].items()})
-    _print_metrics("before training", results["before"])
+    evaluation.print_metrics("before training", results["before"])
 
+  # ---------------------------------------------------------------- loop
   bar = tqdm.tqdm(total=config.num_train_steps, initial=start, unit="step", desc="train",
                   disable=not is_host0, mininterval=1.0 if sys.stderr.isatty() else 30.0)
   window, window_start = [], time.perf_counter()
-  next_batch = parallel.global_batch(batches.local(start), mesh) if start < config.num_train_steps else None
-  for step in range(start, config.num_train_steps):
-    state, step_metrics = step_fn(state, next_batch)
-    # Build the next batch on the host while the device runs this step.
-    if step + 1 < config.num_train_steps:
-      next_batch = parallel.global_batch(batches.local(step + 1), mesh)
-    step_metrics = jax.device_get(step_metrics)
-    if not math.isfinite(float(step_metrics["loss"])):
-      mngr.wait_until_finished()
-      raise FloatingPointError(
-          f"loss is {float(step_metrics['loss'])} at step {step + 1}; stopped without saving. The last "
-          f"good checkpoint is step {mngr.latest_step()} in {workdir / 'checkpoints'}")
-    window.append(step_metrics)
-    done = step + 1
-    if done % config.checkpoint_every == 0:
-      checkpoint.save(mngr, done, state, _data_position(batches, done), force=True)
-    if done % config.log_every == 0 or done == config.num_train_steps:
-      elapsed = time.perf_counter() - window_start
-      scalars = {k: float(np.mean([m[k] for m in window])) for k in window[0]}
-      scalars["examples_per_second"] = len(window) * config.batch_size / elapsed
-      writer.write(done, {f"train/{k}": v for k, v in scalars.items()})
-      bar.set_postfix(loss=f"{scalars['loss']:.4f}", ex_s=f"{scalars['examples_per_second']:.1f}")
-      window, window_start = [], time.perf_counter()
-    bar.update(1)
-    if evaluator and config.eval_every and done % config.eval_every == 0 and done < config.num_train_steps:
-      scores = evaluator(state.params)
-      writer.write(done, {f"eval/{k}": v for k, v in scores.items()})
-      bar.write(f"step {done}: " + ", ".join(f"{k}={v:.4f}" for k, v in scores.items()))
+  next_batch = batch_at(start, state) if start < config.num_train_steps else None
+  try:
+    for step in range(start, config.num_train_steps):
+      state, step_metrics = step_fn(state, next_batch)
+      # Build the next batch on the host while the device runs this step (sources that need the new
+      # weights, ADORE's host retrieval and ANCE's snapshots, wait for them).
+      if step + 1 < config.num_train_steps:
+        next_batch = batch_at(step + 1, state)
+      step_metrics = jax.device_get(step_metrics)
+      if not math.isfinite(float(step_metrics["loss"])):
+        mngr.wait_until_finished()
+        raise FloatingPointError(
+            f"loss is {float(step_metrics['loss'])} at step {step + 1}; stopped without saving. The last "
+            f"good checkpoint is step {mngr.latest_step()} in {workdir / 'checkpoints'}")
+      window.append(step_metrics)
+      done = step + 1
+      if done % config.checkpoint_every == 0:
+        checkpoint.save(mngr, done, state, _data_position(batches, done), force=True)
+      if done % config.log_every == 0 or done == config.num_train_steps:
+        elapsed = time.perf_counter() - window_start
+        scalars = {k: float(np.mean([m[k] for m in window])) for k in window[0]}
+        scalars["examples_per_second"] = len(window) * config.batch_size / elapsed
+        scalars.update(negatives.log_scalars(done))
+        writer.write(done, {f"train/{k}": v for k, v in scalars.items()})
+        bar.set_postfix(loss=f"{scalars['loss']:.4f}", ex_s=f"{scalars['examples_per_second']:.1f}")
+        window, window_start = [], time.perf_counter()
+      bar.update(1)
+      if evaluator and config.eval_every and done % config.eval_every == 0 and done < config.num_train_steps:
+        scores = evaluator(state.params)
+        writer.write(done, {f"eval/{k}": v for k, v in scores.items()})
+        bar.write(f"step {done}: " + ", ".join(f"{k}={v:.4f}" for k, v in scores.items()))
+  finally:
+    negatives.close()
   bar.close()
   if mngr.latest_step() != int(state.step):
     checkpoint.save(mngr, int(state.step), state, _data_position(batches, int(state.step)), force=True)
@@ -249,8 +278,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     results["after"] = evaluator(state.params)
     writer.write(int(state.step), {f"eval/{k}": v for k, v in results["after"].items()})
     if "before" in results:
-      _print_metrics("before training", results["before"])
-    _print_metrics(f"after {int(state.step)} steps", results["after"])
+      evaluation.print_metrics("before training", results["before"])
+    evaluation.print_metrics(f"after {int(state.step)} steps", results["after"])
   writer.close()
   results["state"] = state
   return results
@@ -284,11 +313,6 @@ def _data_position(batches: pairs.Batches, step: int) -> dict:
           "position_in_epoch": consumed % batches.examples_per_epoch, "seed": batches.seed}
 
 
-def _print_metrics(title: str, scores: dict[str, float]) -> None:
-  if jax.process_index() == 0:
-    print(f"{title}: " + "  ".join(f"{k}={v:.4f}" for k, v in scores.items()), flush=True)
-
-
 def main(argv=None) -> None:
   argv = sys.argv[1:] if argv is None else list(argv)
   try:
@@ -300,8 +324,14 @@ def main(argv=None) -> None:
     config = config_files.load_config_file(args.config)
     config_files.apply_overrides(config, overrides)
   except config_files.ConfigError as e:
-    raise SystemExit(f"error: {e}") from None
-  train_and_evaluate(config, args.workdir)
+    print(f"error: {e}", file=sys.stderr)
+    raise SystemExit(2) from None
+  try:
+    train_and_evaluate(config, args.workdir)
+  except formats.DataFormatError as e:
+    # Bad input is the user's to fix: one line naming the file, the line and the reason, no traceback.
+    print(f"error: {e}", file=sys.stderr)
+    raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -232,3 +232,403 @@ def test_target_counts_as_valid_and_shapes_are_checked():
     losses.softmax_nll(jnp.zeros((3, 2)), jnp.ones((3, 2), bool))
   with pytest.raises(ValueError, match=r"\[B, C\]"):
     losses.ranknet(jnp.zeros((2, 4)), jnp.ones((2, 3), bool))
+
+
+# --- Labelled losses (hard-negative layouts: several positives anywhere, graded labels) ---
+
+def _labelled_batch(seed, b=4, c=9, graded=False):
+  """Scores, valid and labels with several positives per row, invalid positives, a row without a
+  positive and a row without a valid column. Graded labels are 0-3 except in row 1, which is binary."""
+  rng = np.random.default_rng(seed)
+  scores = rng.normal(size=(b, c)) * 2.0
+  valid = rng.random((b, c)) < 0.75
+  high = 4 if graded else 2
+  labels = np.where(rng.random((b, c)) < 0.4, rng.integers(1, high, (b, c)), 0).astype(np.float64)
+  labels[0, :3] = [1.0, 2.0 if graded else 1.0, 1.0]
+  labels[1] = labels[1] > 0
+  labels[1, -3:] = 1.0  # several positives, one of them invalid
+  valid[1, -3:] = [True, True, False]
+  valid[0, :3] = True
+  labels[b - 2] = 0.0
+  valid[b - 1] = False
+  return scores, valid, labels
+
+
+def ref_softmax_nll_labels(scores, valid, labels, temperature=1.0):
+  out = np.zeros(len(scores))
+  for b in range(len(scores)):
+    cols = [c for c in range(scores.shape[1]) if valid[b, c]]
+    mass = sum(labels[b, c] for c in cols if labels[b, c] > 0)
+    if mass == 0:
+      continue
+    log_z = np.log(sum(np.exp(scores[b, c] / temperature) for c in cols))
+    out[b] = -sum(labels[b, c] / mass * (scores[b, c] / temperature - log_z)
+                  for c in cols if labels[b, c] > 0)
+  return out
+
+
+def _ref_pairwise_labels(pair_loss, scores, valid, labels, weights):
+  """Pairs (i, j) of valid columns with labels[i] > labels[j]; [B, C] weights on j, [B, C, C] on (i, j)."""
+  out = np.zeros(len(scores))
+  cols = range(scores.shape[1])
+  for b in range(len(scores)):
+    terms = []
+    for i in cols:
+      for j in cols:
+        if valid[b, i] and valid[b, j] and labels[b, i] > labels[b, j]:
+          w = 1.0 if weights is None else (weights[b, j] if weights.ndim == 2 else weights[b, i, j])
+          terms.append(w * pair_loss(scores[b, i], scores[b, j]))
+    out[b] = sum(terms) / len(terms) if terms else 0.0
+  return out
+
+
+def ref_ranknet_labels(scores, valid, labels, weights=None):
+  return _ref_pairwise_labels(lambda hi, lo: np.log(1.0 + np.exp(lo - hi)), scores, valid, labels, weights)
+
+
+def ref_hinge_labels(scores, valid, labels, margin=1.0, weights=None):
+  return _ref_pairwise_labels(lambda hi, lo: max(0.0, margin - (hi - lo)), scores, valid, labels, weights)
+
+
+def ref_bce_labels(scores, valid, labels):
+  out = np.zeros(len(scores))
+  for b in range(len(scores)):
+    terms = []
+    for c in range(scores.shape[1]):
+      if valid[b, c]:
+        p = 1.0 / (1.0 + np.exp(-scores[b, c]))
+        terms.append(-np.log(p) if labels[b, c] > 0 else -np.log(1.0 - p))
+    out[b] = np.mean(terms) if terms else 0.0
+  return out
+
+
+def _labelled_cases(b=4, c=9):
+  rng = np.random.default_rng(11)
+  w2 = rng.uniform(0.0, 2.0, size=(b, c))
+  w3 = rng.uniform(0.0, 2.0, size=(b, c, c))
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  return {
+      "softmax_nll": (lambda s, v, y: losses.softmax_nll(s, v, labels=y),
+                      lambda s, v, y: ref_softmax_nll_labels(s, v, y)),
+      "softmax_nll_t": (lambda s, v, y: losses.softmax_nll(s, v, labels=y, temperature=0.2),
+                        lambda s, v, y: ref_softmax_nll_labels(s, v, y, 0.2)),
+      "ranknet": (lambda s, v, y: losses.ranknet(s, v, labels=y), ref_ranknet_labels),
+      "ranknet_w2": (lambda s, v, y: losses.ranknet(s, v, labels=y, weights=f32(w2)),
+                     lambda s, v, y: ref_ranknet_labels(s, v, y, w2)),
+      "ranknet_w3": (lambda s, v, y: losses.ranknet(s, v, labels=y, weights=f32(w3)),
+                     lambda s, v, y: ref_ranknet_labels(s, v, y, w3)),
+      "hinge": (lambda s, v, y: losses.hinge(s, v, labels=y, margin=0.7),
+                lambda s, v, y: ref_hinge_labels(s, v, y, 0.7)),
+      "hinge_w2": (lambda s, v, y: losses.hinge(s, v, labels=y, weights=f32(w2)),
+                   lambda s, v, y: ref_hinge_labels(s, v, y, 1.0, w2)),
+      "hinge_w3": (lambda s, v, y: losses.hinge(s, v, labels=y, weights=f32(w3)),
+                   lambda s, v, y: ref_hinge_labels(s, v, y, 1.0, w3)),
+      "bce": (lambda s, v, y: losses.bce(s, v, labels=y), ref_bce_labels),
+  }
+
+
+LABELLED = _labelled_cases()
+
+
+@pytest.mark.parametrize("name", sorted(LABELLED))
+def test_labelled_value_and_gradient_match_reference(name):
+  fn, ref = LABELLED[name]
+  scores, valid, labels = _labelled_batch(22, graded=True)
+  v, y = jnp.asarray(valid), jnp.asarray(labels, jnp.float32)
+  got = jax.jit(fn)(jnp.asarray(scores, jnp.float32), v, y)
+  assert got.shape == (4,) and got.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(got), ref(scores, valid, labels), rtol=1e-5, atol=1e-5)
+  # The row without a positive (and, for pairwise losses, without pairs) and the row without a valid
+  # column give 0; the latter has no gradient.
+  assert float(got[3]) == 0.0
+  if not name.startswith("bce"):
+    assert float(got[2]) == 0.0
+
+  grad = jax.jit(jax.grad(lambda s: fn(s, v, y).sum()))(jnp.asarray(scores, jnp.float32))
+  expected = _numeric_grad(lambda s: ref(s, valid, labels), scores)
+  np.testing.assert_allclose(np.asarray(grad), expected, rtol=1e-4, atol=1e-5)
+  assert np.all(np.asarray(grad)[~valid] == 0.0)
+
+
+@pytest.mark.parametrize("name", sorted(LABELLED))
+def test_labelled_invalid_columns_holding_inf_or_nan_are_ignored(name):
+  fn, ref = LABELLED[name]
+  scores, valid, labels = _labelled_batch(5, graded=True)
+  poisoned, poisoned_labels = scores.copy(), labels.copy()
+  poisoned[~valid] = np.resize([np.inf, np.nan, -np.inf], (~valid).sum())
+  poisoned_labels[~valid] = np.nan
+  got, grad = jax.value_and_grad(lambda x: fn(x, jnp.asarray(valid), jnp.asarray(poisoned_labels)).sum())(
+      jnp.asarray(poisoned, jnp.float32))
+  np.testing.assert_allclose(float(got), ref(scores, valid, labels).sum(), rtol=1e-5)
+  assert np.all(np.isfinite(np.asarray(grad)))
+  assert np.all(np.asarray(grad)[~valid] == 0.0)
+
+
+def test_labelled_losses_take_bfloat16_scores():
+  scores, valid, labels = _labelled_batch(22, graded=True)
+  s16, v, y = jnp.asarray(scores, jnp.bfloat16), jnp.asarray(valid), jnp.asarray(labels, jnp.float32)
+  rounded = np.asarray(s16, np.float64)
+  for name in ("softmax_nll", "ranknet_w3", "bce"):
+    fn, ref = LABELLED[name]
+    got = fn(s16, v, y)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(got, ref(rounded, valid, labels), rtol=1e-5, atol=1e-5)
+  grad = jax.grad(lambda x: losses.lambdarank(x, v, labels=y, metric="ndcg@5").sum())(s16)
+  assert grad.dtype == jnp.bfloat16 and np.all(np.isfinite(np.asarray(grad, np.float32)))
+
+
+def test_identity_labels_give_todays_results():
+  scores, valid = _batch(8)
+  s, v = jnp.asarray(scores, jnp.float32), jnp.asarray(valid)
+  eye = jnp.eye(B, C, dtype=jnp.float32)
+  w2 = jnp.asarray(np.random.default_rng(1).uniform(0.0, 2.0, size=(B, C)), jnp.float32)
+  calls = {
+      "softmax_nll": lambda x, **kw: losses.softmax_nll(x, v, temperature=0.3, **kw),
+      "ranknet": lambda x, **kw: losses.ranknet(x, v, **kw),
+      "ranknet_weighted": lambda x, **kw: losses.ranknet(x, v, weights=w2, **kw),
+      "hinge": lambda x, **kw: losses.hinge(x, v, margin=0.5, **kw),
+      "hinge_weighted": lambda x, **kw: losses.hinge(x, v, weights=w2, **kw),
+      "bce": lambda x, **kw: losses.bce(x, v, **kw),
+  }
+  for name, call in calls.items():
+    today, labelled = call(s), call(s, labels=eye)
+    np.testing.assert_allclose(labelled, today, rtol=1e-6, atol=1e-7, err_msg=name)
+    grad_today = jax.grad(lambda x: call(x).sum())(s)
+    grad_labelled = jax.grad(lambda x: call(x, labels=eye).sum())(s)
+    np.testing.assert_allclose(grad_labelled, grad_today, rtol=1e-6, atol=1e-7, err_msg=name)
+  # The softmax and pointwise paths make the same float operations: equal to the bit.
+  np.testing.assert_array_equal(calls["softmax_nll"](s, labels=eye), calls["softmax_nll"](s))
+  np.testing.assert_array_equal(calls["bce"](s, labels=eye), calls["bce"](s))
+
+
+def test_per_pair_weights_without_labels_are_the_target_rows_slice():
+  scores, valid = _batch(9)
+  s, v = jnp.asarray(scores, jnp.float32), jnp.asarray(valid)
+  w3 = np.random.default_rng(2).uniform(0.0, 2.0, size=(B, C, C))
+  eye = jnp.eye(B, C, dtype=jnp.float32)
+  for fn in (losses.ranknet, losses.hinge):
+    got = fn(s, v, weights=jnp.asarray(w3, jnp.float32))
+    np.testing.assert_allclose(got, fn(s, v, weights=jnp.asarray(w3, jnp.float32), labels=eye), rtol=1e-6)
+    np.testing.assert_allclose(got, fn(s, v, weights=jnp.asarray(w3[np.arange(B), np.arange(B)])), rtol=1e-6)
+  with pytest.raises(ValueError, match=r"\[B, C, C\]"):
+    losses.ranknet(s, v, weights=jnp.ones((B, C, C + 1)))
+  with pytest.raises(ValueError, match=r"\[B, C, C\]"):
+    losses.hinge(s, v, labels=eye, weights=jnp.ones((B, 1)))
+  with pytest.raises(ValueError, match="labels"):
+    losses.bce(s, v, labels=jnp.ones((B, C + 1)))
+
+
+def test_labelled_losses_allow_fewer_columns_than_rows():
+  # ADORE re-ranks each query's own retrieved list: C is the depth, unrelated to B.
+  scores, valid, labels = _labelled_batch(3, b=6, c=4)
+  got = losses.ranknet(jnp.asarray(scores, jnp.float32), jnp.asarray(valid), labels=jnp.asarray(labels))
+  np.testing.assert_allclose(got, ref_ranknet_labels(scores, valid, labels), rtol=1e-5, atol=1e-6)
+
+
+def test_labelled_losses_against_optax_and_rax():
+  scores, valid, labels = _labelled_batch(13, graded=True)
+  s, v, y = jnp.asarray(scores, jnp.float32), jnp.asarray(valid), jnp.asarray(labels, jnp.float32)
+  import optax
+  # optax's ranking softmax is -sum y_c log softmax(s)_c with the labels as given: normalize them first.
+  target = jnp.where(v & (y > 0), y, 0.0)
+  target = target / jnp.maximum(target.sum(axis=1, keepdims=True), 1e-30)
+  expected = optax.losses.ranking_softmax_loss(s / 0.5, target, where=v, reduce_fn=None)
+  np.testing.assert_allclose(losses.softmax_nll(s, v, labels=y, temperature=0.5), expected, rtol=1e-5,
+                             atol=1e-6)
+  per_doc = optax.losses.sigmoid_binary_cross_entropy(s, (y > 0).astype(jnp.float32))
+  expected = jnp.where(v, per_doc, 0.0).sum(axis=1) / jnp.maximum(v.sum(axis=1), 1)
+  np.testing.assert_allclose(losses.bce(s, v, labels=y), expected, rtol=1e-5, atol=1e-6)
+
+  rax = pytest.importorskip("rax")
+  per_row = lambda loss, **kw: jax.jit(jax.vmap(
+      lambda a, b, c: loss(a, b, where=c, reduce_fn=jnp.mean, **kw)))(s, y, v)
+  np.testing.assert_allclose(losses.ranknet(s, v, labels=y), per_row(rax.pairwise_logistic_loss), rtol=1e-5,
+                             atol=1e-6)
+  np.testing.assert_allclose(losses.hinge(s, v, labels=y), per_row(rax.pairwise_hinge_loss), rtol=1e-5,
+                             atol=1e-6)
+  # rax's NDCG lambda weights are |delta NDCG@K| times the list size.
+  lam = lambda a, b, where, **_: (rax.dcg_lambdaweight(a, b, where=where, topn=10, normalize=True)
+                                  / a.shape[-1])
+  np.testing.assert_allclose(losses.lambdarank(s, v, labels=y, metric="ndcg@10"),
+                             per_row(rax.pairwise_logistic_loss, lambdaweight_fn=lam), rtol=1e-5, atol=1e-7)
+
+
+# --- LambdaRank weights against swap-and-recompute ---
+
+def _ref_ranking(scores, valid):
+  return sorted((c for c in range(len(scores)) if valid[c]), key=lambda c: (-scores[c], c))
+
+
+def _ref_mrr(ranking, labels, k):
+  for rank, doc in enumerate(ranking[:k], 1):
+    if labels[doc] > 0:
+      return 1.0 / rank
+  return 0.0
+
+
+def _ref_dcg(gains_in_order, k):
+  return sum((2.0 ** g - 1.0) / np.log2(1.0 + rank) for rank, g in enumerate(gains_in_order[:k], 1))
+
+
+def ref_lambda_weights(scores, labels, valid, metric):
+  """Rank the valid docs, swap docs i and j in the ranking, recompute the metric: |difference|."""
+  name, _, k = metric.partition("@")
+  k = int(k) if k else None
+  out = np.zeros(scores.shape + scores.shape[-1:])
+  for b in range(len(scores)):
+    ranking = _ref_ranking(scores[b], valid[b])
+    if name == "mrr":
+      metric_of = lambda r: _ref_mrr(r, labels[b], k)
+    else:
+      idcg = _ref_dcg(sorted((labels[b, d] for d in ranking), reverse=True), k)
+      metric_of = lambda r: _ref_dcg([labels[b, d] for d in r], k) / idcg if idcg > 0 else 0.0
+    before = metric_of(ranking)
+    position = {doc: p for p, doc in enumerate(ranking)}
+    for i in ranking:
+      for j in ranking:
+        if labels[b, i] > labels[b, j]:
+          swapped = list(ranking)
+          swapped[position[i]], swapped[position[j]] = j, i
+          out[b, i, j] = abs(metric_of(swapped) - before)
+  return out
+
+
+def _ranking_batch(seed, c, graded, ties=False):
+  """Three rows of c columns: several positives (graded 1-3 or binary), ~15% invalid columns holding
+  inf/NaN/huge scores, and a last row without any positive."""
+  rng = np.random.default_rng(seed)
+  scores = rng.integers(0, 4, size=(3, c)).astype(np.float64) if ties else rng.normal(size=(3, c))
+  scores = scores.astype(np.float32).astype(np.float64)
+  valid = rng.random((3, c)) >= 0.15
+  relevant = rng.random((3, c)) < min(0.5, 6.0 / c)
+  labels = np.where(relevant, rng.integers(1, 4, (3, c)) if graded else 1, 0).astype(np.float64)
+  labels[0, rng.choice(c, 3, replace=False)] = 1.0  # at least a few positives, some maybe invalid
+  labels[2] = 0.0
+  poisoned = scores.copy()
+  poisoned[~valid] = rng.choice([np.inf, np.nan, 1e30, -np.inf], size=(~valid).sum())
+  return scores, poisoned, valid, labels
+
+
+@pytest.mark.parametrize("metric, c", [("mrr@10", 30), ("mrr@10", 250), ("ndcg@10", 30), ("ndcg@10", 250),
+                                       ("mrr@1", 117), ("ndcg@3", 117), ("mrr", 61), ("ndcg@1000", 250)])
+def test_lambda_weights_equal_swap_and_recompute(metric, c):
+  scores, poisoned, valid, labels = _ranking_batch(c + len(metric), c, graded=metric.startswith("ndcg"))
+  assert all(len(np.unique(row[v])) == v.sum() for row, v in zip(scores, valid))  # no ties
+  fn = jax.jit(losses.lambda_weights, static_argnames="metric")
+  got = fn(jnp.asarray(poisoned, jnp.float32), jnp.asarray(labels, jnp.float32), jnp.asarray(valid),
+           metric=metric)
+  assert got.shape == (3, c, c) and got.dtype == jnp.float32
+  expected = ref_lambda_weights(scores, labels, valid, metric)
+  assert expected[:2].max() > 0  # the test exercises swaps that move the metric
+  np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("metric", ["mrr@5", "ndcg@5"])
+def test_lambda_weights_break_ties_by_lower_column(metric):
+  scores, poisoned, valid, labels = _ranking_batch(4, 40, graded=metric.startswith("ndcg"), ties=True)
+  fn = jax.jit(losses.lambda_weights, static_argnames="metric")
+  got = fn(jnp.asarray(poisoned, jnp.float32), jnp.asarray(labels, jnp.float32), jnp.asarray(valid),
+           metric=metric)
+  np.testing.assert_allclose(np.asarray(got), ref_lambda_weights(scores, labels, valid, metric), rtol=1e-5,
+                             atol=1e-7)
+
+
+def test_lambda_weights_match_rax_ndcg():
+  rax = pytest.importorskip("rax")
+  scores, _, valid, labels = _ranking_batch(17, 60, graded=True)
+  s, y, v = jnp.asarray(scores, jnp.float32), jnp.asarray(labels, jnp.float32), jnp.asarray(valid)
+  expected = jax.jit(lambda a, b, c: rax.dcg_lambdaweight(a, b, where=c, topn=10, normalize=True))(s, y, v)
+  expected = np.asarray(expected).reshape(3, 60, 60) / 60
+  pairs = valid[:, :, None] & valid[:, None, :] & (labels[:, :, None] > labels[:, None, :])
+  got = jax.jit(losses.lambda_weights, static_argnames="metric")(s, y, v, metric="ndcg@10")
+  np.testing.assert_allclose(got, np.where(pairs, expected, 0.0),
+                             rtol=1e-5, atol=1e-7)
+
+
+def test_lambda_weights_reject_unknown_metrics():
+  s, v = jnp.zeros((2, 3)), jnp.ones((2, 3), bool)
+  for metric in ("map@10", "mrr@0", "ndcg@", "MRR@10"):
+    with pytest.raises(ValueError, match="mrr@K or ndcg@K"):
+      losses.lambda_weights(s, jnp.ones((2, 3)), v, metric)
+
+
+def test_lambdarank_is_ranknet_weighted_by_delta_metric_without_differentiating_it():
+  scores, valid, labels = _labelled_batch(30, graded=True)
+  s, v, y = jnp.asarray(scores, jnp.float32), jnp.asarray(valid), jnp.asarray(labels, jnp.float32)
+  delta = ref_lambda_weights(scores, labels, valid, "ndcg@5")
+  w2 = np.random.default_rng(3).uniform(0.5, 2.0, size=(4, 9))
+  for weights, pair_weights in ((None, delta), (w2, delta * w2[:, None, :])):
+    got = losses.lambdarank(s, v, labels=y, metric="ndcg@5",
+                            weights=None if weights is None else jnp.asarray(weights, jnp.float32))
+    np.testing.assert_allclose(got, ref_ranknet_labels(scores, valid, labels, pair_weights), rtol=1e-5,
+                               atol=1e-7)
+  # The weights are constants of the step: the gradient is ranknet's with those weights held fixed.
+  fixed = jnp.asarray(delta, jnp.float32)
+  grad = jax.grad(lambda x: losses.lambdarank(x, v, labels=y, metric="ndcg@5").sum())(s)
+  np.testing.assert_allclose(grad, jax.grad(lambda x: losses.ranknet(x, v, labels=y, weights=fixed).sum())(s),
+                             rtol=1e-5, atol=1e-7)
+  # MRR weights: only (relevant, irrelevant) swaps that move the first relevant doc count.
+  got = losses.lambdarank(s, v, labels=y, metric="mrr@10", weights=jnp.asarray(delta, jnp.float32))
+  mrr = ref_lambda_weights(scores, labels, valid, "mrr@10")
+  np.testing.assert_allclose(got, ref_ranknet_labels(scores, valid, labels, mrr * delta), rtol=1e-5,
+                             atol=1e-7)
+
+
+def test_lambdarank_in_batch_layout_and_poisoned_columns():
+  scores, valid = _batch(10)
+  poisoned = scores.copy()
+  poisoned[~valid] = np.nan
+  poisoned[0, ~valid[0]] = np.inf
+  s, v = jnp.asarray(poisoned, jnp.float32), jnp.asarray(valid)
+  eye = np.eye(B, C)
+  got, grad = jax.value_and_grad(lambda x: losses.lambdarank(x, v, labels=None, metric="mrr@3").sum())(s)
+  valid_eye = valid | eye.astype(bool)
+  expected = ref_ranknet_labels(scores, valid_eye, eye, ref_lambda_weights(scores, eye, valid_eye, "mrr@3"))
+  np.testing.assert_allclose(float(got), expected.sum(), rtol=1e-5)
+  assert np.all(np.isfinite(np.asarray(grad))) and np.all(np.asarray(grad)[~valid] == 0.0)
+
+
+# --- make_loss ---
+
+def _config(name, **overrides):
+  import ml_collections
+  fields = dict(name=name, temperature=0.5, margin=0.3, lambda_metric="mrr@10")
+  fields.update(overrides)
+  return ml_collections.ConfigDict(fields)
+
+
+def test_make_loss_builds_each_loss_from_config():
+  scores, valid, labels = _labelled_batch(40, b=4, c=9, graded=True)
+  s, v, y = jnp.asarray(scores, jnp.float32), jnp.asarray(valid), jnp.asarray(labels, jnp.float32)
+  w = jnp.asarray(np.random.default_rng(4).uniform(0.0, 2.0, size=(4, 9)), jnp.float32)
+  direct = {
+      "softmax_nll": lambda **kw: losses.softmax_nll(s, v, temperature=0.5, **kw),
+      # The temperature divides the scores of the pairwise losses too (their differences, for cosines).
+      "ranknet": lambda **kw: losses.ranknet(s / 0.5, v, **kw),
+      "lambdarank": lambda labels=None, **kw: losses.lambdarank(s / 0.5, v, labels=labels, metric="mrr@10",
+                                                                **kw),
+      "hinge": lambda **kw: losses.hinge(s, v, margin=0.3, **kw),
+      "bce": lambda **kw: losses.bce(s, v, **kw),
+  }
+  assert sorted(direct) == sorted(losses.LOSS_NAMES)
+  for name, call in direct.items():
+    fn = losses.make_loss(_config(name))
+    same = lambda got, expected: np.testing.assert_allclose(got, expected, rtol=1e-6, err_msg=name)
+    same(fn(s, {"valid": v}), call())
+    same(fn(s, {"valid": v, "labels": y}), call(labels=y))
+    if name in ("ranknet", "lambdarank", "hinge"):
+      same(fn(s, {"valid": v, "labels": y, "weights": w}), call(labels=y, weights=w))
+    else:
+      with pytest.raises(ValueError, match="weights"):
+        fn(s, {"valid": v, "weights": w})
+  # The batch is a pytree argument: the loss jits with it.
+  jitted = jax.jit(losses.make_loss(_config("lambdarank")))
+  np.testing.assert_allclose(jitted(s, {"valid": v, "labels": y, "weights": w}),
+                             direct["lambdarank"](labels=y, weights=w), rtol=1e-6)
+
+
+def test_make_loss_rejects_unknown_names_and_metrics():
+  with pytest.raises(ValueError, match="softmax_nll, ranknet, lambdarank, hinge, bce"):
+    losses.make_loss(_config("listnet"))
+  with pytest.raises(ValueError, match="mrr@K or ndcg@K"):
+    losses.make_loss(_config("lambdarank", lambda_metric="ndcg10"))

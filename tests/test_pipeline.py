@@ -1,6 +1,9 @@
 """The command lines end to end on a tiny random BERT: encode (with resume), retrieve, evaluate, export."""
 
+import contextlib
+import dataclasses
 import json
+import logging
 import pathlib
 import subprocess
 import sys
@@ -12,6 +15,7 @@ import pytest
 import transformers
 
 from conftest import write_tiny_beir
+from jdr import corpus as corpus_lib
 from jdr import encode
 from jdr import retrieve
 from jdr.data import formats
@@ -21,6 +25,21 @@ from jdr.models.bert import Encoder, EncoderConfig
 from jdr.models.towers import Tower, TowerConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@contextlib.contextmanager
+def logged_warnings(*loggers):
+  """Warnings logged by these loggers (transformers' do not propagate to the root, so caplog misses them)."""
+  records = []
+  handler = logging.Handler(logging.WARNING)
+  handler.emit = records.append
+  for name in loggers:
+    logging.getLogger(name).addHandler(handler)
+  try:
+    yield records
+  finally:
+    for name in loggers:
+      logging.getLogger(name).removeHandler(handler)
 
 
 @pytest.fixture(scope="module")
@@ -43,13 +62,13 @@ def _direct_embeddings(model_dir, texts, max_length, pooling=None, normalize=Non
   return np.asarray(tower.apply({"params": params}, enc["input_ids"], enc["attention_mask"]))
 
 
-def test_encode_matches_direct_and_resumes(tmp_path, tiny_model):
+def test_encode_matches_direct_and_resumes(tmp_path, tiny_model, capsys):
   data = write_tiny_beir(tmp_path / "data", num_docs=23)
   out = tmp_path / "emb"
   args = ["--model", str(tiny_model), "--corpus", str(data), "--out", str(out), "--pooling", "mean",
           "--normalize", "--max-length", "32", "--shard-size", "5", "--tokens-per-batch", "64"]
   encode.main(args)
-  emb, ids, meta = encode.load_embeddings(out)
+  emb, ids, meta = corpus_lib.load_embeddings(out)
   corpus = formats.read_corpus(data / "corpus.jsonl")
   assert ids == list(corpus) and meta["num_shards"] == 5 and meta["complete"]
   expected = _direct_embeddings(tiny_model, [text_lib.doc_text(corpus[i]) for i in ids], 32, "mean", True)
@@ -61,18 +80,24 @@ def test_encode_matches_direct_and_resumes(tmp_path, tiny_model):
   (out / "emb-00003.npy.tmp").write_bytes(b"partial")
   meta_file = out / "meta.json"
   meta_file.write_text(json.dumps({**json.loads(meta_file.read_text()), "complete": False}))
-  with pytest.raises(SystemExit, match="unfinished"):
-    encode.load_embeddings(out)
+  with pytest.raises(ValueError, match="unfinished"):
+    corpus_lib.load_embeddings(out)
   untouched = (out / "emb-00000.npy").stat().st_mtime_ns
   encode.main(args)
   assert (out / "emb-00000.npy").stat().st_mtime_ns == untouched  # finished shards are not redone
-  emb2, ids2, _ = encode.load_embeddings(out)
+  emb2, ids2, _ = corpus_lib.load_embeddings(out)
   assert ids2 == ids
   np.testing.assert_array_equal(emb2, emb)
 
   # Resuming with other settings would mix two models' vectors in one index: refused.
-  with pytest.raises(SystemExit, match="other settings"):
+  capsys.readouterr()
+  with pytest.raises(SystemExit) as exit_info:
     encode.main([*args[:-2], "--max-length", "16"])
+  assert exit_info.value.code == 2
+  assert f"error: {out / 'meta.json'}: the existing encoding was made with other settings" in capsys.readouterr().err
+  runtime = corpus_lib.load_runtime(str(tiny_model), max_length=16)
+  with pytest.raises(ValueError, match="other settings"):  # the library raises, never exits
+    corpus_lib.encode_corpus(runtime, corpus, out, shard_size=5, settings={"max_length": 16})
 
 
 def test_retrieve_backends_agree_and_evaluate(tmp_path, tiny_model):
@@ -90,10 +115,10 @@ def test_retrieve_backends_agree_and_evaluate(tmp_path, tiny_model):
   # Brute-force numpy over the saved embeddings is the oracle. A random tiny model scores some documents
   # within float noise of each other, so rankings are compared by score: every back-end's k-th score is
   # the k-th best, and every returned document carries its true score.
-  emb, ids, _ = encode.load_embeddings(emb_dir)
-  runtime = encode.load_runtime(str(tiny_model), max_length=32)
+  emb, ids, _ = corpus_lib.load_embeddings(emb_dir)
+  runtime = corpus_lib.load_runtime(str(tiny_model), max_length=32)
   queries = formats.load_beir(data, "test")[1]
-  q_emb = encode.encode_texts(runtime, list(queries.values()))
+  q_emb = corpus_lib.encode_texts(runtime, list(queries.values()))
   for qid, scores in zip(queries, q_emb @ emb.T):
     best = np.sort(scores)[::-1][:10]
     true_score = dict(zip(ids, scores))
@@ -123,10 +148,42 @@ def test_train_export_then_encode_with_the_trained_towers(tmp_path):
 
   corpus = formats.read_corpus(data / "corpus.jsonl")
   texts = [text_lib.doc_text(d) for d in corpus.values()][:6]
-  from_export = encode.encode_texts(encode.load_runtime(str(export)), texts)
-  from_workdir = encode.encode_texts(encode.load_runtime(str(tmp_path / "w")), texts)
+  from_export = corpus_lib.encode_texts(corpus_lib.load_runtime(str(export)), texts)
+  from_workdir = corpus_lib.encode_texts(corpus_lib.load_runtime(str(tmp_path / "w")), texts)
   np.testing.assert_array_equal(from_export, from_workdir)
   # The Hugging Face export with its sentence-transformers pooling files gives the same vectors.
   np.testing.assert_allclose(from_export, _direct_embeddings(export / "hf", texts, 32), atol=1e-5)
-  hf_model = transformers.AutoModel.from_pretrained(str(export / "hf"))
+  with logged_warnings("transformers") as records:
+    hf_model = transformers.AutoModel.from_pretrained(str(export / "hf"))
   assert hf_model.config.hidden_size == 64
+  assert not [r.getMessage() for r in records if "pooler" in r.getMessage()]
+
+  # sentence-transformers loads it with the document length (not the query length, 16), no pooler warning,
+  # and embeds as jdr does.
+  sentence_transformers = pytest.importorskip("sentence_transformers")
+  with logged_warnings("transformers", "sentence_transformers") as records:
+    st_model = sentence_transformers.SentenceTransformer(str(export / "hf"), device="cpu")
+  assert not [r.getMessage() for r in records if "pooler" in r.getMessage()]
+  assert st_model.max_seq_length == 32
+  np.testing.assert_allclose(st_model.encode(texts), from_export, atol=1e-5)
+
+
+def test_export_declares_the_document_length_or_the_base_models():
+  from jdr import export  # pylint: disable=g-import-not-at-top
+  tower = {"encoder": dataclasses.asdict(EncoderConfig(max_position_embeddings=512))}
+  description = {"query": tower, "doc": tower, "shared": True, "query_max_length": 32, "doc_max_length": 128}
+  assert export.sentence_transformers_max_length(description, "query") == 128  # a shared tower embeds documents
+  assert export.sentence_transformers_max_length({**description, "base_max_length": 256}, "query") == 256
+  assert export.sentence_transformers_max_length({**description, "doc_max_length": 1024}, "query") == 512
+  separate = {**description, "shared": False}
+  assert export.sentence_transformers_max_length(separate, "query") == 32
+  assert export.sentence_transformers_max_length(separate, "doc") == 128
+
+
+def test_a_model_built_on_minilm_exports_minilms_max_length():
+  from jdr import defaults, export  # pylint: disable=g-import-not-at-top
+  from jdr.models import build  # pylint: disable=g-import-not-at-top
+  config = defaults.get_config()  # init_from=minilm, doc_max_length 128
+  description = build.build(config.model, config.data).description
+  assert description["base_max_length"] == 256  # MiniLM's sentence_bert_config.json
+  assert export.sentence_transformers_max_length(description, "doc") == 256

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from jdr import encode as encode_lib
+from jdr import corpus as corpus_lib
 from jdr.bench import peak as peak_lib
 from jdr.data import formats
 from jdr.data import shared
@@ -33,10 +33,10 @@ def _texts(num_docs: int) -> list[str]:
   return [text_lib.doc_text(doc) for doc in list(corpus.values())[:num_docs]]
 
 
-def warm_up(runtime: encode_lib.EncoderRuntime, lengths: list[int], tokens_per_batch: int) -> float:
+def warm_up(runtime: corpus_lib.EncoderRuntime, lengths: list[int], tokens_per_batch: int) -> float:
   """Compiles every batch shape `encode_texts` will use for texts of these token lengths; returns seconds."""
   start = time.perf_counter()
-  plans = text_lib.plan_batches(lengths, **encode_lib.batch_plan_args(runtime.max_length, tokens_per_batch))
+  plans = text_lib.plan_batches(lengths, **corpus_lib.batch_plan_args(runtime.max_length, tokens_per_batch))
   for rows, length in sorted({(p.rows, p.length) for p in plans}):
     ids = np.zeros((rows, length), np.int32)
     np.asarray(runtime.apply_fn(runtime.params, ids, np.ones_like(ids)))
@@ -58,14 +58,14 @@ def main(argv=None) -> None:
   print(f"float32 matmul peak: {peak['peak'] / 1e9:.1f} GFLOP/s "
         f"({', '.join(f'{k} {v / 1e9:.1f}' for k, v in peak.items() if k != 'peak')})", file=sys.stderr)
 
-  runtime = encode_lib.load_runtime("minilm", max_length=args.max_length, dtype=args.dtype)
+  runtime = corpus_lib.load_runtime("minilm", max_length=args.max_length, dtype=args.dtype)
   lengths = [len(t) for t in text_lib.tokenize(runtime.tokenizer, texts, args.max_length)]
   flops = peak_lib.encoder_flops(lengths, layers=6, hidden=384, intermediate=1536)
 
-  tokens_per_batch = args.tokens_per_batch or encode_lib.default_tokens_per_batch()
+  tokens_per_batch = args.tokens_per_batch or corpus_lib.default_tokens_per_batch()
   compile_s = warm_up(runtime, lengths, tokens_per_batch)
   start = time.perf_counter()
-  jdr_emb = encode_lib.encode_texts(runtime, texts, tokens_per_batch=tokens_per_batch)
+  jdr_emb = corpus_lib.encode_texts(runtime, texts, tokens_per_batch=tokens_per_batch)
   jdr_s = time.perf_counter() - start
 
   import torch  # pylint: disable=g-import-not-at-top

@@ -19,13 +19,13 @@ import jax
 import ml_collections
 import numpy as np
 
+from jdr import defaults
 from jdr.bench import peak as peak_lib
 from jdr.models import hf
 
 
 def _config(args) -> ml_collections.ConfigDict:
-  import base  # pylint: disable=g-import-not-at-top  (configs/base.py, put on sys.path by main)
-  c = base.get_config()
+  c = defaults.get_config()
   c.model.init_from = "minilm"
   c.data.query_max_length, c.data.doc_max_length = args.query_length, args.doc_length
   c.batch_size = args.batch_size
@@ -100,8 +100,6 @@ def main(argv=None) -> None:
   parser.add_argument("--doc-length", type=int, default=128)
   parser.add_argument("--steps", type=int, default=10)
   args = parser.parse_args(argv)
-  import pathlib  # pylint: disable=g-import-not-at-top
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "configs"))
 
   rng = np.random.default_rng(0)
   b = args.batch_size

@@ -92,37 +92,6 @@ def training_pairs(qrels: dict) -> list[tuple[str, str]]:
   return sorted((q, d) for q, docs in qrels.items() for d, rel in docs.items() if rel > 0)
 
 
-def make_negative_source(neg_cfg: ml_collections.ConfigDict, data: RetrievalData,
-                         cache_dir: pathlib.Path):
-  """The host-side negative sampler a config names, or None for in-batch negatives only."""
-  name = neg_cfg.source
-  if name == "none":
-    if neg_cfg.per_query:
-      raise ValueError("negatives.per_query > 0 needs negatives.source (random, bm25, ...)")
-    return None
-  if neg_cfg.per_query < 1:
-    raise ValueError(f"negatives.source={name!r} needs negatives.per_query >= 1")
-  corpus_ids = list(data.corpus)
-
-  def bm25():
-    return negatives_lib.BM25Negatives(data.corpus, data.queries, data.train_qrels,
-                                       top_k=neg_cfg.bm25_top_k, cache_dir=cache_dir)
-
-  if name == "random":
-    return negatives_lib.RandomNegatives(corpus_ids, data.train_qrels)
-  if name == "bm25":
-    return bm25()
-  if name == "bm25_random":
-    # DPR's mix, 1:1 (ANCE's "BM25 + Rand Neg").
-    return negatives_lib.MixedNegatives([(bm25(), 0.5),
-                                         (negatives_lib.RandomNegatives(corpus_ids, data.train_qrels), 0.5)])
-  if name == "static":
-    if not neg_cfg.static_run:
-      raise ValueError("negatives.source='static' needs negatives.static_run (a TREC run file)")
-    return negatives_lib.StaticNegatives(neg_cfg.static_run, data.train_qrels)
-  raise ValueError(f"negatives.source must be none, random, bm25, bm25_random or static; got {name!r}")
-
-
 def _pad(rows: Sequence[np.ndarray], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
   ids = np.full((len(rows), length), pad_id, np.int32)
   mask = np.zeros((len(rows), length), np.int32)
@@ -137,7 +106,8 @@ class Batches:
 
   def __init__(self, data: RetrievalData, tokenizer: Any, *, batch_size: int, query_max_length: int,
                doc_max_length: int, negative_source=None, negatives_per_query: int = 0,
-               in_batch: bool = True, seed: int = 0, process_index: int = 0, process_count: int = 1):
+               in_batch: bool = True, seed: int = 0, process_index: int = 0, process_count: int = 1,
+               candidates: str = "tokens", random_weight: float = 0.0):
     self.data = data
     self.tokenizer = tokenizer
     self.pairs = training_pairs(data.train_qrels)
@@ -152,6 +122,15 @@ class Batches:
     self.doc_row = {d: i for i, d in enumerate(data.corpus)}
     self.pad_id = tokenizer.pad_token_id or 0
     self._perms: dict[int, np.ndarray] = {}
+    if candidates not in ("tokens", "corpus"):
+      raise ValueError(f"candidates must be 'tokens' or 'corpus', got {candidates!r}")
+    self.candidates = candidates
+    self.random_weight = random_weight
+    # Training queries in a fixed order: `query_index` rows of a batch point into it.
+    self.train_qids = sorted({q for q, _ in self.pairs})
+    self.query_row = {q: i for i, q in enumerate(self.train_qids)}
+    # Every query's positives, its batch positive first (replace-last puts column 0 in the list).
+    self.max_positives = max(sum(1 for r in data.train_qrels[q].values() if r > 0) for q in self.train_qids)
 
   @property
   def examples_per_epoch(self) -> int:
@@ -183,7 +162,9 @@ class Batches:
     return _pad(text_lib.tokenize(self.tokenizer, texts, max_length), max_length, self.pad_id)
 
   def local(self, step: int) -> dict[str, np.ndarray]:
-    """This process's rows of the global batch at `step`, as numpy arrays."""
+    """This process's rows of the global batch at `step`, as numpy arrays (see jdr/data/batch.py)."""
+    if self.candidates == "corpus":
+      return self._local_corpus(step)
     qids, doc_ids, valid = self.global_layout(step)
     q_lo, q_hi = self._rows(len(qids))
     d_lo, d_hi = self._rows(len(doc_ids))
@@ -191,14 +172,49 @@ class Batches:
                                          self.query_max_length)
     doc_tokens, doc_mask = self._tokens(
         [text_lib.doc_text(self.data.corpus[d]) for d in doc_ids[d_lo:d_hi]], self.doc_max_length)
-    return {"query_ids": query_ids, "query_mask": query_mask, "doc_ids": doc_tokens,
-            "doc_mask": doc_mask,
-            "doc_index": np.array([self.doc_row[d] for d in doc_ids[d_lo:d_hi]], np.int32),
-            "valid": valid[q_lo:q_hi]}
+    batch = {"query_ids": query_ids, "query_mask": query_mask, "doc_ids": doc_tokens, "doc_mask": doc_mask,
+             "doc_index": np.array([self.doc_row[d] for d in doc_ids[d_lo:d_hi]], np.int32),
+             "valid": valid[q_lo:q_hi]}
+    if self.random_weight:
+      batch["weights"] = star_weights(valid, self.per_query, self.random_weight)[q_lo:q_hi]
+    return batch
+
+  def _local_corpus(self, step: int) -> dict[str, np.ndarray]:
+    """Queries and their positives as corpus rows; the candidates come from retrieval (ADORE / LTRe)."""
+    chosen = [self.pairs[i] for i in self.pair_indices(step)]
+    lo, hi = self._rows(len(chosen))
+    chosen = chosen[lo:hi]
+    query_ids, query_mask = self._tokens([self.data.queries[q] for q, _ in chosen], self.query_max_length)
+    positive_rows = np.full((len(chosen), self.max_positives), -1, np.int32)
+    for b, (q, d) in enumerate(chosen):
+      others = [o for o, r in self.data.train_qrels[q].items() if r > 0 and o != d]
+      row = [self.doc_row[d]] + [self.doc_row[o] for o in others]
+      positive_rows[b, :len(row)] = row
+    return {"query_ids": query_ids, "query_mask": query_mask, "positive_rows": positive_rows,
+            "query_index": np.array([self.query_row[q] for q, _ in chosen], np.int32)}
 
   def _rows(self, n: int) -> tuple[int, int]:
     per = n // self.process_count
     return self.process_index * per, (self.process_index + 1) * per
+
+
+def star_weights(valid: np.ndarray, per_query: int, alpha: float) -> np.ndarray:
+  """Pair weights [B, C] that make the mean pairwise loss STAR's L_s + alpha * L_r (Eq. 13).
+
+  Row b's own sampled (static hard) negatives form L_s; every other valid column of the batch (the other
+  queries' positives and hard negatives, reused as random negatives, STAR Fig. 1b) forms L_r. The losses
+  divide a row's weighted sum by its number of valid negatives, so each part is rescaled to its own mean.
+  """
+  num_queries, num_docs = valid.shape
+  own = np.zeros_like(valid)
+  for b in range(num_queries):
+    own[b, num_queries + b * per_query:num_queries + (b + 1) * per_query] = True
+  negative = valid & ~np.eye(num_queries, num_docs, dtype=bool)
+  hard, rand = negative & own, negative & ~own
+  count = negative.sum(1, keepdims=True).astype(np.float32)
+  n_hard = np.maximum(hard.sum(1, keepdims=True), 1)
+  n_rand = np.maximum(rand.sum(1, keepdims=True), 1)
+  return np.where(hard, count / n_hard, np.where(rand, alpha * count / n_rand, 0.0)).astype(np.float32)
 
 
 def describe_counts(data: RetrievalData, batches: Batches, file=sys.stderr) -> None:

@@ -32,10 +32,16 @@ class Built(NamedTuple):
   params: dict | None  # a whole TwoTower param tree (init from a jdr model), or None
 
 
-def describe(model: TwoTower, tokenizer_path: str, query_max_length: int, doc_max_length: int) -> dict:
-  return {"query": dataclasses.asdict(model.query), "doc": dataclasses.asdict(model.doc),
-          "shared": model.shared, "tokenizer": tokenizer_path,
-          "query_max_length": query_max_length, "doc_max_length": doc_max_length}
+def describe(model: TwoTower, tokenizer_path: str, query_max_length: int, doc_max_length: int,
+             base_max_length: int | None = None) -> dict:
+  """`base_max_length`: the max_seq_length the pretrained checkpoint declares (sentence-transformers), if any;
+  a Hugging Face export declares the longer of it and doc_max_length."""
+  description = {"query": dataclasses.asdict(model.query), "doc": dataclasses.asdict(model.doc),
+                 "shared": model.shared, "tokenizer": tokenizer_path,
+                 "query_max_length": query_max_length, "doc_max_length": doc_max_length}
+  if base_max_length:
+    description["base_max_length"] = int(base_max_length)
+  return description
 
 
 def _tower_config(d: dict) -> TowerConfig:
@@ -80,8 +86,7 @@ def build(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collections.ConfigD
   """The TwoTower a config asks for, with the pretrained weights it starts from (if any)."""
   init_from = model_cfg.init_from
   if init_from and is_jdr_model(init_from):
-    model, params, tokenizer, description = load_jdr_model(init_from)
-    return Built(model, tokenizer, description, None, params)
+    return _from_jdr_model(model_cfg, data_cfg, *load_jdr_model(init_from))
 
   overrides = dict(dtype=model_cfg.dtype, remat=model_cfg.remat, hidden_dropout=model_cfg.dropout,
                    attention_dropout=model_cfg.dropout)
@@ -106,7 +111,8 @@ def build(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collections.ConfigD
   tower = TowerConfig(encoder=encoder_config, pooling=model_cfg.pooling or declared.get("pooling", "cls"),
                       projection_dim=model_cfg.projection_dim or None, normalize=normalize)
   model = TwoTower(query=tower, doc=tower, shared=model_cfg.shared)
-  description = describe(model, tokenizer_path, data_cfg.query_max_length, data_cfg.doc_max_length)
+  description = describe(model, tokenizer_path, data_cfg.query_max_length, data_cfg.doc_max_length,
+                         declared.get("max_length"))
   return Built(model, _tokenizer(tokenizer_path), description, encoder_params, None)
 
 
@@ -117,3 +123,39 @@ def with_encoder_params(params: dict, encoder_params: dict) -> dict:
     if name in params:
       params[name] = {**params[name], "encoder": encoder_params}
   return params
+
+
+def _from_jdr_model(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collections.ConfigDict,
+                    model: TwoTower, params: dict, tokenizer, description: dict) -> Built:
+  """A trained jdr model as the start of a new run, with the run's own model.* settings applied.
+
+  What training may change is taken from the config (dropout, dtype, remat, shared or separate towers,
+  the lengths); what the weights fix (pooling, normalization, the head) must match or be left at its
+  default, since silently ignoring either would train another model than the one asked for. A shared
+  tower split into two starts both towers from it (ADORE: a trainable query tower over a frozen copy).
+  """
+  towers = {}
+  for side in ("query", "doc"):
+    tower = getattr(model, side)
+    fixed = {"pooling": (model_cfg.pooling, tower.pooling),
+             "normalize": (None if model_cfg.normalize < 0 else bool(model_cfg.normalize), tower.normalize),
+             "projection_dim": (model_cfg.projection_dim or None, tower.projection_dim)}
+    for key, (asked, trained) in fixed.items():
+      if asked not in (None, "") and asked != trained:
+        raise ValueError(f"model.init_from={model_cfg.init_from}: its {side} tower was trained with "
+                         f"{key}={trained!r}, but model.{key}={asked!r}; drop the override or start from "
+                         "another checkpoint")
+    if tower.encoder is not None:
+      tower = tower.replace(encoder=dataclasses.replace(
+          tower.encoder, dtype=model_cfg.dtype, remat=model_cfg.remat, hidden_dropout=model_cfg.dropout,
+          attention_dropout=model_cfg.dropout))
+    towers[side] = tower
+  if model.shared and not model_cfg.shared:
+    params = {"query_tower": params["tower"], "doc_tower": params["tower"]}
+  elif not model.shared and model_cfg.shared:
+    raise ValueError(f"model.init_from={model_cfg.init_from} has separate query and document towers; it "
+                     "cannot start a shared-tower run (set model.shared=False)")
+  new_model = TwoTower(query=towers["query"], doc=towers["doc"], shared=model_cfg.shared)
+  new_description = describe(new_model, description["tokenizer"], data_cfg.query_max_length,
+                             data_cfg.doc_max_length, description.get("base_max_length"))
+  return Built(new_model, tokenizer, new_description, None, params)

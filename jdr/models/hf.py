@@ -241,11 +241,28 @@ def state_dict_from_params(cfg: EncoderConfig, params: dict[str, Any]) -> dict[s
   return tensors
 
 
+def _untrained_pooler(cfg: EncoderConfig, seed: int = 0) -> dict[str, np.ndarray]:
+  """BertModel's / RobertaModel's pooler (Dense + tanh over [CLS]) as transformers initialises it.
+
+  A jdr tower pools the hidden states itself and has no such layer, but transformers.AutoModel always
+  builds one (`add_pooling_layer` is a constructor argument, not a config field), so without these
+  tensors every load reports them missing. Written here, with a fixed seed, they are what a load would
+  have drawn anyway: `pooler_output` of an export is untrained; `last_hidden_state` is the model.
+  """
+  h = cfg.hidden_size
+  rng = np.random.default_rng(seed)
+  return {"pooler.dense.weight": (0.02 * rng.standard_normal((h, h))).astype(np.float32),
+          "pooler.dense.bias": np.zeros((h,), np.float32)}
+
+
 def export_hf(config: EncoderConfig, params: dict[str, Any], path: str | Path, *, tokenizer=None) -> Path:
-  """Writes config.json + model.safetensors (+ the tokenizer, if given) for transformers.AutoModel."""
+  """Writes config.json + model.safetensors (+ the tokenizer, if given) for transformers.AutoModel.
+
+  The safetensors also hold an untrained pooler (see `_untrained_pooler`), which `load_hf` skips.
+  """
   from safetensors.numpy import save_file
   path = Path(path)
-  tensors = state_dict_from_params(config, params)
+  tensors = {**state_dict_from_params(config, params), **_untrained_pooler(config)}
   path.mkdir(parents=True, exist_ok=True)
   hf_config = dict(config.to_hf(), dtype="float32")
   (path / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")

@@ -1,4 +1,4 @@
-"""Host-side negative sources and the candidate mask of a training batch.
+"""Host-side negative samplers over static pools, and the candidate mask of a training batch.
 
 A training batch holds B queries and C = B * (1 + n_neg) documents: docs[0:B] are the positives (doc b is
 query b's positive) and query b's n_neg sampled negatives sit at B + b*n_neg ... B + (b+1)*n_neg - 1.

@@ -1,0 +1,19 @@
+"""ADORE+STAR (Zhan et al., SIGIR 2021, Table 3's best row): ADORE's query-tower training over the fixed
+index of a STAR-trained document tower. Train STAR first, then start ADORE from its workdir:
+
+  python -m jdr.train --config configs/star.py:runlocal --workdir runs/star \
+      --config.data.dataset=../shared/data/scifact --config.eval.doc_max_length=256
+  python -m jdr.train --config configs/adore_star.py:runlocal --workdir runs/adore_star \
+      --config.data.dataset=../shared/data/scifact --config.model.init_from=runs/star
+
+The STAR model's shared tower is split: its copy on the document side is frozen and indexes the corpus,
+its copy on the query side trains. Every argument of configs/adore.py applies.
+"""
+
+import adore
+
+
+def get_config(arg=None):
+  c = adore.get_config(arg)
+  c.model.init_from = "runs/star"  # a STAR workdir or export; override on the command line
+  return c

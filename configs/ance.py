@@ -1,0 +1,47 @@
+"""ANCE (Xiong et al., ICLR 2021): negatives from the top-200 of the model's own ANN index, refreshed every m
+steps by re-encoding the corpus in the background with a recent snapshot of the weights; NLL loss; tied
+towers with the projection + LayerNorm head on CLS; warm-started from a BM25-negative model.
+
+Paper: RoBERTa-base, 768-d projection + LayerNorm, batch 64 (passage), learning rate 1e-6, LAMB, the
+index refreshed every 10k steps, negatives from the top-200. `runlocal` scales it to SciFact: the bundled
+MiniLM (with its own mean pooling; add the head with --config.model.projection_dim=384), batch 32, one ANN
+negative per query, AdamW 2e-5, temperature 0.05, 90 steps with a refresh every 30 steps that comes into
+force 15 steps after its snapshot. The paper's warm-up from BM25 negatives is a run of its own:
+
+  python -m jdr.train --config configs/bm25_neg.py:runlocal --workdir runs/bm25_neg \
+      --config.data.dataset=../shared/data/scifact --config.eval.doc_max_length=256
+  python -m jdr.train --config configs/ance.py:runlocal --workdir runs/ance \
+      --config.data.dataset=../shared/data/scifact --config.model.init_from=runs/bm25_neg
+"""
+
+import base
+
+
+def get_config(arg=None):
+  c = base.get_config()
+  c.model.shared = True
+  c.negatives.source = "ance"
+  c.negatives.top_n = 200
+  c.negatives.per_query = 1
+  c.negatives.in_batch = True
+  c.loss.name = "softmax_nll"
+  if base.runlocal(arg):
+    c.batch_size = 32
+    c.num_train_steps = 90
+    c.optimizer.learning_rate = 2e-5
+    c.optimizer.warmup_steps = 9
+    c.loss.temperature = 0.05
+    c.negatives.refresh_every = 30
+    c.negatives.refresh_delay = 15
+    c.eval.doc_max_length = 256
+  else:
+    c.model.pooling = "cls"
+    c.model.projection_dim = 768
+    c.batch_size = 64
+    c.optimizer.name = "lamb"
+    c.optimizer.learning_rate = 1e-6
+    c.optimizer.warmup_steps = 5000
+    c.num_train_steps = 600_000
+    c.negatives.refresh_every = 10_000
+    c.negatives.refresh_delay = 10_000
+  return c

@@ -1,0 +1,39 @@
+"""STAR (Zhan et al., SIGIR 2021, Sec. 6.1): static hard negatives from a warm-up model's top-200 (positives
+removed), plus every other document of the batch reused as a random negative; RankNet, the random part
+weighted by alpha (Eq. 13: L_s + alpha * L_r, 0 < alpha << 1; alpha = 0.1 here).
+
+Paper (passage task): the BM25-Neg model as warm-up, LAMB, batch 256, learning rate 1e-4. Here the
+warm-up model is the run's starting model (`model.init_from`), whose top-200 for every training query is
+mined once before step 0 and cached in the workdir. `runlocal`: the bundled MiniLM on SciFact, batch 32
+with one hard negative per query, AdamW 2e-5, temperature 0.05 (normalized vectors), 90 steps: the same
+budget as configs/inbatch.py and bm25_neg.py.
+
+  python -m jdr.train --config configs/star.py:runlocal --workdir runs/star \
+      --config.data.dataset=../shared/data/scifact --config.eval.doc_max_length=256
+"""
+
+import base
+
+
+def get_config(arg=None):
+  c = base.get_config()
+  c.negatives.source = "dense_static"
+  c.negatives.top_n = 200
+  c.negatives.per_query = 1
+  c.negatives.in_batch = True
+  c.negatives.random_weight = 0.1
+  c.loss.name = "ranknet"
+  if base.runlocal(arg):
+    c.batch_size = 32
+    c.num_train_steps = 90
+    c.optimizer.learning_rate = 2e-5
+    c.optimizer.warmup_steps = 9
+    c.loss.temperature = 0.05
+  else:
+    c.batch_size = 256
+    c.optimizer.name = "lamb"
+    c.optimizer.learning_rate = 1e-4
+    c.optimizer.warmup_steps = 1000
+    c.num_train_steps = 20000
+    c.model.projection_dim = 768
+  return c

@@ -1,0 +1,57 @@
+"""The batch contract: what every data kind hands the train step (host numpy in, global jax arrays out).
+
+Leading axes: B = global batch of queries (split over the data-parallel devices), C = candidates.
+
+  query_ids, query_mask   int32 [B, Lq]   the queries' token ids and attention mask
+
+and the candidates, in one of two forms (`negatives.source` picks; `jdr.train.make_train_step` reads them):
+
+  tokens (documents encoded in the step by the document tower; DPR-style, STAR, ANCE):
+    doc_ids, doc_mask     int32 [C, L]    C = B * (1 + negatives.per_query): docs[0:B] are the positives
+                                          (doc b belongs to query b), then query b's sampled negatives
+    doc_index             int32 [C]       corpus row of each document (informational)
+    valid                 bool  [B, C]    may doc c be a candidate of query b (`negatives.candidate_mask`)
+    labels                float [B, C]    optional relevance; absent = identity (column b is row b's positive)
+    weights               float [B, C]    optional per-pair weights (STAR's alpha on the random part)
+
+  corpus (candidates are rows of a fixed corpus matrix held on the devices; ADORE / LTRe):
+    positive_rows         int32 [B, P]    the query's relevant corpus rows, its batch positive first, -1 padded
+    query_index           int32 [B]       row of the query in the sorted training queries
+    cand_rows             int32 [B, n]    optional: retrieved top-n rows (host retrieval); absent = the step
+                                          retrieves them itself (JAX back-end). The step then applies the
+                                          replace-last rule and builds labels [B, n] and valid = rows >= 0.
+
+Losses are built by `jdr.losses.make_loss(config.loss)` and take `(scores [B, C], fields)` with `valid`,
+optional `labels` and `weights`, so a new method adds fields, never a new step.
+"""
+
+import numpy as np
+
+TOKENS_FIELDS = ("query_ids", "query_mask", "doc_ids", "doc_mask", "valid")
+CORPUS_FIELDS = ("query_ids", "query_mask", "positive_rows")
+
+
+def check(batch: dict[str, np.ndarray]) -> str:
+  """Returns the batch's form ("tokens" or "corpus"); raises ValueError naming what breaks the contract."""
+  form = "corpus" if "positive_rows" in batch else "tokens"
+  needed = CORPUS_FIELDS if form == "corpus" else TOKENS_FIELDS
+  missing = [k for k in needed if k not in batch]
+  if missing:
+    raise ValueError(f"a {form} batch needs the fields {missing}; it has {sorted(batch)}")
+  b = batch["query_ids"].shape[0]
+  if batch["query_mask"].shape != batch["query_ids"].shape:
+    raise ValueError(f"query_mask {batch['query_mask'].shape} != query_ids {batch['query_ids'].shape}")
+  if form == "tokens":
+    c = batch["doc_ids"].shape[0]
+    if c % b or c < b:
+      raise ValueError(f"{c} documents for {b} queries: a tokens batch holds B * (1 + n) documents")
+    for key in ("valid", "labels", "weights"):
+      if key in batch and batch[key].shape != (b, c):
+        raise ValueError(f"{key} has shape {batch[key].shape}, expected [B, C] = ({b}, {c})")
+  else:
+    for key in ("positive_rows", "cand_rows", "query_index"):
+      if key in batch and batch[key].shape[0] != b:
+        raise ValueError(f"{key} has {batch[key].shape[0]} rows for {b} queries")
+    if np.any(batch["positive_rows"][:, 0] < 0):
+      raise ValueError("positive_rows[:, 0] must be each query's batch positive (got -1)")
+  return form

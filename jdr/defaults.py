@@ -1,0 +1,106 @@
+"""Shared defaults of every jdr recipe: `get_config()` returns the base ConfigDict, `runlocal(arg)` says
+whether a recipe argument asks for the scaled-down version for a small machine.
+
+Recipes in configs/ start from these (through configs/base.py, which recipes import as `base`) and change
+what differs; library code that needs a full config (the benchmarks) imports this module instead of
+putting configs/ on sys.path. Not a recipe by itself.
+"""
+
+import ml_collections
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  del arg
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+
+  # --- data ---
+  c.data = ml_collections.ConfigDict()
+  c.data.dataset = "builtin"  # "builtin" (stdlib docstrings) or a BEIR / MS MARCO directory
+  c.data.source = "files"  # "files" (read the directory) or "tfds" (the jdr TFDS builder's array_record)
+  c.data.tfds_data_dir = ""  # where TFDS keeps prepared data ("" = WORKDIR/tfds)
+  c.data.train_split = "train"
+  c.data.eval_split = "test"
+  c.data.query_max_length = 32
+  c.data.doc_max_length = 128
+
+  # --- model ---
+  c.model = ml_collections.ConfigDict()
+  c.model.init_from = "minilm"  # "minilm", a Hugging Face dir, a jdr workdir / export, or "" (fresh)
+  c.model.fresh = "tiny"  # architecture for init_from="": "tiny" (2x64) or "mini" (6x384), BERT vocab
+  c.model.tokenizer = ""  # "" = init_from's own (the MiniLM one for fresh models)
+  c.model.pooling = ""  # "" = the checkpoint's own (mean for minilm, cls otherwise)
+  c.model.normalize = -1  # -1 = the checkpoint's own, 0 = off, 1 = L2-normalize
+  c.model.projection_dim = 0  # 0 = no head; N adds Dense(N) + LayerNorm (the ANCE / STAR head)
+  c.model.shared = True  # one tower for queries and documents
+  c.model.train_towers = "both"  # "both" or "query" (ADORE / LTRe keep the document tower fixed)
+  c.model.dtype = "float32"  # compute dtype: float32 or bfloat16
+  c.model.remat = False
+  c.model.dropout = 0.1
+
+  # --- negatives and loss: together they are the method ---
+  c.negatives = ml_collections.ConfigDict()
+  c.negatives.source = "none"  # none | random | bm25 | bm25_random | static | dense_static | ance | retrieval
+  c.negatives.per_query = 0  # sampled negatives per query
+  c.negatives.in_batch = True  # other queries' documents in the batch are negatives too
+  c.negatives.hardest_in_batch = False  # NCE Neg: keep only the highest-scored negative per query
+  c.negatives.bm25_top_k = 100  # BM25 pool the hard negatives are drawn from (ANCE / DPR: top 100)
+  c.negatives.static_run = ""  # TREC run of a warm-up model (static source)
+  c.negatives.top_n = 200  # pool / retrieval depth of dense_static, ance and retrieval (the papers' 200)
+  c.negatives.random_weight = 0.0  # STAR's alpha: weight of the batch's other docs as random negatives (0 = off)
+  # retrieval (ADORE / LTRe): a fixed corpus index, candidates retrieved by the query tower being trained
+  c.negatives.retrieve_every = 1  # 1 = at every step (ADORE / LTRe); 0 = once before training (static ablation)
+  c.negatives.retrieval_backend = "faiss"  # faiss (host, between steps) | jax (exact top-k inside the step)
+  c.negatives.index_factory = "Flat"  # Faiss factory of the fixed index, e.g. "OPQ48,IVF1,PQ48" (LTRe Table 4)
+  c.negatives.corpus_encoding = ""  # a jdr.encode directory to use as the fixed index ("" = encode at start)
+  # ance: the model's own top-n, re-mined in the background every refresh_every steps
+  c.negatives.refresh_every = 0  # m: steps between snapshots (0 = never; ance needs >= 1)
+  c.negatives.refresh_delay = 0  # a snapshot's negatives come into force this many steps after it
+  c.negatives.refresh_max_wait_s = -1.0  # wait for a late refresh at most this long (-1 = always: exact resume)
+  c.loss = ml_collections.ConfigDict()
+  c.loss.name = "softmax_nll"  # softmax_nll | ranknet | lambdarank | hinge | bce
+  c.loss.temperature = 1.0  # scores are divided by it (softmax_nll)
+  c.loss.margin = 1.0  # hinge
+  c.loss.lambda_metric = "mrr@10"  # lambdarank: |delta M| of swapping a pair, M = mrr@K or ndcg@K
+
+  # --- optimizer (LTRe / STAR: AdamW, warm-up then linear decay, weight decay 0.01) ---
+  c.optimizer = ml_collections.ConfigDict()
+  c.optimizer.name = "adamw"  # adamw | lamb
+  c.optimizer.learning_rate = 2e-5
+  c.optimizer.warmup_steps = 100
+  c.optimizer.weight_decay = 0.01
+  c.optimizer.b1 = 0.9
+  c.optimizer.b2 = 0.999
+  c.optimizer.eps = 1e-8
+  c.optimizer.grad_clip_norm = 1.0  # 0 = no clipping
+
+  # --- loop ---
+  c.batch_size = 32  # global, over all devices and hosts
+  c.num_train_steps = 1000
+  c.log_every = 10
+  c.eval_every = 0  # 0 = only before training and at the end
+  c.eval_before_training = True
+  c.checkpoint_every = 500
+  c.keep_checkpoints = 3
+
+  # --- evaluation ---
+  c.eval = ml_collections.ConfigDict()
+  c.eval.metrics = "ndcg@10,mrr@10,recall@100"
+  c.eval.top_k = 100
+  c.eval.backend = "jax"  # jax (exact top-k on the mesh) | faiss
+  c.eval.max_queries = 0  # 0 = every query of the eval split
+  c.eval.doc_max_length = 0  # 0 = data.doc_max_length
+  c.eval.tokens_per_batch = 0  # 0 = jdr.encode's default for the device (small on CPU, large on GPU/TPU)
+  c.eval.factories = "Flat"  # Faiss indexes to evaluate on, ';'-separated ("Flat;OPQ48,IVF1,PQ48")
+  c.eval.diagnostic_queries = 200  # training queries for the overlap diagnostics (0 = off)
+
+  # --- parallelism ---
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.shape = (-1, 1, 1)  # (data, fsdp, model); -1 takes the remaining devices
+  c.mesh.rules = "dp"  # dp | fsdp | tp | fsdp_tp (see jdr/parallel.py)
+  return c
+
+
+def runlocal(arg: str | None) -> bool:
+  """Whether the recipe argument asks for the scaled-down version for a small machine."""
+  return "runlocal" in (arg or "").split(",")

@@ -1,0 +1,180 @@
+"""The trainer's view of the corpus: encoding it with the towers being trained, and evaluating them.
+
+`TowerEncoder` tokenizes the corpus and the queries once and encodes them with any params, jitted once:
+the evaluation, the dense miners of STAR's static negatives and ADORE's index, and ANCE's refresh all
+encode through it (and through `jdr.corpus` underneath), so there is one encode path.
+
+`Evaluator` retrieves for the evaluation queries and scores the run. When the document tower does not
+train (ADORE / LTRe), the corpus is encoded once and the fixed index is reused at every evaluation.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+import jax
+import ml_collections
+import numpy as np
+
+from jdr import corpus as corpus_lib
+from jdr import index as index_lib
+from jdr import metrics as metrics_lib
+from jdr.data import text as text_lib
+from jdr.models.towers import TwoTower
+
+
+class TowerEncoder:
+  """Encodes the corpus (document tower) and queries (query tower) of a dataset with given params."""
+
+  def __init__(self, model: TwoTower, tokenizer, data, *, query_max_length: int, doc_max_length: int,
+               tokens_per_batch: int | None = None):
+    self.data, self.tokenizer = data, tokenizer
+    self.query_max_length, self.doc_max_length = query_max_length, doc_max_length
+    self.tokens_per_batch = tokens_per_batch or None
+    self.doc_ids = list(data.corpus)
+    self._doc_tokens = None
+    self._query_tokens: dict[str, np.ndarray] = {}
+    self.encode_doc = jax.jit(lambda p, i, m: model.apply({"params": p}, i, m, method=TwoTower.encode_doc))
+    self.encode_query = jax.jit(
+        lambda p, i, m: model.apply({"params": p}, i, m, method=TwoTower.encode_query))
+
+  @property
+  def doc_tokens(self):
+    if self._doc_tokens is None:  # tokenized once per run, on first use
+      self._doc_tokens = text_lib.tokenize(
+          self.tokenizer, [text_lib.doc_text(self.data.corpus[d]) for d in self.doc_ids], self.doc_max_length)
+    return self._doc_tokens
+
+  def corpus(self, params, progress: bool = False) -> np.ndarray:
+    """float32 [N, D], rows in `self.doc_ids` order."""
+    runtime = corpus_lib.EncoderRuntime(self.encode_doc, params, self.tokenizer, self.doc_max_length, {})
+    bar = None
+    if progress and jax.process_index() == 0:
+      import tqdm  # pylint: disable=g-import-not-at-top
+      bar = tqdm.tqdm(total=len(self.doc_ids), unit="doc", desc="encode corpus", mininterval=5.0, leave=False)
+    emb = corpus_lib.encode_tokens(runtime, self.doc_tokens, tokens_per_batch=self.tokens_per_batch,
+                                   progress=bar)
+    if bar is not None:
+      bar.close()
+    return emb
+
+  def queries(self, params, qids: Sequence[str]) -> np.ndarray:
+    """float32 [Q, D] for the given query ids."""
+    missing = [q for q in qids if q not in self._query_tokens]
+    if missing:
+      tokens = text_lib.tokenize(self.tokenizer, [self.data.queries[q] for q in missing], self.query_max_length)
+      self._query_tokens.update(zip(missing, tokens))
+    runtime = corpus_lib.EncoderRuntime(self.encode_query, params, self.tokenizer, self.query_max_length, {})
+    return corpus_lib.encode_tokens(runtime, [self._query_tokens[q] for q in qids],
+                                    tokens_per_batch=self.tokens_per_batch)
+
+
+class Evaluator:
+  """Encodes the corpus with the document tower, indexes it, retrieves for the eval queries, scores.
+
+  `eval.factories` lists Faiss index factories to evaluate on, ';'-separated (the first one's metrics are
+  unprefixed, later ones are prefixed "FACTORY/"), e.g. "OPQ48,IVF1,PQ48;Flat" for an ADORE run trained on
+  a compressed index. With backend "jax" the first is always the exact JAX top-k.
+  `diagnostics(params, doc_emb)` hooks, when given, add the training diagnostics computed from the same
+  corpus encoding (overlaps of top-200 lists).
+  """
+
+  def __init__(self, encoder: TowerEncoder, config: ml_collections.ConfigDict, mesh, *,
+               doc_tower_frozen: bool = False, diagnostics=None, fixed_doc_emb: np.ndarray | None = None):
+    self.encoder, self.config, self.mesh = encoder, config, mesh
+    self.data = encoder.data
+    self.metric_names = [m.strip() for m in config.eval.metrics.split(",") if m.strip()]
+    for name in self.metric_names:
+      metrics_lib.parse_metric(name)  # an unknown metric name fails here, before training
+    qids = sorted(self.data.eval_qrels or {})
+    if config.eval.max_queries:
+      qids = qids[:config.eval.max_queries]
+    self.qids = qids
+    self.factories = [f.strip() for f in _split_factories(config.eval.factories)] or ["Flat"]
+    self.doc_tower_frozen = doc_tower_frozen
+    self.diagnostics = diagnostics
+    self._fixed: dict[str, index_lib.Retriever] = {}
+    # A frozen document tower's corpus vectors, when the caller already has them (ADORE's fixed index).
+    self._fixed_emb = fixed_doc_emb if doc_tower_frozen else None
+
+  def corpus_embeddings(self, params) -> np.ndarray:
+    if self.doc_tower_frozen:
+      if self._fixed_emb is None:
+        self._fixed_emb = self.encoder.corpus(params, progress=True)
+      return self._fixed_emb
+    return self.encoder.corpus(params, progress=True)
+
+  def _retriever(self, factory: str, doc_emb: np.ndarray, first: bool):
+    if self.doc_tower_frozen and factory in self._fixed:
+      return self._fixed[factory]
+    if first and self.config.eval.backend == "jax":
+      retriever = index_lib.make_retriever("jax", doc_emb.shape[1], mesh=self.mesh)
+    else:
+      retriever = index_lib.make_retriever("faiss", doc_emb.shape[1], factory=factory)
+    retriever.add(doc_emb, self.encoder.doc_ids)
+    if self.doc_tower_frozen:
+      self._fixed[factory] = retriever
+    return retriever
+
+  def __call__(self, params) -> dict[str, float]:
+    doc_emb = self.corpus_embeddings(params)
+    query_emb = self.encoder.queries(params, self.qids)
+    qrels = {q: self.data.eval_qrels[q] for q in self.qids}
+    results = {}
+    for i, factory in enumerate(self.factories):
+      retriever = self._retriever(factory, doc_emb, i == 0)
+      scores, ids = retriever.search(query_emb, min(self.config.eval.top_k, len(self.encoder.doc_ids)))
+      run = index_lib.to_run(self.qids, scores, ids)
+      scored = metrics_lib.evaluate(qrels, run, self.metric_names)
+      prefix = "" if i == 0 else f"{factory}/"
+      results.update({prefix + k: v for k, v in scored.items()})
+    if self.diagnostics is not None:
+      results.update(self.diagnostics(params, doc_emb))
+    return results
+
+
+class TrainingDiagnostics:
+  """The papers' diagnostics, from the corpus encoding of each evaluation, on a fixed sample of training
+  queries: overlap of the model's real-time top-n with BM25's top-n (LTRe Fig. 3c), and with the
+  negatives in use (STAR Fig. 4a: how far static or refreshed negatives lag the model)."""
+
+  def __init__(self, encoder: TowerEncoder, data, negatives, config: ml_collections.ConfigDict):
+    self.encoder, self.data, self.negatives = encoder, data, negatives
+    self.n = config.negatives.top_n or 200
+    train_qids = sorted(q for q, docs in data.train_qrels.items() if any(r > 0 for r in docs.values()))
+    self.qids = train_qids[:config.eval.diagnostic_queries] if config.eval.diagnostic_queries else []
+    self._bm25 = None
+
+  def bm25_rows(self) -> np.ndarray:
+    if self._bm25 is None:
+      from jdr.negatives import sampled  # pylint: disable=g-import-not-at-top
+      rows, _ = sampled._mine_bm25(  # pylint: disable=protected-access
+          [text_lib.doc_text(self.data.corpus[d]) for d in self.encoder.doc_ids],
+          [self.data.queries[q] for q in self.qids], min(self.n, len(self.encoder.doc_ids)),
+          k1=0.9, b=0.4, chunk_size=1024, n_threads=0, show_progress=False)
+      self._bm25 = rows
+    return self._bm25
+
+  def __call__(self, params, doc_emb: np.ndarray) -> dict[str, float]:
+    if not self.qids:
+      return {}
+    from jdr.negatives import retrieved  # pylint: disable=g-import-not-at-top
+    n = min(self.n, len(doc_emb))
+    retriever = index_lib.make_retriever("faiss", doc_emb.shape[1], factory="Flat")
+    retriever.add(doc_emb, [str(i) for i in range(len(doc_emb))])
+    rows = retrieved.top_rows(retriever, self.encoder.queries(params, self.qids), n)
+    out = {f"overlap_bm25@{n}": retrieved.overlap(rows, self.bm25_rows()[:, :n])}
+    if self.negatives is not None and self.negatives.pools_in_use is not None:
+      out[f"overlap_negatives@{n}"] = retrieved.overlap(rows, self.negatives.pools_in_use(self.qids)[:, :n])
+    return out
+
+
+def _split_factories(text: str) -> list[str]:
+  """Factory strings contain commas themselves; entries are separated by ';'."""
+  return [t for t in (text or "").split(";") if t.strip()]
+
+
+def print_metrics(title: str, scores: dict[str, float]) -> None:
+  if jax.process_index() == 0:
+    print(f"{title}: " + "  ".join(f"{k}={v:.4f}" for k, v in scores.items()), flush=True, file=sys.stdout)

@@ -1,0 +1,228 @@
+"""Candidates retrieved from a fixed corpus index: ADORE / LTRe (every step) and its static ablation (once).
+
+LTRe Algorithm 1 / ADORE (Zhan et al. 2021, Sec. 6.2): the corpus is encoded once by the starting document
+tower; at every step the batch's queries, encoded by the query tower being trained, retrieve their top n
+from the whole corpus; when none of a query's n documents is relevant the last one is replaced by a relevant
+one; the scores are inner products with the stored document vectors, and only the query tower learns.
+
+Where the retrieval runs is a config value (`negatives.retrieval_backend`):
+  faiss  on the host, between steps: `HostRetrieval` encodes the batch's queries with the current query
+         tower (the same dropout rng the step will use, so the ranking is the one the loss sees), searches
+         any Faiss index (flat, or OPQ+PQ), and hands the ids to the step as the batch field `cand_rows`;
+  jax    inside the jitted step: `sharded_top_k` over the corpus matrix sharded by rows across the mesh,
+         each device searching its own rows.
+Either way the step then runs the same code: `replace_last`, `gather_rows`, scores, loss.
+
+With a compressed index the corpus matrix the step scores against is the index's own reconstruction of the
+documents (faiss sa_encode then sa_decode), so the query tower learns the index it will be served with
+(LTRe Table 4).
+
+Row -1 marks "no document" (padding) everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import sys
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+ALL_AXES = ("data", "fsdp", "model")
+
+
+# ------------------------------------------------------------------------------------------------ the corpus
+
+
+@dataclasses.dataclass
+class CorpusMatrix:
+  """The fixed document vectors the step scores against, on the devices and on the host.
+
+  `device` is [N_pad, D] float32 sharded by rows over every mesh axis (rows past N are zeros) and `bias`
+  [N_pad] is 0 for documents, -inf for padding rows, so padding never wins a top-k. `host` keeps the
+  numpy copy the host-side paths need (Faiss, positives' vectors).
+  """
+  host: np.ndarray
+  device: jax.Array
+  bias: jax.Array
+  ids: list[str]
+
+  @property
+  def num_docs(self) -> int:
+    return len(self.ids)
+
+
+def put_corpus(matrix: np.ndarray, ids: list[str], mesh) -> CorpusMatrix:
+  matrix = np.ascontiguousarray(matrix, np.float32)
+  n, dim = matrix.shape
+  devices = int(mesh.devices.size)
+  padded = -(-n // devices) * devices
+  rows = NamedSharding(mesh, P(ALL_AXES, None))
+  full = np.zeros((padded, dim), np.float32)
+  full[:n] = matrix
+  bias = np.where(np.arange(padded) < n, 0.0, -np.inf).astype(np.float32)
+  device = jax.make_array_from_callback(full.shape, rows, lambda index: full[index])
+  device_bias = jax.make_array_from_callback(bias.shape, NamedSharding(mesh, P(ALL_AXES)),
+                                             lambda index: bias[index])
+  return CorpusMatrix(matrix, device, device_bias, list(ids))
+
+
+def corpus_shardings(mesh):
+  return NamedSharding(mesh, P(ALL_AXES, None)), NamedSharding(mesh, P(ALL_AXES))
+
+
+# ------------------------------------------------------------------------------------------------ in the step
+
+
+def sharded_top_k(queries: jax.Array, corpus: jax.Array, bias: jax.Array, k: int, mesh) -> jax.Array:
+  """Rows [B, k] of the top-k inner products of queries [B, D] against the row-sharded corpus, best first.
+
+  Each device takes the top k of its own rows; the k * devices candidates are gathered and merged, so no
+  device ever holds the [B, N] score matrix. Exact (ties aside): the global top k is among the local ones.
+  """
+  rows_per_device = corpus.shape[0] // int(mesh.devices.size)
+  k_local = min(k, rows_per_device)
+
+  def local(q, emb, b):
+    scores = jnp.dot(q, emb.T, precision=jax.lax.Precision.HIGHEST,
+                     preferred_element_type=jnp.float32) + b
+    values, rows = jax.lax.top_k(scores, k_local)
+    offset = jax.lax.axis_index(ALL_AXES) * emb.shape[0]
+    values = jax.lax.all_gather(values, ALL_AXES, axis=1, tiled=True)
+    rows = jax.lax.all_gather(rows + offset, ALL_AXES, axis=1, tiled=True)
+    values, best = jax.lax.top_k(values, k)
+    return jnp.take_along_axis(rows, best, axis=1)
+
+  return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(ALL_AXES, None), P(ALL_AXES)), out_specs=P(),
+                       check_vma=False)(queries, corpus, bias)
+
+
+def gather_rows(corpus: jax.Array, rows: jax.Array, mesh) -> jax.Array:
+  """corpus[rows] for rows of any shape (-1 gives zeros), with the corpus sharded by rows.
+
+  Each device looks up the rows it holds and contributes zeros for the rest; one psum assembles the
+  result. No device gathers the whole matrix, and the sum is exact because one device holds each row.
+  """
+  def local(emb, r):
+    start = jax.lax.axis_index(ALL_AXES) * emb.shape[0]
+    local_rows = r - start
+    mine = (r >= 0) & (local_rows >= 0) & (local_rows < emb.shape[0])
+    picked = jnp.take(emb, jnp.clip(local_rows, 0, emb.shape[0] - 1), axis=0)
+    picked = jnp.where(mine[..., None], picked, 0.0)
+    return jax.lax.psum(picked, ALL_AXES)
+
+  return jax.shard_map(local, mesh=mesh, in_specs=(P(ALL_AXES, None), P()), out_specs=P(),
+                       check_vma=False)(corpus, rows)
+
+
+def replace_last(rows: jax.Array, positive_rows: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """LTRe Algorithm 1, line 4: rows [B, n] retrieved, positive_rows [B, P] (-1 padded, column 0 first).
+
+  Returns (rows with the last one replaced by positive_rows[:, 0] where no retrieved row is relevant,
+  labels [B, n] float: 1 where the row is one of the query's positives, retrieved_labels [B, n]: the same
+  before the replacement, for the diagnostics of what retrieval alone found).
+  """
+  relevant = jnp.any((rows[:, :, None] == positive_rows[:, None, :]) & (positive_rows[:, None, :] >= 0),
+                     axis=-1)
+  missed = ~jnp.any(relevant, axis=1)
+  last = jnp.arange(rows.shape[1]) == rows.shape[1] - 1
+  replace = missed[:, None] & last[None, :] & (positive_rows[:, :1] >= 0)
+  new_rows = jnp.where(replace, positive_rows[:, :1], rows)
+  labels = jnp.where(replace, True, relevant)
+  return new_rows, labels.astype(jnp.float32), relevant.astype(jnp.float32)
+
+
+def retrieval_diagnostics(retrieved_labels: jax.Array, positive_rows: jax.Array) -> dict[str, jax.Array]:
+  """MRR@10 and Recall@n of the batch's own full retrieval, before the replace-last rule (LTRe Fig. 3a/b)."""
+  n = retrieved_labels.shape[1]
+  ranks = jnp.arange(1, n + 1, dtype=jnp.float32)
+  first = jnp.min(jnp.where(retrieved_labels > 0, ranks, jnp.inf), axis=1)
+  mrr10 = jnp.where(first <= 10, 1.0 / first, 0.0)
+  num_pos = jnp.maximum(jnp.sum(positive_rows >= 0, axis=1), 1)
+  recall = jnp.sum(retrieved_labels, axis=1) / num_pos
+  return {"retrieval_mrr@10": jnp.mean(mrr10), f"retrieval_recall@{n}": jnp.mean(recall)}
+
+
+# ------------------------------------------------------------------------------------------------ on the host
+
+
+def reconstruct(embeddings: np.ndarray, factory: str, *, seed: int = 0, train_size: int = 100_000):
+  """(A Faiss retriever over the embeddings, the index's own reconstruction of every document [N, D]).
+
+  For "Flat" the reconstruction is the embeddings themselves; for a compressed index it is what the index
+  stores (sa_encode then sa_decode), which is what its scores are computed from.
+  """
+  from jdr import index as index_lib  # pylint: disable=g-import-not-at-top
+  retriever = index_lib.FaissRetriever(embeddings.shape[1], factory=factory, train_size=train_size,
+                                       seed=seed, use_gpu="auto")
+  ids = [str(i) for i in range(len(embeddings))]
+  retriever.add(embeddings, ids)
+  if factory.strip().lower() == "flat":
+    return retriever, np.asarray(embeddings, np.float32)
+  cpu = retriever._cpu  # pylint: disable=protected-access  (the trained CPU index holds the codecs)
+  vectors = np.ascontiguousarray(embeddings, np.float32)
+  decoded = np.empty_like(vectors)
+  for start in range(0, len(vectors), 65536):
+    block = vectors[start:start + 65536]
+    decoded[start:start + len(block)] = cpu.sa_decode(cpu.sa_encode(block))
+  return retriever, decoded
+
+
+class HostRetrieval:
+  """Faiss retrieval between steps: adds `cand_rows` [B, n] to a batch, from the current query tower.
+
+  `encode_queries(state, query_ids, query_mask)` must produce exactly the query vectors the step
+  will compute (same params, same dropout rng), so the ranking searched is the ranking the loss sees.
+  """
+
+  def __init__(self, retriever, top_n: int, encode_queries: Callable, mesh):
+    self.retriever, self.top_n, self.encode_queries, self.mesh = retriever, top_n, encode_queries, mesh
+    self.seconds = 0.0
+
+  def __call__(self, batch: dict[str, np.ndarray], state) -> dict[str, np.ndarray]:
+    import time  # pylint: disable=g-import-not-at-top
+    start = time.perf_counter()
+    q = np.asarray(jax.device_get(self.encode_queries(state, batch["query_ids"], batch["query_mask"])),
+                   np.float32)
+    _, ids = self.retriever.search(q, self.top_n)
+    rows = np.full((len(q), self.top_n), -1, np.int32)
+    for b, row_ids in enumerate(ids):
+      picked = [int(i) for i in row_ids if i != ""]
+      rows[b, :len(picked)] = picked
+    self.seconds += time.perf_counter() - start
+    return {**batch, "cand_rows": rows}
+
+
+def top_rows(retriever, queries: np.ndarray, n: int) -> np.ndarray:
+  """[Q, n] corpus rows of each query's top n (the retriever's ids are row numbers), -1 where short."""
+  rows = np.full((len(queries), n), -1, np.int32)
+  for start in range(0, len(queries), 1024):
+    _, ids = retriever.search(queries[start:start + 1024], n)
+    for b, row_ids in enumerate(ids):
+      picked = [int(i) for i in row_ids if i != ""]
+      rows[start + b, :len(picked)] = picked
+  return rows
+
+
+def overlap(a: np.ndarray, b: np.ndarray) -> float:
+  """Mean over queries of |top(a) & top(b)| / n for two [Q, n] row arrays (LTRe Fig. 3c, STAR Fig. 4a)."""
+  n = a.shape[1]
+  return float(np.mean([len(set(x[x >= 0]) & set(y[y >= 0])) / n for x, y in zip(a, b)]))
+
+
+def fingerprint(ids: list[str], extra: dict) -> str:
+  h = hashlib.sha256(json.dumps(extra, sort_keys=True).encode())
+  for i in ids:
+    h.update(i.encode() + b"\0")
+  return h.hexdigest()[:16]
+
+
+def log(message: str) -> None:
+  if jax.process_index() == 0:
+    print(message, file=sys.stderr, flush=True)
+

@@ -1,0 +1,269 @@
+"""The negatives a config names, built once before training: `make(config, ...) -> Negatives`.
+
+`negatives.source`:
+  none | random | bm25 | bm25_random | static   sampled from fixed pools into token batches (DPR-style)
+  dense_static   pools = the starting model's own top-n, mined once and cached (STAR's static hard negatives)
+  ance           pools = the model's own top-n, re-mined every `refresh_every` steps in the background (ANCE)
+  retrieval      candidates = rows of a fixed corpus index: retrieved at every step (`retrieve_every=1`,
+                 ADORE / LTRe) or once before training (`retrieve_every=0`, the static ablation)
+
+The trainer calls `negatives.prepare(step, state)` before building each batch and, in corpus mode,
+`negatives.complete(batch, state)` after, and nothing else: a method is these choices, not a trainer fork.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import tempfile
+from typing import Any, Callable
+
+import jax
+import ml_collections
+import numpy as np
+
+from jdr.negatives import retrieved
+from jdr.negatives import sampled
+
+SOURCES = ("none", "random", "bm25", "bm25_random", "static", "dense_static", "ance", "retrieval")
+
+
+@dataclasses.dataclass
+class Negatives:
+  candidates: str  # "tokens" (documents as token ids, encoded in the step) | "corpus" (rows of `corpus`)
+  sampler: Any = None  # for token batches: a sampled.NegativeSource, or None (in-batch only)
+  corpus: retrieved.CorpusMatrix | None = None
+  doc_emb: np.ndarray | None = None  # corpus mode: the fixed document vectors (before any compression)
+  retrieve_in_step: bool = False  # corpus mode: the jitted step retrieves (JAX back-end)
+  host_fields: Callable | None = None  # corpus mode: (batch, state) -> batch with `cand_rows`
+  top_n: int = 0
+  refresher: Any = None
+  pools_in_use: Callable | None = None  # qids -> [Q, n] rows of the negatives in use (diagnostics)
+  timings: dict = dataclasses.field(default_factory=dict)
+
+  def prepare(self, step: int, state) -> None:
+    """The hook between steps: ANCE's refresh schedule; a no-op for every other source."""
+    if self.refresher is not None:
+      self.refresher.prepare(step, state.params)
+      self.sampler.step = step
+
+  def complete(self, batch: dict, state) -> dict:
+    return self.host_fields(batch, state) if self.host_fields is not None else batch
+
+  def log_scalars(self, step: int) -> dict[str, float]:
+    """What the logs show of the negatives: ANCE's refresh state and staleness, host retrieval time."""
+    out = {}
+    if self.refresher is not None:
+      stats = self.refresher.stats()
+      out["negatives/staleness_steps"] = float(self.refresher.staleness(step))
+      out.update({f"negatives/{k}": float(v) for k, v in stats.items()
+                  if isinstance(v, (int, float)) and v is not None})
+    if isinstance(self.host_fields, retrieved.HostRetrieval):
+      out["negatives/host_retrieval_seconds_total"] = self.host_fields.seconds
+    return out
+
+  def close(self) -> None:
+    if self.refresher is not None:
+      self.refresher.close()
+
+
+def check(config: ml_collections.ConfigDict) -> None:
+  """Refuses inconsistent negative settings before anything is loaded."""
+  neg = config.negatives
+  if neg.source not in SOURCES:
+    raise ValueError(f"negatives.source must be one of {', '.join(SOURCES)}; got {neg.source!r}")
+  if neg.source == "none" and neg.per_query:
+    raise ValueError("negatives.per_query > 0 needs negatives.source (random, bm25, ...)")
+  if neg.source not in ("none", "retrieval") and neg.per_query < 1:
+    raise ValueError(f"negatives.source={neg.source!r} needs negatives.per_query >= 1")
+  if neg.source == "retrieval":
+    if config.model.train_towers != "query":
+      raise ValueError("negatives.source='retrieval' scores against a fixed corpus index, so only the query "
+                       "tower may train: set model.train_towers=query (and model.shared=False)")
+    if neg.retrieval_backend not in ("faiss", "jax"):
+      raise ValueError(f"negatives.retrieval_backend must be faiss or jax, got {neg.retrieval_backend!r}")
+    if neg.retrieval_backend == "jax" and neg.index_factory.strip().lower() != "flat":
+      raise ValueError(f"negatives.index_factory={neg.index_factory!r} needs retrieval_backend=faiss "
+                       "(the JAX back-end is exact top-k over the flat matrix)")
+  if neg.source == "ance" and neg.refresh_every < 1:
+    raise ValueError("negatives.source='ance' needs negatives.refresh_every >= 1 (steps between refreshes)")
+  if neg.random_weight and neg.source == "retrieval":
+    raise ValueError("negatives.random_weight (STAR's alpha) applies to token batches, not source=retrieval")
+
+
+def make(config: ml_collections.ConfigDict, data, workdir: pathlib.Path, encoder, initial_params, mesh,
+         step_query_encoder: Callable | None = None) -> Negatives:
+  """Builds the negatives of `config` (mining with `initial_params` where the method needs it)."""
+  check(config)
+  neg = config.negatives
+  cache = workdir / "cache"
+  name = neg.source
+  corpus_ids = list(data.corpus)
+  if name in ("none", "random", "bm25", "bm25_random", "static"):
+    return Negatives("tokens", sampler=_sampled(neg, data, cache))
+
+  train_qids = sorted({q for q, docs in data.train_qrels.items() if any(r > 0 for r in docs.values())})
+  if name == "dense_static":
+    rows = mine_rows(encoder, initial_params, train_qids, neg.top_n,
+                     cache / _cache_name("dense_static", neg.top_n, encoder, train_qids))
+    pools = rows_to_pools(rows, train_qids, corpus_ids)
+    run = {q: {d: float(-rank) for rank, d in enumerate(docs)} for q, docs in pools.items()}
+    sampler = sampled.StaticNegatives(run, data.train_qrels, top_k=neg.top_n, corpus_ids=corpus_ids)
+    return Negatives("tokens", sampler=sampler, top_n=neg.top_n,
+                     pools_in_use=lambda qids: pools_to_rows(pools, qids, corpus_ids, neg.top_n))
+
+  if name == "ance":
+    from jdr.negatives import refresh  # pylint: disable=g-import-not-at-top
+    qid_list = list(train_qids)
+
+    def mine(params, generation):
+      # Runs in the refresher's worker thread, beside training (jitted calls release the GIL).
+      rows = mine_rows(encoder, params, qid_list, neg.top_n, None)
+      return rows_to_pools(rows, qid_list, corpus_ids)
+
+    max_wait = float("inf") if neg.refresh_max_wait_s < 0 else float(neg.refresh_max_wait_s)
+    refresher = refresh.AsyncRefresher(mine, every=neg.refresh_every, delay=neg.refresh_delay,
+                                       directory=workdir / "ance", max_wait_s=max_wait, log=retrieved.log,
+                                       initial_params=initial_params)
+    sampler = RefreshedNegatives(refresher, data.train_qrels, corpus_ids, neg.top_n)
+    return Negatives("tokens", sampler=sampler, refresher=refresher, top_n=neg.top_n,
+                     pools_in_use=lambda qids: pools_to_rows(sampler.current_pools(), qids, corpus_ids,
+                                                             neg.top_n))
+
+  # name == "retrieval": ADORE / LTRe over a fixed corpus index.
+  emb = corpus_embeddings(neg, encoder, initial_params, cache, corpus_ids)
+  faiss_retriever = None
+  if neg.retrieval_backend == "faiss" or neg.retrieve_every == 0:
+    faiss_retriever, scored = retrieved.reconstruct(emb, neg.index_factory, seed=config.seed)
+  else:
+    scored = emb
+  corpus = retrieved.put_corpus(scored, corpus_ids, mesh)
+  out = Negatives("corpus", corpus=corpus, top_n=neg.top_n, doc_emb=emb)
+  if neg.retrieve_every == 0:
+    # Mined once with the starting query tower, then fixed: the ablation that isolates "dynamic".
+    q = None if (cache / _cache_name("retrieval_static", neg.top_n, encoder, train_qids)).exists() else \
+        encoder.queries(initial_params, train_qids)
+    path = cache / _cache_name("retrieval_static", neg.top_n, encoder, train_qids)
+    if path.exists():
+      static = np.load(path)
+    else:
+      static = retrieved.top_rows(faiss_retriever, q, neg.top_n)
+      _save_atomic(path, lambda f: np.save(f, static))
+    out.host_fields = lambda batch, state: {**batch, "cand_rows": static[batch["query_index"]]}
+    out.pools_in_use = lambda qids: static[[train_qids.index(q) for q in qids]]
+  elif neg.retrieval_backend == "jax":
+    out.retrieve_in_step = True
+  else:
+    out.host_fields = retrieved.HostRetrieval(faiss_retriever, neg.top_n, step_query_encoder, mesh)
+  return out
+
+
+def _sampled(neg, data, cache_dir):
+  corpus_ids = list(data.corpus)
+
+  def bm25():
+    return sampled.BM25Negatives(data.corpus, data.queries, data.train_qrels, top_k=neg.bm25_top_k,
+                                 cache_dir=cache_dir)
+
+  name = neg.source
+  if name == "none":
+    return None
+  if name == "random":
+    return sampled.RandomNegatives(corpus_ids, data.train_qrels)
+  if name == "bm25":
+    return bm25()
+  if name == "bm25_random":
+    # DPR's mix, 1:1 (ANCE's "BM25 + Rand Neg").
+    return sampled.MixedNegatives([(bm25(), 0.5), (sampled.RandomNegatives(corpus_ids, data.train_qrels), 0.5)])
+  if not neg.static_run:
+    raise ValueError("negatives.source='static' needs negatives.static_run (a TREC run file)")
+  return sampled.StaticNegatives(neg.static_run, data.train_qrels, corpus_ids=corpus_ids)
+
+
+class RefreshedNegatives(sampled._PoolNegatives):  # pylint: disable=protected-access
+  """ANCE: uniform negatives from the pools of the refresh generation in force at the current step."""
+
+  def __init__(self, refresher, qrels, corpus_ids, top_n: int):
+    super().__init__(qrels, sampled.RandomNegatives(corpus_ids, qrels), "ANCE")
+    self.refresher, self.top_n, self.step = refresher, top_n, 0
+
+  def current_pools(self) -> dict:
+    return self.refresher.pools(self.step)
+
+  def pool(self, qid: str) -> list[str]:
+    return self.current_pools().get(qid, [])[:self.top_n]
+
+
+# ------------------------------------------------------------------------------------------------ mining
+
+
+def corpus_embeddings(neg, encoder, params, cache: pathlib.Path, corpus_ids: list[str]) -> np.ndarray:
+  """The fixed document vectors: a `jdr.encode` directory when given, else the starting document tower's."""
+  if neg.corpus_encoding:
+    from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+    # Refused before step 0: rows of another corpus would silently score the wrong documents.
+    corpus_lib.check_ids_match(neg.corpus_encoding, corpus_ids,
+                               f"negatives.corpus_encoding vs data.dataset={encoder.data.name}")
+    emb, _, _ = corpus_lib.load_embeddings(neg.corpus_encoding)
+    return emb
+  # One name per workdir: the document tower is frozen, so a resumed run's is the starting one.
+  path = cache / _cache_name("corpus-emb", 0, encoder, corpus_ids)
+  if path.exists():
+    return np.load(path)
+  retrieved.log(f"encoding the corpus ({len(corpus_ids)} documents) with the starting document tower")
+  emb = encoder.corpus(params, progress=True)
+  _save_atomic(path, lambda f: np.save(f, emb))
+  return emb
+
+
+def mine_rows(encoder, params, qids: list[str], n: int, path: pathlib.Path | None) -> np.ndarray:
+  """[Q, n] corpus rows of each query's top n under `params` (both towers), exact inner product.
+
+  With `path`, the result is cached there: what the starting weights mined stays what a resumed run uses.
+  """
+  if path is not None and path.exists():
+    return np.load(path)
+  from jdr import index as index_lib  # pylint: disable=g-import-not-at-top
+  doc_emb = encoder.corpus(params, progress=path is not None)
+  retriever = index_lib.make_retriever("faiss", doc_emb.shape[1], factory="Flat")
+  retriever.add(doc_emb, [str(i) for i in range(len(doc_emb))])
+  rows = retrieved.top_rows(retriever, encoder.queries(params, qids), n)
+  if path is not None:
+    _save_atomic(path, lambda f: np.save(f, rows))
+  return rows
+
+
+def rows_to_pools(rows: np.ndarray, qids: list[str], corpus_ids: list[str]) -> dict[str, list[str]]:
+  return {q: [corpus_ids[r] for r in row if r >= 0] for q, row in zip(qids, rows)}
+
+
+def pools_to_rows(pools: dict, qids: list[str], corpus_ids: list[str], n: int) -> np.ndarray:
+  row_of = {d: i for i, d in enumerate(corpus_ids)}
+  out = np.full((len(qids), n), -1, np.int32)
+  for b, q in enumerate(qids):
+    picked = [row_of[d] for d in pools.get(q, [])[:n]]
+    out[b, :len(picked)] = picked
+  return out
+
+
+def _cache_name(tag: str, n: int, encoder, ids: list[str]) -> str:
+  """A workdir cache file for what the starting weights mined: the settings and ids are in the name, so a
+  changed dataset or length is mined anew rather than read from a stale file."""
+  h = hashlib.sha256(json.dumps([encoder.query_max_length, encoder.doc_max_length, n]).encode())
+  h.update("\0".join(ids).encode())
+  return f"{tag}-top{n}-{h.hexdigest()[:12]}.npy"
+
+
+def _save_atomic(path: pathlib.Path, write) -> None:
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+  try:
+    with os.fdopen(fd, "wb") as f:
+      write(f)
+    os.replace(tmp, path)
+  except BaseException:
+    pathlib.Path(tmp).unlink(missing_ok=True)
+    raise

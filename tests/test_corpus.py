@@ -1,0 +1,130 @@
+"""jdr.corpus without a real model: encoding order, encoding directories, id checks, indexes and runs."""
+
+import json
+import types
+
+import numpy as np
+import pytest
+
+from jdr import corpus as corpus_lib
+from jdr.data import formats
+
+
+def _fake_runtime(max_length=16, dim=3):
+  """A 'tower' whose embedding of a text is (length, sum of ids, first id): easy to check row by row."""
+  def apply_fn(params, input_ids, attention_mask):
+    del params
+    ids = np.asarray(input_ids) * np.asarray(attention_mask)
+    return np.stack([attention_mask.sum(1), ids.sum(1), ids[:, 0]], axis=1)[:, :dim].astype(np.float32)
+  return corpus_lib.EncoderRuntime(apply_fn, None, types.SimpleNamespace(pad_token_id=0), max_length, {})
+
+
+def test_encode_tokens_keeps_the_input_order_across_length_buckets():
+  rng = np.random.default_rng(0)
+  token_ids = [rng.integers(1, 100, size=n) for n in rng.integers(1, 17, size=37)]
+  emb = corpus_lib.encode_tokens(_fake_runtime(), token_ids, tokens_per_batch=64)
+  expected = np.array([[len(t), t.sum(), t[0]] for t in token_ids], np.float32)
+  np.testing.assert_array_equal(emb, expected)
+  with pytest.raises(ValueError, match="no texts"):
+    corpus_lib.encode_tokens(_fake_runtime(), [])
+
+
+def _write_encoding(enc_dir, ids, dim=4, seed=0):
+  """What encode_corpus writes, with random vectors: two shards."""
+  emb = np.random.default_rng(seed).standard_normal((len(ids), dim)).astype(np.float32)
+  enc_dir.mkdir(parents=True)
+  half = len(ids) // 2
+  for shard, rows in enumerate((slice(0, half), slice(half, None))):
+    np.save(enc_dir / f"emb-{shard:05d}.npy", emb[rows])
+    (enc_dir / f"ids-{shard:05d}.txt").write_text("".join(i + "\n" for i in ids[rows]))
+  (enc_dir / "meta.json").write_text(json.dumps({"num_docs": len(ids), "shard_size": half, "num_shards": 2,
+                                                 "complete": True, "dim": dim}))
+  return emb
+
+
+def test_encoding_directories_raise_not_exit(tmp_path):
+  with pytest.raises(FileNotFoundError, match="no meta.json"):
+    corpus_lib.read_meta(tmp_path / "absent")
+  ids = [f"d{i}" for i in range(10)]
+  emb = _write_encoding(tmp_path / "enc", ids)
+  got, got_ids, meta = corpus_lib.load_embeddings(tmp_path / "enc")
+  np.testing.assert_array_equal(got, emb)
+  assert got_ids == ids == corpus_lib.read_ids(tmp_path / "enc") and meta["dim"] == 4
+  (tmp_path / "enc" / "ids-00001.txt").write_text("d5\n")
+  with pytest.raises(ValueError, match="corrupt"):
+    corpus_lib.load_embeddings(tmp_path / "enc")
+
+
+def test_encode_corpus_refuses_an_empty_corpus(tmp_path):
+  with pytest.raises(ValueError, match="empty"):
+    corpus_lib.encode_corpus(_fake_runtime(), {}, tmp_path / "enc")
+
+
+def test_check_ids_match(tmp_path):
+  ids = [f"d{i}" for i in range(10)]
+  _write_encoding(tmp_path / "enc", ids)
+  corpus = {i: formats.Doc(i, "", "text") for i in ids}
+  corpus_lib.check_ids_match(tmp_path / "enc", corpus, "data.dataset=c")
+  corpus_lib.check_ids_match(str(tmp_path / "enc"), ids, "data.dataset=c")
+  corpus_lib.check_ids_match(ids, iter(ids), "data.dataset=c")
+
+  other = ids[:8] + ["x1", "x2"]
+  with pytest.raises(ValueError) as err:
+    corpus_lib.check_ids_match(tmp_path / "enc", other, "data.dataset=/data/other")
+  message = str(err.value)
+  assert message.startswith(f"data.dataset=/data/other: the encoding in {tmp_path / 'enc'} (10 ids) "
+                            "does not match the corpus (10 ids)")
+  assert "2 only in the encoding ('d8', 'd9')" in message and "2 only in the corpus ('x1', 'x2')" in message
+
+  with pytest.raises(ValueError, match=r"1 only in the corpus \('d10'\)"):
+    corpus_lib.check_ids_match(ids, ids + ["d10"], "c")
+  many = [f"e{i}" for i in range(20)]
+  with pytest.raises(ValueError, match=r"20 only in the corpus \('e0', 'e1', 'e2', 'e3', 'e4', \.\.\.\)"):
+    corpus_lib.check_ids_match(ids, ids + many, "c")
+
+  swapped = ids[:3] + [ids[4], ids[3]] + ids[5:]
+  with pytest.raises(ValueError, match=r"the same ids in another order, 2 rows differ \(row 3: 'd3' in the "
+                                       r"encoding, 'd4' in the corpus, row 4: 'd4' in the encoding, 'd3'"):
+    corpus_lib.check_ids_match(tmp_path / "enc", swapped, "c")
+  with pytest.raises(ValueError, match="repeats"):
+    corpus_lib.check_ids_match(ids, ids + ["d0"], "c")
+
+
+@pytest.mark.parametrize("backend", ["faiss", "jax"])
+def test_build_index_and_retrieve_run_against_numpy(backend):
+  rng = np.random.default_rng(1)
+  emb = rng.standard_normal((50, 8)).astype(np.float32)
+  ids = [f"d{i}" for i in range(50)]
+  queries = rng.standard_normal((5, 8)).astype(np.float32)
+  qids = [f"q{i}" for i in range(5)]
+  run = corpus_lib.retrieve_run(corpus_lib.build_index(emb, ids, backend), qids, queries, 7)
+  assert list(run) == qids
+  for qid, scores in zip(qids, queries @ emb.T):
+    top = np.argsort(-scores)[:7]
+    assert list(run[qid]) == [ids[i] for i in top]
+    np.testing.assert_allclose(list(run[qid].values()), scores[top], rtol=1e-5, atol=1e-5)
+  assert corpus_lib.retrieve_run(corpus_lib.build_index(emb, ids, backend), [], np.zeros((0, 8)), 3) == {}
+
+
+def test_build_index_argument_errors():
+  emb, ids = np.zeros((3, 4), np.float32), ["a", "b", "c"]
+  with pytest.raises(ValueError, match="backend"):
+    corpus_lib.build_index(emb, ids, "annoy")
+  with pytest.raises(ValueError, match="exact"):
+    corpus_lib.build_index(emb, ids, "jax", factory="HNSW32")
+  with pytest.raises(ValueError, match="3 embeddings but 4 ids"):
+    corpus_lib.build_index(emb, ids + ["d"])
+  retriever = corpus_lib.build_index(emb, ids)
+  with pytest.raises(ValueError, match="2 query ids for 1"):
+    corpus_lib.retrieve_run(retriever, ["q1", "q2"], np.zeros((1, 4), np.float32), 2)
+
+
+def test_load_index_saves_and_reuses_a_faiss_index(tmp_path):
+  ids = [f"d{i}" for i in range(10)]
+  emb = _write_encoding(tmp_path / "enc", ids)
+  built = corpus_lib.load_index(tmp_path / "enc", "faiss", "Flat", save=True)
+  assert (tmp_path / "enc" / "index-faiss-Flat").is_dir()
+  reused = corpus_lib.load_index(tmp_path / "enc", "faiss", "Flat")
+  assert len(reused) == len(built) == 10
+  run = corpus_lib.retrieve_run(reused, ["q"], emb[:1], 1)
+  assert list(run["q"]) == [ids[int(np.argmax(emb @ emb[0]))]]

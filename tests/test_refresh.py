@@ -1,0 +1,239 @@
+"""ANCE's asynchronous refresh with a fake miner: the schedule, exact resume, failures, waiting and lateness.
+
+The fake miner's pools name the generation and the params value it was given, so a test can tell which
+snapshot produced the negatives in force. Params at step s are a function of s (a stand-in for training).
+"""
+
+import shutil
+import threading
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jdr.negatives.refresh import AsyncRefresher, activation_step, generation_at, load_snapshot, save_snapshot
+
+
+def params_at(step):
+  return {"w": jnp.full((3,), float(step)), "layers": [jnp.arange(2, dtype=jnp.bfloat16) * step]}
+
+
+def fake_mine(sleep=0.0, fail=(), die=(), block=None):
+  """A miner whose pools encode (generation, params); it sleeps, raises, kills its thread or blocks on demand."""
+  calls = []
+
+  def mine(params, generation):
+    calls.append(generation)
+    assert isinstance(params["w"], np.ndarray), "the miner gets a host copy"
+    if block is not None and generation in block:
+      started, release = block[generation]
+      started.set()
+      release.wait(5)
+    if generation in die:
+      raise SystemExit("worker killed")
+    if generation in fail:
+      raise RuntimeError(f"boom in generation {generation}")
+    time.sleep(sleep)
+    w, b = float(params["w"][0]), float(params["layers"][0][1])
+    return {"q1": [f"gen{generation}", f"w{w:g}"], "q2": [f"b{b:g}"]}
+
+  mine.calls = calls
+  return mine
+
+
+def snapshot_of(pools):
+  """The step whose params mined these pools."""
+  return int(float(pools["q1"][1][1:]))
+
+
+def run(refresher, steps, step_seconds=0.0, staleness=None):
+  """The trainer's view: prepare before each step, then read the pools in force (and their staleness)."""
+  seen = {}
+  for s in steps:
+    refresher.prepare(s, params_at(s))
+    seen[s] = refresher.pools(s)
+    stale = refresher.staleness(s)
+    assert stale == s - snapshot_of(seen[s])
+    if staleness is not None:
+      staleness[s] = stale
+    time.sleep(step_seconds)
+  return seen
+
+
+@pytest.mark.parametrize("every,delay", [(5, 2), (5, 0), (5, 5), (3, 7), (1, 0), (4, 1)])
+def test_schedule(tmp_path, every, delay):
+  lines = []
+  r = AsyncRefresher(fake_mine(), every=every, delay=delay, directory=tmp_path, log=lines.append)
+  staleness = {}
+  seen = run(r, range(20), staleness=staleness)
+  r.close()
+  for s, pools in seen.items():
+    k = max(0, (s - delay) // every)
+    assert generation_at(s, every, delay) == k
+    assert pools["q1"][0] == f"gen{k}"
+    assert snapshot_of(pools) == k * every, "generation k comes from the params at step k*every"
+    assert staleness[s] == s - k * every
+  assert activation_step(2, every, delay) == 2 * every + delay
+  # Each generation logs one line when it comes into force, with its staleness.
+  k_last = generation_at(19, every, delay)
+  assert sum("in force from step" in line for line in lines) == k_last + 1
+  assert f"generation {k_last} (snapshot step {k_last * every}, mined in" in lines[-1]
+  assert r.stats()["generation"] == k_last and r.stats()["failed"] == 0
+  # Every generation started is on disk: finished ones as pools, with their snapshot deleted; ones close()
+  # dropped from the queue (possible when delay > every) as a snapshot, for a resume to re-mine.
+  gens = {int(p.stem.split("-")[1]) for p in tmp_path.glob("gen-*.json")}
+  snapshots = {int(p.stem.split("-")[1]) // every for p in tmp_path.glob("snapshot-*.npz")}
+  assert set(range(k_last + 1)) <= gens
+  assert gens | snapshots == set(range(19 // every + 1)) and not gens & snapshots
+
+
+def test_validates_schedule(tmp_path):
+  with pytest.raises(ValueError, match="every"):
+    AsyncRefresher(fake_mine(), every=0, delay=0, directory=tmp_path)
+  with pytest.raises(ValueError, match="delay"):
+    AsyncRefresher(fake_mine(), every=5, delay=-1, directory=tmp_path)
+  AsyncRefresher(fake_mine(), every=5, delay=2, directory=tmp_path).close()
+  with pytest.raises(ValueError, match="schedule"):
+    AsyncRefresher(fake_mine(), every=4, delay=2, directory=tmp_path)
+
+
+def test_snapshot_roundtrip_keeps_bfloat16(tmp_path):
+  p = params_at(7)
+  save_snapshot(tmp_path / "s.npz", p)
+  back = load_snapshot(tmp_path / "s.npz", p)
+  assert back["layers"][0].dtype == jnp.bfloat16
+  np.testing.assert_array_equal(back["layers"][0], np.asarray(p["layers"][0]))
+  np.testing.assert_array_equal(back["w"], np.asarray(p["w"]))
+
+
+def test_initial_params_mines_generation_zero_up_front(tmp_path):
+  r = AsyncRefresher(fake_mine(), every=5, delay=2, directory=tmp_path, log=lambda _: None,
+                     initial_params=params_at(0))
+  assert r.pools(0)["q1"] == ["gen0", "w0"]
+  r.prepare(0, params_at(0))
+  assert r.stats()["mines"] == 1, "prepare(0) does not mine generation 0 again"
+  r.close()
+
+
+def test_resume_gives_the_same_pools(tmp_path):
+  whole = AsyncRefresher(fake_mine(0.005), every=5, delay=2, directory=tmp_path / "whole", log=lambda _: None)
+  expected = run(whole, range(25))
+  whole.close()
+
+  first = AsyncRefresher(fake_mine(0.005), every=5, delay=2, directory=tmp_path / "cut", log=lambda _: None)
+  got = run(first, range(13))
+  first.close()
+  lines = []
+  second = AsyncRefresher(fake_mine(0.005), every=5, delay=2, directory=tmp_path / "cut", log=lines.append)
+  got.update(run(second, range(13, 25)))
+  second.close()
+  assert got == expected
+  assert "restored from disk" in lines[0] and "generation 2" in lines[0]
+
+
+def test_resume_while_a_mine_was_in_flight(tmp_path):
+  whole = AsyncRefresher(fake_mine(), every=5, delay=2, directory=tmp_path / "whole", log=lambda _: None)
+  expected = run(whole, range(25))
+  whole.close()
+
+  started, release = threading.Event(), threading.Event()
+  first = AsyncRefresher(fake_mine(block={2: (started, release)}), every=5, delay=2, directory=tmp_path / "run",
+                         log=lambda _: None)
+  got = run(first, range(12))  # generation 2 is due at step 12
+  assert started.wait(5)
+  # The disk as a kill at this moment would leave it.
+  shutil.copytree(tmp_path / "run", tmp_path / "killed")
+  release.set()
+  first.close()
+  assert (tmp_path / "killed" / "snapshot-00000010.npz").exists()
+  assert not (tmp_path / "killed" / "gen-000002.json").exists()
+
+  shutil.copytree(tmp_path / "killed", tmp_path / "killed-too")
+  lines = []
+  mine = fake_mine()
+  second = AsyncRefresher(mine, every=5, delay=2, directory=tmp_path / "killed", log=lines.append)
+  got.update(run(second, range(12, 25)))
+  second.close()
+  assert got == expected
+  assert mine.calls == [2, 3, 4], "generation 2 re-mined from its snapshot; 0 and 1 read from disk"
+  assert any("re-mining it from snapshot-00000010.npz" in line for line in lines)
+  assert not (tmp_path / "killed" / "snapshot-00000010.npz").exists()
+
+  # With a bounded wait, the resumed run falls back on generation 1 from disk while 2 is re-mined.
+  slow = fake_mine(0.3)
+  third = AsyncRefresher(slow, every=5, delay=2, directory=tmp_path / "killed-too", max_wait_s=0.01,
+                         log=lambda _: None)
+  third.prepare(12, params_at(12))
+  assert third.pools(12) == expected[11] and third.staleness(12) == 7
+  time.sleep(0.5)
+  assert third.pools(13) == expected[13]
+  assert third.stats()["late_switches"] == 1
+  third.close()
+
+
+def test_resume_without_the_directory_mines_from_current_params(tmp_path):
+  lines = []
+  r = AsyncRefresher(fake_mine(), every=5, delay=2, directory=tmp_path, log=lines.append)
+  r.prepare(13, params_at(13))
+  assert r.pools(13)["q1"] == ["gen2", "w13"]
+  assert r.staleness(13) == 0
+  assert any("differ from an uninterrupted run" in line and "generation 2" in line for line in lines)
+  r.close()
+
+
+@pytest.mark.parametrize("how", ["raises", "thread dies"])
+def test_failed_mine_keeps_the_previous_generation(tmp_path, how):
+  lines = []
+  mine = fake_mine(fail={1}) if how == "raises" else fake_mine(die={1})
+  r = AsyncRefresher(mine, every=5, delay=2, directory=tmp_path, log=lines.append)
+  staleness = {}
+  seen = run(r, range(13), staleness=staleness)
+  r.close()
+  assert [seen[s]["q1"][0] for s in range(13)] == ["gen0"] * 12 + ["gen2"]
+  assert staleness[11] == 11 and staleness[12] == 2
+  assert r.stats()["failed"] == 1 and r.stats()["mines"] == 2
+  failure = [line for line in lines if "generation 1" in line and "fail" in line]
+  assert len(failure) == 1
+  assert ("boom in generation 1" if how == "raises" else "worker killed") in failure[0]
+  assert not list(tmp_path.glob("snapshot-*.npz")), "the failed generation's snapshot goes once 2 is mined"
+
+
+def test_slow_mine_with_bounded_wait_switches_late(tmp_path):
+  lines = []
+  slow = {1: 0.5}
+  base = fake_mine()
+
+  def mine(params, generation):
+    time.sleep(slow.get(generation, 0.0))
+    return base(params, generation)
+
+  r = AsyncRefresher(mine, every=5, delay=2, directory=tmp_path, max_wait_s=0.05, log=lines.append)
+  seen = run(r, range(8))
+  assert seen[7]["q1"][0] == "gen0", "generation 1 is late at step 7: generation 0 stays in force"
+  assert r.staleness(7) == 7
+  assert any("generation 1 not ready at step 7" in line for line in lines)
+  time.sleep(0.6)
+  seen = run(r, range(8, 10))
+  r.close()
+  assert seen[8]["q1"] == ["gen1", "w5"], "switched in at the first step it was ready"
+  assert r.staleness(8) == 3
+  stats = r.stats()
+  assert stats["late_switches"] == 1 and stats["generation"] == 1
+  assert 0.04 <= stats["wait_seconds"] < 0.2
+  assert any("late (due at step 7)" in line for line in lines)
+
+
+@pytest.mark.parametrize("mine_seconds,waits", [(0.0, False), (0.15, True)])
+def test_wait_seconds_count_only_a_miner_slower_than_delay_steps(tmp_path, mine_seconds, waits):
+  # Steps take 30 ms and the delay is 3 steps: a 0 s miner is always done in time, a 150 ms one never.
+  r = AsyncRefresher(fake_mine(mine_seconds), every=4, delay=3, directory=tmp_path, log=lambda _: None)
+  seen = run(r, range(12), step_seconds=0.03)
+  r.close()
+  assert [seen[s]["q1"][0] for s in range(12)] == ["gen0"] * 7 + ["gen1"] * 4 + ["gen2"]
+  stats = r.stats()
+  assert stats["late_switches"] == 0 and stats["mines"] == 3
+  if waits:
+    assert stats["wait_seconds"] > 0.1  # two generations, each ~60 ms late
+  else:
+    assert stats["wait_seconds"] == 0.0
