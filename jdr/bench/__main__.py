@@ -5,6 +5,8 @@ import importlib
 import sys
 
 BENCHMARKS = {
+    "adore-step": "jdr.bench.adore_step",
+    "ance-refresh": "jdr.bench.ance_refresh",
     "encode": "jdr.bench.encode_speed",
     "train-step": "jdr.bench.train_step",
 }

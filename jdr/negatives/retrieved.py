@@ -186,6 +186,8 @@ class HostRetrieval:
 
   def __call__(self, batch: dict[str, np.ndarray], state) -> dict[str, np.ndarray]:
     import time  # pylint: disable=g-import-not-at-top
+    # The previous step was dispatched asynchronously; wait for it first so `seconds` counts retrieval only.
+    jax.block_until_ready(state.step)
     start = time.perf_counter()
     q = np.asarray(jax.device_get(self.encode_queries(state, batch["query_ids"], batch["query_mask"])),
                    np.float32)

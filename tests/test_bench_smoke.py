@@ -1,0 +1,61 @@
+"""The ADORE and ANCE benchmarks run end to end at tiny sizes and print their JSON line; their parsing and
+log analysis are right on hand-made inputs."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from jdr.bench import adore_step
+from jdr.bench import ance_refresh
+from conftest import write_tiny_beir
+
+
+def test_factories_split_on_semicolons_or_terminal_parts():
+  assert adore_step.parse_factories("Flat;OPQ48,IVF1,PQ48") == ["Flat", "OPQ48,IVF1,PQ48"]
+  assert adore_step.parse_factories("Flat,OPQ48,IVF1,PQ48") == ["Flat", "OPQ48,IVF1,PQ48"]
+  assert adore_step.parse_factories("PQ48,Flat") == ["PQ48", "Flat"]
+  with pytest.raises(ValueError, match="terminal"):
+    adore_step.parse_factories("Flat,OPQ48")
+
+
+def test_ance_analysis_splits_steps_by_pending_mine_and_removes_waits():
+  def line(step, time, wait, pending):
+    return {"step": step, "time": time, "train/loss": 1.0, "train/negatives/wait_seconds": wait,
+            "train/negatives/pending": pending, "train/negatives/mines": 2}
+  # Steps 2..6 last 1 s each without a mine; steps 3 and 4 have one in flight (pending at 2 and 3), and
+  # step 4 also waited 0.5 s for it, which is taken out of its duration and counted as waiting.
+  records = [line(1, 10.0, 0.0, 0), line(2, 11.0, 0.0, 1), line(3, 12.5, 0.0, 1), line(4, 14.0, 0.5, 0),
+             line(5, 15.0, 0.5, 0), line(6, 16.0, 0.5, 0), {"step": 6, "time": 17.0, "eval/x": 1.0}]
+  r = ance_refresh.analyse(records)
+  assert r["timed_steps"] == 5 and r["steps_in_flight"] == 3 and r["steps_without"] == 2
+  assert r["median_step_in_flight_s"] == pytest.approx(1.0)  # durations 1.0 (step 2), 1.5, 1.0
+  assert r["median_step_without_s"] == pytest.approx(1.0)
+  assert r["wait_fraction"] == pytest.approx(0.5 / 6.0, abs=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["faiss", "jax"])
+def test_adore_step_tiny(backend, capsys):
+  adore_step.main(["--sizes", "1000", "--factories", "Flat", "--backends", backend, "--batch-size", "4",
+                   "--top-n", "20", "--steps", "1", "--model", "tiny"])
+  out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert [(r["size"], r["factory"], r["backend"]) for r in out["results"]] == [(1000, "Flat", backend)]
+  row = out["results"][0]
+  if backend == "faiss":
+    assert 0 < row["retrieval_share"] < 1 and row["retrieval_s"] > 0 and row["step_s"] > 0
+  else:
+    assert row["step_in_step_s"] > 0 and row["step_given_s"] > 0
+
+
+def test_ance_refresh_tiny(tmp_path):
+  # A subprocess, through `python -m jdr.bench`: the trainer prints to the sys.stderr it saw at import.
+  data = write_tiny_beir(tmp_path / "beir")
+  proc = subprocess.run([sys.executable, "-m", "jdr.bench", "ance-refresh", "--dataset", str(data), "--steps", "5",
+                         "--refresh-every", "2", "--delay", "1", "--batch-size", "4", "--model", "tiny"],
+                        capture_output=True, text=True, timeout=120, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert out["timed_steps"] == 4 and out["mines"] >= 2 and out["failed"] == 0
+  assert out["steps_in_flight"] + out["steps_without"] == 4
+  assert 0 <= out["wait_fraction"] < 1
