@@ -23,13 +23,13 @@ import optax
 import tqdm
 
 from jdr import checkpoint
+from jdr import cli
 from jdr import config_files
 from jdr import evaluation
 from jdr import losses
 from jdr import metric_writers
 from jdr import optimizers
 from jdr import parallel
-from jdr.data import formats
 from jdr.data import pairs
 from jdr.negatives import retrieved
 from jdr.negatives import sources
@@ -326,13 +326,10 @@ def main(argv=None) -> None:
   except config_files.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     raise SystemExit(2) from None
-  try:
+  # Bad input or settings (a malformed file, ids that do not match, a batch that does not split) are the
+  # user's to fix: one line naming the file, the line and the reason, status 2, no traceback.
+  with cli.reporting_errors():
     train_and_evaluate(config, args.workdir)
-  except formats.DataFormatError as e:
-    # Bad input is the user's to fix: one line naming the file, the line and the reason, no traceback.
-    print(f"error: {e}", file=sys.stderr)
-    raise SystemExit(2) from None
-
 
 if __name__ == "__main__":
   main()

@@ -220,3 +220,29 @@ def test_star_weights_make_the_two_parts():
     pair = lambda c: np.log1p(np.exp(scores[b, c] - scores[b, b]))
     expected = np.mean([pair(c) for c in own]) + 0.1 * np.mean([pair(c) for c in others])
     np.testing.assert_allclose(got[b], expected, rtol=1e-5)
+
+
+def test_failing_refresh_keeps_training_on_previous_negatives(tmp_path, monkeypatch, capsys):
+  """An ANCE re-mine that dies (here: raises in the worker) is logged; training goes on, on generation 0."""
+  from jdr import train  # pylint: disable=g-import-not-at-top
+  from jdr.negatives import sources  # pylint: disable=g-import-not-at-top
+  real = sources.mine_rows
+  calls = []
+
+  def flaky(*args, **kwargs):
+    calls.append(1)
+    if len(calls) > 1:
+      raise RuntimeError("disk full while re-encoding")
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(sources, "mine_rows", flaky)
+  data = write_tiny_beir(tmp_path / "data")
+  config = _config("ance.py:runlocal", data, "num_train_steps=8", "checkpoint_every=100", "data.eval_split=",
+                   "negatives.refresh_every=2", "negatives.refresh_delay=1")
+  train.train_and_evaluate(config, tmp_path / "w")
+  records = [json.loads(l) for l in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
+  losses = [r["train/loss"] for r in records if "train/loss" in r]
+  assert len(losses) == 8 and all(np.isfinite(losses))
+  assert max(r.get("train/negatives/failed", 0) for r in records) >= 1
+  assert all(r.get("train/negatives/generation", 0) == 0 for r in records)
+  assert "disk full while re-encoding" in capsys.readouterr().err

@@ -190,6 +190,8 @@ def main(argv=None) -> None:
   if min(sizes) < args.top_n:
     parser.error(f"--sizes: every corpus needs at least --top-n={args.top_n} documents")
 
+  if "jax" in backends and not any(f.strip().lower() == "flat" for f in factories):
+    print("adore-step: the jax back-end is exact top-k, so it runs only with the Flat factory", file=sys.stderr)
   bench = _Bench(args)
   results = []
   for n in sizes:
