@@ -257,3 +257,27 @@ def test_query_tower_only_leaves_document_tower_untouched(tmp_path):
   moved = [float(np.max(np.abs(a - b))) for a, b in
            zip(jax.tree.leaves(start["query_tower"]), jax.tree.leaves(end["query_tower"]))]
   assert max(moved) > 0
+
+
+def test_init_from_jdr_model_applies_model_settings(tmp_path):
+  """Starting from a trained shared tower: model.shared=False splits it (ADORE's start), dropout and
+  dtype come from the new config, and an override the weights fix (pooling) is refused, not ignored."""
+  from jdr import config_files, train  # pylint: disable=g-import-not-at-top
+  from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  data = write_tiny_beir(tmp_path / "data")
+  config = config_files.load_config_file(str(ROOT / "configs" / "demo.py"))
+  config_files.apply_overrides(config, [a[len("--config."):] for a in TINY] + [
+      f"data.dataset={data}", "data.eval_split=", "num_train_steps=1", "checkpoint_every=100"])
+  trained = jax.device_get(train.train_and_evaluate(config, tmp_path / "w")["state"].params)
+  config_files.apply_overrides(config, [f"model.init_from={tmp_path / 'w'}", "model.shared=false",
+                                        "model.dropout=0.0", "model.pooling=", "model.train_towers=query"])
+  built = build_lib.build(config.model, config.data)
+  assert not built.model.shared and built.model.query.encoder.hidden_dropout == 0.0
+  assert built.model.doc.pooling == "mean" and built.description["shared"] is False
+  for side in ("query_tower", "doc_tower"):
+    for a, b in zip(jax.tree.leaves(trained["tower"]), jax.tree.leaves(built.params[side])):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  config_files.apply_overrides(config, ["model.pooling=cls"])
+  with pytest.raises(ValueError, match="pooling"):
+    build_lib.build(config.model, config.data)
