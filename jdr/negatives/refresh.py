@@ -25,11 +25,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import pathlib
 import queue
 import re
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -39,6 +37,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jdr import atomic
 
 Pools = dict[str, list[str]]
 
@@ -71,18 +71,6 @@ class _Generation:
   from_disk: bool = False
 
 
-def _atomic_write(path: pathlib.Path, write: Callable[[Any], None]) -> None:
-  """Write through a temp file in the same directory and rename it, so a kill never leaves half a file."""
-  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-  try:
-    with os.fdopen(fd, "wb") as f:
-      write(f)
-    os.replace(tmp, path)
-  except BaseException:
-    pathlib.Path(tmp).unlink(missing_ok=True)
-    raise
-
-
 def _to_host(params: Any) -> Any:
   """An owned numpy copy of the params: the trainer donates its state, so device buffers die after the step
   (and on CPU `device_get` may hand back a view of one)."""
@@ -100,7 +88,7 @@ def save_snapshot(path: pathlib.Path, host_params: Any) -> None:
       a = a.view(f"u{a.dtype.itemsize}")
     arrays[key] = a
   arrays[_DTYPES_KEY] = np.array(json.dumps(dtypes))
-  _atomic_write(path, lambda f: np.savez(f, **arrays))
+  atomic.write_atomic(path, lambda f: np.savez(f, **arrays))
 
 
 def load_snapshot(path: pathlib.Path, like: Any) -> Any:
@@ -155,7 +143,7 @@ class AsyncRefresher:
     self._log = log
     self.directory.mkdir(parents=True, exist_ok=True)
     for tmp in self.directory.glob(".*.tmp"):
-      tmp.unlink(missing_ok=True)  # half-written by a killed run (see _atomic_write)
+      tmp.unlink(missing_ok=True)  # half-written by a killed run (see jdr.atomic)
     self._check_schedule_file()
 
     self._cond = threading.Condition()
@@ -328,7 +316,7 @@ class AsyncRefresher:
         raise ValueError(f"{self.directory} holds a refresh run with schedule {theirs}, not {mine}: its generations "
                          "would land on the wrong steps; use another directory")
     else:
-      _atomic_write(path, lambda f: f.write(json.dumps(mine).encode()))
+      atomic.write_atomic(path, lambda f: f.write(json.dumps(mine).encode()))
 
   def _read_generation(self, k: int) -> _Generation:
     data = json.loads(self._gen_path(k).read_text())
@@ -411,7 +399,7 @@ class AsyncRefresher:
           pools = {str(q): [str(d) for d in ids] for q, ids in pools.items()}
           seconds = time.perf_counter() - start
           body = {"generation": k, "snapshot_step": snapshot_step, "mine_seconds": seconds, "pools": pools}
-          _atomic_write(self._gen_path(k), lambda f: f.write(json.dumps(body).encode()))
+          atomic.write_atomic(self._gen_path(k), lambda f: f.write(json.dumps(body).encode()))
         except Exception as e:  # noqa: BLE001 -- a bad mine must not stop training
           with self._cond:
             self._pending.discard(k)

@@ -16,15 +16,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import pathlib
-import tempfile
 from typing import Any, Callable
 
-import jax
 import ml_collections
 import numpy as np
 
+from jdr import atomic
 from jdr.negatives import retrieved
 from jdr.negatives import sampled
 
@@ -151,7 +149,7 @@ def make(config: ml_collections.ConfigDict, data, workdir: pathlib.Path, encoder
       static = np.load(path)
     else:
       static = retrieved.top_rows(faiss_retriever, q, neg.top_n)
-      _save_atomic(path, lambda f: np.save(f, static))
+      atomic.write_atomic(path, lambda f: np.save(f, static))
     out.host_fields = lambda batch, state: {**batch, "cand_rows": static[batch["query_index"]]}
     out.pools_in_use = lambda qids: static[[train_qids.index(q) for q in qids]]
   elif neg.retrieval_backend == "jax":
@@ -215,7 +213,7 @@ def corpus_embeddings(neg, encoder, params, cache: pathlib.Path, corpus_ids: lis
     return np.load(path)
   retrieved.log(f"encoding the corpus ({len(corpus_ids)} documents) with the starting document tower")
   emb = encoder.corpus(params, progress=True)
-  _save_atomic(path, lambda f: np.save(f, emb))
+  atomic.write_atomic(path, lambda f: np.save(f, emb))
   return emb
 
 
@@ -232,7 +230,7 @@ def mine_rows(encoder, params, qids: list[str], n: int, path: pathlib.Path | Non
   retriever.add(doc_emb, [str(i) for i in range(len(doc_emb))])
   rows = retrieved.top_rows(retriever, encoder.queries(params, qids), n)
   if path is not None:
-    _save_atomic(path, lambda f: np.save(f, rows))
+    atomic.write_atomic(path, lambda f: np.save(f, rows))
   return rows
 
 
@@ -255,15 +253,3 @@ def _cache_name(tag: str, n: int, encoder, ids: list[str]) -> str:
   h = hashlib.sha256(json.dumps([encoder.query_max_length, encoder.doc_max_length, n]).encode())
   h.update("\0".join(ids).encode())
   return f"{tag}-top{n}-{h.hexdigest()[:12]}.npy"
-
-
-def _save_atomic(path: pathlib.Path, write) -> None:
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-  try:
-    with os.fdopen(fd, "wb") as f:
-      write(f)
-    os.replace(tmp, path)
-  except BaseException:
-    pathlib.Path(tmp).unlink(missing_ok=True)
-    raise
