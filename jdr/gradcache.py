@@ -200,12 +200,14 @@ def in_batch_softmax_loss(q: Array, d: Array) -> tuple[Array, dict]:
 
 
 def step_bytes(model, batch_size: int, *, query_len: int, doc_len: int, chunk_size: int | None = None,
-               docs_per_query: int = 1, loss_of_embeddings: LossOfEmbeddings = in_batch_softmax_loss) -> dict:
+               docs_per_query: int = 1, loss_of_embeddings: LossOfEmbeddings = in_batch_softmax_loss,
+               compiler_options: dict | None = None) -> dict:
   """Compiled memory of one (loss, grads) computation for a `TwoTower`, from XLA's memory analysis.
 
   Nothing is allocated: params and batch are abstract. chunk_size None is the un-chunked
   `plain_value_and_grad`. Returns {"temp", "argument", "output", "alias", "total"} in bytes, total =
-  argument + output + temp - alias (params and grads are in argument and output).
+  argument + output + temp - alias (params and grads are in argument and output). `compiler_options` go to
+  XLA's compile (tests lower the CPU backend's optimization level to compile faster).
   """
   from flax import linen as nn  # here: the rest of the module needs no flax
 
@@ -224,7 +226,7 @@ def step_bytes(model, batch_size: int, *, query_len: int, doc_len: int, chunk_si
     fn = functools.partial(plain_value_and_grad, enc_q, enc_d, loss_of_embeddings)
   else:
     fn = functools.partial(cached_value_and_grad, enc_q, enc_d, loss_of_embeddings, chunk_size=chunk_size)
-  stats = jax.jit(fn).lower(params, batch, rng).compile().memory_analysis()
+  stats = jax.jit(fn).lower(params, batch, rng).compile(compiler_options).memory_analysis()
   out = {"temp": stats.temp_size_in_bytes, "argument": stats.argument_size_in_bytes,
          "output": stats.output_size_in_bytes, "alias": stats.alias_size_in_bytes}
   out["total"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
@@ -233,7 +235,8 @@ def step_bytes(model, batch_size: int, *, query_len: int, doc_len: int, chunk_si
 
 def largest_batch(model, budget_bytes: int, *, query_len: int, doc_len: int, chunk_size: int | None = None,
                   start: int | None = None, max_batch: int = 1 << 16, docs_per_query: int = 1,
-                  key: str = "total", verbose: bool = False) -> tuple[int, dict | None]:
+                  key: str = "total", verbose: bool = False,
+                  compiler_options: dict | None = None) -> tuple[int, dict | None]:
   """The largest batch size whose `step_bytes(...)[key]` fits `budget_bytes`, and its measurement.
 
   Doubles from `start` (default: chunk_size, or 8 un-chunked) until a size does not fit or passes
@@ -250,7 +253,8 @@ def largest_batch(model, budget_bytes: int, *, query_len: int, doc_len: int, chu
   """
   step = start or chunk_size or 8
   measure = functools.partial(step_bytes, model, query_len=query_len, doc_len=doc_len,
-                              chunk_size=chunk_size, docs_per_query=docs_per_query)
+                              chunk_size=chunk_size, docs_per_query=docs_per_query,
+                              compiler_options=compiler_options)
 
   def fits(b):
     m = measure(b)

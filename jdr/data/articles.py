@@ -139,7 +139,7 @@ def _finish(raw: list[Article], report: Report, check_sentences: bool) -> list[A
     kept.append(a)
   ids = {a.id for a in kept}
   for a in kept:
-    links, seen = [], set()
+    links, seen, named = [], set(), set(a.links)
     for target in a.links:
       if target == a.id:
         report.problem(SELF_LINK, a.id)
@@ -152,7 +152,7 @@ def _finish(raw: list[Article], report: Report, check_sentences: bool) -> list[A
         links.append(target)
     a.links = links
     for target in [t for t in a.mentions if t not in seen]:
-      if target != a.id:
+      if target not in named:  # mentions of a dropped link go with it
         report.problem(BAD_MENTION, f"{a.id}->{target}: no such link", len(a.mentions[target]))
       del a.mentions[target]
     if not a.lead:
@@ -344,7 +344,8 @@ _DEFAULT_NAMESPACES = {"media", "special", "talk", "user", "user talk", "wikiped
                        "mediawiki", "template", "help", "category", "portal", "draft", "module", "wp", "wikt"}
 _HEADING = re.compile(r"^(={1,6})\s*(.*?)\s*\1\s*$", re.MULTILINE)
 _REDIRECT = re.compile(r"^\s*#redirect\s*:?\s*\[\[([^\]|]+)", re.IGNORECASE)
-_DROP_TAGS = frozenset({"ref", "table", "gallery", "math", "references", "timeline", "imagemap", "score", "syntaxhighlight"})
+_DROP_TAGS = frozenset({"ref", "table", "gallery", "math", "references", "timeline", "imagemap", "score",
+                        "syntaxhighlight"})
 
 
 def normalize_title(title: str) -> str:
