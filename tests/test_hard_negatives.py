@@ -246,3 +246,31 @@ def test_failing_refresh_keeps_training_on_previous_negatives(tmp_path, monkeypa
   assert max(r.get("train/negatives/failed", 0) for r in records) >= 1
   assert all(r.get("train/negatives/generation", 0) == 0 for r in records)
   assert "disk full while re-encoding" in capsys.readouterr().err
+
+
+def test_adore_on_8_devices_equals_one(tmp_path):
+  """ADORE with the corpus sharded over 8 simulated devices (in-step JAX retrieval, and host Faiss) trains
+  like the single-device run: one code path from one CPU to a pod."""
+  data = write_tiny_beir(tmp_path / "data")
+  script = textwrap.dedent(f"""
+      import numpy as np, jax
+      from jdr import config_files, train
+      base = {TINY!r} + ["data.dataset={data}", "data.eval_split=", "num_train_steps=6", "checkpoint_every=100"]
+      for name, extra in {{"single": ["mesh.shape=(1,1,1)"], "jax8": ["mesh.shape=(8,1,1)"],
+                          "faiss8": ["mesh.shape=(2,4,1)", "mesh.rules=fsdp",
+                                     "negatives.retrieval_backend=faiss"]}}.items():
+        config = config_files.load_config_file("{ROOT / 'configs' / 'adore.py'}:runlocal,jax")
+        config_files.apply_overrides(config, base + extra)
+        train.train_and_evaluate(config, "{tmp_path}/" + name)
+  """)
+  env = dict(_env(), XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+
+  def losses(name):
+    records = [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    return [r["train/loss"] for r in records if "train/loss" in r]
+
+  assert len(losses("single")) == 6
+  for name in ("jax8", "faiss8"):
+    np.testing.assert_allclose(losses(name), losses("single"), rtol=3e-5, atol=1e-6)

@@ -125,7 +125,7 @@ class _Bench:
 
   def faiss(self, emb: np.ndarray, positives: np.ndarray, factory: str) -> dict:
     start = time.perf_counter()
-    retriever, scored = self.retrieved.reconstruct(emb, factory, seed=0, train_size=100_000)
+    retriever, scored = self.retrieved.reconstruct(emb, factory, seed=0, train_size=self.args.train_size)
     build_s = time.perf_counter() - start
     corpus = self.retrieved.put_corpus(scored, [str(i) for i in range(len(emb))], self.mesh)
     del scored
@@ -178,6 +178,8 @@ def main(argv=None) -> None:
   parser.add_argument("--top-n", type=int, default=200)
   parser.add_argument("--query-length", type=int, default=32)
   parser.add_argument("--steps", type=int, default=10, help="timed steps (after 2 warm-up steps)")
+  parser.add_argument("--train-size", type=int, default=100_000,
+                      help="vectors a compressed index is trained on (its search speed does not depend on it)")
   parser.add_argument("--model", choices=("minilm", "tiny"), default="minilm",
                       help="tiny: a fresh 2x64 tower, for smoke tests only")
   args = parser.parse_args(argv)
