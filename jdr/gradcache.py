@@ -24,14 +24,16 @@ and the encoders take one key per row (`per_row_encoder` makes such an encoder f
 vmapping the model over single rows). A row's dropout mask then depends on (rng, side, row index) only, so
 every chunking, the un-chunked `plain_value_and_grad` reference, and any sharding of the batch over
 devices draw the same masks. The masks are not the ones today's trainer draws (one key for the whole
-batch), so switching a run to gradient caching changes its dropout noise, not its distribution; use
-`plain_value_and_grad` for the un-chunked path when the two must match bit for bit in expectation.
+batch): switching a run to gradient caching changes its dropout noise, not its distribution. A trainer
+that offers both should use `plain_value_and_grad` as its un-chunked path, so both draw the same masks.
 
-Chunks are strided, not contiguous: chunk k holds rows k, k + n, k + 2n, ... (n chunks). With the batch
-sharded over the data-parallel axis and chunk_size a multiple of the device count, every chunk takes
-chunk_size / devices rows from each device's own shard, so data parallelism is kept inside every chunk
-(contiguous chunks would sit on one device at a time). `chunk_size` is therefore the global number of
-rows encoded at once.
+Data parallelism. `chunk_size` is the number of rows encoded at once over all devices. Without a mesh,
+chunks are strided, not contiguous: chunk k holds rows k, k + n, k + 2n, ... (n chunks), so with the batch
+sharded over the data axis and chunk_size a multiple of the device count every chunk takes chunk_size /
+devices rows from each device's own shard (contiguous chunks would sit on one device at a time). XLA then
+partitions the loops itself, exactly, but all-reduces the parameter gradient inside the backward loop,
+once per chunk. Pass `mesh` (and `batch_axes`) to run both loops under `shard_map` instead: every device
+loops over its own rows, sums its gradient locally and all-reduces once, as Gao et al.'s DDP code does.
 
 A batch not divisible by chunk_size is padded up to whole chunks with copies of its last row (and key);
 the padded rows' embedding gradients are exactly zero, so they add nothing to the parameter gradient
@@ -52,6 +54,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
 
 Array = jax.Array
 # encode(params, ids [n, L], mask [n, L], keys [n] per-row dropout keys) -> embeddings [n, D]
@@ -74,8 +77,9 @@ def batch_row_keys(rng: Array, num_queries: int, num_docs: int) -> tuple[Array, 
 def per_row_encoder(model, method: str | Callable, *, deterministic: bool = False) -> Encoder:
   """An encoder (params, ids, mask, keys) -> [n, D] for a flax module, one dropout key per row.
 
-  `model.apply` runs vmapped over single rows, so row i's dropout masks come from keys[i] alone. The
-  matmuls still see the whole [n, L] block (params are not vmapped), so this costs no speed.
+  `model.apply` runs vmapped over single rows, so row i's dropout masks come from keys[i] alone; vmap
+  batches the rows' matmuls back together (the params are not vmapped). Only the dropout bits are drawn
+  per row (the same number of bits, from n keys instead of one).
   `method` is e.g. "encode_query" or "encode_doc" of a `jdr.models.towers.TwoTower`.
   """
   def encode(params, ids, mask, keys):
@@ -155,8 +159,9 @@ def _backprop_chunks(encode: Encoder, params, ids, mask, keys, emb_grad, chunk_s
 
 
 def cached_value_and_grad(encode_query: Encoder, encode_doc: Encoder, loss_of_embeddings: LossOfEmbeddings,
-                          params: Any, batch: dict[str, Array], rng: Array, *,
-                          chunk_size: int) -> tuple[Array, Any, Any]:
+                          params: Any, batch: dict[str, Array], rng: Array, *, chunk_size: int,
+                          mesh: Mesh | None = None,
+                          batch_axes: tuple[str, ...] = ("data",)) -> tuple[Array, Any, Any]:
   """(loss, aux, grads) equal to `plain_value_and_grad` (the un-chunked value_and_grad), in chunks.
 
   encode_query / encode_doc: (params, ids [n, L], mask [n, L], keys [n]) -> [n, D], one dropout key per
@@ -164,28 +169,61 @@ def cached_value_and_grad(encode_query: Encoder, encode_doc: Encoder, loss_of_em
   loss_of_embeddings: (q [B, D], d [C, D]) -> (scalar, aux); close over any other batch fields (valid,
     labels, weights) there.
   batch: "query_ids", "query_mask" [B, Lq] and "doc_ids", "doc_mask" [C, Ld]; C need not equal B.
-  rng: one key; row keys follow from it as the module docstring says.
-  chunk_size: rows encoded at once (a static int >= 1), for queries and documents alike; a size that does
-    not divide B or C pads the last chunk (module docstring). chunk_size >= B is one chunk.
+  rng: one key (raw uint32[2] or typed); row keys follow from it as the module docstring says.
+  chunk_size: rows encoded at once over all devices (a static int >= 1), for queries and documents alike;
+    a size that does not divide B or C pads the last chunk (module docstring). chunk_size >= B: one chunk.
+  mesh, batch_axes: data parallelism. Without a mesh the chunk loops are ordinary jit code and XLA
+    partitions them; that is exact, but XLA all-reduces the parameter gradient inside the backward loop,
+    once per chunk. With the mesh, the two chunk loops run under `shard_map` over `batch_axes` (e.g.
+    `jdr.parallel.BATCH_AXES`): each device loops over chunks of its own rows, keeps a local gradient sum
+    and all-reduces it once. There B, C and chunk_size must be multiples of the number of batch shards
+    (chunk_size / shards rows per device per chunk); other mesh axes stay automatic, and parameters
+    sharded over a batch axis (FSDP) are gathered for the backward loop.
   Pure and jit-able; call it inside the jitted step.
   """
   if not isinstance(chunk_size, (int, np.integer)) or isinstance(chunk_size, bool) or chunk_size < 1:
     raise ValueError(f"chunk_size must be a positive int (rows encoded at once); got {chunk_size!r}")
   q_ids, q_mask, d_ids, d_mask = (batch[k] for k in ("query_ids", "query_mask", "doc_ids", "doc_mask"))
-  q_keys, d_keys = batch_row_keys(rng, q_ids.shape[0], d_ids.shape[0])
-  q_chunk, d_chunk = min(chunk_size, q_ids.shape[0]), min(chunk_size, d_ids.shape[0])
+  num_q, num_d = q_ids.shape[0], d_ids.shape[0]
+  q_keys, d_keys = batch_row_keys(rng, num_q, num_d)
+  q_chunk, d_chunk = min(chunk_size, num_q), min(chunk_size, num_d)
+  shards = 1
+  if mesh is not None:
+    batch_axes = tuple(batch_axes)
+    shards = int(np.prod([mesh.shape[a] for a in batch_axes]))
+    for what, size in (("queries", num_q), ("documents", num_d), ("chunk_size", chunk_size)):
+      if size % shards:
+        raise ValueError(f"gradient caching over mesh axes {batch_axes} ({shards} shards): {what} = {size} "
+                         f"is not a multiple of {shards}")
+  q_local, d_local = q_chunk // shards, d_chunk // shards
+
+  def encode_all(params, q_ids, q_mask, q_keys, d_ids, d_mask, d_keys):
+    return (_encode_no_grad(encode_query, params, q_ids, q_mask, q_keys, q_local),
+            _encode_no_grad(encode_doc, params, d_ids, d_mask, d_keys, d_local))
+
+  def backprop_all(params, q_ids, q_mask, q_keys, q_grad, d_ids, d_mask, d_keys, d_grad):
+    if mesh is not None:
+      # Varying params: their vjp is then this device's sum, not an all-reduce per chunk (shard_map
+      # transposes the implicit broadcast of invariant params into a psum).
+      params = jax.lax.pcast(params, batch_axes, to="varying")
+    grads = jax.tree.map(jnp.zeros_like, params)
+    grads = _backprop_chunks(encode_query, params, q_ids, q_mask, q_keys, q_grad, q_local, grads)
+    grads = _backprop_chunks(encode_doc, params, d_ids, d_mask, d_keys, d_grad, d_local, grads)
+    return grads if mesh is None else jax.lax.psum(grads, batch_axes)
+
+  if mesh is not None:
+    rows = P(batch_axes)
+    encode_all = jax.shard_map(encode_all, mesh=mesh, in_specs=(P(),) + (rows,) * 6, out_specs=(rows, rows),
+                               axis_names=set(batch_axes))
+    backprop_all = jax.shard_map(backprop_all, mesh=mesh, in_specs=(P(),) + (rows,) * 8, out_specs=P(),
+                                 axis_names=set(batch_axes))
 
   # 1. Embeddings of the whole batch, no activations kept.
-  q = _encode_no_grad(encode_query, params, q_ids, q_mask, q_keys, q_chunk)
-  d = _encode_no_grad(encode_doc, params, d_ids, d_mask, d_keys, d_chunk)
-
+  q, d = encode_all(params, q_ids, q_mask, q_keys, d_ids, d_mask, d_keys)
   # 2. The loss and its gradient with respect to the embeddings: the "cache".
   (loss, aux), (q_grad, d_grad) = jax.value_and_grad(loss_of_embeddings, argnums=(0, 1), has_aux=True)(q, d)
-
   # 3. Each chunk's forward again, under vjp, its cached gradient pulled back into the params.
-  grads = jax.tree.map(jnp.zeros_like, params)
-  grads = _backprop_chunks(encode_query, params, q_ids, q_mask, q_keys, q_grad, q_chunk, grads)
-  grads = _backprop_chunks(encode_doc, params, d_ids, d_mask, d_keys, d_grad, d_chunk, grads)
+  grads = backprop_all(params, q_ids, q_mask, q_keys, q_grad, d_ids, d_mask, d_keys, d_grad)
   return loss, aux, grads
 
 
@@ -284,14 +322,43 @@ def largest_batch(model, budget_bytes: int, *, query_len: int, doc_len: int, chu
   return best, best_m
 
 
-if __name__ == "__main__":
-  # A tiny demonstration only; pass real sizes to largest_batch from your own script.
+def _main(argv=None):
+  """`python -m jdr.gradcache [--budget_mib 4 --chunk_sizes none,4 ...]`: largest batch per chunk size.
+
+  The defaults are a tiny BERT on a tiny budget (a demonstration that compiles in seconds); pass
+  bert-base sizes (--hidden 768 --layers 12 --heads 12 --intermediate 3072 --vocab 30522) on the machine
+  that will train, whose backend's memory analysis is the one that counts.
+  """
+  import argparse
+
   from jdr.models.bert import EncoderConfig
   from jdr.models.towers import TowerConfig, TwoTower
 
-  tower = TowerConfig(EncoderConfig(vocab_size=100, hidden_size=32, num_layers=2, num_heads=4,
-                                    intermediate_size=64, max_position_embeddings=64))
-  tiny = TwoTower(tower, tower, shared=True)
-  for chunk in (None, 4):
-    print(f"chunk_size={chunk}:", largest_batch(tiny, 4 << 20, query_len=16, doc_len=32, chunk_size=chunk,
-                                                start=8, max_batch=256, verbose=True))
+  parser = argparse.ArgumentParser(description=_main.__doc__.splitlines()[0])
+  parser.add_argument("--budget_mib", type=float, default=4.0)
+  parser.add_argument("--chunk_sizes", default="none,4", help="comma list; 'none' = no caching")
+  parser.add_argument("--query_len", type=int, default=16)
+  parser.add_argument("--doc_len", type=int, default=32)
+  parser.add_argument("--max_batch", type=int, default=256)
+  parser.add_argument("--hidden", type=int, default=32)
+  parser.add_argument("--layers", type=int, default=2)
+  parser.add_argument("--heads", type=int, default=4)
+  parser.add_argument("--intermediate", type=int, default=64)
+  parser.add_argument("--vocab", type=int, default=100)
+  parser.add_argument("--dtype", default="float32")
+  args = parser.parse_args(argv)
+  encoder = EncoderConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
+                          num_heads=args.heads, intermediate_size=args.intermediate, dtype=args.dtype,
+                          max_position_embeddings=max(512, args.query_len, args.doc_len))
+  model = TwoTower(TowerConfig(encoder), TowerConfig(encoder), shared=True)
+  for text in args.chunk_sizes.split(","):
+    chunk = None if text.strip().lower() == "none" else int(text)
+    best, stats = largest_batch(model, int(args.budget_mib * 2**20), query_len=args.query_len,
+                                doc_len=args.doc_len, chunk_size=chunk, max_batch=args.max_batch,
+                                verbose=True)
+    total = f"{stats['total'] / 2**20:.1f} MiB" if stats else "-"
+    print(f"chunk_size={chunk}: largest batch {best} ({total}) on {jax.devices()[0].platform}")
+
+
+if __name__ == "__main__":
+  _main()

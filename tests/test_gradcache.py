@@ -50,7 +50,8 @@ def setup(shared: bool, num_queries: int, seed: int = 0):
   q_ids, q_mask = tokens(b, LQ)
   d_ids, d_mask = tokens(c, LD)
   batch = {"query_ids": q_ids, "query_mask": q_mask, "doc_ids": d_ids, "doc_mask": d_mask}
-  params = nn.unbox(model.init(jax.random.PRNGKey(seed), q_ids[:1], q_mask[:1], d_ids[:1], d_mask[:1]))["params"]
+  params = nn.unbox(model.init(jax.random.PRNGKey(seed), q_ids[:1], q_mask[:1], d_ids[:1], d_mask[:1]))
+  params = params["params"]
   loss_of = losses.make_loss(ml_collections.ConfigDict({"name": "softmax_nll", "temperature": 1.0}))
   valid = jnp.ones((b, c), bool)
 
@@ -106,7 +107,7 @@ def test_cached_equals_value_and_grad(case, chunk_size):
 
 
 def test_reference_uses_dropout_and_row_keys():
-  """The oracle is meaningful: dropout changes the embeddings, and a row's embedding depends on its key only."""
+  """The oracle is meaningful: dropout is on, and a row's embedding depends on its own key only."""
   enc_q, enc_d, loss_fn, params, batch, rng = setup(True, 4)
   model = TwoTower(TowerConfig(TINY), TowerConfig(TINY), shared=True)
   clean = gradcache.per_row_encoder(model, "encode_query", deterministic=True)
@@ -114,7 +115,8 @@ def test_reference_uses_dropout_and_row_keys():
   @functools.partial(jax.jit, compiler_options=O0)
   def encodings(params, ids, mask):
     keys, _ = gradcache.batch_row_keys(rng, 4, 8)
-    return enc_q(params, ids, mask, keys), enc_q(params, ids[2:], mask[2:], keys[2:]), clean(params, ids, mask, keys)
+    return (enc_q(params, ids, mask, keys), enc_q(params, ids[2:], mask[2:], keys[2:]),
+            clean(params, ids, mask, keys))
 
   q, again, deterministic = encodings(params, batch["query_ids"], batch["query_mask"])
   np.testing.assert_allclose(again, q[2:], rtol=1e-5, atol=1e-6)
@@ -159,9 +161,10 @@ def test_largest_batch_search(monkeypatch):
 
 
 def test_sharded_over_eight_devices_equals_one_device():
-  """A batch sharded over a ("data",) mesh of 8 CPU devices gives the single-device result."""
+  """A batch sharded over a ("data",) mesh of 8 CPU devices gives the single-device result, with and
+  without `mesh=` (shard_map); with it, no all-reduce runs inside a chunk loop."""
   script = textwrap.dedent(f"""
-      import functools, sys
+      import functools, re, sys
       import jax
       from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
       sys.path.insert(0, {str(ROOT / 'tests')!r})
@@ -170,16 +173,37 @@ def test_sharded_over_eight_devices_equals_one_device():
       assert jax.device_count() == 8, jax.devices()
       mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
       rows, repl = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
-      # chunk 8: one row per device per chunk; chunk 2: chunks smaller than the mesh (XLA reshards).
-      for shared, chunk_size in ((True, 8), (False, 2)):
-        enc_q, enc_d, loss_fn, params, batch, rng = setup(shared, 8)
-        fn = functools.partial(gradcache.cached_value_and_grad, enc_q, enc_d, loss_fn, chunk_size=chunk_size)
-        single = jax.jit(fn, compiler_options=O0)(params, batch, rng)
-        sharded_batch = jax.device_put(batch, rows)
-        assert len(sharded_batch["doc_ids"].sharding.device_set) == 8
-        sharded = jax.jit(fn, in_shardings=(repl, rows, repl), out_shardings=repl,
-                          compiler_options=O0)(params, sharded_batch, rng)
-        assert_same(sharded, single)
+
+      def loop_bodies_with_all_reduce(hlo):
+        bodies = set(re.findall(r"body=%([^,\\s]+)", hlo))
+        found, name = set(), None
+        for line in hlo.splitlines():
+          header = re.match(r"(?:ENTRY )?%(\\S+) ", line)
+          if header and line.rstrip().endswith("{{"):
+            name = header.group(1)
+          elif name in bodies and " all-reduce(" in line:
+            found.add(name)
+        return found
+
+      # Separate towers, 8 + 16 rows in chunks of 8 (one row per device per chunk): jit's partitioning of the
+      # plain loops, then the shard_map loops of mesh=.
+      enc_q, enc_d, loss_fn, params, batch, rng = setup(False, 8)
+      fn = functools.partial(gradcache.cached_value_and_grad, enc_q, enc_d, loss_fn, chunk_size=8)
+      single = jax.jit(fn, compiler_options=O0)(params, batch, rng)
+      sharded_batch = jax.device_put(batch, rows)
+      assert len(sharded_batch["doc_ids"].sharding.device_set) == 8
+      for step in (fn, functools.partial(fn, mesh=mesh)):
+        compiled = jax.jit(step, in_shardings=(repl, rows, repl), out_shardings=repl).lower(
+            params, sharded_batch, rng).compile(O0)
+        assert_same(compiled(params, sharded_batch, rng), single)
+      hlo = compiled.as_text()
+      assert " all-reduce(" in hlo and " while(" in hlo
+      assert not loop_bodies_with_all_reduce(hlo), loop_bodies_with_all_reduce(hlo)
+      try:
+        gradcache.cached_value_and_grad(enc_q, enc_d, loss_fn, params, batch, rng, chunk_size=4, mesh=mesh)
+        raise AssertionError("chunk_size 4 on 8 shards must be refused")
+      except ValueError as e:
+        assert "chunk_size = 4" in str(e), e
       print("OK")
   """)
   env = dict(os.environ)
