@@ -16,6 +16,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   # --- data ---
   c.data = ml_collections.ConfigDict()
+  c.data.kind = "pairs"  # "pairs" (supervised qrels) | "pretrain" (ICT / BFS / WLP pairs from articles)
   c.data.dataset = "builtin"  # "builtin" (stdlib docstrings) or a BEIR / MS MARCO directory
   c.data.source = "files"  # "files" (read the directory) or "tfds" (the jdr TFDS builder's array_record)
   c.data.tfds_data_dir = ""  # where TFDS keeps prepared data ("" = WORKDIR/tfds)
@@ -23,11 +24,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.data.eval_split = "test"
   c.data.query_max_length = 32
   c.data.doc_max_length = 128
+  # data.kind="pretrain" (jdr/data/pretrain_batches.py); data.dataset may name the Wikispeedia directory
+  c.data.pretrain_source = "wikispeedia"  # "wikispeedia" | "builtin" (stdlib modules) | a Wikipedia XML dump
+  c.data.pretrain_task = "mixed"  # ict | bfs | wlp | mixed (ICT+BFS+WLP) | mlm (not implemented yet)
+  c.data.keep_sentence_prob = 0.1  # ICT: the query sentence stays in its document this often
 
   # --- model ---
   c.model = ml_collections.ConfigDict()
   c.model.init_from = "minilm"  # "minilm", a Hugging Face dir, a jdr workdir / export, or "" (fresh)
-  c.model.fresh = "tiny"  # architecture for init_from="": "tiny" (2x64) or "mini" (6x384), BERT vocab
+  c.model.fresh = "tiny"  # architecture for init_from="": "tiny" (2x64), "small" (4x256), "mini" (6x384), "base" (12x768)
+  c.model.tower = "transformer"  # "transformer" | "bow_mlp" (Chang et al.'s BoW-MLP; fresh weights only)
   c.model.tokenizer = ""  # "" = init_from's own (the MiniLM one for fresh models)
   c.model.pooling = ""  # "" = the checkpoint's own (mean for minilm, cls otherwise)
   c.model.normalize = -1  # -1 = the checkpoint's own, 0 = off, 1 = L2-normalize
@@ -62,6 +68,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.loss.temperature = 1.0  # scores are divided by it (softmax_nll)
   c.loss.margin = 1.0  # hinge
   c.loss.lambda_metric = "mrr@10"  # lambdarank: |delta M| of swapping a pair, M = mrr@K or ndcg@K
+  c.loss.logq_correction = False  # sampled softmax: score - log Q(doc), Q from the batch's `doc_logq`
+
+  # --- gradient caching (jdr/gradcache.py): encode the batch in chunks of this many rows; 0 = off ---
+  c.grad_cache = ml_collections.ConfigDict()
+  c.grad_cache.chunk_size = 0
 
   # --- optimizer (LTRe / STAR: AdamW, warm-up then linear decay, weight decay 0.01) ---
   c.optimizer = ml_collections.ConfigDict()

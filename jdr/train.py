@@ -26,11 +26,13 @@ from jdr import checkpoint
 from jdr import cli
 from jdr import config_files
 from jdr import evaluation
+from jdr import gradcache
 from jdr import losses
 from jdr import metric_writers
 from jdr import optimizers
 from jdr import parallel
 from jdr.data import pairs
+from jdr.data import pretrain_batches
 from jdr.negatives import retrieved
 from jdr.negatives import sources
 from jdr.models import build as build_lib
@@ -52,11 +54,43 @@ def make_train_step(model: TwoTower, tx: optax.GradientTransformation, config: m
   Batches follow the contract of jdr/data/batch.py. "tokens": documents are token ids encoded in the step
   by the document tower. "corpus": candidates are rows of the fixed corpus matrix `corpus` (ADORE / LTRe),
   retrieved here (`retrieve_in_step`) or given as the batch field `cand_rows`; no document tower runs.
+  With `grad_cache.chunk_size` > 0 (tokens only) the loss and gradients come from jdr/gradcache.py, exact,
+  encoding that many rows at a time, with one dropout key per row.
   """
   loss_of = losses.make_loss(config.loss)
   hardest = config.negatives.hardest_in_batch
   query_only = config.model.train_towers == "query"
   top_n = config.negatives.top_n
+  logq = config.loss.logq_correction
+  chunk = check_grad_cache(config, candidates)
+  if chunk:
+    encode_query = gradcache.per_row_encoder(model, "encode_query")
+    frozen_doc = gradcache.per_row_encoder(model, "encode_doc", deterministic=True)
+    encode_doc = (lambda *a: jax.lax.stop_gradient(frozen_doc(*a))) if query_only else \
+        gradcache.per_row_encoder(model, "encode_doc")
+
+  def finish(scores, fields, positive, aux):
+    per_example = loss_of(scores, fields)
+    masked = jnp.where(fields["valid"] | positive, scores, -jnp.inf)
+    top = jnp.argmax(masked, axis=1)
+    aux["train_accuracy"] = jnp.mean(jnp.take_along_axis(positive, top[:, None], axis=1))
+    return jnp.mean(per_example), aux
+
+  def tokens_loss(q, d, batch):
+    # Every query is scored against every document of the global batch: under jit the batch-sharded
+    # document matrix is all-gathered across devices and hosts by XLA, no hand-written collective.
+    scores = q @ d.T
+    if logq:
+      # Sampled softmax under non-uniform sampling (Yi et al. 2019): s(q, d) - log Q(d) on every column.
+      scores = scores - batch["doc_logq"].astype(scores.dtype)[None, :]
+    valid = batch["valid"]
+    if hardest:
+      valid = losses.hardest_negative_mask(scores, valid)
+    fields = {"valid": valid}
+    if "weights" in batch:
+      fields["weights"] = batch["weights"]
+    positive = jnp.arange(scores.shape[1])[None, :] == jnp.arange(scores.shape[0])[:, None]
+    return finish(scores, fields, positive, {})
 
   def train_step(state: TrainState, batch: dict[str, jax.Array], corpus=None, bias=None):
     query_rng, doc_rng = jax.random.split(jax.random.fold_in(state.rng, state.step))
@@ -77,29 +111,25 @@ def make_train_step(model: TwoTower, tx: optax.GradientTransformation, config: m
         fields = {"labels": labels, "valid": rows >= 0}
         aux.update(retrieved.retrieval_diagnostics(retrieved_labels, batch["positive_rows"]))
         positive = labels > 0
-      else:
-        # A frozen document tower runs forward only, without dropout: nothing of it is trained.
-        d = model.apply(variables, batch["doc_ids"], batch["doc_mask"], deterministic=query_only,
-                        rngs={} if query_only else {"dropout": doc_rng}, method=TwoTower.encode_doc)
-        if query_only:
-          d = jax.lax.stop_gradient(d)
-        # Every query is scored against every document of the global batch: under jit the batch-sharded
-        # document matrix is all-gathered across devices and hosts by XLA, no hand-written collective.
-        scores = q @ d.T
-        valid = batch["valid"]
-        if hardest:
-          valid = losses.hardest_negative_mask(scores, valid)
-        fields = {"valid": valid}
-        if "weights" in batch:
-          fields["weights"] = batch["weights"]
-        positive = jnp.arange(scores.shape[1])[None, :] == jnp.arange(scores.shape[0])[:, None]
-      per_example = loss_of(scores, fields)
-      masked = jnp.where(fields["valid"] | positive, scores, -jnp.inf)
-      top = jnp.argmax(masked, axis=1)
-      aux["train_accuracy"] = jnp.mean(jnp.take_along_axis(positive, top[:, None], axis=1))
-      return jnp.mean(per_example), aux
+        return finish(scores, fields, positive, aux)
+      # A frozen document tower runs forward only, without dropout: nothing of it is trained.
+      d = model.apply(variables, batch["doc_ids"], batch["doc_mask"], deterministic=query_only,
+                      rngs={} if query_only else {"dropout": doc_rng}, method=TwoTower.encode_doc)
+      if query_only:
+        d = jax.lax.stop_gradient(d)
+      return tokens_loss(q, d, batch)
 
-    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    if chunk:
+      # Sharded chunk loops (one gradient all-reduce per step) when every shard holds whole chunks.
+      shards = parallel.data_parallel_size(mesh) if mesh is not None else 1
+      sizes = (batch["query_ids"].shape[0], batch["doc_ids"].shape[0], chunk)
+      loss, aux, grads = gradcache.cached_value_and_grad(
+          encode_query, encode_doc, lambda q, d: tokens_loss(q, d, batch), state.params, batch,
+          jax.random.fold_in(state.rng, state.step), chunk_size=chunk,
+          mesh=mesh if shards > 1 and not any(n % shards for n in sizes) else None,
+          batch_axes=parallel.BATCH_AXES)
+    else:
+      (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
@@ -107,6 +137,17 @@ def make_train_step(model: TwoTower, tx: optax.GradientTransformation, config: m
                        **group_grad_norms(grads, skip=("doc_tower",) if query_only else ())}
 
   return train_step
+
+
+def check_grad_cache(config: ml_collections.ConfigDict, candidates: str = "tokens") -> int:
+  """grad_cache.chunk_size (0 = off), refusing what gradient caching cannot do."""
+  chunk = config.grad_cache.chunk_size
+  if not isinstance(chunk, int) or chunk < 0:
+    raise ValueError(f"grad_cache.chunk_size must be an int >= 0 (0 = off), got {chunk!r}")
+  if chunk and candidates != "tokens":
+    raise ValueError("grad_cache.chunk_size > 0 needs token batches: negatives.source=retrieval scores "
+                     "against a fixed corpus matrix and has no document tower to cache")
+  return chunk
 
 
 def group_grad_norms(grads, skip: tuple[str, ...] = ()) -> dict[str, jax.Array]:
@@ -143,11 +184,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   rules = parallel.rules_for(config.mesh.rules)
   parallel.check_batch_size(config.batch_size, mesh)
   sources.check(config)
+  pretrain_batches.check(config)
+  pretraining = config.data.kind == "pretrain"
+  check_grad_cache(config, "corpus" if config.negatives.source == "retrieval" else "tokens")
   losses.make_loss(config.loss)  # an unknown loss fails here, before any data is read
 
   # ---------------------------------------------------------------- data and model
-  data = pairs.load(config.data, workdir)
   built = build_lib.build(config.model, config.data)
+  if pretraining:  # pairs from articles, made by the step; no corpus and no evaluation
+    batches, data = pretrain_batches.make(config, built.tokenizer, process_index=jax.process_index(),
+                                          process_count=jax.process_count())
+  else:
+    data = pairs.load(config.data, workdir)
   model = built.model
   query_only = config.model.train_towers == "query"
   candidates = "corpus" if config.negatives.source == "retrieval" else "tokens"
@@ -192,15 +240,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
                        rngs={"dropout": query_rng}, method=TwoTower.encode_query)
 
   negatives = sources.make(config, data, workdir, encoder, state.params, mesh, step_query_vectors)
-  batches = pairs.Batches(
-      data, built.tokenizer, batch_size=config.batch_size,
-      query_max_length=config.data.query_max_length, doc_max_length=config.data.doc_max_length,
-      negative_source=negatives.sampler, negatives_per_query=config.negatives.per_query,
-      in_batch=config.negatives.in_batch, seed=config.seed,
-      process_index=jax.process_index(), process_count=jax.process_count(),
-      candidates=candidates, random_weight=config.negatives.random_weight)
-  if is_host0:
-    pairs.describe_counts(data, batches)
+  if not pretraining:
+    batches = pairs.Batches(
+        data, built.tokenizer, batch_size=config.batch_size,
+        query_max_length=config.data.query_max_length, doc_max_length=config.data.doc_max_length,
+        negative_source=negatives.sampler, negatives_per_query=config.negatives.per_query,
+        in_batch=config.negatives.in_batch, seed=config.seed,
+        process_index=jax.process_index(), process_count=jax.process_count(),
+        candidates=candidates, random_weight=config.negatives.random_weight)
+    if is_host0:
+      pairs.describe_counts(data, batches)
 
   # ---------------------------------------------------------------- the step, jitted once
   batch_shardings = parallel.batch_sharding(mesh)

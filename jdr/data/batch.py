@@ -13,6 +13,11 @@ and the candidates, in one of two forms (`negatives.source` picks; `jdr.train.ma
     valid                 bool  [B, C]    may doc c be a candidate of query b (`negatives.candidate_mask`)
     labels                float [B, C]    optional relevance; absent = identity (column b is row b's positive)
     weights               float [B, C]    optional per-pair weights (STAR's alpha on the random part)
+    doc_logq              float [C]       optional log sampling probability of each document (with
+                                          loss.logq_correction the step scores s(q, d) - doc_logq[d])
+
+  pretraining (data.kind="pretrain", jdr/data/pretrain_batches.py) is the tokens form with C = B: doc b is
+  row b's (ICT / BFS / WLP) document, and valid is False only on other columns holding the same document.
 
   corpus (candidates are rows of a fixed corpus matrix held on the devices; ADORE / LTRe):
     positive_rows         int32 [B, P]    the query's relevant corpus rows, its batch positive first, -1 padded

@@ -20,7 +20,9 @@ from jdr.models.towers import TowerConfig, TwoTower
 # bundled MiniLM tokenizer.
 FRESH = {
     "tiny": dict(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128),
+    "small": dict(hidden_size=256, num_layers=4, num_heads=4, intermediate_size=1024),
     "mini": dict(hidden_size=384, num_layers=6, num_heads=12, intermediate_size=1536),
+    "base": dict(hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072),
 }
 
 
@@ -87,6 +89,11 @@ def build(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collections.ConfigD
   init_from = model_cfg.init_from
   if init_from and is_jdr_model(init_from):
     return _from_jdr_model(model_cfg, data_cfg, *load_jdr_model(init_from))
+  kind = model_cfg.get("tower", "transformer")
+  if kind == "bow_mlp":
+    return _bow_mlp(model_cfg, data_cfg)
+  if kind != "transformer":
+    raise ValueError(f"model.tower must be 'transformer' or 'bow_mlp', got {kind!r}")
 
   overrides = dict(dtype=model_cfg.dtype, remat=model_cfg.remat, hidden_dropout=model_cfg.dropout,
                    attention_dropout=model_cfg.dropout)
@@ -114,6 +121,21 @@ def build(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collections.ConfigD
   description = describe(model, tokenizer_path, data_cfg.query_max_length, data_cfg.doc_max_length,
                          declared.get("max_length"))
   return Built(model, _tokenizer(tokenizer_path), description, encoder_params, None)
+
+
+def _bow_mlp(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collections.ConfigDict) -> Built:
+  """Chang et al.'s BoW-MLP towers, fresh weights, over the (MiniLM) tokenizer's vocabulary."""
+  if model_cfg.init_from:
+    raise ValueError(f"model.tower=bow_mlp starts from fresh weights or a jdr workdir, not "
+                     f"model.init_from={model_cfg.init_from!r}")
+  tokenizer_path = model_cfg.tokenizer or str(hf.minilm_path())
+  tokenizer = _tokenizer(tokenizer_path)
+  normalize = bool(model_cfg.normalize) if model_cfg.normalize >= 0 else False
+  tower = TowerConfig(kind="bow_mlp", vocab_size=len(tokenizer), pooling=model_cfg.pooling or "mean",
+                      projection_dim=model_cfg.projection_dim or None, normalize=normalize)
+  model = TwoTower(query=tower, doc=tower, shared=model_cfg.shared)
+  description = describe(model, tokenizer_path, data_cfg.query_max_length, data_cfg.doc_max_length)
+  return Built(model, tokenizer, description, None, None)
 
 
 def with_encoder_params(params: dict, encoder_params: dict) -> dict:
