@@ -217,6 +217,7 @@ def star_weights(valid: np.ndarray, per_query: int, alpha: float) -> np.ndarray:
   return np.where(hard, count / n_hard, np.where(rand, alpha * count / n_rand, 0.0)).astype(np.float32)
 
 
-def describe_counts(data: RetrievalData, batches: Batches, file=sys.stderr) -> None:
+def describe_counts(data: RetrievalData, batches: Batches, file=None) -> None:
+  # sys.stderr is looked up at call time: a default bound at import would outlive a replaced stream.
   print(f"data {data.name}: {len(data.corpus)} documents, {len(batches.pairs)} training pairs, "
-        f"{len(data.eval_qrels or {})} evaluation queries", file=file)
+        f"{len(data.eval_qrels or {})} evaluation queries", file=file or sys.stderr)
