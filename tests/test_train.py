@@ -280,6 +280,8 @@ def test_init_from_jdr_model_applies_model_settings(tmp_path):
   for side in ("query_tower", "doc_tower"):
     for a, b in zip(jax.tree.leaves(trained["tower"]), jax.tree.leaves(built.params[side])):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # And it trains: the split towers are separate buffers (one would be donated twice).
+  train.train_and_evaluate(config.copy_and_resolve_references(), tmp_path / "split")
   config_files.apply_overrides(config, ["model.pooling=cls"])
   with pytest.raises(ValueError, match="pooling"):
     build_lib.build(config.model, config.data)

@@ -10,7 +10,9 @@ import json
 import pathlib
 from typing import Any, NamedTuple
 
+import jax
 import ml_collections
+import numpy as np
 
 from jdr.models import hf
 from jdr.models.bert import EncoderConfig
@@ -173,7 +175,9 @@ def _from_jdr_model(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collectio
           attention_dropout=model_cfg.dropout))
     towers[side] = tower
   if model.shared and not model_cfg.shared:
-    params = {"query_tower": params["tower"], "doc_tower": params["tower"]}
+    # Two owned copies: one buffer in both towers would be donated twice by the train step.
+    copy = lambda tree: jax.tree.map(lambda x: np.array(x, copy=True), tree)
+    params = {"query_tower": copy(params["tower"]), "doc_tower": copy(params["tower"])}
   elif not model.shared and model_cfg.shared:
     raise ValueError(f"model.init_from={model_cfg.init_from} has separate query and document towers; it "
                      "cannot start a shared-tower run (set model.shared=False)")
