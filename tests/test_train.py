@@ -223,8 +223,9 @@ def test_train_then_evaluate_end_to_end(tmp_path):
   assert all(0.0 <= r["eval/ndcg@10"] <= 1.0 for r in evals)
 
 
-@pytest.mark.parametrize("recipe", ["inbatch", "rand_neg", "bm25_neg", "nce_neg", "bm25_rand", "star", "ance",
-                                    "adore", "ltre", "adore_star"])
+# ADORE and ANCE train in tests/test_hard_negatives.py (resume, sharding, a failing refresh).
+@pytest.mark.parametrize("recipe", ["inbatch", "rand_neg", "bm25_neg", "nce_neg", "bm25_rand", "star", "ltre",
+                                    "adore_star"])
 def test_every_recipe_trains(tmp_path, recipe):
   """Each method's config runs through the one trainer: negatives sampled, masked and scored."""
   from jdr import config_files, train  # pylint: disable=g-import-not-at-top
