@@ -15,10 +15,11 @@ force 15 steps after its snapshot. The paper's warm-up from BM25 negatives is a 
 """
 
 import base
+import inbatch
 
 
 def get_config(arg=None):
-  c = base.get_config()
+  c = inbatch.get_config(arg)  # runlocal: the same budget and optimizer as the in-batch baseline
   c.model.shared = True
   c.negatives.source = "ance"
   c.negatives.top_n = 200
@@ -26,11 +27,6 @@ def get_config(arg=None):
   c.negatives.in_batch = True
   c.loss.name = "softmax_nll"
   if base.runlocal(arg):
-    c.batch_size = 32
-    c.num_train_steps = 90
-    c.optimizer.learning_rate = 2e-5
-    c.optimizer.warmup_steps = 9
-    c.loss.temperature = 0.05
     c.negatives.refresh_every = 30
     c.negatives.refresh_delay = 15
     c.eval.doc_max_length = 256
@@ -38,7 +34,6 @@ def get_config(arg=None):
     c.model.pooling = "cls"
     c.model.projection_dim = 768
     c.batch_size = 64
-    c.optimizer.name = "lamb"
     c.optimizer.learning_rate = 1e-6
     c.optimizer.warmup_steps = 5000
     c.num_train_steps = 600_000

@@ -13,27 +13,18 @@ budget as configs/inbatch.py and bm25_neg.py.
 """
 
 import base
+import inbatch
 
 
 def get_config(arg=None):
-  c = base.get_config()
+  c = inbatch.get_config(arg)  # the same budget and optimizer as the in-batch baseline
   c.negatives.source = "dense_static"
   c.negatives.top_n = 200
   c.negatives.per_query = 1
   c.negatives.in_batch = True
   c.negatives.random_weight = 0.1
   c.loss.name = "ranknet"
-  if base.runlocal(arg):
-    c.batch_size = 32
-    c.num_train_steps = 90
-    c.optimizer.learning_rate = 2e-5
-    c.optimizer.warmup_steps = 9
-    c.loss.temperature = 0.05
-  else:
-    c.batch_size = 256
-    c.optimizer.name = "lamb"
+  if not base.runlocal(arg):
     c.optimizer.learning_rate = 1e-4
-    c.optimizer.warmup_steps = 1000
-    c.num_train_steps = 20000
     c.model.projection_dim = 768
   return c
