@@ -109,10 +109,9 @@ class Evaluator:
     if self.doc_tower_frozen and factory in self._fixed:
       return self._fixed[factory]
     if first and self.config.eval.backend == "jax":
-      retriever = index_lib.make_retriever("jax", doc_emb.shape[1], mesh=self.mesh)
+      retriever = corpus_lib.build_index(doc_emb, self.encoder.doc_ids, "jax", mesh=self.mesh)
     else:
-      retriever = index_lib.make_retriever("faiss", doc_emb.shape[1], factory=factory)
-    retriever.add(doc_emb, self.encoder.doc_ids)
+      retriever = corpus_lib.build_index(doc_emb, self.encoder.doc_ids, "faiss", factory)
     if self.doc_tower_frozen:
       self._fixed[factory] = retriever
     return retriever
@@ -161,9 +160,7 @@ class TrainingDiagnostics:
       return {}
     from jdr.negatives import retrieved  # pylint: disable=g-import-not-at-top
     n = min(self.n, len(doc_emb))
-    retriever = index_lib.make_retriever("faiss", doc_emb.shape[1], factory="Flat")
-    retriever.add(doc_emb, [str(i) for i in range(len(doc_emb))])
-    rows = retrieved.top_rows(retriever, self.encoder.queries(params, self.qids), n)
+    rows = retrieved.exact_top_rows(doc_emb, self.encoder.queries(params, self.qids), n)
     out = {f"overlap_bm25@{n}": retrieved.overlap(rows, self.bm25_rows()[:, :n])}
     if self.negatives is not None and self.negatives.pools_in_use is not None:
       out[f"overlap_negatives@{n}"] = retrieved.overlap(rows, self.negatives.pools_in_use(self.qids)[:, :n])

@@ -93,7 +93,7 @@ def make_train_step(model: TwoTower, tx: optax.GradientTransformation, config: m
     return finish(scores, fields, positive, {})
 
   def train_step(state: TrainState, batch: dict[str, jax.Array], corpus=None, bias=None):
-    query_rng, doc_rng = jax.random.split(jax.random.fold_in(state.rng, state.step))
+    query_rng, doc_rng = step_rngs(state)
 
     def loss_fn(params):
       variables = {"params": params}
@@ -137,6 +137,23 @@ def make_train_step(model: TwoTower, tx: optax.GradientTransformation, config: m
                        **group_grad_norms(grads, skip=("doc_tower",) if query_only else ())}
 
   return train_step
+
+
+def step_rngs(state: TrainState) -> tuple[jax.Array, jax.Array]:
+  """The (query, document) dropout keys of the step `state.step`: a function of the step alone."""
+  return jax.random.split(jax.random.fold_in(state.rng, state.step))
+
+
+def make_step_query_vectors(model: TwoTower):
+  """Jitted (state, query_ids, query_mask) -> exactly the query vectors the step computes (same params,
+  same dropout key), so host retrieval between steps ranks what the loss will see."""
+
+  @jax.jit
+  def step_query_vectors(state, query_ids, query_mask):
+    return model.apply({"params": state.params}, query_ids, query_mask, deterministic=False,
+                       rngs={"dropout": step_rngs(state)[0]}, method=TwoTower.encode_query)
+
+  return step_query_vectors
 
 
 def check_grad_cache(config: ml_collections.ConfigDict, candidates: str = "tokens") -> int:
@@ -232,14 +249,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
       doc_max_length=config.eval.doc_max_length or config.data.doc_max_length,
       tokens_per_batch=config.eval.tokens_per_batch)
 
-  @jax.jit
-  def step_query_vectors(state, query_ids, query_mask):
-    # Exactly the query vectors the step computes (same params, same dropout rng), for host retrieval.
-    query_rng, _ = jax.random.split(jax.random.fold_in(state.rng, state.step))
-    return model.apply({"params": state.params}, query_ids, query_mask, deterministic=False,
-                       rngs={"dropout": query_rng}, method=TwoTower.encode_query)
-
-  negatives = sources.make(config, data, workdir, encoder, state.params, mesh, step_query_vectors)
+  negatives = sources.make(config, data, workdir, encoder, state.params, mesh, make_step_query_vectors(model))
   if not pretraining:
     batches = pairs.Batches(
         data, built.tokenizer, batch_size=config.batch_size,

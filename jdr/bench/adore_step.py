@@ -81,7 +81,6 @@ class _Bench:
   def __init__(self, args):
     from jdr import optimizers, parallel, train  # pylint: disable=g-import-not-at-top
     from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
-    from jdr.models.towers import TwoTower  # pylint: disable=g-import-not-at-top
     from jdr.negatives import retrieved  # pylint: disable=g-import-not-at-top
     self.args, self.parallel, self.retrieved = args, parallel, retrieved
     config = _config(args)
@@ -101,13 +100,7 @@ class _Bench:
     self.step_given = jax.jit(train.make_train_step(model, tx, config, mesh, "corpus", False), **shardings)
     self.step_in_step = jax.jit(train.make_train_step(model, tx, config, mesh, "corpus", True), **shardings)
 
-    @jax.jit
-    def query_vectors(state, query_ids, query_mask):
-      # The trainer's step_query_vectors: the query vectors the step computes (same params, same dropout rng).
-      query_rng, _ = jax.random.split(jax.random.fold_in(state.rng, state.step))
-      return model.apply({"params": state.params}, query_ids, query_mask, deterministic=False,
-                         rngs={"dropout": query_rng}, method=TwoTower.encode_query)
-
+    query_vectors = train.make_step_query_vectors(model)
     self.query_vectors = query_vectors
     b, length = args.batch_size, args.query_length
     self.dim = int(jax.eval_shape(query_vectors, self.holder["state"], jax.ShapeDtypeStruct((b, length), np.int32),

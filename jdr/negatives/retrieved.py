@@ -191,11 +191,7 @@ class HostRetrieval:
     start = time.perf_counter()
     q = np.asarray(jax.device_get(self.encode_queries(state, batch["query_ids"], batch["query_mask"])),
                    np.float32)
-    _, ids = self.retriever.search(q, self.top_n)
-    rows = np.full((len(q), self.top_n), -1, np.int32)
-    for b, row_ids in enumerate(ids):
-      picked = [int(i) for i in row_ids if i != ""]
-      rows[b, :len(picked)] = picked
+    rows = top_rows(self.retriever, q, self.top_n)
     self.seconds += time.perf_counter() - start
     return {**batch, "cand_rows": rows}
 
@@ -209,6 +205,13 @@ def top_rows(retriever, queries: np.ndarray, n: int) -> np.ndarray:
       picked = [int(i) for i in row_ids if i != ""]
       rows[start + b, :len(picked)] = picked
   return rows
+
+
+def exact_top_rows(doc_emb: np.ndarray, queries: np.ndarray, n: int) -> np.ndarray:
+  """[Q, n] rows of each query's exact top n by inner product over `doc_emb` (a Faiss Flat index)."""
+  from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+  retriever = corpus_lib.build_index(doc_emb, [str(i) for i in range(len(doc_emb))], "faiss", "Flat")
+  return top_rows(retriever, queries, min(n, len(doc_emb)))
 
 
 def overlap(a: np.ndarray, b: np.ndarray) -> float:

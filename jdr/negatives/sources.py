@@ -224,11 +224,8 @@ def mine_rows(encoder, params, qids: list[str], n: int, path: pathlib.Path | Non
   """
   if path is not None and path.exists():
     return np.load(path)
-  from jdr import index as index_lib  # pylint: disable=g-import-not-at-top
   doc_emb = encoder.corpus(params, progress=path is not None)
-  retriever = index_lib.make_retriever("faiss", doc_emb.shape[1], factory="Flat")
-  retriever.add(doc_emb, [str(i) for i in range(len(doc_emb))])
-  rows = retrieved.top_rows(retriever, encoder.queries(params, qids), n)
+  rows = retrieved.exact_top_rows(doc_emb, encoder.queries(params, qids), n)
   if path is not None:
     atomic.write_atomic(path, lambda f: np.save(f, rows))
   return rows
