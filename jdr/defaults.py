@@ -22,6 +22,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.data.tfds_data_dir = ""  # where TFDS keeps prepared data ("" = WORKDIR/tfds)
   c.data.train_split = "train"
   c.data.eval_split = "test"
+  c.data.train_fraction = 1.0  # < 1 trains on a fixed subset of the training queries (by a hash of the id)
   c.data.query_max_length = 32
   c.data.doc_max_length = 128
   # data.kind="pretrain" (jdr/data/pretrain_batches.py); data.dataset may name the Wikispeedia directory

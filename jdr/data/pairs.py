@@ -9,6 +9,7 @@ global batch layout and keep only its own rows.
 import dataclasses
 import pathlib
 import sys
+import zlib
 from typing import Any, Sequence
 
 import ml_collections
@@ -49,9 +50,22 @@ def load(data_cfg: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> Re
   if data_cfg.eval_split:
     eval_qrels = formats.read_qrels(directory / "qrels" / f"{data_cfg.eval_split}.tsv",
                                     doc_ids=corpus, query_ids=queries)
+  train_qrels = keep_fraction(train_qrels, data_cfg.get("train_fraction", 1.0))
   data = RetrievalData(corpus, queries, train_qrels, eval_qrels, directory.name)
   check(data, directory, data_cfg)
   return data
+
+
+def keep_fraction(qrels: dict, fraction: float) -> dict:
+  """round(fraction x n) of the n training queries, those whose ids hash lowest (at least one): a fixed subset,
+  the same for every seed, model and run, so a low-data row trains on the same queries everywhere."""
+  if not 0.0 < fraction <= 1.0:
+    raise ValueError(f"data.train_fraction must be in (0, 1], got {fraction!r}")
+  if fraction == 1.0:
+    return qrels
+  by_hash = sorted(qrels, key=lambda qid: (zlib.crc32(qid.encode("utf-8")), qid))
+  kept = by_hash[:max(1, round(fraction * len(qrels)))]
+  return {q: qrels[q] for q in sorted(kept)}
 
 
 def _load_tfds(directory: pathlib.Path, data_cfg: ml_collections.ConfigDict, workdir):
