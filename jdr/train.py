@@ -63,6 +63,7 @@ def make_train_step(model: TwoTower, tx: optax.GradientTransformation, config: m
   top_n = config.negatives.top_n
   logq = config.loss.logq_correction
   chunk = check_grad_cache(config, candidates)
+  mlm = config.data.kind == "pretrain" and config.data.pretrain_task == "mlm"
   if chunk:
     encode_query = gradcache.per_row_encoder(model, "encode_query")
     frozen_doc = gradcache.per_row_encoder(model, "encode_doc", deterministic=True)
@@ -92,6 +93,16 @@ def make_train_step(model: TwoTower, tx: optax.GradientTransformation, config: m
     positive = jnp.arange(scores.shape[1])[None, :] == jnp.arange(scores.shape[0])[:, None]
     return finish(scores, fields, positive, {})
 
+  def mlm_loss(params, batch, rng):
+    # The masked-LM baseline (Chang et al. 2020): BERT's token cross-entropy at the chosen positions only.
+    logits = model.apply({"params": params}, batch["mlm_ids"], batch["mlm_mask"], batch["mlm_positions"],
+                         deterministic=False, rngs={"dropout": rng}, method=TwoTower.mlm_logits)
+    weights = batch["mlm_weights"]
+    per_token = optax.softmax_cross_entropy_with_integer_labels(logits, batch["mlm_labels"])
+    total = jnp.maximum(jnp.sum(weights), 1.0)
+    hits = (jnp.argmax(logits, axis=-1) == batch["mlm_labels"]) * weights
+    return jnp.sum(per_token * weights) / total, {"train_accuracy": jnp.sum(hits) / total}
+
   def train_step(state: TrainState, batch: dict[str, jax.Array], corpus=None, bias=None):
     query_rng, doc_rng = step_rngs(state)
 
@@ -119,7 +130,9 @@ def make_train_step(model: TwoTower, tx: optax.GradientTransformation, config: m
         d = jax.lax.stop_gradient(d)
       return tokens_loss(q, d, batch)
 
-    if chunk:
+    if mlm:
+      (loss, aux), grads = jax.value_and_grad(mlm_loss, has_aux=True)(state.params, batch, query_rng)
+    elif chunk:
       # Sharded chunk loops (one gradient all-reduce per step) when every shard holds whole chunks.
       shards = parallel.data_parallel_size(mesh) if mesh is not None else 1
       sizes = (batch["query_ids"].shape[0], batch["doc_ids"].shape[0], chunk)
@@ -214,6 +227,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   else:
     data = pairs.load(config.data, workdir)
   model = built.model
+  if pretraining and config.data.pretrain_task == "mlm":
+    model = model.clone(mlm_head=True)  # trained here, dropped by every reader of the workdir
   query_only = config.model.train_towers == "query"
   candidates = "corpus" if config.negatives.source == "retrieval" else "tokens"
   if is_host0:
@@ -351,6 +366,8 @@ def initial_params(model: TwoTower, built: build_lib.Built, config: ml_collectio
                  **({"out_shardings": shardings} if shardings is not None else {}))
   if built.params is not None:
     params = built.params
+    if model.mlm_head:  # a trained model's towers under a fresh masked-LM head
+      params = {**params, "lm_head": jax.device_get(init(rng))["lm_head"]}
   else:
     params = init(rng)
     if built.encoder_params is None:

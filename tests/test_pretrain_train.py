@@ -79,12 +79,120 @@ def test_builtin_source_bow_mlp_and_fine_tuning_from_the_workdir(tmp_path):
   assert "after" in result and len(_losses(tmp_path / "fine")) == 2
 
 
-def test_mlm_recipe_is_refused_clearly(tmp_path):
+def test_mlm_recipe_trains_and_its_workdir_reads_as_a_retrieval_model(tmp_path):
+  """The masked-LM baseline trains through the one trainer; its head stays out of what readers load, so
+  fine-tuning starts from the pretrained tower alone."""
+  from conftest import write_tiny_beir  # pylint: disable=g-import-not-at-top
   from jdr import train  # pylint: disable=g-import-not-at-top
-  config = _config("pretrain_mlm", [f"data.dataset={write_articles(tmp_path / 'wiki')}", "num_train_steps=1"])
-  with pytest.raises(NotImplementedError, match="mlm"):
-    train.train_and_evaluate(config, tmp_path / "w")
+  from jdr.models import build  # pylint: disable=g-import-not-at-top
+  config = _config("pretrain_mlm", [f"data.dataset={write_articles(tmp_path / 'wiki')}", "num_train_steps=3"])
+  state = train.train_and_evaluate(config, tmp_path / "pre")["state"]
+  losses = _losses(tmp_path / "pre")
+  assert len(losses) == 3 and all(np.isfinite(losses)) and "lm_head" in state.params
+  # A fresh head predicts about uniformly over the vocabulary: the loss starts near log V.
+  assert abs(losses[0] - np.log(_tokenizer().vocab_size)) < 1.0
+  model, params, _, _ = build.load_jdr_model(tmp_path / "pre")
+  assert "lm_head" not in params and not model.mlm_head
+  np.testing.assert_array_equal(params["tower"]["encoder"]["layer_0"]["query"]["kernel"],
+                                np.asarray(state.params["tower"]["encoder"]["layer_0"]["query"]["kernel"]))
+  beir = write_tiny_beir(tmp_path / "beir")
+  config = _config("finetune", [f"data.dataset={beir}", "num_train_steps=2", "eval.doc_max_length=32"])
+  config.model.init_from = str(tmp_path / "pre")
+  config.model.projection_dim = 0
+  result = train.train_and_evaluate(config, tmp_path / "fine")
+  assert "after" in result and "lm_head" not in result["state"].params
 
+
+def test_mlm_refuses_settings_it_cannot_run(tmp_path):
+  from jdr.data import pretrain_batches  # pylint: disable=g-import-not-at-top
+  for bad, match in (("model.shared=False", "shared"), ("model.tower=bow_mlp", "transformer"),
+                     ("grad_cache.chunk_size=4", "chunk_size")):
+    config = _config("pretrain_mlm", [bad])
+    with pytest.raises(ValueError, match=match):
+      pretrain_batches.check(config)
+
+
+def test_mlm_logits_equal_hugging_face_bert_for_masked_lm():
+  """jdr's masked-LM head on its encoder against transformers' BertForMaskedLM with the same weights."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  from jdr.models import hf  # pylint: disable=g-import-not-at-top
+  from jdr.models.bert import EncoderConfig  # pylint: disable=g-import-not-at-top
+  from jdr.models.towers import TowerConfig, TwoTower  # pylint: disable=g-import-not-at-top
+  enc = EncoderConfig(vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64)
+  tower = TowerConfig(encoder=enc, pooling="cls")
+  model = TwoTower(tower, tower, shared=True, mlm_head=True)
+  rng = np.random.default_rng(0)
+  ids = jnp.asarray(rng.integers(1, 97, (3, 11)), jnp.int32)
+  mask = jnp.asarray(np.arange(11)[None, :] < np.array([[11], [7], [4]]), jnp.int32)
+  params = nn.unbox(model.init(jax.random.PRNGKey(1), ids, mask, ids, mask)["params"])
+  # Non-trivial head weights (the init's zero biases and unit scales would hide a transposition).
+  params = jax.tree.map(lambda x: x + 0.05 * rng.standard_normal(x.shape).astype(np.float32), params)
+  positions = jnp.asarray([[0, 3, 10], [1, 2, 6], [0, 1, 3]], jnp.int32)
+  ours = np.asarray(model.apply({"params": params}, ids, mask, positions, method=TwoTower.mlm_logits))
+
+  tensors = hf.state_dict_from_params(enc, params["tower"]["encoder"])
+  head = jax.tree.map(np.asarray, params["lm_head"])
+  tensors = {("bert." + k if not k.startswith("bert.") else k): v for k, v in tensors.items()}
+  tensors.update({"cls.predictions.transform.dense.weight": head["transform"]["kernel"].T,
+                  "cls.predictions.transform.dense.bias": head["transform"]["bias"],
+                  "cls.predictions.transform.LayerNorm.weight": head["norm"]["scale"],
+                  "cls.predictions.transform.LayerNorm.bias": head["norm"]["bias"],
+                  "cls.predictions.bias": head["bias"]})
+  reference = transformers.BertForMaskedLM(transformers.BertConfig(**enc.to_hf())).eval()
+  missing, unexpected = reference.load_state_dict({k: torch.from_numpy(np.array(v, np.float32))
+                                                   for k, v in tensors.items()}, strict=False)
+  assert not unexpected and set(missing) <= {"cls.predictions.decoder.weight", "cls.predictions.decoder.bias",
+                                             "bert.pooler.dense.weight", "bert.pooler.dense.bias"}
+  reference.tie_weights()
+  with torch.no_grad():
+    theirs = reference(input_ids=torch.from_numpy(np.asarray(ids, np.int64)),
+                       attention_mask=torch.from_numpy(np.asarray(mask, np.int64))).logits.numpy()
+  expected = np.take_along_axis(theirs, np.asarray(positions)[:, :, None], axis=1)
+  np.testing.assert_allclose(ours, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_mlm_batches(tmp_path):
+  """Masked-LM batches: labels are the original tokens at the scored positions, everything else unchanged,
+  80/10/10 overall, a pure function of (seed, step), and split over processes by rows."""
+  from jdr.data import articles as A  # pylint: disable=g-import-not-at-top
+  from jdr.data import pretrain  # pylint: disable=g-import-not-at-top
+  from jdr.data.pretrain_batches import MLMBatches, max_predictions  # pylint: disable=g-import-not-at-top
+  articles, _ = A.read_wikispeedia(write_articles(tmp_path / "wiki"))
+  gen = pretrain.PretrainPairs(articles, "ict", seed=5)
+  tok = _tokenizer()
+  make = lambda i=0, n=1: MLMBatches(gen, tok, batch_size=8, max_length=32, seed=5, process_index=i,
+                                     process_count=n)
+  assert max_predictions(128) == 32 and max_predictions(32) >= 0.15 * 32
+  batches, kinds = make(), {"mask": 0, "random": 0, "same": 0}
+  for step in range(40):
+    b = batches.local(step)
+    plain = np.asarray(tok([p[1] for p in (gen.passage(step * 8 + r) for r in range(8))],
+                           [p[2] for p in (gen.passage(step * 8 + r) for r in range(8))], truncation="longest_first",
+                           max_length=32, padding="max_length")["input_ids"])
+    for r in range(8):
+      w = b["mlm_weights"][r] > 0
+      pos, labels = b["mlm_positions"][r][w], b["mlm_labels"][r][w]
+      np.testing.assert_array_equal(labels, plain[r, pos])
+      assert not np.isin(labels, tok.all_special_ids).any()
+      others = np.setdiff1d(np.arange(32), pos)
+      np.testing.assert_array_equal(b["mlm_ids"][r, others], plain[r, others])
+      got = b["mlm_ids"][r, pos]
+      kinds["mask"] += int(np.sum(got == tok.mask_token_id))
+      kinds["same"] += int(np.sum(got == labels))
+      kinds["random"] += int(np.sum((got != labels) & (got != tok.mask_token_id)))
+    again = make().local(step)
+    for k in b:
+      np.testing.assert_array_equal(b[k], again[k])
+    halves = [make(i, 2).local(step) for i in range(2)]
+    for k in b:
+      np.testing.assert_array_equal(np.concatenate([h[k] for h in halves]), b[k])
+  total = sum(kinds.values())
+  assert total > 500
+  assert abs(kinds["mask"] / total - 0.8) < 0.06 and abs(kinds["random"] / total - 0.1) < 0.04
 
 def _tokenizer():
   from jdr.models import hf  # pylint: disable=g-import-not-at-top

@@ -137,6 +137,16 @@ class PretrainPairs:
     raise RuntimeError(f"{task}: no usable candidate in {self.max_tries} draws for pair {index} "
                        f"(skipped: {dict(self.stats)}); check the articles with survey()")
 
+  def passage(self, index: int) -> tuple[str, str, str]:
+    """(article id, title, passage text) of a passage drawn uniformly, a pure function of (seed, index): the
+    text of the masked-LM baseline, the same passages ICT draws from."""
+    if index < 0:
+      raise IndexError(f"passage index must be >= 0, got {index}")
+    rng = np.random.default_rng([self.seed, index, 1])  # a stream apart from the pairs' own
+    i, k = self._locate(self._ict_ends, int(rng.integers(self.units["ict"])))
+    a = self.articles[i]
+    return a.id, a.title, a.paragraph(*self._passages[i][k])
+
   # ------------------------------------------------------------------------------------------------ tasks
 
   def _locate(self, ends: np.ndarray, unit: int) -> tuple[int, int]:

@@ -14,11 +14,17 @@ generator, for the sampled-softmax correction s - log Q (Yi et al. 2019). It is 
 uniform passage of the linking article (the generator prefers the passages that mention the target). ICT and
 BFS draw passages uniformly, so for them the correction is a constant and changes nothing.
 
-MLM (data.pretrain_task="mlm") is not built here yet; see the report of issue 7.
+MLM (data.pretrain_task="mlm", `MLMBatches`): the masked-LM baseline on the same text, B passages drawn
+uniformly ("title [SEP] passage", the ICT document before a sentence is taken out), 15% of their tokens
+chosen with BERT's 80/10/10 rule (pretrain.mask_tokens). Predictions are gathered at `mlm_positions [B, P]`
+with P = `max_predictions(L)` (32 at 128 tokens, three standard deviations above the mean count): the rare
+rows with more chosen tokens keep the first P, and the others are restored to their own token (not left masked without
+a label); `MLMBatches.capped` counts them.
 """
 
 from __future__ import annotations
 
+import math
 import pathlib
 import sys
 from typing import Any
@@ -33,6 +39,7 @@ from jdr.data import shared
 
 SOURCES = ("wikispeedia", "builtin")  # or the path of a MediaWiki XML dump
 TASKS = ("ict", "bfs", "wlp", "mixed")
+MLM_PROB = 0.15
 
 
 def check(config: ml_collections.ConfigDict) -> None:
@@ -43,7 +50,14 @@ def check(config: ml_collections.ConfigDict) -> None:
   if d.kind != "pretrain":
     return
   if d.pretrain_task == "mlm":
-    raise NotImplementedError("data.pretrain_task='mlm' (the masked-LM baseline) is not implemented yet")
+    m = config.model
+    if not m.shared or m.get("tower", "transformer") != "transformer":
+      raise ValueError("data.pretrain_task='mlm' trains one shared transformer tower: set model.shared=True "
+                       "and model.tower=transformer")
+    if config.grad_cache.chunk_size or config.loss.logq_correction:
+      raise ValueError("data.pretrain_task='mlm' has no batch softmax: set grad_cache.chunk_size=0 and "
+                       "loss.logq_correction=False")
+    return
   if d.pretrain_task not in TASKS:
     raise ValueError(f"data.pretrain_task must be one of {TASKS} or 'mlm', got {d.pretrain_task!r}")
   if config.negatives.source != "none" or config.negatives.per_query:
@@ -168,13 +182,73 @@ def _passage_log_probs(gen: pretrain.PretrainPairs) -> dict[tuple, float]:
   return {k: float(np.log(v)) for k, v in probs.items()}
 
 
+def max_predictions(length: int) -> int:
+  """Masked positions scored per row (BERT's max_predictions_per_seq): the mean 15% of the length plus three
+  standard deviations of the binomial count, so about 1 row in 700 is capped (32 at 128 tokens)."""
+  mean = MLM_PROB * length
+  return max(1, math.ceil(mean + 3 * math.sqrt(mean * (1 - MLM_PROB))))
+
+
+class MLMBatches:
+  """Masked-LM batches as a pure function of the step: `mlm_ids`, `mlm_mask` [B, L] (the masked passages),
+  `mlm_positions`, `mlm_labels` [B, P] (int32) and `mlm_weights` [B, P] (1.0 where a prediction counts)."""
+
+  def __init__(self, generator: pretrain.PretrainPairs, tokenizer: Any, *, batch_size: int, max_length: int,
+               seed: int = 0, process_index: int = 0, process_count: int = 1):
+    self.generator, self.tokenizer = generator, tokenizer
+    self.batch_size, self.max_length, self.seed = batch_size, max_length, seed
+    self.process_index, self.process_count = process_index, process_count
+    self.pad_id = tokenizer.pad_token_id or 0
+    self.predictions = max_predictions(max_length)
+    self.special_ids = sorted(set(tokenizer.all_special_ids))
+    self.capped = 0  # tokens chosen beyond `predictions` in a row and restored (counted, logged)
+
+  @property
+  def examples_per_epoch(self) -> int:
+    return self.generator.units["ict"]
+
+  def local(self, step: int) -> dict[str, np.ndarray]:
+    per = self.batch_size // self.process_count
+    first = step * self.batch_size + self.process_index * per
+    passages = [self.generator.passage(i) for i in range(first, first + per)]
+    ids, mask = pairs_lib._pad(  # pylint: disable=protected-access
+        [np.asarray(t, np.int32) for t in self.tokenizer(
+            [p[1] for p in passages], [p[2] for p in passages], truncation="longest_first",
+            max_length=self.max_length, return_attention_mask=False, return_token_type_ids=False)["input_ids"]],
+        self.max_length, self.pad_id)
+    p = self.predictions
+    out = {"mlm_ids": np.empty_like(ids), "mlm_mask": mask, "mlm_positions": np.zeros((per, p), np.int32),
+           "mlm_labels": np.zeros((per, p), np.int32), "mlm_weights": np.zeros((per, p), np.float32)}
+    for r in range(per):
+      rng = np.random.default_rng([self.seed, first + r, 2])
+      masked, labels = pretrain.mask_tokens(ids[r], rng, self.tokenizer.vocab_size, self.tokenizer.mask_token_id,
+                                            self.special_ids, MLM_PROB)
+      chosen = np.flatnonzero(labels >= 0)
+      if len(chosen) > p:
+        self.capped += len(chosen) - p
+        masked[chosen[p:]] = ids[r, chosen[p:]]
+        chosen = chosen[:p]
+      out["mlm_ids"][r] = masked
+      out["mlm_positions"][r, :len(chosen)] = chosen
+      out["mlm_labels"][r, :len(chosen)] = labels[chosen]
+      out["mlm_weights"][r, :len(chosen)] = 1.0
+    return out
+
+
 def make(config: ml_collections.ConfigDict, tokenizer: Any, *, process_index: int = 0,
-         process_count: int = 1) -> tuple[PretrainBatches, pairs_lib.RetrievalData]:
+         process_count: int = 1) -> tuple[PretrainBatches | MLMBatches, pairs_lib.RetrievalData]:
   """The batches of a pretraining config and the (empty) RetrievalData the rest of the trainer expects."""
   check(config)
   d = config.data
   articles, report = load_articles(d)
   print(report, file=sys.stderr)
+  if d.pretrain_task == "mlm":
+    generator = pretrain.PretrainPairs(articles, "ict", seed=config.seed)
+    batches = MLMBatches(generator, tokenizer, batch_size=config.batch_size, max_length=d.doc_max_length,
+                         seed=config.seed, process_index=process_index, process_count=process_count)
+    print(f"pretraining mlm on {len(articles)} articles from {d.pretrain_source}: {generator.units['ict']} "
+          f"passages, {batches.predictions} predictions per row at most", file=sys.stderr)
+    return batches, retrieval_data(f"pretrain-{d.pretrain_source}")
   generator = pretrain.PretrainPairs(articles, d.pretrain_task, seed=config.seed,
                                      keep_sentence_prob=d.keep_sentence_prob)
   batches = PretrainBatches(generator, tokenizer, batch_size=config.batch_size,

@@ -83,6 +83,8 @@ def load_jdr_model(path: str | pathlib.Path) -> tuple[TwoTower, dict, Any, dict]
       raise FileNotFoundError(f"{path}: a jdr workdir needs model.json beside checkpoints/")
     description = json.loads(description_file.read_text())
     params = checkpoint.latest_params(path)
+  # A masked-LM pretraining run's head is not part of the retrieval model (jdr.models.towers.TwoTower).
+  params = {k: v for k, v in params.items() if k != "lm_head"}
   return from_description(description), params, _tokenizer(description["tokenizer"]), description
 
 

@@ -113,13 +113,19 @@ class Tower(nn.Module):
   config: TowerConfig
 
   @nn.compact
-  def __call__(self, input_ids, attention_mask, token_type_ids=None, *, deterministic: bool = True):
+  def __call__(self, input_ids, attention_mask, token_type_ids=None, *, deterministic: bool = True,
+               token_vectors: bool = False):
+    """`token_vectors=True` returns the encoder's [B, L, H] output instead (the masked-LM baseline's input)."""
     cfg = self.config
     if cfg.kind == "bow_mlp":
+      if token_vectors:
+        raise ValueError("the BoW-MLP tower has no token vectors (masked-LM needs a transformer tower)")
       x = BowMLP(cfg, name="bow")(input_ids, attention_mask, deterministic=deterministic)
     else:
       hidden = Encoder(cfg.encoder, name="encoder")(
           input_ids, attention_mask, token_type_ids, deterministic=deterministic)
+      if token_vectors:
+        return hidden
       x = pool(hidden, attention_mask, cfg.pooling)
     if cfg.projection_dim is not None:
       # The head is tiny: it stays float32 and replicated (its output axis has no logical name).
@@ -135,15 +141,38 @@ class Tower(nn.Module):
     return x.astype(jnp.float32)
 
 
+class MLMHead(nn.Module):
+  """BERT's masked-LM head: Dense(H) + activation + LayerNorm, then logits over the vocabulary through the
+  word embedding table (tied, as BERT) plus a bias. Training-only: it is not part of a retrieval model."""
+  config: EncoderConfig
+
+  @nn.compact
+  def __call__(self, hidden, word_embeddings):
+    cfg = self.config
+    x = nn.Dense(cfg.hidden_size, kernel_init=nn.with_logical_partitioning(
+        nn.initializers.normal(0.02), ("embed", None)),
+                 bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), (None,)), name="transform")(hidden)
+    x = nn.gelu(x, approximate=False)
+    x = nn.LayerNorm(epsilon=cfg.layer_norm_eps,
+                     scale_init=nn.with_logical_partitioning(nn.initializers.ones_init(), (None,)),
+                     bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), (None,)), name="norm")(x)
+    bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros_init(), ("vocab",)),
+                      (cfg.vocab_size,), jnp.float32)
+    return jnp.einsum("...h,vh->...v", x, word_embeddings) + bias
+
+
 class TwoTower(nn.Module):
   """A query tower and a document tower; `shared=True` ties them to one set of weights.
 
   Use `apply(..., method="encode_query")` / `method="encode_doc"` to encode one side; `__call__` encodes
-  both (and is what `init` should run so both sides get params).
+  both (and is what `init` should run so both sides get params). `mlm_head=True` (masked-LM pretraining of
+  a shared transformer tower) adds the params "mlm_head" and the method `mlm_logits`; readers of a trained
+  model (jdr.models.build.load_jdr_model) drop that head, so it never reaches retrieval or fine-tuning.
   """
   query: TowerConfig
   doc: TowerConfig
   shared: bool = True
+  mlm_head: bool = False
 
   def setup(self):
     if self.shared:
@@ -154,6 +183,18 @@ class TwoTower(nn.Module):
     else:
       self.query_tower = Tower(self.query)
       self.doc_tower = Tower(self.doc)
+    if self.mlm_head:
+      if not self.shared or self.query.kind != "transformer":
+        raise ValueError("mlm_head needs one shared transformer tower (model.shared=True, "
+                         "model.tower=transformer)")
+      self.lm_head = MLMHead(self.query.encoder)
+
+  def mlm_logits(self, input_ids, attention_mask, positions, *, deterministic: bool = True):
+    """Vocabulary logits [B, P, V] at the token positions [B, P] of the (masked) input [B, L]."""
+    hidden = self.tower(input_ids, attention_mask, deterministic=deterministic, token_vectors=True)
+    picked = jnp.take_along_axis(hidden, positions[:, :, None], axis=1)
+    word = self.tower.variables["params"]["encoder"]["embeddings"]["word_embeddings"]
+    return self.lm_head(picked, nn.unbox(word))
 
   def encode_query(self, input_ids, attention_mask, token_type_ids=None, *, deterministic: bool = True):
     tower = self.tower if self.shared else self.query_tower
@@ -165,5 +206,8 @@ class TwoTower(nn.Module):
 
   def __call__(self, query_ids, query_mask, doc_ids, doc_mask, *, deterministic: bool = True):
     """Returns (query vectors [Bq, D], doc vectors [Bd, D])."""
-    return (self.encode_query(query_ids, query_mask, deterministic=deterministic),
-            self.encode_doc(doc_ids, doc_mask, deterministic=deterministic))
+    out = (self.encode_query(query_ids, query_mask, deterministic=deterministic),
+           self.encode_doc(doc_ids, doc_mask, deterministic=deterministic))
+    if self.mlm_head and self.is_initializing():
+      self.mlm_logits(doc_ids, doc_mask, jnp.zeros((doc_ids.shape[0], 1), jnp.int32))
+    return out
