@@ -59,3 +59,18 @@ def test_ance_refresh_tiny(tmp_path):
   assert out["timed_steps"] == 4 and out["mines"] >= 2 and out["failed"] == 0
   assert out["steps_in_flight"] + out["steps_without"] == 4
   assert 0 <= out["wait_fraction"] < 1
+
+
+def test_pretrain_ablation_table_means_and_spreads(tmp_path):
+  from jdr.bench import pretrain_ablation  # pylint: disable=g-import-not-at-top
+  def result(row, seed, value):
+    metrics = {"ndcg@10": value, "recall@100": value + 0.1}
+    reqa = {f"recall@{k}": value / 2 for k in (1, 5, 10, 100)}
+    return {"row": row, "seed": seed, "scifact_all": metrics, "scifact_10pct": metrics, "reqa": reqa}
+  for name, r in (("ict_s0", result("ict", 0, 0.4)), ("ict_s1", result("ict", 1, 0.5)),
+                  ("bm25", result("bm25", None, 0.6))):
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "result.json").write_text(json.dumps(r))
+  lines = pretrain_ablation.table(tmp_path).splitlines()
+  assert len(lines) == 4 and lines[2].startswith("| ict | 0,1 | 0.450 ±0.050 | 0.550 ±0.050 |")
+  assert lines[3].startswith("| bm25 | - | 0.600 | 0.700 |")

@@ -8,6 +8,7 @@ BENCHMARKS = {
     "adore-step": "jdr.bench.adore_step",
     "ance-refresh": "jdr.bench.ance_refresh",
     "encode": "jdr.bench.encode_speed",
+    "pretrain": "jdr.bench.pretrain_speed",
     "pretrain-ablation": "jdr.bench.pretrain_ablation",
     "train-step": "jdr.bench.train_step",
 }

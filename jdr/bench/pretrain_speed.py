@@ -1,0 +1,185 @@
+"""Pretraining throughput with and without gradient caching, against sentence-transformers' GradCache.
+
+  python -m jdr.bench pretrain [--budget-mib 2048] [--chunk-size 32] [--steps 3] [--batch-size 0]
+
+The model and data are those of configs/pretrain_ict_bfs_wlp.py:runlocal: a 4-layer, 256-wide BERT from
+random weights with the MiniLM vocabulary, [CLS] pooling, Dense(512) + LayerNorm, one shared tower; ICT + BFS
++ WLP pairs from the shared Wikispeedia articles (the built-in stdlib articles when they are absent), query 32
+and document 128 tokens; in-batch sampled softmax on raw dot products, dropout 0.1, Adam 1e-4, gradient
+clipping at 1.0.
+
+1. The batch B is the largest whose un-cached step fits `--budget-mib` of XLA's compiled memory on this
+   backend (`jdr.gradcache.largest_batch`; `--batch-size` sets it instead). The largest batch the cached step
+   reaches within the same budget is reported too.
+2. jdr trains B pairs a step through `jdr.train.make_train_step`, without caching and with
+   grad_cache.chunk_size = `--chunk-size`.
+3. The reference is the same objective in sentence-transformers on the same weights (jdr's initialization,
+   exported to Hugging Face) and the very same token ids: Transformer + Pooling(cls) + Dense(512, identity)
+   + LayerNorm modules, MultipleNegativesRankingLoss (no caching) and CachedMultipleNegativesRankingLoss
+   (mini_batch_size = `--chunk-size`) with scale 1 and dot-product similarity, torch AdamW.
+
+Pairs/s are B over the median step time of `--steps` steps after one warm-up (compilation) step. The last
+line is JSON; its `ratio` is jdr cached over sentence-transformers cached (goal >= 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import jax
+import ml_collections
+import numpy as np
+
+from jdr import defaults
+
+
+def _config(batch_size: int, chunk_size: int) -> ml_collections.ConfigDict:
+  from jdr.data import shared  # pylint: disable=g-import-not-at-top
+  c = defaults.get_config()
+  c.data.kind, c.data.pretrain_task = "pretrain", "mixed"
+  c.data.pretrain_source = "wikispeedia" if shared.shared_dataset("wikispeedia") else "builtin"
+  c.data.dataset = ""
+  c.data.query_max_length, c.data.doc_max_length = 32, 128
+  c.model.init_from, c.model.fresh = "", "small"
+  c.model.pooling, c.model.normalize, c.model.projection_dim, c.model.shared = "cls", 0, 512, True
+  c.optimizer.learning_rate, c.optimizer.warmup_steps, c.optimizer.weight_decay = 1e-4, 0, 0.0
+  c.batch_size, c.num_train_steps = batch_size, 10_000
+  c.grad_cache.chunk_size = chunk_size
+  return c
+
+
+def _median_seconds(run_step, steps: int) -> float:
+  run_step(0)  # warm-up: compilation for jax, allocator warm-up for torch
+  times = []
+  for s in range(1, steps + 1):
+    start = time.perf_counter()
+    run_step(s)
+    times.append(time.perf_counter() - start)
+  return float(np.median(times))
+
+
+def largest_batches(model, budget_bytes: int, chunk_size: int, max_batch: int) -> dict:
+  from jdr import gradcache  # pylint: disable=g-import-not-at-top
+  out = {}
+  for name, chunk in (("uncached", None), ("cached", chunk_size)):
+    best, stats = gradcache.largest_batch(model, budget_bytes, query_len=32, doc_len=128, chunk_size=chunk,
+                                          max_batch=max_batch)
+    out[name] = {"batch": best, "mib": round(stats["total"] / 2**20, 1) if stats else None}
+    print(f"largest batch {name} within {budget_bytes / 2**20:.0f} MiB: {best}", file=sys.stderr, flush=True)
+  return out
+
+
+def jdr_seconds(built, config, batches, steps: int) -> float:
+  from jdr import optimizers, train  # pylint: disable=g-import-not-at-top
+  tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps)
+  params = train.initial_params(built.model, built, config, jax.random.PRNGKey(config.seed), None)
+  state = {"s": train.TrainState(step=jax.numpy.int32(0), params=params, opt_state=tx.init(params),
+                                 rng=jax.random.PRNGKey(1))}
+  step_fn = jax.jit(train.make_train_step(built.model, tx, config), donate_argnums=(0,))
+
+  def run_step(s):
+    state["s"], metrics = step_fn(state["s"], batches[s])
+    jax.block_until_ready(metrics["loss"])
+
+  return _median_seconds(run_step, steps)
+
+
+def sentence_transformers_seconds(hf_dir: str, params, batches, steps: int, chunk_size: int | None) -> float:
+  import torch  # pylint: disable=g-import-not-at-top
+  from sentence_transformers import SentenceTransformer  # pylint: disable=g-import-not-at-top
+  from sentence_transformers.sentence_transformer import losses  # pylint: disable=g-import-not-at-top
+  from sentence_transformers.sentence_transformer import modules  # pylint: disable=g-import-not-at-top
+  from sentence_transformers.util import dot_score  # pylint: disable=g-import-not-at-top
+  torch.manual_seed(0)
+  transformer = modules.Transformer(hf_dir, max_seq_length=128)
+  dense = modules.Dense(256, 512, activation_function=torch.nn.Identity())
+  norm = modules.LayerNorm(512)
+  head = jax.tree.map(np.asarray, params["tower"])
+  with torch.no_grad():  # jdr's head initialization, so both sides train the same network
+    dense.linear.weight.copy_(torch.from_numpy(head["projection"]["kernel"].T.copy()))
+    dense.linear.bias.copy_(torch.from_numpy(head["projection"]["bias"].copy()))
+    norm.norm.weight.copy_(torch.from_numpy(head["projection_norm"]["scale"].copy()))
+    norm.norm.bias.copy_(torch.from_numpy(head["projection_norm"]["bias"].copy()))
+    norm.norm.eps = 1e-12
+  model = SentenceTransformer(modules=[transformer, modules.Pooling(256, pooling_mode="cls"), dense, norm],
+                              device="cpu")
+  model.train()
+  if chunk_size:
+    loss_fn = losses.CachedMultipleNegativesRankingLoss(model, scale=1.0, similarity_fct=dot_score,
+                                                        mini_batch_size=chunk_size)
+  else:
+    loss_fn = losses.MultipleNegativesRankingLoss(model, scale=1.0, similarity_fct=dot_score)
+  optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+
+  def features(batch, side):
+    ids = torch.from_numpy(np.asarray(batch[f"{side}_ids"], np.int64))
+    return {"input_ids": ids, "attention_mask": torch.from_numpy(np.asarray(batch[f"{side}_mask"], np.int64)),
+            "token_type_ids": torch.zeros_like(ids)}
+
+  def run_step(s):
+    optimizer.zero_grad(set_to_none=True)
+    b = batches[s]
+    loss = loss_fn([features(b, "query"), features(b, "doc")], None)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+
+  return _median_seconds(run_step, steps)
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(prog="python -m jdr.bench pretrain", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--budget-mib", type=float, default=2048.0,
+                      help="compiled-memory budget that sets the batch (XLA's memory analysis)")
+  parser.add_argument("--chunk-size", type=int, default=32, help="rows encoded at once when caching")
+  parser.add_argument("--steps", type=int, default=3, help="timed steps per system, after one warm-up")
+  parser.add_argument("--batch-size", type=int, default=0, help="0 = the largest un-cached batch in budget")
+  parser.add_argument("--max-batch", type=int, default=1 << 16, help="search cap for the cached batch")
+  args = parser.parse_args(argv)
+  import torch  # pylint: disable=g-import-not-at-top
+  torch.set_num_threads(os.cpu_count() or 1)
+  from jdr.data import pretrain_batches  # pylint: disable=g-import-not-at-top
+  from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
+  from jdr.models import hf  # pylint: disable=g-import-not-at-top
+  from jdr import train  # pylint: disable=g-import-not-at-top
+
+  config = _config(args.batch_size or 8, args.chunk_size)
+  built = build_lib.build(config.model, config.data)
+  budget = int(args.budget_mib * 2**20)
+  largest = largest_batches(built.model, budget, args.chunk_size, args.max_batch)
+  batch_size = args.batch_size or largest["uncached"]["batch"]
+  if batch_size % args.chunk_size:
+    batch_size = batch_size // args.chunk_size * args.chunk_size  # whole chunks on both sides
+  if not batch_size:
+    raise SystemExit(f"error: no batch fits {args.budget_mib} MiB without caching; raise --budget-mib")
+  config = _config(batch_size, 0)
+  maker, _ = pretrain_batches.make(config, built.tokenizer)
+  batches = [maker.local(s) for s in range(args.steps + 1)]
+  params = jax.device_get(train.initial_params(built.model, built, config, jax.random.PRNGKey(config.seed), None))
+
+  result = {"benchmark": "pretrain", "units": "pairs/s", "batch_size": batch_size,
+            "chunk_size": args.chunk_size, "budget_mib": args.budget_mib, "largest_batch": largest,
+            "device": jax.devices()[0].device_kind, "source": config.data.pretrain_source}
+  seconds = {"jdr_uncached": jdr_seconds(built, config, batches, args.steps)}
+  cached = _config(batch_size, args.chunk_size)
+  seconds["jdr_cached"] = jdr_seconds(built, cached, batches, args.steps)
+  with tempfile.TemporaryDirectory() as hf_dir:
+    hf.export_hf(built.model.query.encoder, params["tower"]["encoder"], hf_dir, tokenizer=built.tokenizer)
+    seconds["st_uncached"] = sentence_transformers_seconds(hf_dir, params, batches, args.steps, None)
+    seconds["st_cached"] = sentence_transformers_seconds(hf_dir, params, batches, args.steps, args.chunk_size)
+  for name, s in seconds.items():
+    result[name] = round(batch_size / s, 2)
+    print(f"{name:13s} {s:8.2f} s/step  {batch_size / s:8.2f} pairs/s", file=sys.stderr)
+  result["ratio_uncached"] = round(seconds["st_uncached"] / seconds["jdr_uncached"], 3)
+  result["ratio"] = round(seconds["st_cached"] / seconds["jdr_cached"], 3)
+  print(json.dumps(result))
+
+
+if __name__ == "__main__":
+  main()
