@@ -27,7 +27,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.data.doc_max_length = 128
   # data.kind="pretrain" (jdr/data/pretrain_batches.py); data.dataset may name the Wikispeedia directory
   c.data.pretrain_source = "wikispeedia"  # "wikispeedia" | "builtin" (stdlib modules) | a Wikipedia XML dump
-  c.data.pretrain_task = "mixed"  # ict | bfs | wlp | mixed (ICT+BFS+WLP) | mlm (not implemented yet)
+  c.data.pretrain_task = "mixed"  # ict | bfs | wlp | mixed (ICT+BFS+WLP) | mlm (the masked-LM baseline)
   c.data.keep_sentence_prob = 0.1  # ICT: the query sentence stays in its document this often
 
   # --- model ---
