@@ -4,7 +4,7 @@ Inverse Cloze Task: query = a random sentence of a passage; document = the artic
 rest of the passage (the sentence is kept with probability data.keep_sentence_prob = 0.1, as Lee et al. 2019).
 
 The setup (paper and `runlocal`: a 4x256 BERT from random weights on the shared Wikispeedia articles, batch
-32, 600 steps, about 15 minutes on 2 CPU cores, estimated) is configs/pretrain_ict_bfs_wlp.py's; only the
+32, 600 steps, about 7.5 minutes on 2 CPU cores) is configs/pretrain_ict_bfs_wlp.py's; only the
 task differs.
 
   python -m jdr.train --config configs/pretrain_ict.py:runlocal --workdir runs/pretrain_ict

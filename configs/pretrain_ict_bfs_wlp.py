@@ -8,8 +8,8 @@ through exact gradient caching (grad_cache.chunk_size rows encoded at once). BER
 
 `runlocal` scales it to this two-core machine: a small BERT from random weights (4 layers, 256 wide, the
 MiniLM vocabulary), the shared Wikispeedia articles, query 32 / document 128 tokens, batch 32, 600 steps, no
-gradient caching (nothing to save at batch 32). About 15 minutes on 2 CPU cores: an estimate (about 1.3 s a
-step, from the CPU reference points of the design notes), not a measurement.
+gradient caching (nothing to save at batch 32). About 7.5 minutes on 2 CPU cores (0.73 s a step, measured
+alone on this project's 2-core machine); the ablation in the README runs 300 of these steps a row.
 
   python -m jdr.train --config configs/pretrain_ict_bfs_wlp.py:runlocal --workdir runs/pretrain_ict_bfs_wlp
 

@@ -4,7 +4,7 @@ Wiki Link Prediction: query = a random sentence of article B's lead; document = 
 article A linking to B (one that mentions B when there is one).
 
 The setup (paper and `runlocal`: a 4x256 BERT from random weights on the shared Wikispeedia articles, batch
-32, 600 steps, about 15 minutes on 2 CPU cores, estimated) is configs/pretrain_ict_bfs_wlp.py's; only the
+32, 600 steps, about 7.5 minutes on 2 CPU cores) is configs/pretrain_ict_bfs_wlp.py's; only the
 task differs.
 
   python -m jdr.train --config configs/pretrain_wlp.py:runlocal --workdir runs/pretrain_wlp
