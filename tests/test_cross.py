@@ -1,0 +1,71 @@
+"""The cross-encoder against Hugging Face's sequence classifiers with the same weights, both directions."""
+
+import numpy as np
+import pytest
+
+
+def _hf_model(kind: str):
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  torch.manual_seed(0)
+  common = dict(vocab_size=120, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                max_position_embeddings=64, num_labels=1)
+  if kind == "bert":
+    model = transformers.BertForSequenceClassification(transformers.BertConfig(type_vocab_size=2, **common))
+  else:
+    model = transformers.RobertaForSequenceClassification(transformers.RobertaConfig(
+        type_vocab_size=1, pad_token_id=1, bos_token_id=0, eos_token_id=2, **common))
+  with torch.no_grad():  # non-zero biases everywhere, so a dropped or transposed tensor shows
+    for p in model.parameters():
+      p.add_(0.05 * torch.randn_like(p))
+  return model.eval()
+
+
+def _inputs(kind: str):
+  rng = np.random.default_rng(1)
+  ids = rng.integers(3, 120, (3, 12))
+  lengths = np.array([12, 9, 5])
+  mask = (np.arange(12)[None, :] < lengths[:, None]).astype(np.int64)
+  ids = np.where(mask > 0, ids, 1 if kind == "roberta" else 0)
+  types = ((np.arange(12)[None, :] >= 4) & (mask > 0)).astype(np.int64) if kind == "bert" else None
+  return ids, mask, types
+
+
+def _hf_logits(model, ids, mask, types):
+  import torch  # pylint: disable=g-import-not-at-top
+  kwargs = {"token_type_ids": torch.from_numpy(types)} if types is not None else {}
+  with torch.no_grad():
+    return model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), **kwargs).logits[:, 0].numpy()
+
+
+def _jdr_logits(model, params, ids, mask, types):
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  return np.asarray(model.apply({"params": params}, jnp.asarray(ids, jnp.int32), jnp.asarray(mask, jnp.int32),
+                                None if types is None else jnp.asarray(types, jnp.int32)))
+
+
+@pytest.mark.parametrize("kind", ["bert", "roberta"])
+def test_logits_equal_hugging_face_sequence_classifier(tmp_path, kind):
+  import transformers  # pylint: disable=g-import-not-at-top
+  from jdr.models import cross  # pylint: disable=g-import-not-at-top
+  reference = _hf_model(kind)
+  reference.save_pretrained(tmp_path / "hf")
+  model, params, _ = cross.load_cross_encoder(tmp_path / "hf", with_tokenizer=False)
+  ids, mask, types = _inputs(kind)
+  expected = _hf_logits(reference, ids, mask, types)
+  np.testing.assert_allclose(_jdr_logits(model, params, ids, mask, types), expected, rtol=1e-4, atol=1e-4)
+  # Export and read back with transformers: the same logits again.
+  cross.export_cross_encoder(model.config, params, tmp_path / "out")
+  back = transformers.AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "out")).eval()
+  np.testing.assert_allclose(_hf_logits(back, ids, mask, types), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_plain_encoder_gets_a_fresh_head(capsys):
+  from jdr.models import cross  # pylint: disable=g-import-not-at-top
+  model, params, tokenizer = cross.load_cross_encoder("minilm")
+  assert "random weights" in capsys.readouterr().err
+  assert params["classifier"]["kernel"].shape == (384, 1)
+  pair = tokenizer(["what is dense retrieval"], ["Dense retrieval ranks documents by embeddings."],
+                   return_tensors="np")
+  logits = _jdr_logits(model, params, pair["input_ids"], pair["attention_mask"], pair["token_type_ids"])
+  assert logits.shape == (1,) and np.isfinite(logits).all()
