@@ -69,3 +69,53 @@ def test_plain_encoder_gets_a_fresh_head(capsys):
                    return_tensors="np")
   logits = _jdr_logits(model, params, pair["input_ids"], pair["attention_mask"], pair["token_type_ids"])
   assert logits.shape == (1,) and np.isfinite(logits).all()
+
+
+def test_rerank_orders_the_head_by_the_hugging_face_logits_and_keeps_the_tail(tmp_path):
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  from conftest import write_tiny_beir  # pylint: disable=g-import-not-at-top
+  from jdr import rerank  # pylint: disable=g-import-not-at-top
+  from jdr.data import formats, text  # pylint: disable=g-import-not-at-top
+  from jdr.models import hf  # pylint: disable=g-import-not-at-top
+  torch.manual_seed(0)
+  tokenizer = transformers.AutoTokenizer.from_pretrained(str(hf.minilm_path()))
+  reference = transformers.BertForSequenceClassification(transformers.BertConfig(
+      vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+      intermediate_size=64, num_labels=1)).eval()
+  reference.save_pretrained(tmp_path / "ce")
+  tokenizer.save_pretrained(tmp_path / "ce")
+  beir = write_tiny_beir(tmp_path / "beir")
+  corpus, queries = formats.read_corpus(beir), formats.read_queries(beir / "queries.jsonl")
+  doc_ids = list(corpus)
+  rng = np.random.default_rng(0)
+  run = {q: {d: float(s) for d, s in zip(rng.permutation(doc_ids)[:12], np.arange(12, 0, -1))}
+         for q in list(queries)[:4]}
+  formats.write_run(tmp_path / "first.trec", run)
+  rerank.main(["--model", str(tmp_path / "ce"), "--queries", str(beir), "--corpus", str(beir), "--run",
+               str(tmp_path / "first.trec"), "--depth", "5", "--out", str(tmp_path / "re.trec"),
+               "--max-length", "64", "--batch-size", "4"])
+  out = formats.read_run(tmp_path / "re.trec")
+  for q, docs in run.items():
+    first = list(docs)
+    pair = tokenizer([queries[q]] * 5, [text.doc_text(corpus[d]) for d in first[:5]], truncation="only_second",
+                     max_length=64, padding=True, return_tensors="pt")
+    with torch.no_grad():
+      logits = reference(**pair).logits[:, 0].numpy()
+    expected_head = [first[i] for i in np.argsort(-logits, kind="stable")]
+    got = list(out[q])
+    assert got[:5] == expected_head and got[5:] == first[5:]
+    np.testing.assert_allclose([out[q][d] for d in expected_head], np.sort(logits)[::-1], rtol=1e-4, atol=1e-4)
+
+
+def test_rerank_names_a_run_document_missing_from_the_corpus(tmp_path, capsys):
+  from conftest import write_tiny_beir  # pylint: disable=g-import-not-at-top
+  from jdr import rerank  # pylint: disable=g-import-not-at-top
+  from jdr.data import formats  # pylint: disable=g-import-not-at-top
+  beir = write_tiny_beir(tmp_path / "beir")
+  q = next(iter(formats.read_queries(beir / "queries.jsonl")))
+  formats.write_run(tmp_path / "r.trec", {q: {"no-such-doc": 1.0}})
+  with pytest.raises(SystemExit) as e:
+    rerank.main(["--model", "minilm", "--queries", str(beir), "--corpus", str(beir), "--run",
+                 str(tmp_path / "r.trec"), "--out", str(tmp_path / "o.trec")])
+  assert e.value.code == 2 and "r.trec" in capsys.readouterr().err
