@@ -32,6 +32,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   # --- model ---
   c.model = ml_collections.ConfigDict()
+  c.model.architecture = "two_tower"  # "two_tower" | "cross_encoder" (pairs [CLS] q [SEP] d: a reranker / teacher)
   c.model.init_from = "minilm"  # "minilm", a Hugging Face dir, a jdr workdir / export, or "" (fresh)
   c.model.fresh = "tiny"  # architecture for init_from="": "tiny" (2x64), "small" (4x256), "mini" (6x384), "base" (12x768)
   c.model.tower = "transformer"  # "transformer" | "bow_mlp" (Chang et al.'s BoW-MLP; fresh weights only)
@@ -103,6 +104,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval.max_queries = 0  # 0 = every query of the eval split
   c.eval.doc_max_length = 0  # 0 = data.doc_max_length
   c.eval.tokens_per_batch = 0  # 0 = jdr.encode's default for the device (small on CPU, large on GPU/TPU)
+  # cross-encoders are evaluated by reranking a first stage (eval.rerank_run, or BM25 when "")
+  c.eval.rerank_run = ""
+  c.eval.rerank_depth = 100
+  c.eval.rerank_batch_size = 32
   c.eval.factories = "Flat"  # Faiss indexes to evaluate on, ';'-separated ("Flat;OPQ48,IVF1,PQ48")
   c.eval.diagnostic_queries = 200  # training queries for the overlap diagnostics (0 = off)
 

@@ -172,6 +172,58 @@ def _split_factories(text: str) -> list[str]:
   return [t for t in (text or "").split(";") if t.strip()]
 
 
+class RerankEvaluator:
+  """A cross-encoder's evaluation: rerank the top `eval.rerank_depth` of a first-stage run for the eval
+  queries (eval.rerank_run, a TREC file; "" = BM25 over the corpus, mined once) and score the result.
+
+  Documents below the depth keep their first-stage order, so the metrics at depths the reranking does not
+  reach are the first stage's.
+  """
+
+  def __init__(self, model, tokenizer, data, config: ml_collections.ConfigDict):
+    from jdr.data import formats  # pylint: disable=g-import-not-at-top
+    self.model, self.tokenizer, self.data, self.config = model, tokenizer, data, config
+    self.metric_names = [m.strip() for m in config.eval.metrics.split(",") if m.strip()]
+    for name in self.metric_names:
+      metrics_lib.parse_metric(name)
+    qids = sorted(data.eval_qrels or {})
+    if config.eval.max_queries:
+      qids = qids[:config.eval.max_queries]
+    self.qids = qids
+    self.depth = config.eval.rerank_depth
+    if config.eval.rerank_run:
+      run = formats.read_run(config.eval.rerank_run)
+      missing = [q for q in qids if q not in run]
+      if missing:
+        raise ValueError(f"eval.rerank_run={config.eval.rerank_run}: no ranking for {len(missing)} of the "
+                         f"{len(qids)} evaluation queries (e.g. {missing[:3]})")
+      self.first_stage = {q: run[q] for q in qids}
+    else:
+      self.first_stage = self._bm25(max(self.depth, config.eval.top_k))
+    from jdr import rerank  # pylint: disable=g-import-not-at-top
+    rerank.check_inputs(self.first_stage, data.queries, data.corpus, self.depth,
+                        config.eval.rerank_run or "BM25 first stage")
+
+  def _bm25(self, k: int) -> dict:
+    from jdr.data import text as text_lib  # pylint: disable=g-import-not-at-top
+    from jdr.negatives import sampled  # pylint: disable=g-import-not-at-top
+    doc_ids = list(self.data.corpus)
+    rows, scores = sampled._mine_bm25(  # pylint: disable=protected-access
+        [text_lib.doc_text(self.data.corpus[d]) for d in doc_ids], [self.data.queries[q] for q in self.qids],
+        min(k, len(doc_ids)), k1=0.9, b=0.4, chunk_size=256, n_threads=0, show_progress=False)
+    return {q: {doc_ids[r]: float(s) for r, s in zip(rows[i], scores[i]) if r >= 0}
+            for i, q in enumerate(self.qids)}
+
+  def __call__(self, params) -> dict[str, float]:
+    from jdr import rerank  # pylint: disable=g-import-not-at-top
+    score = rerank.make_scorer(self.model, params, self.tokenizer, max_length=self.config.data.doc_max_length,
+                               batch_size=self.config.eval.rerank_batch_size,
+                               query_max_length=self.config.data.query_max_length)
+    run = rerank.rerank(self.first_stage, self.data.queries, self.data.corpus, score, self.depth)
+    qrels = {q: self.data.eval_qrels[q] for q in self.qids}
+    return metrics_lib.evaluate(qrels, run, self.metric_names)
+
+
 def print_metrics(title: str, scores: dict[str, float]) -> None:
   if jax.process_index() == 0:
     print(f"{title}: " + "  ".join(f"{k}={v:.4f}" for k, v in scores.items()), flush=True, file=sys.stdout)

@@ -62,6 +62,11 @@ def export(workdir: str | pathlib.Path, out: str | pathlib.Path) -> pathlib.Path
   description = {**description, "tokenizer": str((out / "tokenizer").absolute())}
   params = jax.device_get(params)
   checkpoint.save_params(out, params, description)
+  if description.get("architecture") == "cross_encoder":
+    from jdr.models import cross  # pylint: disable=g-import-not-at-top
+    cross.export_cross_encoder(model.config, params, out / "hf", tokenizer=tokenizer,
+                               max_length=description.get("max_length"))
+    return out
   sides = {"hf": ("tower", "query")} if model.shared else {
       "hf-query": ("query_tower", "query"), "hf-doc": ("doc_tower", "doc")}
   for folder, (param_key, side) in sides.items():

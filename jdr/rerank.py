@@ -25,9 +25,10 @@ from jdr.data import formats
 from jdr.data import text as text_lib
 
 
-def make_scorer(model, params, tokenizer, *, max_length: int = 256, batch_size: int = 32
-                ) -> Callable[[Sequence[tuple[str, str]]], np.ndarray]:
-  """(query, document text) pairs -> cross-encoder logits [N], float32, in the pairs' order."""
+def make_scorer(model, params, tokenizer, *, max_length: int = 256, batch_size: int = 32,
+                query_max_length: int | None = None) -> Callable[[Sequence[tuple[str, str]]], np.ndarray]:
+  """(query, document text) pairs -> cross-encoder logits [N], float32, in the pairs' order (the input of
+  jdr.data.text.pair_tokens: the query whole unless `query_max_length` caps it)."""
   apply = jax.jit(lambda p, ids, mask, types: model.apply({"params": p}, ids, mask, types))
   buckets = text_lib.default_bucket_lengths(max_length)
   pad = tokenizer.pad_token_id or 0
@@ -35,9 +36,8 @@ def make_scorer(model, params, tokenizer, *, max_length: int = 256, batch_size: 
   def score(pairs: Sequence[tuple[str, str]]) -> np.ndarray:
     if not pairs:
       return np.zeros((0,), np.float32)
-    enc = tokenizer([q for q, _ in pairs], [d for _, d in pairs], truncation="only_second",
-                    max_length=max_length, padding=False, return_attention_mask=False)
-    ids, types = enc["input_ids"], enc.get("token_type_ids")
+    encoded = [text_lib.pair_tokens(tokenizer, q, d, max_length, query_max_length) for q, d in pairs]
+    ids, types = [e[0] for e in encoded], [e[1] for e in encoded]
     out = np.zeros((len(pairs),), np.float32)
     order = np.argsort([-len(x) for x in ids], kind="stable")  # similar lengths share a batch
     for start in range(0, len(order), batch_size):
@@ -49,8 +49,7 @@ def make_scorer(model, params, tokenizer, *, max_length: int = 256, batch_size: 
       for i, r in enumerate(rows):
         batch_ids[i, :len(ids[r])] = ids[r]
         mask[i, :len(ids[r])] = 1
-        if types is not None:
-          batch_types[i, :len(types[r])] = types[r]
+        batch_types[i, :len(types[r])] = types[r]
       logits = apply(params, jnp.asarray(batch_ids), jnp.asarray(mask), jnp.asarray(batch_types))
       out[rows] = np.asarray(logits)[:len(rows)]
     return out

@@ -108,9 +108,18 @@ def make_train_step(model: TwoTower, tx: optax.GradientTransformation, config: m
 
     def loss_fn(params):
       variables = {"params": params}
+      aux = {}
+      if candidates == "pairs":
+        # A cross-encoder: every (query, candidate) pair is one joint forward pass, one logit each.
+        ids = batch["pair_ids"]
+        rows, n, length = ids.shape
+        flat = lambda x: x.reshape(rows * n, length)
+        scores = model.apply(variables, flat(ids), flat(batch["pair_mask"]), flat(batch["pair_types"]),
+                             deterministic=False, rngs={"dropout": query_rng}).reshape(rows, n)
+        fields = {"labels": batch["labels"], "valid": batch["valid"]}
+        return finish(scores, fields, batch["labels"] > 0, aux)
       q = model.apply(variables, batch["query_ids"], batch["query_mask"], deterministic=False,
                       rngs={"dropout": query_rng}, method=TwoTower.encode_query)
-      aux = {}
       if candidates == "corpus":
         if retrieve_in_step:
           rows = retrieved.sharded_top_k(jax.lax.stop_gradient(q), corpus, bias, top_n, mesh)
@@ -169,6 +178,20 @@ def make_step_query_vectors(model: TwoTower):
   return step_query_vectors
 
 
+def check_cross_encoder(config: ml_collections.ConfigDict) -> None:
+  """Refuses what a cross-encoder cannot train with, before anything is read."""
+  neg = config.negatives
+  if config.data.kind != "pairs":
+    raise ValueError("model.architecture=cross_encoder trains on supervised pairs: set data.kind=pairs")
+  if neg.source not in ("random", "bm25", "bm25_random", "static") or neg.per_query < 1 or neg.in_batch:
+    raise ValueError("model.architecture=cross_encoder scores each query's own candidates: set "
+                     "negatives.source to random | bm25 | bm25_random | static, negatives.per_query >= 1 and "
+                     "negatives.in_batch=False")
+  if config.grad_cache.chunk_size:
+    raise ValueError("model.architecture=cross_encoder: gradient caching is for two towers; set "
+                     "grad_cache.chunk_size=0")
+
+
 def check_grad_cache(config: ml_collections.ConfigDict, candidates: str = "tokens") -> int:
   """grad_cache.chunk_size (0 = off), refusing what gradient caching cannot do."""
   chunk = config.grad_cache.chunk_size
@@ -198,6 +221,9 @@ def group_grad_norms(grads, skip: tuple[str, ...] = ()) -> dict[str, jax.Array]:
 
 
 def _dummy_inputs(config: ml_collections.ConfigDict):
+  if config.model.architecture == "cross_encoder":
+    pair = jnp.ones((1, config.data.doc_max_length), jnp.int32)
+    return pair, pair
   q = jnp.ones((1, config.data.query_max_length), jnp.int32)
   d = jnp.ones((1, config.data.doc_max_length), jnp.int32)
   return q, q, d, d
@@ -227,10 +253,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   else:
     data = pairs.load(config.data, workdir)
   model = built.model
+  cross_encoder = config.model.architecture == "cross_encoder"
+  if cross_encoder:
+    check_cross_encoder(config)
   if pretraining and config.data.pretrain_task == "mlm":
     model = model.clone(mlm_head=True)  # trained here, dropped by every reader of the workdir
   query_only = config.model.train_towers == "query"
-  candidates = "corpus" if config.negatives.source == "retrieval" else "tokens"
+  candidates = "corpus" if config.negatives.source == "retrieval" else "pairs" if cross_encoder else "tokens"
   if is_host0:
     (workdir / "config.json").write_text(config.to_json_best_effort(indent=1))
     (workdir / "model.json").write_text(json.dumps(built.description, indent=1))
@@ -295,7 +324,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   # ---------------------------------------------------------------- evaluation
   writer = metric_writers.MetricWriter(workdir)
   evaluator = None
-  if data.eval_qrels:
+  if data.eval_qrels and cross_encoder:
+    evaluator = evaluation.RerankEvaluator(model, built.tokenizer, data, config)
+  elif data.eval_qrels:
     diagnostics = evaluation.TrainingDiagnostics(encoder, data, negatives, config)
     evaluator = evaluation.Evaluator(encoder, config, mesh, doc_tower_frozen=query_only,
                                      diagnostics=diagnostics, fixed_doc_emb=negatives.doc_emb)

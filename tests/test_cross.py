@@ -119,3 +119,80 @@ def test_rerank_names_a_run_document_missing_from_the_corpus(tmp_path, capsys):
     rerank.main(["--model", "minilm", "--queries", str(beir), "--corpus", str(beir), "--run",
                  str(tmp_path / "r.trec"), "--out", str(tmp_path / "o.trec")])
   assert e.value.code == 2 and "r.trec" in capsys.readouterr().err
+
+
+CROSS = ["model.architecture=cross_encoder", "model.init_from=", "model.fresh=tiny", "negatives.source=bm25",
+         "negatives.per_query=3", "negatives.in_batch=False", "batch_size=4", "data.query_max_length=12",
+         "data.doc_max_length=48", "optimizer.warmup_steps=1", "optimizer.learning_rate=1e-3", "log_every=1",
+         "eval.rerank_depth=5", "eval.top_k=10", "eval.rerank_batch_size=8", "eval.diagnostic_queries=0"]
+
+
+def _cross_config(data, extra=()):
+  from jdr import config_files, defaults  # pylint: disable=g-import-not-at-top
+  config = defaults.get_config()
+  config_files.apply_overrides(config, CROSS + [f"data.dataset={data}", *extra])
+  return config
+
+
+def test_pairs_batches_join_each_query_with_its_own_candidates(tmp_path):
+  from conftest import write_tiny_beir  # pylint: disable=g-import-not-at-top
+  from jdr import negatives  # pylint: disable=g-import-not-at-top
+  from jdr.data import batch as batch_lib, pairs, text  # pylint: disable=g-import-not-at-top
+  from jdr.models import build  # pylint: disable=g-import-not-at-top
+  config = _cross_config(write_tiny_beir(tmp_path / "beir"))
+  data = pairs.load(config.data, tmp_path)
+  tokenizer = build.build(config.model, config.data).tokenizer
+  sampler = negatives.RandomNegatives(list(data.corpus), data.train_qrels)
+  make = lambda i, n: pairs.Batches(data, tokenizer, batch_size=4, query_max_length=12, doc_max_length=48,
+                                    negative_source=sampler, negatives_per_query=3, in_batch=False, seed=1,
+                                    process_index=i, process_count=n, candidates="pairs")
+  whole = make(0, 1)
+  for step in range(3):
+    b = whole.local(step)
+    assert batch_lib.check(b) == "pairs" and b["pair_ids"].shape == (4, 4, 48)
+    qids, doc_ids, valid = whole.global_layout(step)
+    for r in range(4):
+      cols = [r] + [4 + r * 3 + j for j in range(3)]
+      for c, col in enumerate(cols):
+        ids, types = text.pair_tokens(tokenizer, data.queries[qids[r]], text.doc_text(data.corpus[doc_ids[col]]),
+                                      48, 12)
+        np.testing.assert_array_equal(b["pair_ids"][r, c, :len(ids)], ids)
+        assert b["pair_mask"][r, c].sum() == len(ids) and b["pair_types"][r, c, :len(ids)].tolist() == types
+      np.testing.assert_array_equal(b["valid"][r], valid[r, cols])
+      assert b["labels"][r].tolist() == [1, 0, 0, 0]
+    halves = [make(i, 2).local(step) for i in range(2)]
+    for k in b:
+      np.testing.assert_array_equal(np.concatenate([h[k] for h in halves]), b[k])
+  ids, _ = text.pair_tokens(tokenizer, "word " * 40, "doc " * 100, 48, 12)
+  assert len(ids) == 48 and ids.count(tokenizer.sep_token_id) == 2 and ids.index(tokenizer.sep_token_id) == 11
+
+
+def test_cross_encoder_trains_evaluates_by_reranking_and_exports(tmp_path):
+  import transformers  # pylint: disable=g-import-not-at-top
+  from conftest import write_tiny_beir  # pylint: disable=g-import-not-at-top
+  from jdr import export, train  # pylint: disable=g-import-not-at-top
+  from jdr.models import build, cross  # pylint: disable=g-import-not-at-top
+  result = train.train_and_evaluate(_cross_config(write_tiny_beir(tmp_path / "beir"), ["num_train_steps=3"]),
+                                    tmp_path / "w")
+  assert set(result["after"]) >= {"ndcg@10", "mrr@10", "recall@100"} and "before" in result
+  model, params, _, description = build.load_jdr_model(tmp_path / "w")
+  assert isinstance(model, cross.CrossEncoder) and description["architecture"] == "cross_encoder"
+  out = export.export(tmp_path / "w", tmp_path / "x")
+  reference = transformers.AutoModelForSequenceClassification.from_pretrained(str(out / "hf")).eval()
+  ids = np.array([[2, 5, 7, 3, 9, 9, 3, 0]])
+  mask = (ids > 0).astype(np.int64)
+  types = np.array([[0, 0, 0, 0, 1, 1, 1, 0]])
+  import torch  # pylint: disable=g-import-not-at-top
+  with torch.no_grad():
+    expected = reference(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                         token_type_ids=torch.from_numpy(types)).logits[:, 0].numpy()
+  got = model.apply({"params": params}, ids.astype(np.int32), mask.astype(np.int32), types.astype(np.int32))
+  np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_cross_encoder_refuses_in_batch_negatives(tmp_path):
+  from conftest import write_tiny_beir  # pylint: disable=g-import-not-at-top
+  from jdr import train  # pylint: disable=g-import-not-at-top
+  config = _cross_config(write_tiny_beir(tmp_path / "beir"), ["negatives.in_batch=True"])
+  with pytest.raises(ValueError, match="in_batch=False"):
+    train.train_and_evaluate(config, tmp_path / "w")

@@ -4,7 +4,7 @@ Leading axes: B = global batch of queries (split over the data-parallel devices)
 
   query_ids, query_mask   int32 [B, Lq]   the queries' token ids and attention mask
 
-and the candidates, in one of two forms (`negatives.source` picks; `jdr.train.make_train_step` reads them):
+and the candidates, in one of three forms (`negatives.source` picks; `jdr.train.make_train_step` reads them):
 
   tokens (documents encoded in the step by the document tower; DPR-style, STAR, ANCE):
     doc_ids, doc_mask     int32 [C, L]    C = B * (1 + negatives.per_query): docs[0:B] are the positives
@@ -26,6 +26,15 @@ and the candidates, in one of two forms (`negatives.source` picks; `jdr.train.ma
                                           retrieves them itself (JAX back-end). The step then applies the
                                           replace-last rule and builds labels [B, n] and valid = rows >= 0.
 
+  pairs (a cross-encoder, model.architecture=cross_encoder: no query tower, each query joined with each of
+  its own candidates; `jdr.data.text.pair_tokens` builds [CLS] q [SEP] d [SEP]):
+    pair_ids, pair_mask, pair_types  int32 [B, 1 + n, L]   column 0 the positive, then the sampled negatives
+    valid                 bool  [B, 1 + n]
+    labels                float [B, 1 + n]  1 in column 0
+  (no query_ids: the query is inside every pair)
+
+Masked-LM pretraining (jdr/data/pretrain_batches.MLMBatches) hands `mlm_*` fields instead; see there.
+
 Losses are built by `jdr.losses.make_loss(config.loss)` and take `(scores [B, C], fields)` with `valid`,
 optional `labels` and `weights`, so a new method adds fields, never a new step.
 """
@@ -33,11 +42,25 @@ optional `labels` and `weights`, so a new method adds fields, never a new step.
 import numpy as np
 
 TOKENS_FIELDS = ("query_ids", "query_mask", "doc_ids", "doc_mask", "valid")
+PAIRS_FIELDS = ("pair_ids", "pair_mask", "pair_types", "valid", "labels")
 CORPUS_FIELDS = ("query_ids", "query_mask", "positive_rows")
 
 
 def check(batch: dict[str, np.ndarray]) -> str:
-  """Returns the batch's form ("tokens" or "corpus"); raises ValueError naming what breaks the contract."""
+  """Returns the batch's form ("tokens", "corpus" or "pairs"); raises ValueError naming what breaks the
+  contract."""
+  if "pair_ids" in batch:
+    missing = [k for k in PAIRS_FIELDS if k not in batch]
+    if missing:
+      raise ValueError(f"a pairs batch needs the fields {missing}; it has {sorted(batch)}")
+    b, n, _ = batch["pair_ids"].shape
+    for key in ("pair_mask", "pair_types"):
+      if batch[key].shape != batch["pair_ids"].shape:
+        raise ValueError(f"{key} {batch[key].shape} != pair_ids {batch['pair_ids'].shape}")
+    for key in ("valid", "labels"):
+      if batch[key].shape != (b, n):
+        raise ValueError(f"{key} has shape {batch[key].shape}, expected [B, 1 + n] = ({b}, {n})")
+    return "pairs"
   form = "corpus" if "positive_rows" in batch else "tokens"
   needed = CORPUS_FIELDS if form == "corpus" else TOKENS_FIELDS
   missing = [k for k in needed if k not in batch]

@@ -136,8 +136,11 @@ class Batches:
     self.doc_row = {d: i for i, d in enumerate(data.corpus)}
     self.pad_id = tokenizer.pad_token_id or 0
     self._perms: dict[int, np.ndarray] = {}
-    if candidates not in ("tokens", "corpus"):
-      raise ValueError(f"candidates must be 'tokens' or 'corpus', got {candidates!r}")
+    if candidates not in ("tokens", "corpus", "pairs"):
+      raise ValueError(f"candidates must be 'tokens', 'corpus' or 'pairs', got {candidates!r}")
+    if candidates == "pairs" and (not self.per_query or in_batch):
+      raise ValueError("a cross-encoder scores each query with its own candidates: set negatives.per_query >= 1 "
+                       "(and a negatives.source) and negatives.in_batch=False")
     self.candidates = candidates
     self.random_weight = random_weight
     # Training queries in a fixed order: `query_index` rows of a batch point into it.
@@ -179,6 +182,8 @@ class Batches:
     """This process's rows of the global batch at `step`, as numpy arrays (see jdr/data/batch.py)."""
     if self.candidates == "corpus":
       return self._local_corpus(step)
+    if self.candidates == "pairs":
+      return self._local_pairs(step)
     qids, doc_ids, valid = self.global_layout(step)
     q_lo, q_hi = self._rows(len(qids))
     d_lo, d_hi = self._rows(len(doc_ids))
@@ -206,6 +211,30 @@ class Batches:
       positive_rows[b, :len(row)] = row
     return {"query_ids": query_ids, "query_mask": query_mask, "positive_rows": positive_rows,
             "query_index": np.array([self.query_row[q] for q, _ in chosen], np.int32)}
+
+  def _local_pairs(self, step: int) -> dict[str, np.ndarray]:
+    """Cross-encoder batches: each query joined with its positive (column 0) and its own sampled negatives,
+    `pair_ids` / `pair_mask` / `pair_types` [B, 1 + n, L] with L = doc_max_length (the query truncated to
+    query_max_length first), `valid` [B, 1 + n] (a sampled negative that is a positive of the query is not a
+    negative) and `labels` [B, 1 + n] (1 in column 0)."""
+    qids, doc_ids, valid = self.global_layout(step)
+    num, per = len(qids), self.per_query
+    lo, hi = self._rows(num)
+    columns = [[b] + [num + b * per + j for j in range(per)] for b in range(lo, hi)]
+    length, n = self.doc_max_length, 1 + per
+    ids = np.full((hi - lo, n, length), self.pad_id, np.int32)
+    types = np.zeros((hi - lo, n, length), np.int32)
+    mask = np.zeros((hi - lo, n, length), np.int32)
+    for r, (b, cols) in enumerate(zip(range(lo, hi), columns)):
+      for c, col in enumerate(cols):
+        tokens, token_types = text_lib.pair_tokens(
+            self.tokenizer, self.data.queries[qids[b]], text_lib.doc_text(self.data.corpus[doc_ids[col]]),
+            length, self.query_max_length)
+        ids[r, c, :len(tokens)], types[r, c, :len(tokens)], mask[r, c, :len(tokens)] = tokens, token_types, 1
+    labels = np.zeros((hi - lo, n), np.float32)
+    labels[:, 0] = 1.0
+    pair_valid = np.stack([valid[b, cols] for b, cols in zip(range(lo, hi), columns)])
+    return {"pair_ids": ids, "pair_mask": mask, "pair_types": types, "valid": pair_valid, "labels": labels}
 
   def _rows(self, n: int) -> tuple[int, int]:
     per = n // self.process_count

@@ -41,6 +41,25 @@ def tokenize(tokenizer, texts: Sequence[str], max_length: int, *, chunk_size: in
   return out
 
 
+def pair_tokens(tokenizer, query: str, doc: str, max_length: int, query_max_length: int | None = None
+                ) -> tuple[list[int], list[int]]:
+  """(token ids, token type ids) of `[CLS] query [SEP] doc [SEP]` (the model's own special tokens) in at most
+  `max_length` tokens: the query keeps up to `query_max_length` tokens (its specials included), the
+  document fills the rest. One function for training, evaluation and reranking, so they see the same input."""
+  specials = tokenizer.num_special_tokens_to_add(pair=True)
+  query_room = max_length - specials - 1
+  if query_max_length is not None:
+    query_room = min(query_max_length - 2, query_room)
+  # Cut the query's text after its last kept token, then let the tokenizer's own pair template join it to the
+  # document (special tokens, token types); only the document is truncated there.
+  enc = tokenizer(query, add_special_tokens=False, return_offsets_mapping=True)
+  if len(enc["input_ids"]) > query_room:
+    query = query[:enc["offset_mapping"][max(query_room, 1) - 1][1]]
+  pair = tokenizer(query, doc, truncation="only_second", max_length=max_length, return_token_type_ids=True)
+  ids = list(pair["input_ids"])
+  return ids, list(pair.get("token_type_ids") or [0] * len(ids))
+
+
 def default_bucket_lengths(max_length: int, min_length: int = 16) -> list[int]:
   """16, 24, 32, 48, 64, 96, 128, 192, 256, ... up to `max_length` (always included).
 

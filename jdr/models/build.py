@@ -55,7 +55,11 @@ def _tower_config(d: dict) -> TowerConfig:
   return TowerConfig(**d)
 
 
-def from_description(description: dict) -> TwoTower:
+def from_description(description: dict):
+  """The model a description names: a TwoTower, or a CrossEncoder when architecture is cross_encoder."""
+  if description.get("architecture") == "cross_encoder":
+    from jdr.models.cross import CrossEncoder  # pylint: disable=g-import-not-at-top
+    return CrossEncoder(EncoderConfig(**description["encoder"]))
   return TwoTower(query=_tower_config(description["query"]), doc=_tower_config(description["doc"]),
                   shared=description["shared"])
 
@@ -89,8 +93,15 @@ def load_jdr_model(path: str | pathlib.Path) -> tuple[TwoTower, dict, Any, dict]
 
 
 def build(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collections.ConfigDict) -> Built:
-  """The TwoTower a config asks for, with the pretrained weights it starts from (if any)."""
+  """The TwoTower (or CrossEncoder) a config asks for, with the pretrained weights it starts from (if any)."""
   init_from = model_cfg.init_from
+  architecture = model_cfg.get("architecture", "two_tower")
+  if architecture == "cross_encoder":
+    return _cross_encoder(model_cfg, data_cfg)
+  if architecture != "two_tower":
+    raise ValueError(f"model.architecture must be 'two_tower' or 'cross_encoder', got {architecture!r}")
+  if init_from and is_jdr_model(init_from) and _description(init_from).get("architecture") == "cross_encoder":
+    raise ValueError(f"model.init_from={init_from} is a cross-encoder; set model.architecture=cross_encoder")
   if init_from and is_jdr_model(init_from):
     return _from_jdr_model(model_cfg, data_cfg, *load_jdr_model(init_from))
   kind = model_cfg.get("tower", "transformer")
@@ -125,6 +136,48 @@ def build(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collections.ConfigD
   description = describe(model, tokenizer_path, data_cfg.query_max_length, data_cfg.doc_max_length,
                          declared.get("max_length"))
   return Built(model, _tokenizer(tokenizer_path), description, encoder_params, None)
+
+
+def _description(path) -> dict:
+  path = pathlib.Path(path)
+  for name in ("jdr_model.json", "model.json"):
+    if (path / name).exists():
+      return json.loads((path / name).read_text())
+  return {}
+
+
+def _cross_encoder(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collections.ConfigDict) -> Built:
+  """A cross-encoder over (query, document) pairs of data.doc_max_length tokens: from a jdr cross-encoder
+  workdir or export, a Hugging Face directory / "minilm" (a sequence classifier keeps its head), or fresh."""
+  from jdr.models import cross  # pylint: disable=g-import-not-at-top
+  overrides = dict(dtype=model_cfg.dtype, remat=model_cfg.remat, hidden_dropout=model_cfg.dropout,
+                   attention_dropout=model_cfg.dropout)
+  init_from = model_cfg.init_from
+  params = None
+  if init_from and is_jdr_model(init_from):
+    model, params, _, description = load_jdr_model(init_from)
+    if not isinstance(model, cross.CrossEncoder):
+      raise ValueError(f"model.init_from={init_from} holds two towers, not a cross-encoder; start from its "
+                       "Hugging Face export (jdr.export) to reuse the encoder")
+    encoder_config = dataclasses.replace(model.config, **overrides)
+    tokenizer_path = description["tokenizer"]
+  elif init_from:
+    model, params, _ = cross.load_cross_encoder(init_from, with_tokenizer=False, **overrides)
+    encoder_config = model.config
+    tokenizer_path = str(hf.minilm_path() if init_from == "minilm" else init_from)
+  else:
+    if model_cfg.fresh not in FRESH:
+      raise ValueError(f"model.fresh must be one of {sorted(FRESH)}, got {model_cfg.fresh!r}")
+    tokenizer_path = str(hf.minilm_path())
+    vocab = _tokenizer(model_cfg.tokenizer or tokenizer_path).vocab_size
+    encoder_config = EncoderConfig(vocab_size=vocab, **FRESH[model_cfg.fresh], **overrides)
+  tokenizer_path = model_cfg.tokenizer or tokenizer_path
+  if data_cfg.doc_max_length > encoder_config.max_length:
+    raise ValueError(f"data.doc_max_length={data_cfg.doc_max_length} (the pair length of a cross-encoder) "
+                     f"exceeds the model's {encoder_config.max_length} positions")
+  description = {"architecture": "cross_encoder", "encoder": dataclasses.asdict(encoder_config),
+                 "tokenizer": tokenizer_path, "max_length": data_cfg.doc_max_length}
+  return Built(cross.CrossEncoder(encoder_config), _tokenizer(tokenizer_path), description, None, params)
 
 
 def _bow_mlp(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collections.ConfigDict) -> Built:
