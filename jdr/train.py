@@ -397,7 +397,7 @@ def initial_params(model: TwoTower, built: build_lib.Built, config: ml_collectio
                  **({"out_shardings": shardings} if shardings is not None else {}))
   if built.params is not None:
     params = built.params
-    if model.mlm_head:  # a trained model's towers under a fresh masked-LM head
+    if getattr(model, "mlm_head", False):  # a trained model's towers under a fresh masked-LM head
       params = {**params, "lm_head": jax.device_get(init(rng))["lm_head"]}
   else:
     params = init(rng)
