@@ -197,11 +197,18 @@ class Embeddings(nn.Module):
 
 
 class Layer(nn.Module):
-  """One post-LayerNorm transformer block: self-attention, add & norm, GELU MLP, add & norm."""
+  """One post-LayerNorm transformer block: self-attention, add & norm, GELU MLP, add & norm.
+
+  With `span_mask` [B, S, L] (FGD's global-consistent granularity embeddings, Zhou et al. Eq. 7) it also
+  returns [B, S, H]: for each span, the first token's ([CLS]) attention output restricted to the span's
+  tokens (its attention probabilities as they are, not renormalized), then the rest of the block as [CLS]
+  gets it (output projection, the residual of [CLS]'s own input, norms, MLP). The whole sequence as the span
+  gives [CLS]'s output exactly.
+  """
   config: EncoderConfig
 
   @nn.compact
-  def __call__(self, x, key_mask, deterministic: bool):
+  def __call__(self, x, key_mask, deterministic: bool, span_mask=None):
     # `deterministic` is positional: nn.remat marks it static by position.
     cfg = self.config
     heads = (cfg.num_heads, cfg.head_dim)
@@ -217,15 +224,29 @@ class Layer(nn.Module):
     probs = jax.nn.softmax(logits, axis=-1)
     probs = nn.Dropout(cfg.attention_dropout)(probs, deterministic=deterministic)
     ctx = jnp.einsum("bnqk,bknd->bqnd", probs.astype(cfg.compute_dtype), v)
-    attn = _dense(cfg, cfg.hidden_size, ("heads", "kv", "embed"), axis=(-2, -1), name="attention_output")(ctx)
-    attn = nn.Dropout(cfg.hidden_dropout)(attn, deterministic=deterministic)
-    x = _layer_norm(cfg, "attention_norm")(x + attn)
+    attention_output = _dense(cfg, cfg.hidden_size, ("heads", "kv", "embed"), axis=(-2, -1),
+                              name="attention_output")
+    attention_norm = _layer_norm(cfg, "attention_norm")
+    intermediate = _dense(cfg, cfg.intermediate_size, ("embed", "mlp"), name="intermediate")
+    output = _dense(cfg, cfg.hidden_size, ("mlp", "embed"), name="output")
+    output_norm = _layer_norm(cfg, "output_norm")
 
-    y = _dense(cfg, cfg.intermediate_size, ("embed", "mlp"), name="intermediate")(x)
-    y = _activation(cfg.hidden_act)(y)
-    y = _dense(cfg, cfg.hidden_size, ("mlp", "embed"), name="output")(y)
-    y = nn.Dropout(cfg.hidden_dropout)(y, deterministic=deterministic)
-    return _layer_norm(cfg, "output_norm")(x + y)
+    def rest(context, residual):
+      attn = nn.Dropout(cfg.hidden_dropout)(attention_output(context), deterministic=deterministic)
+      h = attention_norm(residual + attn)
+      y = output(_activation(cfg.hidden_act)(intermediate(h)))
+      y = nn.Dropout(cfg.hidden_dropout)(y, deterministic=deterministic)
+      return output_norm(h + y)
+
+    out = rest(ctx, x)
+    if span_mask is None:
+      return out
+    # [CLS]'s attention pooled over each span: sum_i p(CLS -> i) v_i for i in the span, per head.
+    # The same contraction as [CLS]'s own context above (weights [B, N, S, L] in place of its row of
+    # probabilities), so the whole sequence as one span reproduces [CLS] to the last bit.
+    weights = probs[:, :, 0, None, :] * span_mask[:, None, :, :].astype(probs.dtype)
+    span_ctx = jnp.einsum("bnqk,bknd->bqnd", weights.astype(cfg.compute_dtype), v)
+    return out, rest(span_ctx, x[:, None, 0, :])
 
 
 class Encoder(nn.Module):
@@ -237,12 +258,19 @@ class Encoder(nn.Module):
   config: EncoderConfig
 
   @nn.compact
-  def __call__(self, input_ids, attention_mask, token_type_ids=None, *, deterministic: bool = True):
+  def __call__(self, input_ids, attention_mask, token_type_ids=None, *, deterministic: bool = True,
+               span_mask=None):
+    """`span_mask` [B, S, L] (token i in span s) also returns the spans' Eq. 7 embeddings [B, S, H] from the
+    last layer (see Layer): (hidden [B, L, H], spans [B, S, H])."""
     cfg = self.config
     key_mask = attention_mask.astype(bool)
     x = Embeddings(cfg, name="embeddings")(input_ids, token_type_ids, deterministic=deterministic)
     # Same param tree with or without remat, so checkpoints and HF conversion do not care.
     layer_cls = nn.remat(Layer, static_argnums=(3,)) if cfg.remat else Layer
     for i in range(cfg.num_layers):
+      last = i == cfg.num_layers - 1
+      if last and span_mask is not None:
+        x, spans = layer_cls(cfg, name=f"layer_{i}")(x, key_mask, deterministic, span_mask)
+        return x.astype(jnp.float32), spans.astype(jnp.float32)
       x = layer_cls(cfg, name=f"layer_{i}")(x, key_mask, deterministic)
     return x.astype(jnp.float32)

@@ -114,31 +114,57 @@ class Tower(nn.Module):
 
   @nn.compact
   def __call__(self, input_ids, attention_mask, token_type_ids=None, *, deterministic: bool = True,
-               token_vectors: bool = False):
-    """`token_vectors=True` returns the encoder's [B, L, H] output instead (the masked-LM baseline's input)."""
+               token_vectors: bool = False, span_mask=None):
+    """`token_vectors=True` returns the encoder's [B, L, H] output instead (the masked-LM baseline's input).
+    `span_mask` [B, S, L] returns (vectors [B, D], span vectors [B, S, D]): FGD's global-consistent
+    granularity embeddings (Eq. 7; jdr.models.bert.Layer), through the same head; [CLS] pooling only."""
     cfg = self.config
+    spans = None
     if cfg.kind == "bow_mlp":
-      if token_vectors:
-        raise ValueError("the BoW-MLP tower has no token vectors (masked-LM needs a transformer tower)")
+      if token_vectors or span_mask is not None:
+        raise ValueError("the BoW-MLP tower has no token vectors (masked-LM and span embeddings need a "
+                         "transformer tower)")
       x = BowMLP(cfg, name="bow")(input_ids, attention_mask, deterministic=deterministic)
     else:
+      if span_mask is not None and cfg.pooling != "cls":
+        raise ValueError(f"span embeddings (Eq. 7) pool with [CLS]'s attention: the tower's pooling must be "
+                         f"cls, not {cfg.pooling}")
       hidden = Encoder(cfg.encoder, name="encoder")(
-          input_ids, attention_mask, token_type_ids, deterministic=deterministic)
+          input_ids, attention_mask, token_type_ids, deterministic=deterministic, span_mask=span_mask)
+      if span_mask is not None:
+        hidden, spans = hidden
       if token_vectors:
         return hidden
       x = pool(hidden, attention_mask, cfg.pooling)
+    head = self._head_fn()
+    x = head(x)
+    if spans is not None:
+      return x, head(spans)
+    return x
+
+  def _head_fn(self):
+    """Projection (+ LayerNorm) and normalization as one function, its modules created once (so vectors and
+    span vectors share them)."""
+    cfg = self.config
+    layers = []
     if cfg.projection_dim is not None:
       # The head is tiny: it stays float32 and replicated (its output axis has no logical name).
-      x = nn.Dense(
+      layers.append(nn.Dense(
           cfg.projection_dim, kernel_init=nn.with_logical_partitioning(nn.initializers.normal(0.02), ("embed", None)),
-          bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), (None,)), name="projection")(x)
+          bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), (None,)), name="projection"))
       eps = cfg.encoder.layer_norm_eps if cfg.encoder is not None else 1e-5
-      x = nn.LayerNorm(
+      layers.append(nn.LayerNorm(
           epsilon=eps, scale_init=nn.with_logical_partitioning(nn.initializers.ones_init(), (None,)),
-          bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), (None,)), name="projection_norm")(x)
-    if cfg.normalize:
-      x = l2_normalize(x)
-    return x.astype(jnp.float32)
+          bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), (None,)), name="projection_norm"))
+
+    def head(x):
+      for layer in layers:
+        x = layer(x)
+      if cfg.normalize:
+        x = l2_normalize(x)
+      return x.astype(jnp.float32)
+
+    return head
 
 
 class MLMHead(nn.Module):
