@@ -311,6 +311,37 @@ def lambdarank(scores: Array, valid: Array, *, labels: Array | None, metric: str
   return ranknet(scores, valid, labels=labels, weights=lam)
 
 
+def distillation_kl(student: Array, teacher: Array, valid: Array, *, temperature: float = 1.0) -> Array:
+  """KL(p_teacher || p_student) per row [...]: both distributions a softmax over the valid columns of the last
+  axis of scores / temperature (FGD Eq. 5 and 12; RocketQAv2's direction: the teacher's distribution is the
+  target, so the student is pulled to where the teacher puts mass). A row with fewer than two valid columns
+  carries no distribution and gives 0."""
+  valid = valid.astype(bool)
+  usable = jnp.sum(valid, axis=-1, keepdims=True) >= 2
+  mask = valid & usable
+  # Rows without a distribution are filled with zeros first: an all -inf row's softmax is NaN.
+  def log_softmax(x):
+    x = jnp.where(mask, x / temperature, -jnp.inf)
+    return jax.nn.log_softmax(jnp.where(usable, x, 0.0), axis=-1)
+  log_s, log_t = log_softmax(student), log_softmax(jax.lax.stop_gradient(teacher))
+  terms = jnp.where(mask, jnp.exp(log_t) * (log_t - log_s), 0.0)
+  return jnp.sum(terms, axis=-1)
+
+
+def granular_distillation(student: Array, teacher: Array, valid: Array, *, temperature: float = 1.0) -> Array:
+  """FGD's local-aligned distillation at one granularity (Eq. 12), per query [B]: the mean over the
+  positive document's pieces k (those with a distribution) of KL(p_teacher || p_student), each piece's
+  distribution over itself (column 0) and its negative pieces (Eq. 14-15).
+
+  student, teacher: scores [B, K, 1 + n] (teacher scores as given: fixed, no gradient); valid [B, K, 1 + n]
+  (False for padding pieces and missing negatives). Sum it over the granularities for L_fkd (Eq. 12-13).
+  """
+  kl = distillation_kl(student, teacher, valid, temperature=temperature)  # [B, K]
+  has = jnp.sum(valid.astype(bool), axis=-1) >= 2
+  count = jnp.sum(has, axis=-1)
+  return jnp.sum(jnp.where(has, kl, 0.0), axis=-1) / jnp.maximum(count, 1)
+
+
 def hardest_negative_mask(scores: Array, valid: Array) -> Array:
   """Bool [B, C]: column b plus row b's single highest-scored valid negative (NCE Neg).
 
