@@ -206,3 +206,36 @@ def test_real_trec_dl_sample(tmp_path):
   F.write_qrels(tmp_path / "qrels.dev.tsv", qrels, trec=True)
   assert F.read_corpus(tmp_path / "collection.tsv") == corpus
   assert F.read_qrels(tmp_path / "qrels.dev.tsv", doc_ids=corpus, query_ids=queries) == qrels
+
+
+def test_long_documents_group_whole_abstracts_and_map_qrels(tmp_path):
+  """jdr.data.longdocs: every abstract in exactly one document of 1-3, in budget, qrels follow, seeded."""
+  import json  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  from conftest import write_tiny_beir  # pylint: disable=g-import-not-at-top
+  from jdr.data import formats, longdocs  # pylint: disable=g-import-not-at-top
+  from jdr.models import hf  # pylint: disable=g-import-not-at-top
+  source = write_tiny_beir(tmp_path / "short", num_docs=40)
+  tok = transformers.AutoTokenizer.from_pretrained(str(hf.minilm_path()))
+  stats = longdocs.build(source, tmp_path / "long", seed=3, max_tokens=40, tokenizer=tok)
+  pieces = {r["_id"]: r["pieces"] for r in map(json.loads, (tmp_path / "long" / "pieces.jsonl").read_text().splitlines())}
+  flat = [a for p in pieces.values() for a in p]
+  assert sorted(flat) == sorted(formats.read_corpus(source)) and stats["abstracts"] == 40  # none dropped
+  corpus = formats.read_corpus(tmp_path / "long")
+  short = formats.read_corpus(source)
+  for doc_id, members in pieces.items():
+    assert 1 <= len(members) <= 3 and (len(members) > 1 or stats["abstracts_per_document"].get("1", 0))
+    assert corpus[doc_id].text == "\n\n".join(longdocs.abstract_text(short[a]) for a in members)
+    if len(members) > 1:
+      assert len(tok(corpus[doc_id].text.replace("\n\n", " "))["input_ids"]) <= 40 + 2
+  home = {a: d for d, p in pieces.items() for a in p}
+  for split in ("train", "test"):
+    old = formats.read_qrels(source / "qrels" / f"{split}.tsv")
+    new = formats.read_qrels(tmp_path / "long" / "qrels" / f"{split}.tsv")
+    assert new == {q: {home[a]: g for a, g in rels.items()} for q, rels in old.items()}
+  again = longdocs.build(source, tmp_path / "again", seed=3, max_tokens=40, tokenizer=tok)
+  assert again["documents"] == stats["documents"]
+  free = longdocs.build(source, tmp_path / "free", seed=3, tokenizer=tok)  # no cap: 2 or 3 abstracts each
+  sizes = [len(r["pieces"]) for r in map(json.loads, (tmp_path / "free" / "pieces.jsonl").read_text().splitlines())]
+  assert set(sizes[:-1]) <= {2, 3} and free["documents"] < stats["documents"]
+  assert (tmp_path / "again" / "pieces.jsonl").read_text() == (tmp_path / "long" / "pieces.jsonl").read_text()
