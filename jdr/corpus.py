@@ -155,9 +155,12 @@ def _write_atomic(path: pathlib.Path, write: Callable[[pathlib.Path], None]) -> 
 
 def encode_corpus(runtime: EncoderRuntime, corpus: dict, out_dir: str | os.PathLike, *,
                   shard_size: int = 10_000, settings: dict | None = None,
-                  tokens_per_batch: int | None = None) -> dict:
+                  tokens_per_batch: int | None = None, passages: int = 1) -> dict:
   """Encodes `corpus` (id -> Doc) into shards under out_dir, resuming finished shards. Returns meta.
 
+  passages = 1 is FirstP (each document truncated to the model's length, one row); passages = P > 1 is
+  ANCE's MaxP: up to P consecutive passages of max_length tokens per document, one row each, the ids file
+  naming the document on every row (search then keeps a document's best passage: `retrieve_run`).
   Raises ValueError when out_dir holds an encoding made with other settings.
   """
   if shard_size < 1:
@@ -170,6 +173,8 @@ def encode_corpus(runtime: EncoderRuntime, corpus: dict, out_dir: str | os.PathL
   num_shards = max(1, -(-len(doc_ids) // shard_size))
   meta = {"num_docs": len(doc_ids), "shard_size": shard_size, "num_shards": num_shards,
           **(settings or {})}
+  if passages > 1:
+    meta["passages"] = passages
   meta_path = out_dir / "meta.json"
   if meta_path.exists():
     old = json.loads(meta_path.read_text())
@@ -189,7 +194,13 @@ def encode_corpus(runtime: EncoderRuntime, corpus: dict, out_dir: str | os.PathL
   for shard in todo:
     ids = doc_ids[shard * shard_size:(shard + 1) * shard_size]
     texts = [text_lib.doc_text(corpus[i]) for i in ids]
-    emb = encode_texts(runtime, texts, tokens_per_batch=tokens_per_batch, progress=bar)
+    if passages > 1:
+      split = text_lib.passage_tokens(runtime.tokenizer, texts, runtime.max_length, passages)
+      ids = [doc for doc, parts in zip(ids, split) for _ in parts]
+      emb = encode_tokens(runtime, [t for parts in split for t in parts], tokens_per_batch=tokens_per_batch)
+      bar.update(len(split))
+    else:
+      emb = encode_texts(runtime, texts, tokens_per_batch=tokens_per_batch, progress=bar)
     emb_path, ids_path = _shard_paths(out_dir, shard)
     # ids first, embeddings last: a shard counts as finished only once its embeddings exist.
     _write_atomic(ids_path, lambda p: p.write_text("".join(i + "\n" for i in ids)))
@@ -219,10 +230,17 @@ def read_ids(enc_dir: str | os.PathLike) -> list[str]:
   ids = []
   for shard in range(meta["num_shards"]):
     ids.extend(_shard_paths(enc_dir, shard)[1].read_text().splitlines())
-  if len(ids) != meta["num_docs"]:
+  if _documents(ids, meta) != meta["num_docs"]:
     raise ValueError(f"{enc_dir}: {len(ids)} ids, meta says {meta['num_docs']} documents: "
                      "the directory is corrupt")
   return ids
+
+
+def _documents(ids: list[str], meta: dict) -> int:
+  """Documents behind an encoding's rows: one row each, or (MaxP) runs of rows with the same id."""
+  if meta.get("passages", 1) <= 1:
+    return len(ids)
+  return sum(1 for i, d in enumerate(ids) if i == 0 or ids[i - 1] != d)
 
 
 def load_embeddings(enc_dir: str | os.PathLike) -> tuple[np.ndarray, list[str], dict]:
@@ -235,7 +253,7 @@ def load_embeddings(enc_dir: str | os.PathLike) -> tuple[np.ndarray, list[str], 
     embs.append(np.load(emb_path))
     ids.extend(ids_path.read_text().splitlines())
   emb = np.concatenate(embs)
-  if emb.shape[0] != len(ids) or len(ids) != meta["num_docs"]:
+  if emb.shape[0] != len(ids) or _documents(ids, meta) != meta["num_docs"]:
     raise ValueError(f"{enc_dir}: {emb.shape[0]} embeddings, {len(ids)} ids, meta says "
                      f"{meta['num_docs']} documents: the directory is corrupt")
   return emb, ids, meta
@@ -323,8 +341,10 @@ def load_index(enc_dir: str | os.PathLike, backend: Literal["faiss", "jax"] = "f
 
 
 def retrieve_run(retriever: index_lib.Retriever, query_ids: Sequence[str], query_embeddings: np.ndarray,
-                 k: int) -> dict[str, dict[str, float]]:
-  """Top k documents per query as a run {query id: {doc id: score}}, best first."""
+                 k: int, passages: int = 1) -> dict[str, dict[str, float]]:
+  """Top k documents per query as a run {query id: {doc id: score}}, best first. With `passages` rows per
+  document (a MaxP encoding) it searches k x passages rows and scores a document by its best passage, so
+  the k documents are exact whenever each has at most `passages` rows."""
   query_ids = list(query_ids)
   if len(query_ids) != len(query_embeddings):
     raise ValueError(f"{len(query_ids)} query ids for {len(query_embeddings)} query embeddings")
@@ -332,5 +352,15 @@ def retrieve_run(retriever: index_lib.Retriever, query_ids: Sequence[str], query
     raise ValueError(f"k must be positive, got {k}")
   if not query_ids:
     return {}
-  scores, ids = retriever.search(query_embeddings, k)
-  return index_lib.to_run(query_ids, scores, ids)
+  if passages <= 1:
+    scores, ids = retriever.search(query_embeddings, k)
+    return index_lib.to_run(query_ids, scores, ids)
+  scores, ids = retriever.search(query_embeddings, k * passages)
+  run = {}
+  for qid, row_scores, row_ids in zip(query_ids, scores, ids):
+    best: dict[str, float] = {}
+    for d, s in zip(row_ids, row_scores):  # best first: a document's first row is its best passage
+      if d and np.isfinite(s) and d not in best:
+        best[d] = float(s)
+    run[qid] = dict(list(best.items())[:k])
+  return run

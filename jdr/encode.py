@@ -38,6 +38,9 @@ def main(argv: Iterable[str] | None = None) -> None:
   parser.add_argument("--corpus", required=True, help="BEIR directory, corpus.jsonl or collection TSV")
   parser.add_argument("--out", required=True, help="output directory (resumes if it exists)")
   parser.add_argument("--shard-size", type=int, default=10_000, help="documents per shard file")
+  parser.add_argument("--passages", type=int, default=1,
+                      help="1 = FirstP (each document truncated to --max-length); P > 1 = MaxP: up to P "
+                           "passages of --max-length tokens per document, retrieved by the best one (ANCE: 4)")
   parser.add_argument("--batch-size", type=int, default=None,
                       help="documents per batch at the longest bucket (sets --tokens-per-batch)")
   cli.add_skip_invalid_flag(parser)
@@ -57,8 +60,11 @@ def main(argv: Iterable[str] | None = None) -> None:
                 **{k: runtime.info[k] for k in ("pooling", "normalize", "max_length")},
                 "dtype": args.dtype}
     start = time.perf_counter()
+    if args.passages < 1:
+      raise ValueError(f"--passages must be >= 1, got {args.passages}")
     meta = corpus_lib.encode_corpus(runtime, corpus, args.out, shard_size=args.shard_size,
-                                    settings=settings, tokens_per_batch=tokens_per_batch)
+                                    settings=settings, tokens_per_batch=tokens_per_batch,
+                                    passages=args.passages)
   seconds = time.perf_counter() - start
   print(f"encoded {meta['num_docs']} documents (dim {meta['dim']}) into {args.out} in {seconds:.1f} s",
         file=sys.stderr)

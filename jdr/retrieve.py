@@ -76,7 +76,7 @@ def main(argv: Iterable[str] | None = None) -> None:
     qids = list(queries)
     q_emb = corpus_lib.encode_texts(runtime, [queries[q] for q in qids],
                                     tokens_per_batch=args.tokens_per_batch)
-    run = corpus_lib.retrieve_run(retriever, qids, q_emb, args.top_k)
+    run = corpus_lib.retrieve_run(retriever, qids, q_emb, args.top_k, passages=meta.get("passages", 1))
     formats.write_run(args.run, run, tag="jdr")
   print(f"retrieved top-{args.top_k} for {len(qids)} queries in "
         f"{time.perf_counter() - start:.1f} s -> {args.run}", file=sys.stderr)

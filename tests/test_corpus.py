@@ -128,3 +128,41 @@ def test_load_index_saves_and_reuses_a_faiss_index(tmp_path):
   assert len(reused) == len(built) == 10
   run = corpus_lib.retrieve_run(reused, ["q"], emb[:1], 1)
   assert list(run["q"]) == [ids[int(np.argmax(emb @ emb[0]))]]
+
+
+def test_maxp_scores_a_document_by_its_best_passage(tmp_path):
+  """jdr.encode --passages 4 then jdr.retrieve: every document is ranked by the max over its passage vectors
+  (brute force over the encoding's rows), and FirstP is the first passage alone."""
+  import json  # pylint: disable=g-import-not-at-top
+  from jdr import encode, retrieve  # pylint: disable=g-import-not-at-top
+  from jdr.data import formats  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  words = [f"w{i}" for i in range(300)]
+  corpus = {f"d{i}": formats.Doc(f"d{i}", "", " ".join(rng.choice(words, size=int(rng.integers(5, 60)))))
+            for i in range(30)}
+  queries = {f"q{i}": " ".join(rng.choice(words, size=4)) for i in range(6)}
+  formats.write_beir(tmp_path / "beir", corpus, queries, {q: {"d0": 1} for q in queries})
+  for passages in (1, 4):
+    out = tmp_path / f"enc{passages}"
+    encode.main(["--model", "minilm", "--corpus", str(tmp_path / "beir"), "--out", str(out), "--max-length", "16",
+                 "--passages", str(passages), "--shard-size", "7"])
+    retrieve.main(["--index", str(out), "--queries", str(tmp_path / "beir"), "--run", str(tmp_path / "r.trec"),
+                   "--top-k", "10", "--max-length", "16"])
+    from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+    emb, ids, meta = corpus_lib.load_embeddings(out)
+    runtime = corpus_lib.load_runtime("minilm", max_length=16)
+    q_emb = corpus_lib.encode_texts(runtime, list(queries.values()))
+    rows_per_doc = {d: ids.count(d) for d in corpus}
+    assert max(rows_per_doc.values()) == passages and meta["num_docs"] == 30
+    if passages == 4:  # windows of 14 content tokens, at most 4 per document
+      content = {d: len(runtime.tokenizer(corpus[d].text, add_special_tokens=False)["input_ids"]) for d in corpus}
+      assert rows_per_doc == {d: min(4, -(-content[d] // 14)) for d in corpus}
+      assert len(set(rows_per_doc.values())) > 1
+    run = formats.read_run(tmp_path / "r.trec")
+    for qi, q in enumerate(queries):
+      scores = emb @ q_emb[qi]
+      best = {d: max(scores[r] for r in range(len(ids)) if ids[r] == d) for d in corpus}
+      expected = sorted(best, key=lambda d: -best[d])[:10]
+      assert list(run[q]) == expected
+      np.testing.assert_allclose([run[q][d] for d in expected], [best[d] for d in expected], rtol=1e-5)
+    assert json.loads((out / "meta.json").read_text()).get("passages", 1) == passages

@@ -41,6 +41,25 @@ def tokenize(tokenizer, texts: Sequence[str], max_length: int, *, chunk_size: in
   return out
 
 
+def passage_tokens(tokenizer, texts: Sequence[str], max_length: int, passages: int,
+                   *, chunk_size: int = 2048) -> list[list[np.ndarray]]:
+  """Each text as up to `passages` consecutive passages of at most `max_length` tokens, every passage
+  wrapped in the model's own [CLS] ... [SEP] (ANCE's MaxP: the first passages * (max_length - 2) content
+  tokens; passages=1 is FirstP, the text truncated to max_length)."""
+  if passages < 1:
+    raise ValueError(f"passages must be >= 1, got {passages}")
+  width = max_length - 2
+  out: list[list[np.ndarray]] = []
+  cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
+  for start in range(0, len(texts), chunk_size):
+    enc = tokenizer(list(texts[start:start + chunk_size]), add_special_tokens=False, truncation=True,
+                    max_length=passages * width, return_attention_mask=False, return_token_type_ids=False)
+    for ids in enc["input_ids"]:
+      chunks = [ids[i:i + width] for i in range(0, len(ids), width)] or [[]]
+      out.append([np.asarray([cls, *chunk, sep], np.int32) for chunk in chunks])
+  return out
+
+
 def pair_tokens(tokenizer, query: str, doc: str, max_length: int, query_max_length: int | None = None
                 ) -> tuple[list[int], list[int]]:
   """(token ids, token type ids) of `[CLS] query [SEP] doc [SEP]` (the model's own special tokens) in at most
