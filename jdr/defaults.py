@@ -73,6 +73,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.loss.logq_correction = False  # sampled softmax: score - log Q(doc), Q from the batch's `doc_logq`
 
   # --- gradient caching (jdr/gradcache.py): encode the batch in chunks of this many rows; 0 = off ---
+  # --- distillation from a cross-encoder (jdr/distill.py): FGD and document-level KD ---
+  c.distill = ml_collections.ConfigDict()
+  c.distill.teacher = ""  # a cross-encoder (jdr workdir / export, HF directory); "" = no distillation
+  c.distill.document = False  # document-level KD (the "brute-force" baseline, FGD Eq. 5)
+  c.distill.granularities = "passage,sentence"  # FGD levels (Eq. 12); "" = none
+  c.distill.passage_tokens = 128
+  c.distill.sentence_tokens = 64
+  c.distill.pooling = "attention"  # student piece vectors: attention (Eq. 7) | mean ("FG pooling")
+  c.distill.contrastive_weight = 1.0  # lambda of Eq. 13
+  c.distill.temperature = 1.0
+  c.distill.teacher_batch_size = 32
+
   c.grad_cache = ml_collections.ConfigDict()
   c.grad_cache.chunk_size = 0
 

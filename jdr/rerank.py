@@ -25,25 +25,26 @@ from jdr.data import formats
 from jdr.data import text as text_lib
 
 
-def make_scorer(model, params, tokenizer, *, max_length: int = 256, batch_size: int = 32,
-                query_max_length: int | None = None) -> Callable[[Sequence[tuple[str, str]]], np.ndarray]:
-  """(query, document text) pairs -> cross-encoder logits [N], float32, in the pairs' order (the input of
-  jdr.data.text.pair_tokens: the query whole unless `query_max_length` caps it)."""
+def make_token_scorer(model, params, pad_id: int, *, max_length: int = 256, batch_size: int = 32
+                      ) -> Callable[[Sequence[tuple[Sequence[int], Sequence[int]]]], np.ndarray]:
+  """(token ids, token type ids) of joined pairs -> cross-encoder logits [N], float32, in order; pairs are
+  batched by length bucket (few compiled shapes); `score.warm_up()` compiles every bucket."""
   apply = jax.jit(lambda p, ids, mask, types: model.apply({"params": p}, ids, mask, types))
   buckets = text_lib.default_bucket_lengths(max_length)
-  pad = tokenizer.pad_token_id or 0
 
-  def score(pairs: Sequence[tuple[str, str]]) -> np.ndarray:
-    if not pairs:
-      return np.zeros((0,), np.float32)
-    encoded = [text_lib.pair_tokens(tokenizer, q, d, max_length, query_max_length) for q, d in pairs]
+  def score(encoded: Sequence[tuple[Sequence[int], Sequence[int]]]) -> np.ndarray:
+    out = np.zeros((len(encoded),), np.float32)
+    if not encoded:
+      return out
     ids, types = [e[0] for e in encoded], [e[1] for e in encoded]
-    out = np.zeros((len(pairs),), np.float32)
+    longest = max(len(x) for x in ids)
+    if longest > max_length:
+      raise ValueError(f"a pair of {longest} tokens is longer than the scorer's {max_length}")
     order = np.argsort([-len(x) for x in ids], kind="stable")  # similar lengths share a batch
     for start in range(0, len(order), batch_size):
       rows = order[start:start + batch_size]
       length = next(b for b in buckets if b >= max(len(ids[r]) for r in rows))
-      batch_ids = np.full((batch_size, length), pad, np.int32)
+      batch_ids = np.full((batch_size, length), pad_id, np.int32)
       batch_types = np.zeros((batch_size, length), np.int32)
       mask = np.zeros((batch_size, length), np.int32)
       for i, r in enumerate(rows):
@@ -61,6 +62,20 @@ def make_scorer(model, params, tokenizer, *, max_length: int = 256, batch_size: 
       jax.block_until_ready(apply(params, zeros, zeros.at[:, 0].set(1), zeros))
 
   score.warm_up = warm_up
+  return score
+
+
+def make_scorer(model, params, tokenizer, *, max_length: int = 256, batch_size: int = 32,
+                query_max_length: int | None = None) -> Callable[[Sequence[tuple[str, str]]], np.ndarray]:
+  """(query, document text) pairs -> cross-encoder logits [N], float32, in the pairs' order (the input of
+  jdr.data.text.pair_tokens: the query whole unless `query_max_length` caps it)."""
+  tokens = make_token_scorer(model, params, tokenizer.pad_token_id or 0, max_length=max_length,
+                             batch_size=batch_size)
+
+  def score(pairs: Sequence[tuple[str, str]]) -> np.ndarray:
+    return tokens([text_lib.pair_tokens(tokenizer, q, d, max_length, query_max_length) for q, d in pairs])
+
+  score.warm_up = tokens.warm_up
   return score
 
 

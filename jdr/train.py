@@ -25,6 +25,7 @@ import tqdm
 from jdr import checkpoint
 from jdr import cli
 from jdr import config_files
+from jdr import distill
 from jdr import evaluation
 from jdr import gradcache
 from jdr import losses
@@ -64,6 +65,8 @@ def make_train_step(model: TwoTower, tx: optax.GradientTransformation, config: m
   logq = config.loss.logq_correction
   chunk = check_grad_cache(config, candidates)
   mlm = config.data.kind == "pretrain" and config.data.pretrain_task == "mlm"
+  distilling = distill.enabled(config)
+  distill_levels = distill.levels(config) if distilling else []
   if chunk:
     encode_query = gradcache.per_row_encoder(model, "encode_query")
     frozen_doc = gradcache.per_row_encoder(model, "encode_doc", deterministic=True)
@@ -77,7 +80,41 @@ def make_train_step(model: TwoTower, tx: optax.GradientTransformation, config: m
     aux["train_accuracy"] = jnp.mean(jnp.take_along_axis(positive, top[:, None], axis=1))
     return jnp.mean(per_example), aux
 
-  def tokens_loss(q, d, batch):
+  def distillation_terms(q, d, spans, scores, valid, batch):
+    """Document-level KD and FGD's per-level KD (jdr/distill.py) over each query's own candidates."""
+    num_q, num_d = scores.shape
+    per = (num_d - num_q) // num_q
+    own = jnp.concatenate([jnp.arange(num_q)[:, None],
+                           num_q + jnp.arange(num_q)[:, None] * per + jnp.arange(per)[None, :]], axis=1)
+    own_valid = jnp.take_along_axis(valid, own, axis=1)
+    terms = {}
+    temperature = config.distill.temperature
+    if config.distill.document:
+      teacher = batch["teacher_doc"]
+      ok = own_valid & jnp.isfinite(teacher)
+      terms["kd_document"] = jnp.mean(losses.distillation_kl(
+          jnp.take_along_axis(scores, own, axis=1), jnp.where(ok, teacher, 0.0), ok, temperature=temperature))
+    start = 0
+    for name, _ in distill_levels:
+      t_pos, t_neg = batch[f"teacher_{name}_pos"], batch[f"teacher_{name}_neg"]  # [B, K], [B, n, K]
+      k = t_pos.shape[1]
+      piece = spans[:, start:start + k]  # [C, K, D]
+      start += k
+      s_pos = jnp.einsum("bd,bkd->bk", q, piece[:num_q])
+      s_neg = jnp.einsum("bd,bnkd->bnk", q, piece[num_q:].reshape(num_q, per, k, -1))
+      neg_ok = jnp.isfinite(t_neg) & own_valid[:, 1:, None]  # pieces of negative documents only (Eq. 15)
+      pos_ok = jnp.isfinite(t_pos)
+      student = jnp.concatenate([s_pos[:, :, None], jnp.broadcast_to(
+          s_neg.reshape(num_q, 1, per * k), (num_q, k, per * k))], axis=2)
+      teacher = jnp.concatenate([t_pos[:, :, None], jnp.broadcast_to(
+          t_neg.reshape(num_q, 1, per * k), (num_q, k, per * k))], axis=2)
+      ok = jnp.concatenate([pos_ok[:, :, None], jnp.broadcast_to(
+          neg_ok.reshape(num_q, 1, per * k), (num_q, k, per * k))], axis=2) & pos_ok[:, :, None]
+      terms[f"fgd_{name}"] = jnp.mean(losses.granular_distillation(
+          student, jnp.where(ok, teacher, 0.0), ok, temperature=temperature))
+    return terms
+
+  def tokens_loss(q, d, batch, spans=None):
     # Every query is scored against every document of the global batch: under jit the batch-sharded
     # document matrix is all-gathered across devices and hosts by XLA, no hand-written collective.
     scores = q @ d.T
@@ -91,7 +128,13 @@ def make_train_step(model: TwoTower, tx: optax.GradientTransformation, config: m
     if "weights" in batch:
       fields["weights"] = batch["weights"]
     positive = jnp.arange(scores.shape[1])[None, :] == jnp.arange(scores.shape[0])[:, None]
-    return finish(scores, fields, positive, {})
+    if not distilling:
+      return finish(scores, fields, positive, {})
+    contrastive, aux = finish(scores, fields, positive, {})
+    terms = distillation_terms(q, d, spans, scores, batch["valid"], batch)
+    aux.update({f"loss/{name}": value for name, value in terms.items()})
+    aux["loss/contrastive"] = contrastive
+    return config.distill.contrastive_weight * contrastive + sum(terms.values()), aux
 
   def mlm_loss(params, batch, rng):
     # The masked-LM baseline (Chang et al. 2020): BERT's token cross-entropy at the chosen positions only.
@@ -133,11 +176,16 @@ def make_train_step(model: TwoTower, tx: optax.GradientTransformation, config: m
         positive = labels > 0
         return finish(scores, fields, positive, aux)
       # A frozen document tower runs forward only, without dropout: nothing of it is trained.
+      spans = None
+      span_mask = distill.span_masks(batch["doc_mask"], distill_levels) if distill_levels else None
       d = model.apply(variables, batch["doc_ids"], batch["doc_mask"], deterministic=query_only,
-                      rngs={} if query_only else {"dropout": doc_rng}, method=TwoTower.encode_doc)
+                      rngs={} if query_only else {"dropout": doc_rng}, method=TwoTower.encode_doc,
+                      span_mask=span_mask, span_pooling=config.distill.pooling)
+      if span_mask is not None:
+        d, spans = d
       if query_only:
         d = jax.lax.stop_gradient(d)
-      return tokens_loss(q, d, batch)
+      return tokens_loss(q, d, batch, spans)
 
     if mlm:
       (loss, aux), grads = jax.value_and_grad(mlm_loss, has_aux=True)(state.params, batch, query_rng)
@@ -243,6 +291,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   pretrain_batches.check(config)
   pretraining = config.data.kind == "pretrain"
   check_grad_cache(config, "corpus" if config.negatives.source == "retrieval" else "tokens")
+  distill.check(config)
   losses.make_loss(config.loss)  # an unknown loss fails here, before any data is read
 
   # ---------------------------------------------------------------- data and model
@@ -304,6 +353,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
         candidates=candidates, random_weight=config.negatives.random_weight)
     if is_host0:
       pairs.describe_counts(data, batches)
+  distiller = None
+  if distill.enabled(config):  # the teacher scores every (query, document) it can meet, once, cached
+    distiller = distill.Distiller(config, data, built.tokenizer, batches, negatives.sampler, workdir / "cache")
 
   # ---------------------------------------------------------------- the step, jitted once
   batch_shardings = parallel.batch_sharding(mesh)
@@ -319,7 +371,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
 
   def batch_at(step: int, state) -> dict[str, jax.Array]:
     negatives.prepare(step, state)
-    return parallel.global_batch(negatives.complete(batches.local(step), state), mesh)
+    batch = negatives.complete(batches.local(step), state)
+    if distiller is not None:
+      batch = distiller.complete(batch, step)
+    return parallel.global_batch(batch, mesh)
 
   # ---------------------------------------------------------------- evaluation
   writer = metric_writers.MetricWriter(workdir)

@@ -114,10 +114,11 @@ class Tower(nn.Module):
 
   @nn.compact
   def __call__(self, input_ids, attention_mask, token_type_ids=None, *, deterministic: bool = True,
-               token_vectors: bool = False, span_mask=None):
+               token_vectors: bool = False, span_mask=None, span_pooling: str = "attention"):
     """`token_vectors=True` returns the encoder's [B, L, H] output instead (the masked-LM baseline's input).
-    `span_mask` [B, S, L] returns (vectors [B, D], span vectors [B, S, D]): FGD's global-consistent
-    granularity embeddings (Eq. 7; jdr.models.bert.Layer), through the same head; [CLS] pooling only."""
+    `span_mask` [B, S, L] returns (vectors [B, D], span vectors [B, S, D]) through the same head: with
+    span_pooling="attention", FGD's global-consistent granularity embeddings (Eq. 7; jdr.models.bert.Layer;
+    [CLS] pooling only); with "mean", the mean of the span's token vectors (FGD's "FG pooling" ablation)."""
     cfg = self.config
     spans = None
     if cfg.kind == "bow_mlp":
@@ -126,13 +127,20 @@ class Tower(nn.Module):
                          "transformer tower)")
       x = BowMLP(cfg, name="bow")(input_ids, attention_mask, deterministic=deterministic)
     else:
-      if span_mask is not None and cfg.pooling != "cls":
+      attention_spans = span_mask is not None and span_pooling == "attention"
+      if span_pooling not in ("attention", "mean"):
+        raise ValueError(f"span_pooling must be 'attention' or 'mean', got {span_pooling!r}")
+      if attention_spans and cfg.pooling != "cls":
         raise ValueError(f"span embeddings (Eq. 7) pool with [CLS]'s attention: the tower's pooling must be "
                          f"cls, not {cfg.pooling}")
       hidden = Encoder(cfg.encoder, name="encoder")(
-          input_ids, attention_mask, token_type_ids, deterministic=deterministic, span_mask=span_mask)
-      if span_mask is not None:
+          input_ids, attention_mask, token_type_ids, deterministic=deterministic,
+          span_mask=span_mask if attention_spans else None)
+      if attention_spans:
         hidden, spans = hidden
+      elif span_mask is not None:
+        weights = span_mask.astype(hidden.dtype)
+        spans = jnp.einsum("bsl,blh->bsh", weights, hidden) / jnp.maximum(weights.sum(-1, keepdims=True), 1.0)
       if token_vectors:
         return hidden
       x = pool(hidden, attention_mask, cfg.pooling)
@@ -226,9 +234,12 @@ class TwoTower(nn.Module):
     tower = self.tower if self.shared else self.query_tower
     return tower(input_ids, attention_mask, token_type_ids, deterministic=deterministic)
 
-  def encode_doc(self, input_ids, attention_mask, token_type_ids=None, *, deterministic: bool = True):
+  def encode_doc(self, input_ids, attention_mask, token_type_ids=None, *, deterministic: bool = True,
+                 span_mask=None, span_pooling: str = "attention"):
+    """Document vectors [B, D]; with `span_mask`, also span vectors [B, S, D] (Tower)."""
     tower = self.tower if self.shared else self.doc_tower
-    return tower(input_ids, attention_mask, token_type_ids, deterministic=deterministic)
+    return tower(input_ids, attention_mask, token_type_ids, deterministic=deterministic, span_mask=span_mask,
+                 span_pooling=span_pooling)
 
   def __call__(self, query_ids, query_mask, doc_ids, doc_mask, *, deterministic: bool = True):
     """Returns (query vectors [Bq, D], doc vectors [Bd, D])."""

@@ -1,0 +1,208 @@
+"""Distillation from a cross-encoder teacher into two towers: FGD (Zhou et al., fine-grained distillation for
+long documents) and its document-level baseline.
+
+What a config turns on (`distill.*`, see jdr/defaults.py):
+
+  teacher          a cross-encoder (jdr workdir / export, Hugging Face sequence classifier); "" = off
+  document         document-level KD (Eq. 5, the "brute-force" baseline): KL between the teacher's and the
+                   student's distributions over each query's own candidates (its positive and negatives)
+  granularities    FGD's levels, "passage,sentence": each a window of `passage_tokens` / `sentence_tokens`
+                   tokens of the document (the paper's 128 / 64); for every piece k of the positive
+                   document a distribution over it and the pieces of the query's negative documents at the
+                   same level (Eq. 10, 14-15: negative pieces come only from negative documents), KL averaged
+                   over k (Eq. 12)
+  pooling          student piece vectors: "attention" (Eq. 7, global-consistent) or "mean" ("FG pooling")
+  contrastive_weight   lambda of Eq. 13 on the document-level contrastive NLL
+
+Teacher scores are computed once per stage, before step 0, for every training query with each document it
+can meet (its positives and its negative pool): the document (FirstP, the student's document tokens) and
+each of its pieces, as `[CLS] query [SEP] piece [SEP]` built from the student's own token ids (the teacher
+must share the student's tokenizer). They are cached in the workdir (keyed by teacher, data and settings),
+so a resumed run reads them back. `complete(batch, step)` adds the teacher fields of the step's rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pathlib
+import sys
+from typing import Any, Sequence
+
+import ml_collections
+import numpy as np
+import tqdm
+
+from jdr.data import text as text_lib
+
+
+def enabled(config: ml_collections.ConfigDict) -> bool:
+  return bool(config.distill.teacher)
+
+
+def levels(config: ml_collections.ConfigDict) -> list[tuple[str, int]]:
+  """(name, window tokens) of the FGD granularities the config asks for, in order."""
+  sizes = {"passage": config.distill.passage_tokens, "sentence": config.distill.sentence_tokens}
+  names = [g.strip() for g in config.distill.granularities.split(",") if g.strip()]
+  unknown = [g for g in names if g not in sizes]
+  if unknown:
+    raise ValueError(f"distill.granularities: unknown {unknown}; choose from passage, sentence")
+  return [(g, int(sizes[g])) for g in names]
+
+
+def check(config: ml_collections.ConfigDict) -> None:
+  """Refuses distillation settings the trainer cannot run, before anything is loaded."""
+  if not enabled(config):
+    return
+  d, neg = config.distill, config.negatives
+  levels(config)
+  if not d.document and not levels(config):
+    raise ValueError("distill.teacher is set but neither distill.document nor distill.granularities asks for "
+                     "a distillation term")
+  if config.model.architecture != "two_tower" or config.data.kind != "pairs":
+    raise ValueError("distillation trains two towers on supervised pairs (model.architecture=two_tower, "
+                     "data.kind=pairs)")
+  if neg.source not in ("bm25", "static", "dense_static") or neg.per_query < 1:
+    raise ValueError("distillation scores each query's own negatives with the teacher once per stage: use a "
+                     "fixed pool (negatives.source = bm25 | static | dense_static) and negatives.per_query >= 1")
+  if d.pooling not in ("attention", "mean"):
+    raise ValueError(f"distill.pooling must be 'attention' or 'mean', got {d.pooling!r}")
+  if d.pooling == "attention" and levels(config) and config.model.pooling not in ("", "cls"):
+    raise ValueError("distill.pooling=attention (Eq. 7) needs [CLS] pooling: set model.pooling=cls")
+  if config.grad_cache.chunk_size:
+    raise ValueError("distillation and gradient caching do not combine yet: set grad_cache.chunk_size=0")
+
+
+def span_masks(doc_mask, level_sizes: Sequence[tuple[str, int]]):
+  """In-step jnp version of jdr.granularity.windows for every level, concatenated: [C, sum K, L] (float32)."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  length = doc_mask.shape[1]
+  position = jnp.arange(length)
+  out = []
+  for _, size in level_sizes:
+    count = max(1, -(-(length - 1) // size))
+    which = jnp.where(position >= 1, (position - 1) // size, -1)
+    member = which[None, :] == jnp.arange(count)[:, None]  # [K, L]
+    out.append((member[None] & doc_mask.astype(bool)[:, None, :]).astype(jnp.float32))
+  return jnp.concatenate(out, axis=1)
+
+
+def windows_of(token_ids: np.ndarray, size: int, count: int) -> list[np.ndarray]:
+  """The content tokens (no [CLS] / [SEP]) of windows 0..count-1 over positions 1.. of one document's ids,
+  the windows jdr.granularity.windows makes for the student; [] for a window past the document's end."""
+  content = token_ids[1:-1] if len(token_ids) >= 2 else token_ids[:0]
+  return [content[s * size:(s + 1) * size] for s in range(count)]
+
+
+def joined(tokenizer, query: np.ndarray, piece: np.ndarray) -> tuple[list[int], list[int]]:
+  """`[CLS] query [SEP] piece [SEP]` (RoBERTa: `<s> q </s></s> d </s>`) from content token ids."""
+  cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
+  q, d = [int(t) for t in query], [int(t) for t in piece]
+  if tokenizer.num_special_tokens_to_add(pair=True) == 4:
+    ids = [cls, *q, sep, sep, *d, sep]
+    return ids, [0] * len(ids)
+  return [cls, *q, sep, *d, sep], [0] * (len(q) + 2) + [1] * (len(d) + 1)
+
+
+class TeacherScores:
+  """The teacher's scores for (query, document): "doc" and, per level, one score per window (NaN past the
+  document's end), computed once and cached."""
+
+  def __init__(self, config: ml_collections.ConfigDict, data, tokenizer, doc_tokens: dict[str, np.ndarray],
+               query_tokens: dict[str, np.ndarray], pairs: Sequence[tuple[str, str]], cache: pathlib.Path):
+    self.levels = levels(config)
+    self.counts = {name: max(1, -(-(config.data.doc_max_length - 1) // size)) for name, size in self.levels}
+    key = hashlib.sha256(json.dumps([str(pathlib.Path(config.distill.teacher).resolve()), data.name,
+                                     config.data.query_max_length, config.data.doc_max_length, self.levels,
+                                     sorted(pairs)]).encode()).hexdigest()[:16]
+    path = cache / f"teacher-{key}.json"
+    if path.exists():
+      self.scores = {tuple(k.split("\t")): v for k, v in json.loads(path.read_text()).items()}
+      print(f"teacher scores: {len(self.scores)} (query, document) pairs read from {path}", file=sys.stderr)
+      return
+    from jdr import rerank  # pylint: disable=g-import-not-at-top
+    from jdr.models import build  # pylint: disable=g-import-not-at-top
+    from jdr.models import cross  # pylint: disable=g-import-not-at-top
+    teacher = config.distill.teacher
+    if build.is_jdr_model(teacher):
+      model, params, teacher_tokenizer, _ = build.load_jdr_model(teacher)
+    else:
+      model, params, teacher_tokenizer = cross.load_cross_encoder(teacher)
+    if not isinstance(model, cross.CrossEncoder):
+      raise ValueError(f"distill.teacher={teacher} is not a cross-encoder")
+    if teacher_tokenizer.get_vocab() != tokenizer.get_vocab():
+      raise ValueError(f"distill.teacher={teacher}: its tokenizer differs from the student's; pieces are token "
+                       "windows of the student's documents, so both must share one vocabulary")
+    longest = config.data.query_max_length + config.data.doc_max_length + 2
+    score = rerank.make_token_scorer(model, params, tokenizer.pad_token_id or 0,
+                                     max_length=min(longest, model.config.max_length),
+                                     batch_size=config.distill.teacher_batch_size)
+    jobs, where = [], []
+    for q, d in pairs:
+      query = query_tokens[q][1:-1]
+      ids = doc_tokens[d]
+      jobs.append(joined(tokenizer, query, ids[1:-1]))
+      where.append((q, d, "doc", 0))
+      for name, size in self.levels:
+        for s, piece in enumerate(windows_of(ids, size, self.counts[name])):
+          if len(piece):
+            jobs.append(joined(tokenizer, query, piece))
+            where.append((q, d, name, s))
+    out: dict[tuple[str, str], dict[str, Any]] = {
+        (q, d): {"doc": 0.0, **{name: [None] * self.counts[name] for name, _ in self.levels}} for q, d in pairs}
+    chunk = 4096
+    with tqdm.tqdm(total=len(jobs), desc="teacher scores", unit="pair", mininterval=5.0) as bar:
+      for start in range(0, len(jobs), chunk):
+        values = score(jobs[start:start + chunk])
+        for (q, d, name, s), v in zip(where[start:start + chunk], values):
+          if name == "doc":
+            out[(q, d)]["doc"] = float(v)
+          else:
+            out[(q, d)][name][s] = float(v)
+        bar.update(len(values))
+    self.scores = out
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({f"{q}\t{d}": v for (q, d), v in out.items()}))
+    tmp.replace(path)
+
+  def doc(self, q: str, d: str) -> float:
+    return self.scores[(q, d)]["doc"]
+
+  def pieces(self, q: str, d: str, name: str) -> np.ndarray:
+    return np.array([np.nan if v is None else v for v in self.scores[(q, d)][name]], np.float32)
+
+
+class Distiller:
+  """Adds the teacher's fields to a tokens batch: `teacher_doc` [B, 1 + n] over each query's own candidates
+  (its positive, then its n negatives) and, per level, `teacher_<level>_pos` [B, K] (the positive's
+  pieces) and `teacher_<level>_neg` [B, n, K] (the negatives' pieces); NaN marks a piece that does not exist."""
+
+  def __init__(self, config, data, tokenizer, batches, sampler, cache: pathlib.Path):
+    self.config, self.batches = config, batches
+    self.per_query = config.negatives.per_query
+    doc_max, query_max = config.data.doc_max_length, config.data.query_max_length
+    qids = sorted({q for q, _ in batches.pairs})
+    docs_of = {q: sorted({d for d, r in data.train_qrels[q].items() if r > 0} | set(sampler.pool(q))) for q in qids}
+    pairs = [(q, d) for q in qids for d in docs_of[q]]
+    needed = sorted({d for _, d in pairs})
+    doc_tokens = dict(zip(needed, text_lib.tokenize(tokenizer, [text_lib.doc_text(data.corpus[d]) for d in needed],
+                                                    doc_max)))
+    query_tokens = dict(zip(qids, text_lib.tokenize(tokenizer, [data.queries[q] for q in qids], query_max)))
+    self.teacher = TeacherScores(config, data, tokenizer, doc_tokens, query_tokens, pairs, cache)
+    self.levels = self.teacher.levels
+
+  def complete(self, batch: dict, step: int) -> dict:
+    qids, doc_ids, _ = self.batches.global_layout(step)
+    num, n = len(qids), self.per_query
+    lo, hi = self.batches._rows(num)  # pylint: disable=protected-access
+    own = [[doc_ids[b]] + doc_ids[num + b * n:num + (b + 1) * n] for b in range(lo, hi)]
+    batch = dict(batch)
+    batch["teacher_doc"] = np.array([[self.teacher.doc(qids[b], d) for d in cols]
+                                     for b, cols in zip(range(lo, hi), own)], np.float32)
+    for name, _ in self.levels:
+      batch[f"teacher_{name}_pos"] = np.stack([self.teacher.pieces(qids[b], cols[0], name)
+                                               for b, cols in zip(range(lo, hi), own)])
+      batch[f"teacher_{name}_neg"] = np.stack([np.stack([self.teacher.pieces(qids[b], d, name) for d in cols[1:]])
+                                               for b, cols in zip(range(lo, hi), own)])
+    return batch

@@ -1,0 +1,99 @@
+"""Distillation from a cross-encoder (FGD and document-level KD) through the one trainer."""
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+from test_cross import CROSS
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+  """A tiny BEIR dataset and a one-step cross-encoder teacher on it, shared by the module's tests."""
+  from conftest import write_tiny_beir  # pylint: disable=g-import-not-at-top
+  root = tmp_path_factory.mktemp("distill")
+  beir = write_tiny_beir(root / "beir")
+  return beir, _teacher(root, beir)
+
+
+def _teacher(tmp_path, beir):
+  from jdr import config_files, defaults, train  # pylint: disable=g-import-not-at-top
+  config = defaults.get_config()
+  config_files.apply_overrides(config, CROSS + [f"data.dataset={beir}", "num_train_steps=1",
+                                                "data.doc_max_length=64", "eval_before_training=False"])
+  config.data.eval_split = ""
+  train.train_and_evaluate(config, tmp_path / "teacher")
+  return tmp_path / "teacher"
+
+
+def _student_config(beir, teacher, extra=()):
+  from jdr import config_files, defaults  # pylint: disable=g-import-not-at-top
+  config = defaults.get_config()
+  config_files.apply_overrides(config, [
+      "model.init_from=", "model.fresh=tiny", "model.pooling=cls", "model.normalize=0", f"data.dataset={beir}",
+      "data.query_max_length=12", "data.doc_max_length=32", "batch_size=4", "negatives.source=bm25",
+      "negatives.bm25_top_k=3", "negatives.per_query=2", "num_train_steps=2", "log_every=1",
+      "optimizer.warmup_steps=1", "eval_before_training=False", "eval.diagnostic_queries=0",
+      f"distill.teacher={teacher}", "distill.passage_tokens=8", "distill.sentence_tokens=4",
+      "distill.teacher_batch_size=16", *extra])
+  return config
+
+
+def _records(workdir):
+  return [json.loads(l) for l in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_fgd_and_document_kd_train_with_cached_teacher_scores(tmp_path, setup):
+  from jdr import train  # pylint: disable=g-import-not-at-top
+  beir, teacher = setup
+  config = _student_config(beir, teacher, ["distill.document=True", "distill.contrastive_weight=0.5"])
+  train.train_and_evaluate(config, tmp_path / "s")
+  logged = [r for r in _records(tmp_path / "s") if "train/loss" in r]
+  assert len(logged) == 2
+  for r in logged:
+    terms = [r[f"train/loss/{k}"] for k in ("kd_document", "fgd_passage", "fgd_sentence")]
+    assert all(np.isfinite(terms)) and all(t >= 0 for t in terms) and terms[1] > 0 and terms[2] > 0
+    # The loss is Eq. 13 (plus document KD): lambda * contrastive + the distillation terms.
+    np.testing.assert_allclose(r["train/loss"], 0.5 * r["train/loss/contrastive"] + sum(terms), rtol=1e-5)
+  cached = list((tmp_path / "s" / "cache").glob("teacher-*.json"))
+  assert len(cached) == 1
+  # A second run with the same teacher and data reads the scores back instead of scoring again.
+  config = _student_config(beir, teacher, ["distill.pooling=mean"])
+  config_cache = tmp_path / "s2" / "cache"
+  config_cache.mkdir(parents=True)
+  (config_cache / cached[0].name).write_text(cached[0].read_text())
+  train.train_and_evaluate(config, tmp_path / "s2")
+  assert "train/loss/fgd_sentence" in _records(tmp_path / "s2")[0]
+
+
+def test_teacher_pieces_are_the_students_windows_and_negatives_come_from_negative_documents(tmp_path, setup):
+  from jdr import distill, granularity, negatives  # pylint: disable=g-import-not-at-top
+  from jdr.data import pairs  # pylint: disable=g-import-not-at-top
+  from jdr.models import build  # pylint: disable=g-import-not-at-top
+  beir, teacher = setup
+  config = _student_config(beir, teacher)
+  data = pairs.load(config.data, tmp_path)
+  tokenizer = build.build(config.model, config.data).tokenizer
+  sampler = negatives.BM25Negatives(data.corpus, data.queries, data.train_qrels, top_k=3)
+  batches = pairs.Batches(data, tokenizer, batch_size=4, query_max_length=12, doc_max_length=32,
+                          negative_source=sampler, negatives_per_query=2, seed=0)
+  distiller = distill.Distiller(config, data, tokenizer, batches, sampler, tmp_path / "cache")
+  b = distiller.complete(batches.local(0), 0)
+  qids, doc_ids, _ = batches.global_layout(0)
+  span, valid = granularity.windows(b["doc_mask"], 8)
+  for r in range(4):
+    # Column 0 of the teacher's pieces is the query's positive; the negatives' pieces are its sampled docs.
+    positive_pieces = distiller.teacher.pieces(qids[r], doc_ids[r], "passage")
+    np.testing.assert_array_equal(b["teacher_passage_pos"][r], positive_pieces)
+    assert np.isfinite(positive_pieces).sum() == valid[r].sum()  # one teacher score per student window
+    negs = doc_ids[4 + 2 * r:4 + 2 * r + 2]
+    assert doc_ids[r] not in negs
+    for j, d in enumerate(negs):
+      np.testing.assert_array_equal(b["teacher_passage_neg"][r, j], distiller.teacher.pieces(qids[r], d, "passage"))
+    # The teacher scored exactly the student's window tokens.
+    ids = b["doc_ids"][r]
+    window = ids[np.flatnonzero(span[r, 0])]
+    content = distill.windows_of(ids[:int(b["doc_mask"][r].sum())], 8, 4)[0]
+    np.testing.assert_array_equal(window[:len(content)], content)
