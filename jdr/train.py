@@ -88,12 +88,14 @@ def make_train_step(model: TwoTower, tx: optax.GradientTransformation, config: m
                            num_q + jnp.arange(num_q)[:, None] * per + jnp.arange(per)[None, :]], axis=1)
     own_valid = jnp.take_along_axis(valid, own, axis=1)
     terms = {}
-    temperature = config.distill.temperature
+    # The student's scores on the scale its contrastive loss uses (loss.temperature: cosine towers need
+    # ~0.05), the teacher's logits at distill.temperature (the paper's 1).
+    s_scale, t_scale = config.loss.temperature, config.distill.temperature
     if config.distill.document:
       teacher = batch["teacher_doc"]
       ok = own_valid & jnp.isfinite(teacher)
       terms["kd_document"] = jnp.mean(losses.distillation_kl(
-          jnp.take_along_axis(scores, own, axis=1), jnp.where(ok, teacher, 0.0), ok, temperature=temperature))
+          jnp.take_along_axis(scores, own, axis=1) / s_scale, jnp.where(ok, teacher, 0.0) / t_scale, ok))
     start = 0
     for name, _ in distill_levels:
       t_pos, t_neg = batch[f"teacher_{name}_pos"], batch[f"teacher_{name}_neg"]  # [B, K], [B, n, K]
@@ -111,7 +113,7 @@ def make_train_step(model: TwoTower, tx: optax.GradientTransformation, config: m
       ok = jnp.concatenate([pos_ok[:, :, None], jnp.broadcast_to(
           neg_ok.reshape(num_q, 1, per * k), (num_q, k, per * k))], axis=2) & pos_ok[:, :, None]
       terms[f"fgd_{name}"] = jnp.mean(losses.granular_distillation(
-          student, jnp.where(ok, teacher, 0.0), ok, temperature=temperature))
+          student / s_scale, jnp.where(ok, teacher, 0.0) / t_scale, ok))
     return terms
 
   def tokens_loss(q, d, batch, spans=None):
