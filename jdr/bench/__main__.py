@@ -7,7 +7,9 @@ import sys
 BENCHMARKS = {
     "adore-step": "jdr.bench.adore_step",
     "ance-refresh": "jdr.bench.ance_refresh",
+    "cross-encoder": "jdr.bench.cross_encoder",
     "encode": "jdr.bench.encode_speed",
+    "fgd-step": "jdr.bench.fgd_step",
     "pretrain": "jdr.bench.pretrain_speed",
     "pretrain-ablation": "jdr.bench.pretrain_ablation",
     "train-step": "jdr.bench.train_step",
