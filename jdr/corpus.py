@@ -60,6 +60,8 @@ class EncoderRuntime:
   tokenizer: object
   max_length: int
   info: dict
+  # (params, input_ids, attention_mask, span_mask [B, S, L]) -> ([B, D], [B, S, D]): FGD's Eq. 7 pieces
+  apply_spans: Callable | None = None
 
 
 def load_runtime(model: str, *, pooling: str | None = None, normalize: bool | None = None,
@@ -88,9 +90,15 @@ def load_runtime(model: str, *, pooling: str | None = None, normalize: bool | No
     def apply_two_tower(params, input_ids, attention_mask):
       return two_tower.apply({"params": params}, input_ids, attention_mask, method=method)
 
+    @jax.jit
+    def spans_two_tower(params, input_ids, attention_mask, span_mask):
+      return two_tower.apply({"params": params}, input_ids, attention_mask, span_mask=span_mask,
+                             method=TwoTower.encode_doc)
+
     info = {"pooling": tower.pooling, "normalize": tower.normalize,
             "max_length": max_length or description[f"{side}_max_length"]}
-    return EncoderRuntime(apply_two_tower, params, tokenizer, int(info["max_length"]), info)
+    return EncoderRuntime(apply_two_tower, params, tokenizer, int(info["max_length"]), info,
+                          spans_two_tower if side == "doc" else None)
 
   one_tower, params, tokenizer, info = hf.load_tower(
       model, pooling=pooling, normalize=normalize, max_length=max_length, dtype=dtype)
@@ -99,7 +107,42 @@ def load_runtime(model: str, *, pooling: str | None = None, normalize: bool | No
   def apply_fn(params, input_ids, attention_mask):
     return one_tower.apply({"params": params}, input_ids, attention_mask)
 
-  return EncoderRuntime(apply_fn, params, tokenizer, int(info["max_length"]), info)
+  @jax.jit
+  def apply_spans(params, input_ids, attention_mask, span_mask):
+    return one_tower.apply({"params": params}, input_ids, attention_mask, span_mask=span_mask)
+
+  return EncoderRuntime(apply_fn, params, tokenizer, int(info["max_length"]), info, apply_spans)
+
+
+def encode_pieces(runtime: EncoderRuntime, token_ids: Sequence[np.ndarray], levels: Sequence[tuple[str, int]],
+                  *, rows_per_batch: int = 8) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+  """Document vectors [N, D] and, per level, window vectors [N, K, D] (NaN where a window is past the end)
+  from one forward pass per batch (FGD Eq. 7): documents padded to max_length, windows of each level's size."""
+  from jdr import granularity  # pylint: disable=g-import-not-at-top
+  if runtime.apply_spans is None:
+    raise ValueError("this encoder has no span embeddings (a query tower?)")
+  if runtime.info.get("pooling") != "cls":
+    raise ValueError(f"piece embeddings (Eq. 7) need [CLS] pooling; the model pools with "
+                     f"{runtime.info.get('pooling')} (pass --pooling cls for a Hugging Face model)")
+  length, pad = runtime.max_length, runtime.tokenizer.pad_token_id or 0
+  docs, pieces = [], {name: [] for name, _ in levels}
+  for start in range(0, len(token_ids), rows_per_batch):
+    chunk = token_ids[start:start + rows_per_batch]
+    ids = np.full((rows_per_batch, length), pad, np.int32)
+    mask = np.zeros((rows_per_batch, length), np.int32)
+    for i, t in enumerate(chunk):
+      ids[i, :len(t)], mask[i, :len(t)] = t, 1
+    masks, valids = zip(*(granularity.windows(mask, size) for _, size in levels))
+    vec, spans = runtime.apply_spans(runtime.params, ids, mask, np.concatenate(masks, axis=1))
+    vec, spans = np.asarray(vec, np.float32), np.asarray(spans, np.float32)
+    docs.append(vec[:len(chunk)])
+    at = 0
+    for (name, _), valid in zip(levels, valids):
+      k = valid.shape[1]
+      part = np.where(valid[:, :, None], spans[:, at:at + k], np.nan)
+      pieces[name].append(part[:len(chunk)])
+      at += k
+  return np.concatenate(docs), {name: np.concatenate(parts) for name, parts in pieces.items()}
 
 
 def batch_plan_args(max_length: int, tokens_per_batch: int) -> dict:
@@ -155,12 +198,15 @@ def _write_atomic(path: pathlib.Path, write: Callable[[pathlib.Path], None]) -> 
 
 def encode_corpus(runtime: EncoderRuntime, corpus: dict, out_dir: str | os.PathLike, *,
                   shard_size: int = 10_000, settings: dict | None = None,
-                  tokens_per_batch: int | None = None, passages: int = 1) -> dict:
+                  tokens_per_batch: int | None = None, passages: int = 1,
+                  pieces: Sequence[tuple[str, int]] = ()) -> dict:
   """Encodes `corpus` (id -> Doc) into shards under out_dir, resuming finished shards. Returns meta.
 
   passages = 1 is FirstP (each document truncated to the model's length, one row); passages = P > 1 is
   ANCE's MaxP: up to P consecutive passages of max_length tokens per document, one row each, the ids file
   naming the document on every row (search then keeps a document's best passage: `retrieve_run`).
+  `pieces` [(name, window tokens)] also stores each document's window vectors (FGD Eq. 7) in
+  pieces-NAME-SHARD.npy [n, K, D] (NaN past a document's end), for the Eq. 16 ensemble of `jdr.retrieve`.
   Raises ValueError when out_dir holds an encoding made with other settings.
   """
   if shard_size < 1:
@@ -175,6 +221,10 @@ def encode_corpus(runtime: EncoderRuntime, corpus: dict, out_dir: str | os.PathL
           **(settings or {})}
   if passages > 1:
     meta["passages"] = passages
+  if pieces:
+    if passages > 1:
+      raise ValueError("piece vectors are for FirstP encodings (passages=1)")
+    meta["pieces"] = {name: int(size) for name, size in pieces}
   meta_path = out_dir / "meta.json"
   if meta_path.exists():
     old = json.loads(meta_path.read_text())
@@ -194,7 +244,13 @@ def encode_corpus(runtime: EncoderRuntime, corpus: dict, out_dir: str | os.PathL
   for shard in todo:
     ids = doc_ids[shard * shard_size:(shard + 1) * shard_size]
     texts = [text_lib.doc_text(corpus[i]) for i in ids]
-    if passages > 1:
+    if pieces:
+      emb, parts = encode_pieces(runtime, text_lib.tokenize(runtime.tokenizer, texts, runtime.max_length),
+                                 list(pieces))
+      for name, part in parts.items():
+        _write_atomic(out_dir / f"pieces-{name}-{shard:05d}.npy", lambda p, part=part: np.save(open(p, "wb"), part))
+      bar.update(len(ids))
+    elif passages > 1:
       split = text_lib.passage_tokens(runtime.tokenizer, texts, runtime.max_length, passages)
       ids = [doc for doc, parts in zip(ids, split) for _ in parts]
       emb = encode_tokens(runtime, [t for parts in split for t in parts], tokens_per_batch=tokens_per_batch)
@@ -338,6 +394,38 @@ def load_index(enc_dir: str | os.PathLike, backend: Literal["faiss", "jax"] = "f
   if save and backend == "faiss":
     retriever.save(saved)
   return retriever
+
+
+def load_pieces(enc_dir: str | os.PathLike) -> dict[str, np.ndarray]:
+  """The window vectors of an encoding made with pieces: {level: [N, K, D]} in row order."""
+  enc_dir = pathlib.Path(enc_dir)
+  meta = read_meta(enc_dir)
+  if not meta.get("pieces"):
+    raise ValueError(f"{enc_dir}: no piece vectors; encode with --pieces (jdr.encode)")
+  return {name: np.concatenate([np.load(enc_dir / f"pieces-{name}-{s:05d}.npy") for s in range(meta["num_shards"])])
+          for name in meta["pieces"]}
+
+
+def ensemble_rerank(run: dict[str, dict[str, float]], query_ids: Sequence[str], query_embeddings: np.ndarray,
+                    row_of: dict[str, int], pieces: dict[str, np.ndarray], gamma: float,
+                    k: int) -> dict[str, dict[str, float]]:
+  """FGD's multi-vector ensemble (Eq. 16) over each query's retrieved documents: s(q, d) + gamma x the sum
+  over levels of the best window's score, then the top k."""
+  out = {}
+  for qi, qid in enumerate(query_ids):
+    docs = list(run.get(qid, {}))
+    if not docs:
+      out[qid] = {}
+      continue
+    rows = np.array([row_of[d] for d in docs])
+    extra = np.zeros(len(docs), np.float32)
+    for vectors in pieces.values():
+      scores = np.einsum("nkd,d->nk", vectors[rows], query_embeddings[qi])
+      extra += np.nan_to_num(np.nanmax(np.where(np.isnan(scores), -np.inf, scores), axis=1), neginf=0.0)
+    combined = np.array([run[qid][d] for d in docs], np.float32) + gamma * extra
+    order = np.argsort(-combined, kind="stable")[:k]
+    out[qid] = {docs[i]: float(combined[i]) for i in order}
+  return out
 
 
 def retrieve_run(retriever: index_lib.Retriever, query_ids: Sequence[str], query_embeddings: np.ndarray,

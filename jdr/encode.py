@@ -43,6 +43,9 @@ def main(argv: Iterable[str] | None = None) -> None:
                            "passages of --max-length tokens per document, retrieved by the best one (ANCE: 4)")
   parser.add_argument("--batch-size", type=int, default=None,
                       help="documents per batch at the longest bucket (sets --tokens-per-batch)")
+  parser.add_argument("--pieces", default="",
+                      help="also store window vectors for FGD's Eq. 16 ensemble, e.g. passage:128,sentence:64 "
+                           "([CLS]-pooled models; FirstP only)")
   cli.add_skip_invalid_flag(parser)
   args = parser.parse_args(argv)
   if args.model is None:
@@ -62,9 +65,15 @@ def main(argv: Iterable[str] | None = None) -> None:
     start = time.perf_counter()
     if args.passages < 1:
       raise ValueError(f"--passages must be >= 1, got {args.passages}")
+    pieces = []
+    for part in filter(None, (p.strip() for p in args.pieces.split(","))):
+      name, _, size = part.partition(":")
+      if not name or not size.isdigit() or int(size) < 1:
+        raise ValueError(f"--pieces: {part!r} is not NAME:TOKENS (e.g. passage:128)")
+      pieces.append((name, int(size)))
     meta = corpus_lib.encode_corpus(runtime, corpus, args.out, shard_size=args.shard_size,
                                     settings=settings, tokens_per_batch=tokens_per_batch,
-                                    passages=args.passages)
+                                    passages=args.passages, pieces=pieces)
   seconds = time.perf_counter() - start
   print(f"encoded {meta['num_docs']} documents (dim {meta['dim']}) into {args.out} in {seconds:.1f} s",
         file=sys.stderr)

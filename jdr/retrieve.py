@@ -47,6 +47,10 @@ def main(argv: Iterable[str] | None = None) -> None:
   parser.add_argument("--backend", choices=["faiss", "jax"], default="faiss")
   parser.add_argument("--factory", default="Flat", help="Faiss index factory string, e.g. OPQ96,IVF1,PQ96")
   parser.add_argument("--save-index", action="store_true", help="keep the built Faiss index in --index")
+  parser.add_argument("--ensemble-gamma", type=float, default=None,
+                      help="FGD's Eq. 16: rescore the top --ensemble-depth by document score + gamma x (best "
+                           "window score of each level); needs an encoding made with jdr.encode --pieces")
+  parser.add_argument("--ensemble-depth", type=int, default=100, help="documents rescored per query")
   cli.add_skip_invalid_flag(parser)
   args = parser.parse_args(argv)
 
@@ -76,7 +80,14 @@ def main(argv: Iterable[str] | None = None) -> None:
     qids = list(queries)
     q_emb = corpus_lib.encode_texts(runtime, [queries[q] for q in qids],
                                     tokens_per_batch=args.tokens_per_batch)
-    run = corpus_lib.retrieve_run(retriever, qids, q_emb, args.top_k, passages=meta.get("passages", 1))
+    if args.ensemble_gamma is None:
+      run = corpus_lib.retrieve_run(retriever, qids, q_emb, args.top_k, passages=meta.get("passages", 1))
+    else:
+      pieces = corpus_lib.load_pieces(args.index)
+      doc_ids = corpus_lib.read_ids(args.index)
+      first = corpus_lib.retrieve_run(retriever, qids, q_emb, max(args.ensemble_depth, args.top_k))
+      run = corpus_lib.ensemble_rerank(first, qids, q_emb, {d: i for i, d in enumerate(doc_ids)}, pieces,
+                                       args.ensemble_gamma, args.top_k)
     formats.write_run(args.run, run, tag="jdr")
   print(f"retrieved top-{args.top_k} for {len(qids)} queries in "
         f"{time.perf_counter() - start:.1f} s -> {args.run}", file=sys.stderr)

@@ -166,3 +166,48 @@ def test_maxp_scores_a_document_by_its_best_passage(tmp_path):
       assert list(run[q]) == expected
       np.testing.assert_allclose([run[q][d] for d in expected], [best[d] for d in expected], rtol=1e-5)
     assert json.loads((out / "meta.json").read_text()).get("passages", 1) == passages
+
+
+def test_eq16_ensemble_from_stored_pieces(tmp_path):
+  """jdr.encode --pieces stores each document's window vectors (Eq. 7, the same as the tower's own span
+  output); jdr.retrieve --ensemble-gamma ranks by s(q, d) + gamma x sum of the best window per level."""
+  from jdr import encode, granularity, retrieve  # pylint: disable=g-import-not-at-top
+  from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+  from jdr.data import formats, text  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(1)
+  words = [f"w{i}" for i in range(200)]
+  corpus = {f"d{i}": formats.Doc(f"d{i}", "", " ".join(rng.choice(words, size=int(rng.integers(3, 30)))))
+            for i in range(12)}
+  queries = {f"q{i}": " ".join(rng.choice(words, size=3)) for i in range(4)}
+  formats.write_beir(tmp_path / "beir", corpus, queries, {q: {"d0": 1} for q in queries})
+  out = tmp_path / "enc"
+  encode.main(["--model", "minilm", "--pooling", "cls", "--corpus", str(tmp_path / "beir"), "--out", str(out),
+               "--max-length", "24", "--pieces", "passage:8,sentence:4"])
+  emb, ids, _ = corpus_lib.load_embeddings(out)
+  pieces = corpus_lib.load_pieces(out)
+  runtime = corpus_lib.load_runtime("minilm", pooling="cls", max_length=24)
+  tokens = text.tokenize(runtime.tokenizer, [text.doc_text(corpus[d]) for d in ids], 24)
+  # The stored vectors are the tower's span outputs for the student's windows; the doc vectors its [CLS].
+  plain = corpus_lib.encode_tokens(runtime, tokens)
+  np.testing.assert_allclose(emb, plain, rtol=1e-4, atol=1e-5)
+  ids3 = np.zeros((1, 24), np.int32)
+  ids3[0, :len(tokens[3])] = tokens[3]
+  mask3 = (np.arange(24) < len(tokens[3])).astype(np.int32)[None]
+  span, valid = granularity.windows(mask3, 8)
+  _, direct = runtime.apply_spans(runtime.params, ids3, mask3, span)
+  np.testing.assert_allclose(pieces["passage"][3][valid[0]], np.asarray(direct)[0][valid[0]], rtol=1e-4, atol=1e-5)
+  assert np.isnan(pieces["passage"][3][~valid[0]]).all()
+  q_emb = corpus_lib.encode_texts(corpus_lib.load_runtime("minilm", pooling="cls", max_length=24),
+                                  list(queries.values()))
+  for gamma in (0.0, 0.3):
+    retrieve.main(["--index", str(out), "--queries", str(tmp_path / "beir"), "--run", str(tmp_path / "r.trec"),
+                   "--top-k", "5", "--max-length", "24", "--pooling", "cls", "--ensemble-gamma", str(gamma),
+                   "--ensemble-depth", "12"])
+    run = formats.read_run(tmp_path / "r.trec")
+    for qi, q in enumerate(queries):
+      best = lambda v: np.nanmax(np.where(np.isnan(v), -np.inf, v))
+      total = {d: float(emb[r] @ q_emb[qi]) + gamma * sum(best(pieces[l][r] @ q_emb[qi]) for l in pieces)
+               for r, d in enumerate(ids)}
+      expected = sorted(total, key=lambda d: -total[d])[:5]
+      assert list(run[q]) == expected
+      np.testing.assert_allclose([run[q][d] for d in expected], [total[d] for d in expected], rtol=1e-4, atol=1e-5)
