@@ -82,6 +82,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.distill.sentence_tokens = 64
   c.distill.pooling = "attention"  # student piece vectors: attention (Eq. 7) | mean ("FG pooling")
   c.distill.contrastive_weight = 1.0  # lambda of Eq. 13
+  c.distill.negative_pieces = 0  # 0 = every window of the negative documents; m = Eq. 14-15's hierarchy, top m
   c.distill.temperature = 1.0  # the teacher's logits / this; the student's scores / loss.temperature
   c.distill.teacher_batch_size = 32
 

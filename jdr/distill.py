@@ -69,6 +69,10 @@ def check(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f"distill.pooling must be 'attention' or 'mean', got {d.pooling!r}")
   if d.pooling == "attention" and levels(config) and config.model.pooling not in ("", "cls"):
     raise ValueError("distill.pooling=attention (Eq. 7) needs [CLS] pooling: set model.pooling=cls")
+  sizes = [size for _, size in levels(config)]
+  if d.negative_pieces and any(a % b for a, b in zip(sizes, sizes[1:])):
+    raise ValueError(f"distill.negative_pieces (hierarchical negatives) needs the levels coarse to fine, each "
+                     f"window dividing the one before; got {levels(config)}")
   if config.grad_cache.chunk_size:
     raise ValueError("distillation and gradient caching do not combine yet: set grad_cache.chunk_size=0")
 
@@ -85,6 +89,36 @@ def span_masks(doc_mask, level_sizes: Sequence[tuple[str, int]]):
     member = which[None, :] == jnp.arange(count)[:, None]  # [K, L]
     out.append((member[None] & doc_mask.astype(bool)[:, None, :]).astype(jnp.float32))
   return jnp.concatenate(out, axis=1)
+
+
+def hierarchical_negatives(scores: Sequence, valid: Sequence, sizes: Sequence[int], keep: int) -> list:
+  """FGD's hierarchical hard negatives (Eq. 14-15) as masks, in the step: level 0's negative pieces are the
+  `keep` highest-scoring valid ones; each finer level's candidates are the pieces inside a kept piece of the
+  level above, of which again the `keep` highest-scoring are kept.
+
+  scores[j], valid[j]: [B, n, K_j] student scores and validity of the negative documents' windows at level j
+  (coarse to fine; window sizes `sizes` nested, each dividing the one before). Returns the kept masks [B, n, K_j].
+  Only the negative documents' windows come in, so a piece of the positive document is never a negative."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  out = []
+  allowed = None
+  for j, (s, v) in enumerate(zip(scores, valid)):
+    b, n, k = s.shape
+    ok = v.astype(bool)
+    if allowed is not None:
+      parent = (jnp.arange(k) * sizes[j]) // sizes[j - 1]  # the coarser window holding window k
+      ok = ok & jnp.take(allowed, parent, axis=2)
+    flat = jnp.where(ok, jax.lax.stop_gradient(s), -jnp.inf).reshape(b, n * k)
+    m = min(keep, n * k)
+    threshold = jax.lax.top_k(flat, m)[0][:, -1:]
+    chosen = (flat >= threshold) & jnp.isfinite(flat)
+    # Ties at the threshold could keep more than m: keep the first m of them in index order.
+    chosen = chosen & (jnp.cumsum(chosen, axis=1) <= m)
+    kept = chosen.reshape(b, n, k)
+    out.append(kept)
+    allowed = kept
+  return out
 
 
 def windows_of(token_ids: np.ndarray, size: int, count: int) -> list[np.ndarray]:

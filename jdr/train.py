@@ -97,6 +97,7 @@ def make_train_step(model: TwoTower, tx: optax.GradientTransformation, config: m
       terms["kd_document"] = jnp.mean(losses.distillation_kl(
           jnp.take_along_axis(scores, own, axis=1) / s_scale, jnp.where(ok, teacher, 0.0) / t_scale, ok))
     start = 0
+    per_level = []
     for name, _ in distill_levels:
       t_pos, t_neg = batch[f"teacher_{name}_pos"], batch[f"teacher_{name}_neg"]  # [B, K], [B, n, K]
       k = t_pos.shape[1]
@@ -105,6 +106,12 @@ def make_train_step(model: TwoTower, tx: optax.GradientTransformation, config: m
       s_pos = jnp.einsum("bd,bkd->bk", q, piece[:num_q])
       s_neg = jnp.einsum("bd,bnkd->bnk", q, piece[num_q:].reshape(num_q, per, k, -1))
       neg_ok = jnp.isfinite(t_neg) & own_valid[:, 1:, None]  # pieces of negative documents only (Eq. 15)
+      per_level.append((name, k, t_pos, t_neg, s_pos, s_neg, neg_ok))
+    if config.distill.negative_pieces:
+      kept = distill.hierarchical_negatives([lv[5] for lv in per_level], [lv[6] for lv in per_level],
+                                            [size for _, size in distill_levels], config.distill.negative_pieces)
+      per_level = [lv[:6] + (lv[6] & keep,) for lv, keep in zip(per_level, kept)]
+    for name, k, t_pos, t_neg, s_pos, s_neg, neg_ok in per_level:
       pos_ok = jnp.isfinite(t_pos)
       student = jnp.concatenate([s_pos[:, :, None], jnp.broadcast_to(
           s_neg.reshape(num_q, 1, per * k), (num_q, k, per * k))], axis=2)

@@ -60,7 +60,7 @@ def test_fgd_and_document_kd_train_with_cached_teacher_scores(tmp_path, setup):
   cached = list((tmp_path / "s" / "cache").glob("teacher-*.json"))
   assert len(cached) == 1
   # A second run with the same teacher and data reads the scores back instead of scoring again.
-  config = _student_config(beir, teacher, ["distill.pooling=mean"])
+  config = _student_config(beir, teacher, ["distill.pooling=mean", "distill.negative_pieces=2"])
   config_cache = tmp_path / "s2" / "cache"
   config_cache.mkdir(parents=True)
   (config_cache / cached[0].name).write_text(cached[0].read_text())
@@ -97,3 +97,20 @@ def test_teacher_pieces_are_the_students_windows_and_negatives_come_from_negativ
     window = ids[np.flatnonzero(span[r, 0])]
     content = distill.windows_of(ids[:int(b["doc_mask"][r].sum())], 8, 4)[0]
     np.testing.assert_array_equal(window[:len(content)], content)
+
+
+def test_hierarchical_negatives_keep_the_best_inside_kept_parents():
+  """Eq. 14-15: the top m negative passages, then the top m sentences among those inside a kept passage."""
+  from jdr import distill  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(5)
+  b, n, kp, ks, m = 3, 2, 4, 8, 3
+  sp, ss = rng.normal(size=(b, n, kp)).astype(np.float32), rng.normal(size=(b, n, ks)).astype(np.float32)
+  vp, vs = rng.random((b, n, kp)) < 0.8, rng.random((b, n, ks)) < 0.8
+  kept_p, kept_s = [np.asarray(x) for x in distill.hierarchical_negatives([sp, ss], [vp, vs], [128, 64], m)]
+  for r in range(b):
+    flat = [(sp[r, j, k], j, k) for j in range(n) for k in range(kp) if vp[r, j, k]]
+    top = {(j, k) for _, j, k in sorted(flat, reverse=True)[:m]}
+    assert {(j, k) for j in range(n) for k in range(kp) if kept_p[r, j, k]} == top
+    inside = [(ss[r, j, k], j, k) for j in range(n) for k in range(ks) if vs[r, j, k] and (j, k // 2) in top]
+    assert {(j, k) for j in range(n) for k in range(ks) if kept_s[r, j, k]} == \
+        {(j, k) for _, j, k in sorted(inside, reverse=True)[:m]}
