@@ -101,3 +101,16 @@ def test_windows_cover_every_token_but_cls_once():
         assert tokens[0] == 1 + s * size and np.all(np.diff(tokens) == 1) and len(tokens) <= size
   with pytest.raises(ValueError, match="size"):
     granularity.windows(mask, 0)
+
+
+def test_mean_pooled_pieces_are_the_mean_of_their_token_vectors(tmp_path):
+  """FGD's "FG pooling" ablation: a piece is the mean of its tokens' last-layer vectors (then the head)."""
+  from jdr import granularity  # pylint: disable=g-import-not-at-top
+  _, tower, params = _tower(tmp_path, "bert")
+  ids, mask = _batch("bert")
+  span, valid = granularity.windows(mask, 4)
+  _, pieces = tower.apply({"params": params}, ids, mask, span_mask=span, span_pooling="mean")
+  hidden = np.asarray(tower.apply({"params": params}, ids, mask, token_vectors=True))
+  for r in range(3):
+    for s in np.flatnonzero(valid[r]):
+      np.testing.assert_allclose(np.asarray(pieces)[r, s], hidden[r, span[r, s] > 0].mean(0), rtol=1e-5, atol=1e-5)
