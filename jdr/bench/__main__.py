@@ -9,6 +9,7 @@ BENCHMARKS = {
     "ance-refresh": "jdr.bench.ance_refresh",
     "cross-encoder": "jdr.bench.cross_encoder",
     "encode": "jdr.bench.encode_speed",
+    "fgd-ablation": "jdr.bench.fgd_ablation",
     "fgd-step": "jdr.bench.fgd_step",
     "pretrain": "jdr.bench.pretrain_speed",
     "pretrain-ablation": "jdr.bench.pretrain_ablation",
