@@ -88,22 +88,15 @@ def test_sharded_runs_equal_one_device(tmp_path):
 
 
 def test_two_processes_equal_one(tmp_path):
-  """The multi-host path: 2 processes x 4 CPU devices (jax.distributed) train like 1 process x 8 devices."""
-  import socket  # pylint: disable=g-import-not-at-top
+  """The multi-host path through the local launcher: 2 processes x 4 CPU devices (jax.distributed) train
+  like 1 process x 8 devices."""
   data = write_tiny_beir(tmp_path / "data")
   common = ["--config.num_train_steps=6", "--config.checkpoint_every=3", "--config.data.eval_split="]
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-  procs = []
-  for process_id in range(2):
-    env = {**_env(4), "JDR_COORDINATOR": f"127.0.0.1:{port}", "JDR_NUM_PROCESSES": "2",
-           "JDR_PROCESS_ID": str(process_id)}
-    procs.append(subprocess.Popen(_train_cmd(tmp_path / "multi", data, *common), env=env,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
-  for proc in procs:
-    _, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-3000:]
+  launched = subprocess.run([sys.executable, "-m", "jdr.launch.local", "--processes", "2", "--devices-per-process",
+                             "4", "--log-dir", str(tmp_path / "logs"), "--",
+                             *_train_cmd(tmp_path / "multi", data, *common)],
+                            env=_env(4), capture_output=True, text=True, timeout=600)
+  assert launched.returncode == 0, launched.stderr[-3000:] + (tmp_path / "logs" / "process-1.log").read_text()[-2000:]
   subprocess.run(_train_cmd(tmp_path / "single", data, *common), env=_env(8), check=True,
                  capture_output=True, timeout=600)
   assert len(_losses(tmp_path / "multi")) == 6  # host 0 alone writes the log

@@ -1,0 +1,46 @@
+"""The launchers' dry runs: the exact commands for a 4-worker TPU slice, a 2-node x 8-GPU SLURM job and a
+2-process local job. (The local launcher runs for real in tests/test_train.py::test_two_processes_equal_one.)"""
+
+import shlex
+
+from jdr.launch import local, slurm, tpu
+
+TRAIN = ["python", "-m", "jdr.train", "--config", "configs/inbatch.py", "--workdir", "gs://bucket/run"]
+
+
+def test_tpu_dry_run_for_a_four_worker_slice(capsys):
+  assert tpu.main(["--tpu", "jdr-v4-32", "--zone", "us-central2-b", "--project", "p", "--workers", "4",
+                   "--copy", ".", "--setup", "pip install -e '.[tpu]'", "--dry-run", "--", *TRAIN]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert shlex.split(lines[0][2:]) == ["gcloud", "compute", "tpus", "tpu-vm", "scp", "--recurse", ".",
+                                       "jdr-v4-32:~/jdr", "--worker=all", "--zone", "us-central2-b", "--project", "p"]
+  assert shlex.split(lines[1][2:])[-1] == "cd ~/jdr && pip install -e '.[tpu]'"
+  assert shlex.split(lines[2][2:])[-1] == "cd ~/jdr && " + shlex.join(TRAIN)
+  assert "--worker=all" in lines[2] and sum(l.startswith("# worker") for l in lines) == 4
+
+
+def test_slurm_dry_run_two_nodes_eight_gpus(capsys):
+  assert slurm.main(["--nodes", "2", "--gpus-per-node", "8", "--per", "gpu", "--partition", "gpu", "--time",
+                     "12:00:00", "--dry-run", "--", *TRAIN]) == 0
+  out = capsys.readouterr().out
+  for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8",
+               "#SBATCH --partition=gpu", "#SBATCH --time=12:00:00", "$ sbatch jdr-job.sbatch"):
+    assert line in out
+  srun = next(l for l in out.splitlines() if l.startswith("srun"))
+  task = shlex.split(srun)[-1]
+  assert 'JDR_PROCESS_ID="$SLURM_PROCID"' in task and 'CUDA_VISIBLE_DEVICES="$SLURM_LOCALID"' in task
+  assert task.endswith("exec " + shlex.join(TRAIN))
+  # One task per host: no per-GPU pinning, one task per node.
+  assert slurm.main(["--nodes", "2", "--dry-run", "--", *TRAIN]) == 0
+  out = capsys.readouterr().out
+  assert "#SBATCH --ntasks-per-node=1" in out and "CUDA_VISIBLE_DEVICES" not in out
+
+
+def test_local_dry_run(capsys):
+  assert local.main(["--processes", "2", "--devices-per-process", "4", "--port", "4321", "--dry-run", "--",
+                     *TRAIN]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert len(lines) == 2
+  for rank, line in enumerate(lines):
+    assert line.startswith(f"JDR_COORDINATOR=127.0.0.1:4321 JDR_NUM_PROCESSES=2 JDR_PROCESS_ID={rank} ")
+    assert "--xla_force_host_platform_device_count=4" in line and line.endswith(shlex.join(TRAIN))
