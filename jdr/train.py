@@ -490,8 +490,13 @@ def main(argv=None) -> None:
     rest, overrides = config_files.split_config_args(argv)
     parser = argparse.ArgumentParser(prog="python -m jdr.train", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="configs/X.py[:arg]")
-    parser.add_argument("--workdir", required=True, help="checkpoints, logs; an existing one resumes")
+    parser.add_argument("--workdir", default=None, help="checkpoints, logs; an existing one resumes")
+    parser.add_argument("--compile-only", action="store_true",
+                        help="compile the step for the configured mesh and print its per-device memory and FLOPs "
+                             "(jdr/sizing.py); no data is read and nothing trains")
     args = parser.parse_args(rest)
+    if not args.workdir and not args.compile_only:
+      parser.error("--workdir is required (except with --compile-only)")
     config = config_files.load_config_file(args.config)
     config_files.apply_overrides(config, overrides)
   except config_files.ConfigError as e:
@@ -500,6 +505,11 @@ def main(argv=None) -> None:
   # Bad input or settings (a malformed file, ids that do not match, a batch that does not split) are the
   # user's to fix: one line naming the file, the line and the reason, status 2, no traceback.
   with cli.reporting_errors():
+    if args.compile_only:
+      from jdr import sizing  # pylint: disable=g-import-not-at-top
+      parallel.initialize_distributed()
+      sizing.report(sizing.size_step(config))
+      return
     train_and_evaluate(config, args.workdir)
 
 if __name__ == "__main__":

@@ -1,0 +1,112 @@
+"""Sizing a job before it runs: `python -m jdr.train --config ... --compile-only`.
+
+Lowers and compiles the configured train step for the configured mesh, on abstract values (no data is read,
+no weights are loaded, nothing is allocated), and reports per device: the bytes of the parameters and of the
+optimizer state (from their shardings), the step's compiled memory (XLA's memory analysis: arguments,
+outputs, temporaries, i.e. activations and gradients) and the FLOPs each device executes per step (XLA's
+cost analysis of the partitioned module). Token batches (in-batch, sampled negatives, pretraining pairs); ADORE's corpus batches also need the
+corpus, whose size `corpus_matrix_bytes` gives.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+
+def per_device_bytes(tree: Any) -> int:
+  """Bytes one device holds of a tree of sharded ShapeDtypeStructs (the largest shard of each leaf)."""
+  total = 0
+  for leaf in jax.tree.leaves(tree):
+    shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) is not None else leaf.shape
+    total += int(np.prod(shape, dtype=np.int64)) * jnp.dtype(leaf.dtype).itemsize
+  return total
+
+
+def corpus_matrix_bytes(num_docs: int, dim: int, devices: int, dtype: str = "float32") -> int:
+  """Per-device bytes of a corpus matrix [num_docs, dim] sharded by rows over `devices` (padded evenly)."""
+  rows = math.ceil(num_docs / devices)
+  return rows * dim * jnp.dtype(dtype).itemsize
+
+
+def abstract_batch(config: ml_collections.ConfigDict, sharding) -> dict:
+  b = config.batch_size
+  lq, ld = config.data.query_max_length, config.data.doc_max_length
+  if config.model.get("architecture", "two_tower") == "cross_encoder":
+    n = 1 + config.negatives.per_query
+    shapes = {"pair_ids": ((b, n, ld), jnp.int32), "pair_mask": ((b, n, ld), jnp.int32),
+              "pair_types": ((b, n, ld), jnp.int32), "valid": ((b, n), jnp.bool_), "labels": ((b, n), jnp.float32)}
+  else:
+    c = b * (1 + config.negatives.per_query) if config.data.kind != "pretrain" else b
+    shapes = {"query_ids": ((b, lq), jnp.int32), "query_mask": ((b, lq), jnp.int32),
+              "doc_ids": ((c, ld), jnp.int32), "doc_mask": ((c, ld), jnp.int32), "valid": ((b, c), jnp.bool_)}
+  return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for k, (shape, dtype) in shapes.items()}
+
+
+def size_step(config: ml_collections.ConfigDict) -> dict:
+  """Compiles the step of `config` for its mesh; returns the per-device figures (module docstring)."""
+  # pylint: disable=g-import-not-at-top  (the trainer imports this module)
+  from jdr import optimizers, parallel, train
+  from jdr.models import build as build_lib
+  if config.negatives.source == "retrieval" or (config.data.kind == "pretrain" and config.data.pretrain_task == "mlm"):
+    raise ValueError("--compile-only sizes token-batch steps; ADORE / LTRe corpus batches and masked-LM are not "
+                     "covered yet (their corpus matrix: jdr.sizing.corpus_matrix_bytes)")
+  mesh = parallel.make_mesh(config.mesh.shape)
+  rules = parallel.rules_for(config.mesh.rules)
+  parallel.check_batch_size(config.batch_size, mesh)
+  built = build_lib.build(config.model, config.data)
+  model = built.model
+  tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps, config.model.train_towers)
+  boxed = jax.eval_shape(lambda r: model.init(r, *train._dummy_inputs(config))["params"],  # pylint: disable=protected-access
+                         jax.random.PRNGKey(0))
+  abstract = train.TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=boxed,
+                              opt_state=jax.eval_shape(tx.init, boxed), rng=jax.ShapeDtypeStruct((2,), jnp.uint32))
+  shardings = parallel.tree_shardings(abstract, mesh, rules)
+  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), nn.unbox(abstract),
+                          shardings)
+  candidates = "pairs" if config.model.get("architecture", "two_tower") == "cross_encoder" else "tokens"
+  step = train.make_train_step(model, tx, config, mesh, candidates)
+  batch = abstract_batch(config, parallel.batch_sharding(mesh))
+  jitted = jax.jit(step, in_shardings=(shardings, parallel.batch_sharding(mesh)),
+                   out_shardings=(shardings, parallel.replicated(mesh)), donate_argnums=(0,))
+  compiled = jitted.lower(abstract, batch).compile()
+  memory = compiled.memory_analysis()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  devices = int(np.prod(list(mesh.shape.values())))
+  flops = float(cost.get("flops", 0.0)) if cost else 0.0
+  return {
+      "mesh": dict(mesh.shape), "rules": config.mesh.rules, "devices": devices, "batch_size": config.batch_size,
+      "query_length": config.data.query_max_length, "doc_length": config.data.doc_max_length,
+      "parameters": int(sum(np.prod(x.shape) for x in jax.tree.leaves(abstract.params))),
+      "params_bytes_per_device": per_device_bytes(abstract.params),
+      "optimizer_bytes_per_device": per_device_bytes(abstract.opt_state),
+      "batch_bytes_per_device": per_device_bytes(batch),
+      "argument_bytes": int(memory.argument_size_in_bytes), "output_bytes": int(memory.output_size_in_bytes),
+      "temp_bytes": int(memory.temp_size_in_bytes), "alias_bytes": int(memory.alias_size_in_bytes),
+      "total_bytes_per_device": int(memory.argument_size_in_bytes + memory.output_size_in_bytes
+                                    + memory.temp_size_in_bytes - memory.alias_size_in_bytes),
+      # XLA's cost analysis of the SPMD-partitioned module: what one device executes, replicated work (a
+      # data-parallel optimizer update) included, so the sum over devices exceeds the model's own count.
+      "flops_per_device": flops, "flops_all_devices": flops * devices,
+  }
+
+
+def report(sizes: dict, file=None) -> None:
+  file = file or sys.stdout
+  mib = lambda b: f"{b / 2**20:,.1f} MiB"
+  print(f"mesh {sizes['mesh']} ({sizes['rules']}), batch {sizes['batch_size']}, {sizes['parameters']:,} parameters; "
+        f"per device: params {mib(sizes['params_bytes_per_device'])}, optimizer "
+        f"{mib(sizes['optimizer_bytes_per_device'])}, activations and other temporaries {mib(sizes['temp_bytes'])}, "
+        f"step total {mib(sizes['total_bytes_per_device'])}; {sizes['flops_per_device'] / 1e12:.3f} TFLOP per device "
+        f"per step",
+        file=file)
+  print(json.dumps(sizes), file=file)

@@ -1,0 +1,38 @@
+"""`python -m jdr.train --compile-only` on 8 simulated CPU devices: per-device figures from the shardings and
+XLA, without data or training."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY = ["--config.model.init_from=", "--config.model.fresh=tiny", "--config.batch_size=16",
+        "--config.data.query_max_length=16", "--config.data.doc_max_length=32"]
+
+
+def _sizes(*extra):
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+         "PYTHONPATH": str(ROOT)}
+  out = subprocess.run([sys.executable, "-m", "jdr.train", "--config", str(ROOT / "configs" / "demo.py"),
+                        "--compile-only", *TINY, *extra], env=env, capture_output=True, text=True, timeout=600,
+                       check=True)
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_compile_only_reports_per_device_memory_and_flops(tmp_path):
+  dp = _sizes("--config.mesh.shape=(8,1,1)", "--config.mesh.rules=dp")
+  fsdp = _sizes("--config.mesh.shape=(2,4,1)", "--config.mesh.rules=fsdp")
+  assert dp["devices"] == fsdp["devices"] == 8 and dp["parameters"] == fsdp["parameters"]
+  # Data parallel replicates the parameters (4 bytes each); fully sharded splits them about 4 ways.
+  assert dp["params_bytes_per_device"] == 4 * dp["parameters"]
+  assert 3.5 < dp["params_bytes_per_device"] / fsdp["params_bytes_per_device"] <= 4.0
+  assert dp["optimizer_bytes_per_device"] >= 2 * dp["params_bytes_per_device"]  # Adam's two moments
+  for sizes in (dp, fsdp):
+    assert sizes["temp_bytes"] > 0 and sizes["flops_per_device"] > 0
+    assert sizes["total_bytes_per_device"] >= sizes["params_bytes_per_device"]
+  # Each device does its share of the towers either way, but a data-parallel device also repeats the whole
+  # optimizer update that fully sharded devices split.
+  assert dp["flops_per_device"] > fsdp["flops_per_device"]
+  assert not (tmp_path / "w").exists()  # nothing written: no workdir was given
