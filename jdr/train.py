@@ -301,6 +301,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   pretraining = config.data.kind == "pretrain"
   check_grad_cache(config, "corpus" if config.negatives.source == "retrieval" else "tokens")
   distill.check(config)
+  if config.model.architecture == "cross_encoder":
+    check_cross_encoder(config)
   losses.make_loss(config.loss)  # an unknown loss fails here, before any data is read
 
   # ---------------------------------------------------------------- data and model
@@ -312,8 +314,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     data = pairs.load(config.data, workdir)
   model = built.model
   cross_encoder = config.model.architecture == "cross_encoder"
-  if cross_encoder:
-    check_cross_encoder(config)
   if pretraining and config.data.pretrain_task == "mlm":
     model = model.clone(mlm_head=True)  # trained here, dropped by every reader of the workdir
   query_only = config.model.train_towers == "query"
