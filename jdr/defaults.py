@@ -120,7 +120,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # cross-encoders are evaluated by reranking a first stage (eval.rerank_run, or BM25 when "")
   c.eval.rerank_run = ""
   c.eval.rerank_depth = 100
-  c.eval.rerank_batch_size = 32
+  c.eval.rerank_batch_size = 0  # 0 = about 1,024 tokens a batch on CPU, 16,384 on accelerators (as jdr.encode)
   c.eval.factories = "Flat"  # Faiss indexes to evaluate on, ';'-separated ("Flat;OPQ48,IVF1,PQ48")
   c.eval.diagnostic_queries = 200  # training queries for the overlap diagnostics (0 = off)
 

@@ -217,7 +217,7 @@ class RerankEvaluator:
   def __call__(self, params) -> dict[str, float]:
     from jdr import rerank  # pylint: disable=g-import-not-at-top
     score = rerank.make_scorer(self.model, params, self.tokenizer, max_length=self.config.data.doc_max_length,
-                               batch_size=self.config.eval.rerank_batch_size,
+                               batch_size=self.config.eval.rerank_batch_size or None,
                                query_max_length=self.config.data.query_max_length)
     run = rerank.rerank(self.first_stage, self.data.queries, self.data.corpus, score, self.depth)
     qrels = {q: self.data.eval_qrels[q] for q in self.qids}
