@@ -205,14 +205,8 @@ class RerankEvaluator:
                         config.eval.rerank_run or "BM25 first stage")
 
   def _bm25(self, k: int) -> dict:
-    from jdr.data import text as text_lib  # pylint: disable=g-import-not-at-top
     from jdr.negatives import sampled  # pylint: disable=g-import-not-at-top
-    doc_ids = list(self.data.corpus)
-    rows, scores = sampled._mine_bm25(  # pylint: disable=protected-access
-        [text_lib.doc_text(self.data.corpus[d]) for d in doc_ids], [self.data.queries[q] for q in self.qids],
-        min(k, len(doc_ids)), k1=0.9, b=0.4, chunk_size=256, n_threads=0, show_progress=False)
-    return {q: {doc_ids[r]: float(s) for r, s in zip(rows[i], scores[i]) if r >= 0}
-            for i, q in enumerate(self.qids)}
+    return sampled.bm25_run(self.data.corpus, self.data.queries, self.qids, k)
 
   def __call__(self, params) -> dict[str, float]:
     from jdr import rerank  # pylint: disable=g-import-not-at-top

@@ -15,7 +15,6 @@ import math
 import sys
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -65,13 +64,7 @@ def size_step(config: ml_collections.ConfigDict) -> dict:
   built = build_lib.build(config.model, config.data)
   model = built.model
   tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps, config.model.train_towers)
-  boxed = jax.eval_shape(lambda r: model.init(r, *train._dummy_inputs(config))["params"],  # pylint: disable=protected-access
-                         jax.random.PRNGKey(0))
-  abstract = train.TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=boxed,
-                              opt_state=jax.eval_shape(tx.init, boxed), rng=jax.ShapeDtypeStruct((2,), jnp.uint32))
-  shardings = parallel.tree_shardings(abstract, mesh, rules)
-  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), nn.unbox(abstract),
-                          shardings)
+  abstract, shardings = train.abstract_train_state(model, tx, config, mesh, rules)
   candidates = "pairs" if config.model.get("architecture", "two_tower") == "cross_encoder" else "tokens"
   step = train.make_train_step(model, tx, config, mesh, candidates)
   batch = abstract_batch(config, parallel.batch_sharding(mesh))

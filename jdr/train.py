@@ -80,7 +80,7 @@ def make_train_step(model: TwoTower, tx: optax.GradientTransformation, config: m
     aux["train_accuracy"] = jnp.mean(jnp.take_along_axis(positive, top[:, None], axis=1))
     return jnp.mean(per_example), aux
 
-  def distillation_terms(q, d, spans, scores, valid, batch):
+  def distillation_terms(q, spans, scores, valid, batch):
     """Document-level KD and FGD's per-level KD (jdr/distill.py) over each query's own candidates."""
     num_q, num_d = scores.shape
     per = (num_d - num_q) // num_q
@@ -140,7 +140,7 @@ def make_train_step(model: TwoTower, tx: optax.GradientTransformation, config: m
     if not distilling:
       return finish(scores, fields, positive, {})
     contrastive, aux = finish(scores, fields, positive, {})
-    terms = distillation_terms(q, d, spans, scores, batch["valid"], batch)
+    terms = distillation_terms(q, spans, scores, batch["valid"], batch)
     aux.update({f"loss/{name}": value for name, value in terms.items()})
     aux["loss/contrastive"] = contrastive
     return config.distill.contrastive_weight * contrastive + sum(terms.values()), aux
@@ -325,13 +325,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   # ---------------------------------------------------------------- optimizer and abstract state
   tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps, config.model.train_towers)
   init_rng = jax.random.PRNGKey(config.seed)
-  boxed_params = jax.eval_shape(lambda r: model.init(r, *_dummy_inputs(config))["params"], init_rng)
-  abstract_state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=boxed_params,
-                              opt_state=jax.eval_shape(tx.init, boxed_params),
-                              rng=jax.ShapeDtypeStruct((2,), jnp.uint32))
-  state_shardings = parallel.tree_shardings(abstract_state, mesh, rules)
-  abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                nn.unbox(abstract_state), state_shardings)
+  abstract_state, state_shardings = abstract_train_state(model, tx, config, mesh, rules)
 
   # ---------------------------------------------------------------- state: resume | init_from | fresh
   mngr = checkpoint.manager(workdir, keep=config.keep_checkpoints)
@@ -452,6 +446,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   writer.close()
   results["state"] = state
   return results
+
+
+def abstract_train_state(model, tx: optax.GradientTransformation, config: ml_collections.ConfigDict, mesh,
+                         rules) -> tuple[TrainState, Any]:
+  """(the TrainState as sharded ShapeDtypeStructs, its shardings) from the logical axis names of the params:
+  nothing is allocated. The trainer restores and jits against it; `--compile-only` compiles against it."""
+  boxed_params = jax.eval_shape(lambda r: model.init(r, *_dummy_inputs(config))["params"], jax.random.PRNGKey(0))
+  abstract = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=boxed_params,
+                        opt_state=jax.eval_shape(tx.init, boxed_params), rng=jax.ShapeDtypeStruct((2,), jnp.uint32))
+  shardings = parallel.tree_shardings(abstract, mesh, rules)
+  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), nn.unbox(abstract),
+                          shardings)
+  return abstract, shardings
 
 
 def initial_params(model: TwoTower, built: build_lib.Built, config: ml_collections.ConfigDict,

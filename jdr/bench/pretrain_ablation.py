@@ -114,12 +114,7 @@ def _bm25_row() -> dict:
     corpus = formats.read_corpus(directory / "corpus.jsonl")
     queries = formats.read_queries(directory / "queries.jsonl")
     qrels = formats.read_qrels(directory / "qrels" / "test.tsv", doc_ids=corpus, query_ids=queries)
-    ids = list(corpus)
-    qids = sorted(qrels)
-    rows, scores = sampled._mine_bm25(  # pylint: disable=protected-access
-        [f"{corpus[d].title} {corpus[d].text}" for d in ids], [queries[q] for q in qids], 100, k1=0.9, b=0.4,
-        chunk_size=256, n_threads=0, show_progress=False)
-    run = {q: {ids[r]: float(s) for r, s in zip(rows[i], scores[i]) if r >= 0} for i, q in enumerate(qids)}
+    run = sampled.bm25_run(corpus, queries, sorted(qrels), 100)
     result[key] = metrics.evaluate(qrels, run, wanted.split(","), missing="zero")
   result["scifact_10pct"] = result["scifact_all"]  # BM25 trains on nothing: the same row in both regimes
   return result

@@ -136,6 +136,7 @@ class Batches:
     self.doc_row = {d: i for i, d in enumerate(data.corpus)}
     self.pad_id = tokenizer.pad_token_id or 0
     self._perms: dict[int, np.ndarray] = {}
+    self._layout = None  # (step, global_layout(step))
     if candidates not in ("tokens", "corpus", "pairs"):
       raise ValueError(f"candidates must be 'tokens', 'corpus' or 'pairs', got {candidates!r}")
     if candidates == "pairs" and (not self.per_query or in_batch):
@@ -164,7 +165,16 @@ class Batches:
     return np.array([self._permutation(int(e))[i] for e, i in zip(epochs, within)])
 
   def global_layout(self, step: int) -> tuple[list[str], list[str], np.ndarray]:
-    """(query ids [B], document ids [C], valid [B, C]) of the batch at `step`; see jdr/negatives.py."""
+    """(query ids [B], document ids [C], valid [B, C]) of the batch at `step`; see jdr/negatives.py.
+
+    The last step's layout is kept: the distiller asks for the step `local` just built, and sampling it again
+    would redo the work and count the sampler's statistics twice."""
+    if self._layout is not None and self._layout[0] == step:
+      return self._layout[1]
+    self._layout = (step, self._make_layout(step))
+    return self._layout[1]
+
+  def _make_layout(self, step: int) -> tuple[list[str], list[str], np.ndarray]:
     chosen = [self.pairs[i] for i in self.pair_indices(step)]
     qids = [q for q, _ in chosen]
     doc_ids = [d for _, d in chosen]

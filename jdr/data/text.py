@@ -71,9 +71,11 @@ def pair_tokens(tokenizer, query: str, doc: str, max_length: int, query_max_leng
     query_room = min(query_max_length - 2, query_room)
   # Cut the query's text after its last kept token, then let the tokenizer's own pair template join it to the
   # document (special tokens, token types); only the document is truncated there.
-  enc = tokenizer(query, add_special_tokens=False, return_offsets_mapping=True)
-  if len(enc["input_ids"]) > query_room:
-    query = query[:enc["offset_mapping"][max(query_room, 1) - 1][1]]
+  # A token covers at least one character, so a query no longer than the room in characters fits as it is.
+  if len(query) > query_room:
+    enc = tokenizer(query, add_special_tokens=False, return_offsets_mapping=True)
+    if len(enc["input_ids"]) > query_room:
+      query = query[:enc["offset_mapping"][max(query_room, 1) - 1][1]]
   pair = tokenizer(query, doc, truncation="only_second", max_length=max_length, return_token_type_ids=True)
   ids = list(pair["input_ids"])
   return ids, list(pair.get("token_type_ids") or [0] * len(ids))

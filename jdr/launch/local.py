@@ -20,6 +20,8 @@ import subprocess
 import sys
 import tempfile
 
+from jdr import launch
+
 
 def free_port() -> int:
   with socket.socket() as s:
@@ -47,11 +49,9 @@ def main(argv=None) -> int:
   parser.add_argument("--port", type=int, default=0, help="coordinator port (0 = a free one)")
   parser.add_argument("--log-dir", default=None, help="where processes 1..N-1 write their output")
   parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
-  parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command every process runs")
+  launch.add_command(parser)
   args = parser.parse_args(argv)
-  command = args.command[1:] if args.command[:1] == ["--"] else args.command
-  if not command:
-    parser.error("give the command after --")
+  command = launch.command_of(parser, args)
   if args.processes < 1:
     parser.error("--processes must be >= 1")
   port = args.port or free_port()

@@ -19,6 +19,8 @@ import shlex
 import subprocess
 import sys
 
+from jdr import launch
+
 
 def sbatch_script(command: list[str], *, nodes: int, gpus_per_node: int, per: str, port: int,
                   partition: str | None, time: str | None, job_name: str, setup: str | None) -> str:
@@ -53,11 +55,9 @@ def main(argv=None) -> int:
   parser.add_argument("--setup", default=None, help="shell run by every task before the command")
   parser.add_argument("--script", default="jdr-job.sbatch", help="where the sbatch script is written")
   parser.add_argument("--dry-run", action="store_true")
-  parser.add_argument("command", nargs=argparse.REMAINDER)
+  launch.add_command(parser)
   args = parser.parse_args(argv)
-  command = args.command[1:] if args.command[:1] == ["--"] else args.command
-  if not command:
-    parser.error("give the command after --")
+  command = launch.command_of(parser, args)
   script = sbatch_script(command, nodes=args.nodes, gpus_per_node=args.gpus_per_node, per=args.per,
                          port=args.port, partition=args.partition, time=args.time, job_name=args.job_name,
                          setup=args.setup)

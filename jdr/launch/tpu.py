@@ -16,6 +16,8 @@ import shlex
 import subprocess
 import sys
 
+from jdr import launch
+
 
 def commands(command: list[str], *, tpu: str, zone: str, project: str | None, repo_dir: str, copy: str | None,
              setup: str | None) -> list[list[str]]:
@@ -41,11 +43,9 @@ def main(argv=None) -> int:
   parser.add_argument("--copy", default=None, help="a local directory to copy to --repo-dir first")
   parser.add_argument("--setup", default=None, help="shell run on every worker before the command")
   parser.add_argument("--dry-run", action="store_true")
-  parser.add_argument("command", nargs=argparse.REMAINDER)
+  launch.add_command(parser)
   args = parser.parse_args(argv)
-  command = args.command[1:] if args.command[:1] == ["--"] else args.command
-  if not command:
-    parser.error("give the command after --")
+  command = launch.command_of(parser, args)
   steps = commands(command, tpu=args.tpu, zone=args.zone, project=args.project, repo_dir=args.repo_dir,
                    copy=args.copy, setup=args.setup)
   if args.dry_run:

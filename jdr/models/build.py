@@ -110,8 +110,7 @@ def build(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collections.ConfigD
   if kind != "transformer":
     raise ValueError(f"model.tower must be 'transformer' or 'bow_mlp', got {kind!r}")
 
-  overrides = dict(dtype=model_cfg.dtype, remat=model_cfg.remat, hidden_dropout=model_cfg.dropout,
-                   attention_dropout=model_cfg.dropout)
+  overrides = _encoder_overrides(model_cfg)
   declared = {}
   if init_from:
     path = hf.minilm_path() if init_from == "minilm" else pathlib.Path(init_from)
@@ -119,11 +118,8 @@ def build(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collections.ConfigD
     declared = hf.sentence_transformers_settings(path)
     tokenizer_path = str(path)
   else:
-    if model_cfg.fresh not in FRESH:
-      raise ValueError(f"model.fresh must be one of {sorted(FRESH)}, got {model_cfg.fresh!r}")
     tokenizer_path = str(hf.minilm_path())
-    vocab = _tokenizer(model_cfg.tokenizer or tokenizer_path).vocab_size
-    encoder_config = EncoderConfig(vocab_size=vocab, **FRESH[model_cfg.fresh], **overrides)
+    encoder_config = _fresh_encoder_config(model_cfg, tokenizer_path)
     encoder_params = None
   tokenizer_path = model_cfg.tokenizer or tokenizer_path
   if not model_cfg.pooling and "unsupported_pooling" in declared:
@@ -138,6 +134,20 @@ def build(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collections.ConfigD
   return Built(model, _tokenizer(tokenizer_path), description, encoder_params, None)
 
 
+def _encoder_overrides(model_cfg: ml_collections.ConfigDict) -> dict:
+  """What a run's model.* settings change in any encoder it starts from."""
+  return dict(dtype=model_cfg.dtype, remat=model_cfg.remat, hidden_dropout=model_cfg.dropout,
+              attention_dropout=model_cfg.dropout)
+
+
+def _fresh_encoder_config(model_cfg: ml_collections.ConfigDict, tokenizer_path: str) -> EncoderConfig:
+  """model.fresh's architecture over the tokenizer's vocabulary, with the run's settings."""
+  if model_cfg.fresh not in FRESH:
+    raise ValueError(f"model.fresh must be one of {sorted(FRESH)}, got {model_cfg.fresh!r}")
+  vocab = _tokenizer(model_cfg.tokenizer or tokenizer_path).vocab_size
+  return EncoderConfig(vocab_size=vocab, **FRESH[model_cfg.fresh], **_encoder_overrides(model_cfg))
+
+
 def _description(path) -> dict:
   path = pathlib.Path(path)
   for name in ("jdr_model.json", "model.json"):
@@ -150,8 +160,7 @@ def _cross_encoder(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collection
   """A cross-encoder over (query, document) pairs of data.doc_max_length tokens: from a jdr cross-encoder
   workdir or export, a Hugging Face directory / "minilm" (a sequence classifier keeps its head), or fresh."""
   from jdr.models import cross  # pylint: disable=g-import-not-at-top
-  overrides = dict(dtype=model_cfg.dtype, remat=model_cfg.remat, hidden_dropout=model_cfg.dropout,
-                   attention_dropout=model_cfg.dropout)
+  overrides = _encoder_overrides(model_cfg)
   init_from = model_cfg.init_from
   params = None
   if init_from and is_jdr_model(init_from):
@@ -166,11 +175,8 @@ def _cross_encoder(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collection
     encoder_config = model.config
     tokenizer_path = str(hf.minilm_path() if init_from == "minilm" else init_from)
   else:
-    if model_cfg.fresh not in FRESH:
-      raise ValueError(f"model.fresh must be one of {sorted(FRESH)}, got {model_cfg.fresh!r}")
     tokenizer_path = str(hf.minilm_path())
-    vocab = _tokenizer(model_cfg.tokenizer or tokenizer_path).vocab_size
-    encoder_config = EncoderConfig(vocab_size=vocab, **FRESH[model_cfg.fresh], **overrides)
+    encoder_config = _fresh_encoder_config(model_cfg, tokenizer_path)
   tokenizer_path = model_cfg.tokenizer or tokenizer_path
   if data_cfg.doc_max_length > encoder_config.max_length:
     raise ValueError(f"data.doc_max_length={data_cfg.doc_max_length} (the pair length of a cross-encoder) "

@@ -90,8 +90,13 @@ def load_cross_encoder(model: str | pathlib.Path, *, with_tokenizer: bool = True
   """(CrossEncoder, params, tokenizer or None) from a Hugging Face directory, a jdr export or "minilm"."""
   import transformers  # pylint: disable=g-import-not-at-top
   path = hf.minilm_path() if str(model) == "minilm" else pathlib.Path(model)
-  cfg, encoder_params = hf.load_hf(path, **overrides)
-  head = head_from_state_dict(cfg, hf.read_state_dict(path))
+  config_file = path / "config.json"
+  if not config_file.exists():
+    raise FileNotFoundError(f"{config_file} not found: a cross-encoder needs a local Hugging Face model directory")
+  cfg = EncoderConfig.from_hf(json.loads(config_file.read_text()), **overrides)
+  tensors = hf.read_state_dict(path)  # once: the encoder and the head come from the same tensors
+  encoder_params = hf.params_from_state_dict(cfg, tensors, str(path))
+  head = head_from_state_dict(cfg, tensors)
   if head is None:
     print(f"{path}: no sequence-classification head; the cross-encoder's head starts from random weights",
           file=sys.stderr)

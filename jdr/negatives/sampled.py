@@ -263,6 +263,15 @@ def _mine_bm25(doc_texts: Sequence[str], query_texts: Sequence[str], k: int, *, 
   return rows, scores
 
 
+def bm25_run(corpus: Mapping[str, Doc], queries: Mapping[str, str], qids: Sequence[str], k: int, *,
+             k1: float = 0.9, b: float = 0.4) -> dict[str, dict[str, float]]:
+  """BM25's top k of the corpus for each query id, as a run {qid: {doc id: score}} (Anserini's k1, b)."""
+  ids = list(corpus)
+  rows, scores = _mine_bm25([doc_text(corpus[d]) for d in ids], [queries[q] for q in qids], min(k, len(ids)),
+                            k1=k1, b=b, chunk_size=256, n_threads=0, show_progress=False)
+  return {q: {ids[r]: float(s) for r, s in zip(rows[i], scores[i]) if r >= 0} for i, q in enumerate(qids)}
+
+
 def _save_mined(path: pathlib.Path, qids: Sequence[str], rows: np.ndarray, scores: np.ndarray) -> None:
   path.parent.mkdir(parents=True, exist_ok=True)
   # Write then rename, so an interrupted run never leaves a truncated cache that a later run would trust.
