@@ -140,12 +140,21 @@ def joined(tokenizer, query: np.ndarray, piece: np.ndarray) -> tuple[list[int], 
 
 class TeacherScores:
   """The teacher's scores for (query, document): "doc" and, per level, one score per window (NaN past the
-  document's end), computed once and cached."""
+  document's end), computed once and cached.
+
+  The pairs named up front (each query's positives and negative pool) are scored in one pass and cached in
+  the workdir; a pair a batch needs beyond them (a random top-up of a short pool) is scored when first
+  asked for, counted in `late`, and kept for the rest of the run.
+  """
 
   def __init__(self, config: ml_collections.ConfigDict, data, tokenizer, doc_tokens: dict[str, np.ndarray],
                query_tokens: dict[str, np.ndarray], pairs: Sequence[tuple[str, str]], cache: pathlib.Path):
+    self.config, self.data, self.tokenizer = config, data, tokenizer
+    self.doc_tokens, self.query_tokens = dict(doc_tokens), dict(query_tokens)
     self.levels = levels(config)
     self.counts = {name: max(1, -(-(config.data.doc_max_length - 1) // size)) for name, size in self.levels}
+    self._score_fn = None
+    self.late = 0
     key = hashlib.sha256(json.dumps([str(pathlib.Path(config.distill.teacher).resolve()), data.name,
                                      config.data.query_max_length, config.data.doc_max_length, self.levels,
                                      sorted(pairs)]).encode()).hexdigest()[:16]
@@ -154,51 +163,74 @@ class TeacherScores:
       self.scores = {tuple(k.split("\t")): v for k, v in json.loads(path.read_text()).items()}
       print(f"teacher scores: {len(self.scores)} (query, document) pairs read from {path}", file=sys.stderr)
       return
-    from jdr import rerank  # pylint: disable=g-import-not-at-top
-    from jdr.models import build  # pylint: disable=g-import-not-at-top
-    from jdr.models import cross  # pylint: disable=g-import-not-at-top
-    teacher = config.distill.teacher
-    if build.is_jdr_model(teacher):
-      model, params, teacher_tokenizer, _ = build.load_jdr_model(teacher)
-    else:
-      model, params, teacher_tokenizer = cross.load_cross_encoder(teacher)
-    if not isinstance(model, cross.CrossEncoder):
-      raise ValueError(f"distill.teacher={teacher} is not a cross-encoder")
-    if teacher_tokenizer.get_vocab() != tokenizer.get_vocab():
-      raise ValueError(f"distill.teacher={teacher}: its tokenizer differs from the student's; pieces are token "
-                       "windows of the student's documents, so both must share one vocabulary")
-    longest = config.data.query_max_length + config.data.doc_max_length + 2
-    score = rerank.make_token_scorer(model, params, tokenizer.pad_token_id or 0,
-                                     max_length=min(longest, model.config.max_length),
-                                     batch_size=config.distill.teacher_batch_size)
+    self.scores = {}
+    self._score(pairs, progress=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({f"{q}\t{d}": v for (q, d), v in self.scores.items()}))
+    tmp.replace(path)
+
+  def _scorer(self):
+    if self._score_fn is None:
+      from jdr import rerank  # pylint: disable=g-import-not-at-top
+      from jdr.models import cross  # pylint: disable=g-import-not-at-top
+      teacher = self.config.distill.teacher
+      try:
+        model, params, teacher_tokenizer = cross.load_cross_encoder(teacher)
+      except ValueError as e:
+        raise ValueError(f"distill.teacher={teacher} is not a cross-encoder: {e}") from e
+      if teacher_tokenizer.get_vocab() != self.tokenizer.get_vocab():
+        raise ValueError(f"distill.teacher={teacher}: its tokenizer differs from the student's; pieces are token "
+                         "windows of the student's documents, so both must share one vocabulary")
+      data_cfg = self.config.data
+      self.longest = min(data_cfg.query_max_length + data_cfg.doc_max_length + 2, model.config.max_length)
+      self._score_fn = rerank.make_token_scorer(model, params, self.tokenizer.pad_token_id or 0,
+                                                max_length=self.longest,
+                                                batch_size=self.config.distill.teacher_batch_size)
+    return self._score_fn
+
+  def _score(self, pairs: Sequence[tuple[str, str]], progress: bool = False) -> None:
+    score, tokenizer = self._scorer(), self.tokenizer
+    specials = tokenizer.num_special_tokens_to_add(pair=True)
+    missing_docs = sorted({d for _, d in pairs if d not in self.doc_tokens})
+    texts = [text_lib.doc_text(self.data.corpus[d]) for d in missing_docs]
+    self.doc_tokens.update(zip(missing_docs, text_lib.tokenize(tokenizer, texts, self.config.data.doc_max_length)))
     jobs, where = [], []
     for q, d in pairs:
-      query = query_tokens[q][1:-1]
-      ids = doc_tokens[d]
-      jobs.append(joined(tokenizer, query, ids[1:-1]))
+      query = self.query_tokens[q][1:-1]
+      ids = self.doc_tokens[d]
+      # The whole document may not fit beside the query in the teacher's positions (512 for BERT): its
+      # document-level score is then the teacher's FirstP, as a cross-encoder reranker would see it.
+      jobs.append(joined(tokenizer, query, ids[1:-1][:self.longest - len(query) - specials]))
       where.append((q, d, "doc", 0))
       for name, size in self.levels:
         for s, piece in enumerate(windows_of(ids, size, self.counts[name])):
           if len(piece):
             jobs.append(joined(tokenizer, query, piece))
             where.append((q, d, name, s))
-    out: dict[tuple[str, str], dict[str, Any]] = {
-        (q, d): {"doc": 0.0, **{name: [None] * self.counts[name] for name, _ in self.levels}} for q, d in pairs}
+    for q, d in pairs:
+      self.scores[(q, d)] = {"doc": 0.0, **{name: [None] * self.counts[name] for name, _ in self.levels}}
     chunk = 4096
-    with tqdm.tqdm(total=len(jobs), desc="teacher scores", unit="pair", mininterval=5.0) as bar:
+    with tqdm.tqdm(total=len(jobs), desc="teacher scores", unit="pair", mininterval=5.0,
+                   disable=not progress) as bar:
       for start in range(0, len(jobs), chunk):
         values = score(jobs[start:start + chunk])
         for (q, d, name, s), v in zip(where[start:start + chunk], values):
           if name == "doc":
-            out[(q, d)]["doc"] = float(v)
+            self.scores[(q, d)]["doc"] = float(v)
           else:
-            out[(q, d)][name][s] = float(v)
+            self.scores[(q, d)][name][s] = float(v)
         bar.update(len(values))
-    self.scores = out
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({f"{q}\t{d}": v for (q, d), v in out.items()}))
-    tmp.replace(path)
+
+  def ensure(self, pairs: Sequence[tuple[str, str]]) -> None:
+    """Scores whichever of `pairs` have no scores yet (see the class note)."""
+    missing = sorted({p for p in pairs if p not in self.scores})
+    if missing:
+      before, self.late = self.late, self.late + len(missing)
+      self._score(missing)
+      if self.late.bit_length() > before.bit_length():  # a line each time the count doubles, not each step
+        print(f"teacher scores: {self.late} pairs outside the pools (random top-ups of short pools) scored "
+              "during training so far", file=sys.stderr)
 
   def doc(self, q: str, d: str) -> float:
     return self.scores[(q, d)]["doc"]
@@ -231,6 +263,7 @@ class Distiller:
     num, n = len(qids), self.per_query
     lo, hi = self.batches._rows(num)  # pylint: disable=protected-access
     own = [[doc_ids[b]] + doc_ids[num + b * n:num + (b + 1) * n] for b in range(lo, hi)]
+    self.teacher.ensure([(qids[b], d) for b, cols in zip(range(lo, hi), own) for d in cols])
     batch = dict(batch)
     batch["teacher_doc"] = np.array([[self.teacher.doc(qids[b], d) for d in cols]
                                      for b, cols in zip(range(lo, hi), own)], np.float32)

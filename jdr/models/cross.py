@@ -13,6 +13,7 @@ load with num_labels = 1.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import sys
@@ -87,8 +88,15 @@ def init_params(cfg: EncoderConfig, seed: int = 0) -> dict:
 
 def load_cross_encoder(model: str | pathlib.Path, *, with_tokenizer: bool = True,
                        **overrides) -> tuple[CrossEncoder, dict, Any]:
-  """(CrossEncoder, params, tokenizer or None) from a Hugging Face directory, a jdr export or "minilm"."""
+  """(CrossEncoder, params, tokenizer or None) from a jdr cross-encoder workdir or export, a Hugging Face
+  directory or "minilm"."""
   import transformers  # pylint: disable=g-import-not-at-top
+  from jdr.models import build  # pylint: disable=g-import-not-at-top  (build imports this module)
+  if str(model) != "minilm" and build.is_jdr_model(model):
+    loaded, params, tokenizer, _ = build.load_jdr_model(model)
+    if not isinstance(loaded, CrossEncoder):
+      raise ValueError(f"{model} holds two towers, not a cross-encoder")
+    return CrossEncoder(dataclasses.replace(loaded.config, **overrides)), params, tokenizer
   path = hf.minilm_path() if str(model) == "minilm" else pathlib.Path(model)
   config_file = path / "config.json"
   if not config_file.exists():
