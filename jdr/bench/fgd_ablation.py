@@ -15,7 +15,7 @@ Steps, each skipped when its output exists (so the driver resumes):
   ROW_S      stage 2 from warmup_S with the row's overrides (contrastive only, document-level KD, FGD, FGD
              without passage / sentence, FG pooling, FGD + document KD); its final evaluation (MRR@100,
              nDCG@10, R@100 on the test queries, FirstP at 512 tokens)
-  fgd_S extras   for each FGD workdir: MaxP (`jdr.encode --passages 4`) against FirstP, and the Eq. 16
+  fgd_S extras   for the first seed's FGD workdir: MaxP (`jdr.encode --passages 4`) against FirstP, and the Eq. 16
              ensemble (`jdr.encode --pieces passage:128,sentence:64`, `jdr.retrieve --ensemble-gamma G`) for
              G in 0, 0.1, 0.3, 1
 `--table` prints every finished row, the mean and spread (max - min) over seeds.
@@ -64,20 +64,26 @@ def long_documents(out: pathlib.Path, scifact: pathlib.Path) -> None:
          out / "log.txt")
 
 
+def train_teacher(out: pathlib.Path, scifact: pathlib.Path, teacher_steps: int | None) -> None:
+  teacher = out / "teacher"
+  if (teacher / "done.json").exists():
+    return
+  steps = [] if teacher_steps is None else [f"--config.num_train_steps={teacher_steps}",
+                                            f"--config.optimizer.warmup_steps={teacher_steps // 10}",
+                                            f"--config.checkpoint_every={max(teacher_steps // 2, 1)}"]
+  _run([sys.executable, "-m", "jdr.train", "--config", "configs/cross_encoder.py:runlocal", "--workdir",
+        str(teacher), f"--config.data.dataset={scifact}", "--config.data.eval_split=", *steps], out / "teacher.log")
+  (teacher / "done.json").write_text("{}\n")
+
+
 def teacher_and_rerank(out: pathlib.Path, scifact: pathlib.Path, backend: str, teacher_steps: int | None) -> dict:
   py = sys.executable
-  log = out / "teacher.log"
+  log = out / "rerank.log"
   result_path = out / "teacher.json"
   if result_path.exists():
     return json.loads(result_path.read_text())
   teacher = out / "teacher"
-  steps = [] if teacher_steps is None else [f"--config.num_train_steps={teacher_steps}",
-                                            f"--config.optimizer.warmup_steps={teacher_steps // 10}",
-                                            f"--config.checkpoint_every={max(teacher_steps // 2, 1)}"]
-  if not (teacher / "done.json").exists():
-    _run([py, "-m", "jdr.train", "--config", "configs/cross_encoder.py:runlocal", "--workdir", str(teacher),
-          f"--config.data.dataset={scifact}", "--config.data.eval_split=", *steps], log)
-    (teacher / "done.json").write_text("{}\n")
+  train_teacher(out, scifact, teacher_steps)
   first = out / "minilm-256"
   _run([py, "-m", "jdr.encode", "--model", "minilm", "--corpus", str(scifact), "--out", str(first),
         "--max-length", "256"], log)
@@ -100,14 +106,16 @@ def teacher_and_rerank(out: pathlib.Path, scifact: pathlib.Path, backend: str, t
   return result
 
 
-def _stage(py, out: pathlib.Path, workdir: pathlib.Path, arg: str, seed: int, steps: int, extra: list[str]) -> dict:
+def _stage(py, out: pathlib.Path, workdir: pathlib.Path, arg: str, seed: int, steps: int, extra: list[str],
+           backend: str = "faiss") -> dict:
   log = out / f"{workdir.name}.log"
   if not (workdir / "done.json").exists():
     _run([py, "-m", "jdr.train", "--config", f"configs/fgd.py:{arg}", "--workdir", str(workdir),
           f"--config.data.dataset={out / 'scifact-long'}", f"--config.seed={seed}",
           f"--config.num_train_steps={steps}", f"--config.optimizer.warmup_steps={steps // 10}",
           f"--config.distill.teacher={out / 'teacher'}" if "warmup" not in arg else "--config.distill.teacher=",
-          "--config.eval_before_training=False", *extra], log)
+          "--config.eval_before_training=False", f"--config.negatives.retrieval_backend={backend}",
+          f"--config.eval.backend={backend}", *extra], log)
     (workdir / "done.json").write_text(json.dumps(_final_eval(workdir)) + "\n")
   return json.loads((workdir / "done.json").read_text())
 
@@ -207,33 +215,33 @@ def main(argv=None) -> None:
   long_documents(out, scifact)
 
   def teacher():
+    train_teacher(out, scifact, args.teacher_steps)
+
+  def rerank():
     result = teacher_and_rerank(out, scifact, args.backend, args.teacher_steps)
     print(f"teacher: {json.dumps(result)}", file=sys.stderr, flush=True)
 
   def warmup(seed):
-    return _stage(py, out, out / f"warmup_s{seed}", "runlocal,warmup", seed, args.steps, [])
+    return _stage(py, out, out / f"warmup_s{seed}", "runlocal,warmup", seed, args.steps, [], args.backend)
 
   def row_stage(row, seed, warm, taught):
     warm.result()
     taught.result()
     extra = ROWS[row] + [f"--config.model.init_from={out / f'warmup_s{seed}'}"]
-    result = _stage(py, out, out / f"{row}_s{seed}", "runlocal", seed, args.steps, extra)
+    result = _stage(py, out, out / f"{row}_s{seed}", "runlocal", seed, args.steps, extra, args.backend)
     print(f"{row}_s{seed}: {json.dumps(result)}", file=sys.stderr, flush=True)
-    if row == "fgd":
+    if row == "fgd" and seed == seeds[0]:  # MaxP and the Eq. 16 sweep on one model
       print(json.dumps(long_doc_extras(py, out, out / f"{row}_s{seed}", args.backend)), file=sys.stderr, flush=True)
 
   # The teacher (and its reranking figures) and the warm-ups need nothing of each other; they are queued
   # first, so a row blocked on them never holds the last free worker.
   with concurrent.futures.ThreadPoolExecutor(max(args.jobs, 1)) as pool:
     taught = pool.submit(teacher)
+    reranked = pool.submit(lambda: (taught.result(), rerank()))  # the teacher's own figures, beside the rows
     warm = {s: pool.submit(warmup, s) for s in dict.fromkeys(s for _, s in plan)}
-    rows = {f"{row}_s{seed}": pool.submit(row_stage, row, seed, warm[seed], taught) for row, seed in plan}
+    rows = {"rerank": reranked}
+    rows.update({f"{row}_s{seed}": pool.submit(row_stage, row, seed, warm[seed], taught) for row, seed in plan})
     failed = {}
-    try:
-      taught.result()
-    except Exception as e:  # pylint: disable=broad-except
-      failed["teacher"] = e
-      print(f"teacher failed: {e}", file=sys.stderr, flush=True)
     for name, f in rows.items():
       try:
         f.result()

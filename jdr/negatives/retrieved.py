@@ -207,10 +207,11 @@ def top_rows(retriever, queries: np.ndarray, n: int) -> np.ndarray:
   return rows
 
 
-def exact_top_rows(doc_emb: np.ndarray, queries: np.ndarray, n: int) -> np.ndarray:
-  """[Q, n] rows of each query's exact top n by inner product over `doc_emb` (a Faiss Flat index)."""
+def exact_top_rows(doc_emb: np.ndarray, queries: np.ndarray, n: int, backend: str = "faiss") -> np.ndarray:
+  """[Q, n] rows of each query's exact top n by inner product over `doc_emb` (a Flat index of `backend`:
+  Faiss on the host, or jdr's JAX top-k on the devices)."""
   from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
-  retriever = corpus_lib.build_index(doc_emb, [str(i) for i in range(len(doc_emb))], "faiss", "Flat")
+  retriever = corpus_lib.build_index(doc_emb, [str(i) for i in range(len(doc_emb))], backend, "Flat")
   return top_rows(retriever, queries, min(n, len(doc_emb)))
 
 

@@ -106,7 +106,7 @@ def make(config: ml_collections.ConfigDict, data, workdir: pathlib.Path, encoder
   train_qids = sorted({q for q, docs in data.train_qrels.items() if any(r > 0 for r in docs.values())})
   if name == "dense_static":
     rows = mine_rows(encoder, initial_params, train_qids, neg.top_n,
-                     cache / _cache_name("dense_static", neg.top_n, encoder, train_qids))
+                     cache / _cache_name("dense_static", neg.top_n, encoder, train_qids), neg.retrieval_backend)
     pools = rows_to_pools(rows, train_qids, corpus_ids)
     run = {q: {d: float(-rank) for rank, d in enumerate(docs)} for q, docs in pools.items()}
     sampler = sampled.StaticNegatives(run, data.train_qrels, top_k=neg.top_n, corpus_ids=corpus_ids)
@@ -119,7 +119,7 @@ def make(config: ml_collections.ConfigDict, data, workdir: pathlib.Path, encoder
 
     def mine(params, generation):
       # Runs in the refresher's worker thread, beside training (jitted calls release the GIL).
-      rows = mine_rows(encoder, params, qid_list, neg.top_n, None)
+      rows = mine_rows(encoder, params, qid_list, neg.top_n, None, neg.retrieval_backend)
       return rows_to_pools(rows, qid_list, corpus_ids)
 
     max_wait = float("inf") if neg.refresh_max_wait_s < 0 else float(neg.refresh_max_wait_s)
@@ -217,15 +217,17 @@ def corpus_embeddings(neg, encoder, params, cache: pathlib.Path, corpus_ids: lis
   return emb
 
 
-def mine_rows(encoder, params, qids: list[str], n: int, path: pathlib.Path | None) -> np.ndarray:
-  """[Q, n] corpus rows of each query's top n under `params` (both towers), exact inner product.
+def mine_rows(encoder, params, qids: list[str], n: int, path: pathlib.Path | None,
+              backend: str = "faiss") -> np.ndarray:
+  """[Q, n] corpus rows of each query's top n under `params` (both towers), exact inner product, searched
+  where `negatives.retrieval_backend` says (Faiss on the host or JAX on the devices).
 
   With `path`, the result is cached there: what the starting weights mined stays what a resumed run uses.
   """
   if path is not None and path.exists():
     return np.load(path)
   doc_emb = encoder.corpus(params, progress=path is not None)
-  rows = retrieved.exact_top_rows(doc_emb, encoder.queries(params, qids), n)
+  rows = retrieved.exact_top_rows(doc_emb, encoder.queries(params, qids), n, backend)
   if path is not None:
     atomic.write_atomic(path, lambda f: np.save(f, rows))
   return rows
