@@ -114,3 +114,23 @@ def test_mean_pooled_pieces_are_the_mean_of_their_token_vectors(tmp_path):
   for r in range(3):
     for s in np.flatnonzero(valid[r]):
       np.testing.assert_allclose(np.asarray(pieces)[r, s], hidden[r, span[r, s] > 0].mean(0), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("span_pooling", ["attention", "mean"])
+def test_pieces_past_the_end_keep_gradients_finite(tmp_path, span_pooling):
+  """A window past a short document's end is empty: mean pooling makes it a zero vector, and the normalizing
+  head must give it a finite gradient (x / max(norm, eps) gave NaN, which stopped an FGD run at step 2)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jdr import granularity  # pylint: disable=g-import-not-at-top
+  _, tower, params = _tower(tmp_path, "bert", normalize=True)
+  ids, mask = _batch("bert")
+  span, valid = granularity.windows(mask, 4)
+  assert not valid.all()  # the short rows do have empty windows
+
+  def loss(p):
+    doc, pieces = tower.apply({"params": p}, ids, mask, span_mask=span, span_pooling=span_pooling)
+    return jnp.sum(doc) + jnp.sum(pieces * jnp.asarray(valid, jnp.float32)[..., None])
+
+  grads = jax.grad(loss)(params)
+  assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree_util.tree_leaves(grads))

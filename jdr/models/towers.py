@@ -84,8 +84,10 @@ def pool(hidden: jax.Array, mask: jax.Array, how: str) -> jax.Array:
 
 
 def l2_normalize(x: jax.Array, eps: float = 1e-12) -> jax.Array:
-  # Same eps as torch.nn.functional.normalize, so zero vectors stay zero instead of NaN.
-  return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), eps)
+  # Same eps as torch.nn.functional.normalize, so zero vectors stay zero instead of NaN. Through the squared
+  # norm rather than the norm: the norm's gradient at a zero vector is 0/0, and a zero vector does occur (a
+  # mean-pooled span past a document's end), where x / max(norm, eps) trained to NaN at the second step.
+  return x * jax.lax.rsqrt(jnp.maximum(jnp.sum(x * x, axis=-1, keepdims=True), eps * eps))
 
 
 class BowMLP(nn.Module):
