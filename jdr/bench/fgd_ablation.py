@@ -18,7 +18,7 @@ Steps, each skipped when its output exists (so the driver resumes):
   fgd_S extras   for the first seed's FGD workdir: MaxP (`jdr.encode --passages 4`) against FirstP, and the Eq. 16
              ensemble (`jdr.encode --pieces passage:128,sentence:64`, `jdr.retrieve --ensemble-gamma G`) for
              G in 0, 0.1, 0.3, 1
-`--table` prints every finished row, the mean and spread (max - min) over seeds.
+`--table` prints every finished row: the mean over seeds and ± half their range ((max - min) / 2).
 
 `--jobs N` runs up to N stages at once (a seed's rows wait for its warm-up), each with its own log
 (OUT/NAME.log): on an accelerator, where a stage is mostly process start-up and compilation, this is what
