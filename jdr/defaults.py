@@ -60,6 +60,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.negatives.retrieve_every = 1  # 1 = at every step (ADORE / LTRe); 0 = once before training (static ablation)
   c.negatives.retrieval_backend = "faiss"  # faiss (host, between steps) | jax (exact top-k inside the step;
   # also where dense_static and ANCE mine)
+  c.negatives.top_k_recall_target = 1.0  # retrieval_backend=jax: < 1 takes jax.lax.approx_max_k (fast on TPUs)
   c.negatives.index_factory = "Flat"  # Faiss factory of the fixed index, e.g. "OPQ48,IVF1,PQ48" (LTRe Table 4)
   c.negatives.corpus_encoding = ""  # a jdr.encode directory to use as the fixed index ("" = encode at start)
   # ance: the model's own top-n, re-mined in the background every refresh_every steps

@@ -307,6 +307,16 @@ class FaissRetriever:
 # JAX.
 
 
+def local_top_k(scores, k: int, recall_target: float = 1.0):
+  """(values, indices) of the top k of each row of `scores`: exact (`jax.lax.top_k`) at recall_target 1, else
+  `jax.lax.approx_max_k`, which TPUs run as a fast approximate search expected to find at least that
+  fraction of the true top k (other platforms compute it exactly)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  if recall_target >= 1.0:
+    return jax.lax.top_k(scores, k)
+  return jax.lax.approx_max_k(scores, k, recall_target=recall_target)
+
+
 class JaxRetriever:
   """Exact inner-product top-k with the embedding matrix sharded by rows over a device mesh.
 
@@ -320,6 +330,8 @@ class JaxRetriever:
       scores would exceed score_budget_bytes.
     precision: matmul precision; "highest" keeps float32 exact on GPUs/TPUs, whose default
       precision (TF32/bfloat16 passes) would reorder near-ties.
+    recall_target: 1.0 (exact top-k) or less for each device's top-k by `jax.lax.approx_max_k` (fast on
+      TPUs; see local_top_k). The merge of the devices' candidates stays exact.
 
   Documents added after a search are merged by copying the device matrix back to the host once, which
   needs a single-process job; multi-host jobs should add everything (the same on every host) first.
@@ -329,9 +341,12 @@ class JaxRetriever:
 
   def __init__(self, dim: int, mesh=None, devices=None, dtype: str = "float32",
                query_chunk: int = 256, score_budget_bytes: int = 1 << 30,
-               precision: str = "highest"):
+               precision: str = "highest", recall_target: float = 1.0):
     import jax  # pylint: disable=import-outside-toplevel
     self.dim = int(dim)
+    if not 0.0 < recall_target <= 1.0:
+      raise ValueError(f"recall_target must be in (0, 1], got {recall_target}")
+    self.recall_target = float(recall_target)
     if mesh is None:
       mesh = jax.sharding.Mesh(np.array(list(devices or jax.devices())), ("docs",))
     self.mesh = mesh
@@ -413,7 +428,7 @@ class JaxRetriever:
       def local(queries, emb, bias):
         scores = jnp.dot(queries.astype(emb.dtype), emb.T, precision=precision,
                          preferred_element_type=jnp.float32) + bias
-        values, rows = jax.lax.top_k(scores, k_local)
+        values, rows = local_top_k(scores, k_local, self.recall_target)
         rows = rows + jax.lax.axis_index(axis) * emb.shape[0]
         # k_local candidates from each device; the global top k is among them.
         values = jax.lax.all_gather(values, axis, axis=1, tiled=True)

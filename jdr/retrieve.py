@@ -47,6 +47,8 @@ def main(argv: Iterable[str] | None = None) -> None:
   parser.add_argument("--backend", choices=["faiss", "jax"], default="faiss")
   parser.add_argument("--factory", default="Flat", help="Faiss index factory string, e.g. OPQ96,IVF1,PQ96")
   parser.add_argument("--save-index", action="store_true", help="keep the built Faiss index in --index")
+  parser.add_argument("--recall-target", type=float, default=1.0,
+                      help="--backend jax: below 1, each device's top-k is jax.lax.approx_max_k (fast on TPUs)")
   parser.add_argument("--ensemble-gamma", type=float, default=None,
                       help="FGD's Eq. 16: rescore the top --ensemble-depth by document score + gamma x (best "
                            "window score of each level); needs an encoding made with jdr.encode --pieces")
@@ -72,7 +74,10 @@ def main(argv: Iterable[str] | None = None) -> None:
           model, pooling=args.pooling or meta.get("pooling"),
           normalize=meta.get("normalize") if args.normalize is None else args.normalize,
           max_length=args.max_length or meta.get("max_length"), dtype=args.dtype, side="query")
-    retriever = corpus_lib.load_index(args.index, args.backend, args.factory, save=args.save_index)
+    if args.recall_target != 1.0 and args.backend != "jax":
+      parser.error("--recall-target needs --backend jax")
+    retriever = corpus_lib.load_index(args.index, args.backend, args.factory, save=args.save_index,
+                                      recall_target=args.recall_target)
     print(f"index: {args.backend} {args.factory}, {retriever.bytes_per_doc():.1f} bytes/doc",
           file=sys.stderr)
 

@@ -174,7 +174,8 @@ def make_train_step(model: TwoTower, tx: optax.GradientTransformation, config: m
                       rngs={"dropout": query_rng}, method=TwoTower.encode_query)
       if candidates == "corpus":
         if retrieve_in_step:
-          rows = retrieved.sharded_top_k(jax.lax.stop_gradient(q), corpus, bias, top_n, mesh)
+          rows = retrieved.sharded_top_k(jax.lax.stop_gradient(q), corpus, bias, top_n, mesh,
+                                         config.negatives.top_k_recall_target)
         else:
           rows = batch["cand_rows"]
         rows, labels, retrieved_labels = retrieved.replace_last(rows, batch["positive_rows"])

@@ -221,3 +221,17 @@ def test_jax_bfloat16_storage_halves_memory(data):
   assert scores.dtype == np.float32
   recall = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(half_ids, exact_ids)])
   assert recall >= 0.9
+
+
+def test_jax_approximate_top_k_finds_its_recall_target(data):
+  """recall_target < 1 takes jax.lax.approx_max_k for each device's top k: against brute-force numpy it must
+  find at least the target's share of the true top 10 (exact on this CPU, approximate on a TPU)."""
+  docs, queries, doc_ids = data
+  approx = index.JaxRetriever(32, recall_target=0.9)
+  approx.add(docs, doc_ids)
+  _, ids = approx.search(queries, 10)
+  truth = np.argsort(-(queries @ docs.T), axis=1)[:, :10]
+  recall = np.mean([len(set(a) & {doc_ids[j] for j in t}) / 10 for a, t in zip(ids, truth)])
+  assert recall >= 0.9
+  with pytest.raises(ValueError, match="recall_target"):
+    index.JaxRetriever(32, recall_target=0.0)

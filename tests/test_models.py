@@ -233,3 +233,23 @@ def test_two_tower_shared_and_separate_params():
 
   with pytest.raises(ValueError, match="identical"):
     TwoTower(cfg, cfg.replace(pooling="cls"), shared=True).init(jax.random.key(0), ids, mask, ids, mask)
+
+
+def test_dropout_keeps_the_rate_and_the_expectation():
+  """jdr's packed-bits dropout: the drop fraction is the rate (to sampling error over 4M draws: an 8-bit
+  threshold, 0.1016 for 0.1, would fail), kept values are scaled by 1 / (1 - rate), the same key gives the
+  same mask and deterministic mode is the identity."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jdr.models.bert import Dropout  # pylint: disable=g-import-not-at-top
+  x = jnp.ones((1024, 4099), jnp.float32)  # an odd size: the last 32-bit word is half used
+  layer = Dropout(0.1)
+  y = np.asarray(layer.apply({}, x, deterministic=False, rngs={"dropout": jax.random.PRNGKey(0)}))
+  dropped = float(np.mean(y == 0))
+  assert abs(dropped - 0.1) < 5e-4, dropped
+  np.testing.assert_allclose(y[y != 0], 1 / 0.9, rtol=1e-6)
+  again = np.asarray(layer.apply({}, x, deterministic=False, rngs={"dropout": jax.random.PRNGKey(0)}))
+  np.testing.assert_array_equal(y, again)
+  other = np.asarray(layer.apply({}, x, deterministic=False, rngs={"dropout": jax.random.PRNGKey(1)}))
+  assert np.mean((y == 0) == (other == 0)) < 0.9  # a different key, a different mask
+  np.testing.assert_array_equal(np.asarray(layer.apply({}, x, deterministic=True)), np.asarray(x))

@@ -7,7 +7,10 @@ B queries and B positive documents with in-batch softmax NLL, dropout on, AdamW 
 gradient clipping at 1.0). The PyTorch step is transformers' BertModel + torch.optim.AdamW. Inputs are
 random token ids at full length (no padding), so both compute exactly the same work; FLOP/s count forward
 plus backward as 3x the forward FLOPs and are given as a fraction of the float32 matmul peak measured in
-the same run.
+the same run. jdr's step is split into parts: towers (forward + backward: the step without dropout, less
+the next two), dropout masks (the step with dropout less the step without), loss (in-batch softmax NLL and
+its gradient on [B, 384] vectors) and update (AdamW with clipping on the parameters), each jitted and timed
+alone.
 """
 
 import argparse
@@ -45,10 +48,13 @@ def _time_steps(run_step, steps: int) -> float:
   return float(np.median(times))
 
 
-def jdr_step_seconds(args, batch) -> float:
+def jdr_step_seconds(args, batch, dropout: float | None = None) -> float:
+  """Median seconds of jdr's jitted step; `dropout` overrides the model's rates (0.0: the step without masks)."""
   from jdr import optimizers, train  # pylint: disable=g-import-not-at-top
   from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
   config = _config(args)
+  if dropout is not None:
+    config.model.dropout = dropout
   built = build_lib.build(config.model, config.data)
   tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps)
   params = train.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
@@ -62,6 +68,45 @@ def jdr_step_seconds(args, batch) -> float:
     jax.block_until_ready(metrics["loss"])
 
   return _time_steps(run_step, args.steps)
+
+
+def jdr_part_seconds(args, batch) -> dict[str, float]:
+  """The optimizer update and the loss alone, jitted like the step: with the step with and without dropout,
+  the step splits into towers (forward + backward), dropout masks, loss and update."""
+  import optax  # pylint: disable=g-import-not-at-top
+  from jdr import losses, optimizers, train  # pylint: disable=g-import-not-at-top
+  from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
+  config = _config(args)
+  built = build_lib.build(config.model, config.data)
+  tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps)
+  params = train.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
+  grads = jax.tree_util.tree_map(lambda p: jax.numpy.full_like(p, 1e-3), params)
+  holder = {"params": params, "opt": tx.init(params)}
+
+  @jax.jit
+  def update(params, opt_state, grads):
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  def run_update():
+    holder["params"], holder["opt"] = update(holder["params"], holder["opt"], grads)
+    jax.block_until_ready(holder["params"])
+
+  b = args.batch_size
+  rng = np.random.default_rng(1)
+  q, d = (rng.standard_normal((b, 384)).astype(np.float32) for _ in range(2))
+  valid = np.asarray(batch["valid"])
+
+  @jax.jit
+  def loss_and_grads(q, d):
+    def loss(q, d):
+      return jax.numpy.mean(losses.softmax_nll(q @ d.T, valid, temperature=config.loss.temperature))
+    return jax.value_and_grad(loss, argnums=(0, 1))(q, d)
+
+  def run_loss():
+    jax.block_until_ready(loss_and_grads(q, d))
+
+  return {"update": _time_steps(run_update, args.steps), "loss": _time_steps(run_loss, args.steps)}
 
 
 def torch_step_seconds(args, batch) -> float:
@@ -114,6 +159,9 @@ def main(argv=None) -> None:
   flops = 3 * (peak_lib.encoder_flops([args.query_length] * b, layers=6, hidden=384, intermediate=1536)
                + peak_lib.encoder_flops([args.doc_length] * b, layers=6, hidden=384, intermediate=1536))
   jdr_s = jdr_step_seconds(args, batch)
+  no_dropout_s = jdr_step_seconds(args, batch, dropout=0.0)
+  parts = jdr_part_seconds(args, batch)
+  parts = {"towers": no_dropout_s - parts["update"] - parts["loss"], "dropout": jdr_s - no_dropout_s, **parts}
   torch_s = torch_step_seconds(args, batch)
   result = {
       "benchmark": "train-step", "units": "seconds/step (ratio = reference / jdr)",
@@ -123,8 +171,12 @@ def main(argv=None) -> None:
       "peak_gflops": round(peak["peak"] / 1e9, 1),
       "jdr_peak_fraction": round(flops / jdr_s / peak["peak"], 3),
       "reference_peak_fraction": round(flops / torch_s / peak["peak"], 3),
+      "jdr_parts_seconds": {k: round(v, 4) for k, v in parts.items()},
   }
-  print(f"jdr {jdr_s:.3f} s/step, PyTorch {torch_s:.3f} s/step: ratio {result['ratio']:.2f}", file=sys.stderr)
+  print(f"jdr {jdr_s:.3f} s/step (" + ", ".join(f"{k} {v:.3f}" for k, v in parts.items()) + f"), PyTorch "
+        f"{torch_s:.3f} s/step: ratio {result['ratio']:.2f}; jdr at {result['jdr_peak_fraction']:.0%} of the "
+        f"float32 matmul peak ({result['peak_gflops']:.0f} GFLOP/s), PyTorch at "
+        f"{result['reference_peak_fraction']:.0%}", file=sys.stderr)
   print(json.dumps(result))
 
 

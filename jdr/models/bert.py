@@ -158,6 +158,30 @@ def _activation(name: str):
   return jax.nn.relu
 
 
+class Dropout(nn.Module):
+  """Inverted dropout drawing 16 random bits per element, two from each 32-bit threefry word.
+
+  flax's nn.Dropout draws a float32 uniform per element, one threefry evaluation each; on a CPU those masks
+  were 0.39 s of a 1.71 s MiniLM training step. Packing halves the threefry work; 16 bits keep the rate
+  exact to 1 / 65,536 (8 bits would halve it again but turn 0.1 into 0.1016). Same rng stream ("dropout")
+  and the same per-call key as nn.Dropout, so gradient caching's per-row keys still hold.
+  """
+  rate: float
+
+  @nn.compact
+  def __call__(self, x, deterministic: bool):
+    if deterministic or self.rate == 0.0:
+      return x
+    if self.rate >= 1.0:
+      return jnp.zeros_like(x)
+    key = self.make_rng("dropout")
+    n = x.size
+    words = jax.random.bits(key, ((n + 1) // 2,), jnp.uint32)
+    draws = jax.lax.bitcast_convert_type(words, jnp.uint16).reshape(-1)[:n].reshape(x.shape)
+    keep = draws >= jnp.uint16(round(self.rate * 65536))
+    return jnp.where(keep, x / jnp.asarray(1.0 - self.rate, x.dtype), jnp.zeros((), x.dtype))
+
+
 def roberta_position_ids(input_ids: jax.Array, pad_token_id: int) -> jax.Array:
   """RoBERTa (fairseq) positions: pad tokens get pad_token_id, real tokens pad_token_id + 1, + 2, ..."""
   not_pad = (input_ids != pad_token_id).astype(jnp.int32)
@@ -193,7 +217,7 @@ class Embeddings(nn.Module):
     else:
       x = x + jnp.take(token_type, token_type_ids, axis=0)
     x = _layer_norm(cfg, "norm")(x)
-    return nn.Dropout(cfg.hidden_dropout)(x, deterministic=deterministic)
+    return Dropout(cfg.hidden_dropout)(x, deterministic=deterministic)
 
 
 class Layer(nn.Module):
@@ -222,7 +246,7 @@ class Layer(nn.Module):
     # Boolean mask + where (not an additive bias) keeps padded keys at exactly zero weight.
     logits = jnp.where(key_mask[:, None, None, :], logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1)
-    probs = nn.Dropout(cfg.attention_dropout)(probs, deterministic=deterministic)
+    probs = Dropout(cfg.attention_dropout)(probs, deterministic=deterministic)
     ctx = jnp.einsum("bnqk,bknd->bqnd", probs.astype(cfg.compute_dtype), v)
     attention_output = _dense(cfg, cfg.hidden_size, ("heads", "kv", "embed"), axis=(-2, -1),
                               name="attention_output")
@@ -232,10 +256,10 @@ class Layer(nn.Module):
     output_norm = _layer_norm(cfg, "output_norm")
 
     def rest(context, residual):
-      attn = nn.Dropout(cfg.hidden_dropout)(attention_output(context), deterministic=deterministic)
+      attn = Dropout(cfg.hidden_dropout)(attention_output(context), deterministic=deterministic)
       h = attention_norm(residual + attn)
       y = output(_activation(cfg.hidden_act)(intermediate(h)))
-      y = nn.Dropout(cfg.hidden_dropout)(y, deterministic=deterministic)
+      y = Dropout(cfg.hidden_dropout)(y, deterministic=deterministic)
       return output_norm(h + y)
 
     out = rest(ctx, x)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdr.models import hf
-from jdr.models.bert import Encoder, EncoderConfig
+from jdr.models.bert import Dropout, Encoder, EncoderConfig
 
 # HF name -> (jdr path, transpose) of each head tensor, per model type.
 _HEAD = {
@@ -54,7 +54,7 @@ class CrossEncoder(nn.Module):
     cfg = self.config
     hidden = Encoder(cfg, name="encoder")(input_ids, attention_mask, token_type_ids, deterministic=deterministic)
     x = hidden[:, 0]
-    drop = nn.Dropout(cfg.hidden_dropout)
+    drop = Dropout(cfg.hidden_dropout)
     if cfg.model_type == "roberta":
       x = drop(x, deterministic=deterministic)
     x = jnp.tanh(_dense(cfg.hidden_size, ("embed", None), "pooler")(x))

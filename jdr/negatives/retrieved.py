@@ -79,19 +79,23 @@ def corpus_shardings(mesh):
 # ------------------------------------------------------------------------------------------------ in the step
 
 
-def sharded_top_k(queries: jax.Array, corpus: jax.Array, bias: jax.Array, k: int, mesh) -> jax.Array:
+def sharded_top_k(queries: jax.Array, corpus: jax.Array, bias: jax.Array, k: int, mesh,
+                  recall_target: float = 1.0) -> jax.Array:
   """Rows [B, k] of the top-k inner products of queries [B, D] against the row-sharded corpus, best first.
 
   Each device takes the top k of its own rows; the k * devices candidates are gathered and merged, so no
   device ever holds the [B, N] score matrix. Exact (ties aside): the global top k is among the local ones.
+  With recall_target < 1 the local top k is `jax.lax.approx_max_k` (negatives.top_k_recall_target; fast on
+  TPUs, exact elsewhere).
   """
+  from jdr import index as index_lib  # pylint: disable=g-import-not-at-top
   rows_per_device = corpus.shape[0] // int(mesh.devices.size)
   k_local = min(k, rows_per_device)
 
   def local(q, emb, b):
     scores = jnp.dot(q, emb.T, precision=jax.lax.Precision.HIGHEST,
                      preferred_element_type=jnp.float32) + b
-    values, rows = jax.lax.top_k(scores, k_local)
+    values, rows = index_lib.local_top_k(scores, k_local, recall_target)
     offset = jax.lax.axis_index(ALL_AXES) * emb.shape[0]
     values = jax.lax.all_gather(values, ALL_AXES, axis=1, tiled=True)
     rows = jax.lax.all_gather(rows + offset, ALL_AXES, axis=1, tiled=True)

@@ -1,0 +1,68 @@
+"""Sizing jobs before they run: `--compile-only` figures for two models, two batches and three meshes, and
+the per-device corpus matrix of an 8.8M-document corpus.
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m jdr.bench sizing [--batches 32,1024]
+      [--models minilm,base] [--meshes "8,1,1;2,4,1;4,1,2"]
+
+Each row compiles the in-batch training step (queries of 32 tokens, documents of 128, AdamW) for the mesh on
+simulated CPU devices, exactly as `python -m jdr.train ... --compile-only` does (jdr.sizing.size_step), and
+prints XLA's per-device bytes. Rules follow the mesh: (8,1,1) data parallel (dp), (2,4,1) fully sharded
+(fsdp), (4,1,2) fsdp plus tensor parallel (fsdp_tp). `minilm` is the bundled all-MiniLM-L6-v2 (6 x 384),
+`base` a fresh BERT-base (12 x 768, the MiniLM vocabulary of 30,522). The corpus rows are
+jdr.sizing.corpus_matrix_bytes: ceil(8,841,823 / devices) x 768 x (4 or 2) bytes.
+"""
+
+import argparse
+import json
+import sys
+
+import jax
+
+MSMARCO_PASSAGES = 8_841_823
+RULES = {(8, 1, 1): "dp", (2, 4, 1): "fsdp", (4, 1, 2): "fsdp_tp"}
+
+
+def main(argv=None) -> None:
+  from jdr import defaults, sizing  # pylint: disable=g-import-not-at-top
+  parser = argparse.ArgumentParser(prog="python -m jdr.bench sizing", description=__doc__.splitlines()[0])
+  parser.add_argument("--models", default="minilm,base")
+  parser.add_argument("--batches", default="32,1024")
+  parser.add_argument("--meshes", default="8,1,1;2,4,1;4,1,2")
+  args = parser.parse_args(argv)
+  meshes = [tuple(int(x) for x in m.split(",")) for m in args.meshes.split(";")]
+  needed = max(a * b * c for a, b, c in meshes)
+  if jax.device_count() < needed:
+    raise SystemExit(f"these meshes need {needed} devices and {jax.device_count()} are present: run with "
+                     f"XLA_FLAGS=--xla_force_host_platform_device_count={needed}")
+  rows = []
+  mib = lambda b: b / 2**20
+  print(f"{'model':<7} {'batch':>5} {'mesh':<9} {'rules':<8} {'params':>9} {'optimizer':>9} {'batch in':>9} "
+        f"{'temps':>10} {'total':>10}  MiB per device; TFLOP per device", file=sys.stderr)
+  for model in args.models.split(","):
+    for batch in (int(b) for b in args.batches.split(",")):
+      for mesh in meshes:
+        c = defaults.get_config()
+        if model == "minilm":
+          c.model.init_from = "minilm"
+        else:
+          c.model.init_from, c.model.fresh = "", model
+        c.batch_size = batch
+        c.mesh.shape = mesh
+        c.mesh.rules = RULES.get(mesh, "fsdp_tp")
+        s = sizing.size_step(c)
+        rows.append({"model": model, **s})
+        print(f"{model:<7} {batch:>5} {str(mesh):<9} {c.mesh.rules:<8} {mib(s['params_bytes_per_device']):>9.1f} "
+              f"{mib(s['optimizer_bytes_per_device']):>9.1f} {mib(s['batch_bytes_per_device']):>9.2f} "
+              f"{mib(s['temp_bytes']):>10.1f} {mib(s['total_bytes_per_device']):>10.1f}  "
+              f"{s['flops_per_device'] / 1e12:.3f}", file=sys.stderr, flush=True)
+  corpus = {f"{dtype}_{devices}": sizing.corpus_matrix_bytes(MSMARCO_PASSAGES, 768, devices, dtype)
+            for dtype in ("float32", "bfloat16") for devices in (8, 64)}
+  for key, value in corpus.items():
+    print(f"8.8M x 768 corpus matrix, {key.replace('_', ' on ')} devices: {value / 2**30:.2f} GiB per device",
+          file=sys.stderr)
+  print(json.dumps({"benchmark": "sizing", "rows": rows, "corpus_matrix_bytes": corpus,
+                    "corpus_docs": MSMARCO_PASSAGES}))
+
+
+if __name__ == "__main__":
+  main()
