@@ -6,7 +6,9 @@ GPUs are 8x1x1 for data parallelism, and a pod adds fsdp/model axes. Models name
 parallelism edits the rules, never the model.
 """
 
+import contextlib
 import os
+import threading
 from typing import Any, Sequence
 
 import flax.linen as nn
@@ -30,6 +32,35 @@ RULES = {
     "fsdp_tp": (("batch", BATCH_AXES), ("embed", "fsdp"), ("heads", "model"), ("mlp", "model"),
                 ("vocab", "model")),
 }
+
+
+_ACTIVATIONS = threading.local()
+
+
+@contextlib.contextmanager
+def activations_on(mesh: Mesh, rules):
+  """While a step is traced: the towers keep their activations split by rows over the mesh's batch axes
+  (`constrain_rows`). Explicit NamedShardings, since a global mesh cannot be set inside jit."""
+  previous = getattr(_ACTIVATIONS, "value", None)
+  _ACTIVATIONS.value = (mesh, rules)
+  try:
+    yield
+  finally:
+    _ACTIVATIONS.value = previous
+
+
+def constrain_rows(x: jax.Array) -> jax.Array:
+  """x [rows, ...] pinned to the "batch" logical axis inside `activations_on` (a no-op elsewhere, and for
+  row counts the batch axes do not divide, such as gradient caching's single rows)."""
+  current = getattr(_ACTIVATIONS, "value", None)
+  if current is None:
+    return x
+  mesh, rules = current
+  spec = nn.logical_to_mesh_axes(("batch",) + (None,) * (x.ndim - 1), rules)
+  axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],) if spec[0] else ()
+  if x.shape[0] % int(np.prod([mesh.shape[a] for a in axes], dtype=np.int64)):
+    return x
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
 def initialize_distributed() -> None:

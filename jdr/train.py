@@ -216,7 +216,16 @@ def make_train_step(model: TwoTower, tx: optax.GradientTransformation, config: m
     return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux,
                        **group_grad_norms(grads, skip=("doc_tower",) if query_only else ())}
 
-  return train_step
+  if mesh is None:
+    return train_step
+  rules = parallel.rules_for(config.mesh.rules)
+
+  def train_step_on_mesh(*args):
+    # The towers' logical activation constraints (jdr.models.bert.Encoder) resolve against this mesh.
+    with parallel.activations_on(mesh, rules):
+      return train_step(*args)
+
+  return train_step_on_mesh
 
 
 def step_rngs(state: TrainState) -> tuple[jax.Array, jax.Array]:

@@ -19,6 +19,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jdr import parallel
+
 # Hugging Face model_type values whose checkpoints use RoBERTa's embeddings (padding-offset positions).
 _ROBERTA_TYPES = ("roberta", "xlm-roberta", "camembert")
 _ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
@@ -288,7 +290,11 @@ class Encoder(nn.Module):
     last layer (see Layer): (hidden [B, L, H], spans [B, S, H])."""
     cfg = self.config
     key_mask = attention_mask.astype(bool)
-    x = Embeddings(cfg, name="embeddings")(input_ids, token_type_ids, deterministic=deterministic)
+    # Activations stay split by rows (the "batch" logical axis) through every layer. A no-op unless the
+    # caller traces under parallel.activations_on (the train step does, on its mesh): with fsdp's
+    # embed-sharded weights XLA otherwise re-split the activations along their width.
+    constrain = parallel.constrain_rows
+    x = constrain(Embeddings(cfg, name="embeddings")(input_ids, token_type_ids, deterministic=deterministic))
     # Same param tree with or without remat, so checkpoints and HF conversion do not care.
     layer_cls = nn.remat(Layer, static_argnums=(3,)) if cfg.remat else Layer
     for i in range(cfg.num_layers):
@@ -296,5 +302,5 @@ class Encoder(nn.Module):
       if last and span_mask is not None:
         x, spans = layer_cls(cfg, name=f"layer_{i}")(x, key_mask, deterministic, span_mask)
         return x.astype(jnp.float32), spans.astype(jnp.float32)
-      x = layer_cls(cfg, name=f"layer_{i}")(x, key_mask, deterministic)
+      x = constrain(layer_cls(cfg, name=f"layer_{i}")(x, key_mask, deterministic))
     return x.astype(jnp.float32)
