@@ -113,3 +113,30 @@ def test_hierarchical_negatives_keep_the_best_inside_kept_parents():
     inside = [(ss[r, j, k], j, k) for j in range(n) for k in range(ks) if vs[r, j, k] and (j, k // 2) in top]
     assert {(j, k) for j in range(n) for k in range(ks) if kept_s[r, j, k]} == \
         {(j, k) for _, j, k in sorted(inside, reverse=True)[:m]}
+
+
+def test_pairs_outside_the_pools_are_scored_when_a_batch_needs_them(tmp_path, setup):
+  """A random top-up of a short pool is a (query, document) pair the up-front pass never saw: `ensure` scores
+  it on demand (the GPU ablation's KeyError), exactly as the up-front pass would have, and counts it."""
+  from jdr import distill, negatives  # pylint: disable=g-import-not-at-top
+  from jdr.data import pairs  # pylint: disable=g-import-not-at-top
+  from jdr.models import build  # pylint: disable=g-import-not-at-top
+  beir, teacher = setup
+  config = _student_config(beir, teacher)
+  data = pairs.load(config.data, tmp_path)
+  tokenizer = build.build(config.model, config.data).tokenizer
+  sampler = negatives.BM25Negatives(data.corpus, data.queries, data.train_qrels, top_k=3)
+  batches = pairs.Batches(data, tokenizer, batch_size=4, query_max_length=12, doc_max_length=32,
+                          negative_source=sampler, negatives_per_query=2, seed=0)
+  scores = distill.Distiller(config, data, tokenizer, batches, sampler, tmp_path / "cache").teacher
+  q = next(iter({q for q, _ in scores.scores}))
+  outside = next(d for d in data.corpus if (q, d) not in scores.scores)
+  scores.ensure([(q, outside)])
+  assert scores.late == 1 and (q, outside) in scores.scores
+  # The same pair scored in an up-front pass of its own (a fresh cache) gets the same scores.
+  alone = distill.TeacherScores(config, data, tokenizer, {}, scores.query_tokens, [(q, outside)], tmp_path / "c2")
+  np.testing.assert_allclose(scores.doc(q, outside), alone.doc(q, outside), rtol=1e-5)
+  np.testing.assert_allclose(scores.pieces(q, outside, "passage"), alone.pieces(q, outside, "passage"),
+                             rtol=1e-5, equal_nan=True)
+  scores.ensure([(q, outside)])
+  assert scores.late == 1  # scored once
