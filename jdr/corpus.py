@@ -202,6 +202,11 @@ def encode_corpus(runtime: EncoderRuntime, corpus: dict, out_dir: str | os.PathL
                   pieces: Sequence[tuple[str, int]] = ()) -> dict:
   """Encodes `corpus` (id -> Doc) into shards under out_dir, resuming finished shards. Returns meta.
 
+  In a multi-process job (jax.distributed: a pod, SLURM, `jdr.launch.local`) process i tokenizes, encodes
+  and writes shards i, i + P, i + 2P, ... of the P processes' shared out_dir (a shared file system), so no
+  host encodes what another does; process 0 writes meta.json, and marks it complete once every host's
+  shards are there.
+
   passages = 1 is FirstP (each document truncated to the model's length, one row); passages = P > 1 is
   ANCE's MaxP: up to P consecutive passages of max_length tokens per document, one row each, the ids file
   naming the document on every row (search then keeps a document's best passage: `retrieve_run`).
@@ -232,14 +237,18 @@ def encode_corpus(runtime: EncoderRuntime, corpus: dict, out_dir: str | os.PathL
     if diff:
       raise ValueError(f"{meta_path}: the existing encoding was made with other settings "
                        f"(key: (old, new)) {diff}; use a new output directory")
-  _write_atomic(meta_path, lambda p: p.write_text(json.dumps({**meta, "complete": False}, indent=1)))
+  index, count = jax.process_index(), jax.process_count()
+  if index == 0:
+    _write_atomic(meta_path, lambda p: p.write_text(json.dumps({**meta, "complete": False}, indent=1)))
 
-  done = [s for s in range(num_shards) if all(p.exists() for p in _shard_paths(out_dir, s))]
-  todo = [s for s in range(num_shards) if s not in done]
-  done_docs = sum(min(shard_size, len(doc_ids) - s * shard_size) for s in done)
+  mine = range(index, num_shards, count)  # round robin: hosts get shards of every part of the corpus
+  size_of = lambda s: min(shard_size, len(doc_ids) - s * shard_size)
+  done = [s for s in mine if all(p.exists() for p in _shard_paths(out_dir, s))]
+  todo = [s for s in mine if s not in done]
   if done:
-    print(f"resuming: {len(done)} of {num_shards} shards already encoded in {out_dir}", file=sys.stderr)
-  bar = tqdm.tqdm(total=len(doc_ids), initial=done_docs, unit="doc", desc="encode", smoothing=0.1,
+    print(f"resuming: {len(done)} of {len(mine)} shards already encoded in {out_dir}", file=sys.stderr)
+  bar = tqdm.tqdm(total=sum(size_of(s) for s in mine), initial=sum(size_of(s) for s in done), unit="doc",
+                  desc="encode" if count == 1 else f"encode (host {index} of {count})", smoothing=0.1,
                   mininterval=1.0)
   for shard in todo:
     ids = doc_ids[shard * shard_size:(shard + 1) * shard_size]
@@ -262,9 +271,17 @@ def encode_corpus(runtime: EncoderRuntime, corpus: dict, out_dir: str | os.PathL
     _write_atomic(ids_path, lambda p: p.write_text("".join(i + "\n" for i in ids)))
     _write_atomic(emb_path, lambda p: np.save(open(p, "wb"), emb))
   bar.close()
+  if count > 1:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    multihost_utils.sync_global_devices("jdr.corpus.encode_corpus: every host's shards written")
+  missing = [s for s in range(num_shards) if not all(p.exists() for p in _shard_paths(out_dir, s))]
+  if missing:
+    raise RuntimeError(f"{out_dir}: shards {missing[:10]} are missing after every host finished; is out_dir on a "
+                       "file system all hosts share?")
   meta["complete"] = True
   meta["dim"] = int(np.load(_shard_paths(out_dir, 0)[0], mmap_mode="r").shape[1])
-  _write_atomic(meta_path, lambda p: p.write_text(json.dumps(meta, indent=1)))
+  if index == 0:
+    _write_atomic(meta_path, lambda p: p.write_text(json.dumps(meta, indent=1)))
   return meta
 
 

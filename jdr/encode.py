@@ -3,6 +3,8 @@
 The output directory holds `emb-NNNNN.npy` (float32 [n, D]) and `ids-NNNNN.txt` per shard plus
 `meta.json` (see jdr.corpus, which does the work). A killed run resumes from the last finished shard;
 a resume with different settings is refused rather than mixing embeddings of two models in one index.
+Launched on several hosts (`python -m jdr.launch.local|slurm|tpu ... -- python -m jdr.encode ...`), each
+process encodes and writes its own shards of the shared output directory.
 """
 
 import argparse
@@ -13,6 +15,7 @@ from typing import Iterable
 
 from jdr import cli
 from jdr import corpus as corpus_lib
+from jdr import parallel
 from jdr.data import formats
 
 
@@ -50,6 +53,8 @@ def main(argv: Iterable[str] | None = None) -> None:
   args = parser.parse_args(argv)
   if args.model is None:
     parser.error("--model is required")
+  # A multi-process launch (jdr.launch.*) splits the shards over the hosts: join it before jax starts.
+  parallel.initialize_distributed()
   with cli.reporting_errors(skip_flag="--skip-invalid"):
     # The corpus first: a bad line is reported in seconds, not after loading the model.
     corpus = formats.read_corpus(args.corpus, skip_invalid=args.skip_invalid)

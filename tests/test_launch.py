@@ -44,3 +44,28 @@ def test_local_dry_run(capsys):
   for rank, line in enumerate(lines):
     assert line.startswith(f"JDR_COORDINATOR=127.0.0.1:4321 JDR_NUM_PROCESSES=2 JDR_PROCESS_ID={rank} ")
     assert "--xla_force_host_platform_device_count=4" in line and line.endswith(shlex.join(TRAIN))
+
+
+def test_two_hosts_encode_disjoint_shards_equal_to_one(tmp_path):
+  """jdr.encode under the local launcher: 2 processes (jax.distributed) each encode and write their own
+  shards (round robin), and the directory equals a one-process encoding, ids and vectors."""
+  import os  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from conftest import write_tiny_beir  # pylint: disable=g-import-not-at-top
+  from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+  data = write_tiny_beir(tmp_path / "data")
+  encode = [sys.executable, "-m", "jdr.encode", "--model", "minilm", "--corpus", str(data), "--max-length", "16",
+            "--shard-size", "7"]
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  launched = subprocess.run([sys.executable, "-m", "jdr.launch.local", "--processes", "2", "--devices-per-process",
+                             "1", "--log-dir", str(tmp_path / "logs"), "--", *encode, "--out", str(tmp_path / "two")],
+                            env=env, capture_output=True, text=True, timeout=600)
+  assert launched.returncode == 0, launched.stderr[-3000:] + (tmp_path / "logs" / "process-1.log").read_text()[-2000:]
+  assert "host 1 of 2" in (tmp_path / "logs" / "process-1.log").read_text()  # process 1 did encode shards
+  subprocess.run([*encode, "--out", str(tmp_path / "one")], env=env, check=True, capture_output=True, timeout=600)
+  two, two_ids, two_meta = corpus_lib.load_embeddings(tmp_path / "two")
+  one, one_ids, one_meta = corpus_lib.load_embeddings(tmp_path / "one")
+  assert two_ids == one_ids and two_meta["complete"] and two_meta["num_shards"] == one_meta["num_shards"] > 2
+  np.testing.assert_allclose(two, one, rtol=1e-5, atol=1e-6)
