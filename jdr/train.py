@@ -353,7 +353,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   encoder = evaluation.TowerEncoder(
       model, built.tokenizer, data, query_max_length=config.data.query_max_length,
       doc_max_length=config.eval.doc_max_length or config.data.doc_max_length,
-      tokens_per_batch=config.eval.tokens_per_batch)
+      tokens_per_batch=config.eval.tokens_per_batch, mesh=mesh)
 
   negatives = sources.make(config, data, workdir, encoder, state.params, mesh, make_step_query_vectors(model))
   if not pretraining:

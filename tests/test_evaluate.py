@@ -99,3 +99,48 @@ def test_errors(files, tmp_path):
   other.write_text("zz Q0 d1 1 0.5 t\n")
   result = _cli("--qrels", files / "qrels.tsv", "--run", other)
   assert result.returncode != 0 and "no query to evaluate" in result.stderr
+
+
+_ROWS_ON_MESH = """
+import sys
+import jax
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+sys.path.insert(0, sys.argv[2])
+from conftest import write_tiny_beir
+from jdr import config_files, defaults, evaluation, optimizers, parallel, train
+from jdr.data import pairs
+from jdr.models import build
+
+assert jax.device_count() == 8
+config = defaults.get_config()
+config_files.apply_overrides(config, ["model.init_from=", "model.fresh=tiny", "model.pooling=mean",
+                                      f"data.dataset={write_tiny_beir(sys.argv[3])}"])
+built = build.build(config.model, config.data)
+data = pairs.load(config.data, sys.argv[3])
+params = train.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
+kwargs = dict(query_max_length=16, doc_max_length=32, tokens_per_batch=96)  # 3-row batches: padded to 8
+alone = evaluation.TowerEncoder(built.model, built.tokenizer, data, **kwargs)
+reference = alone.corpus(params), alone.queries(params, sorted(data.queries)[:5])
+for shape, rules in (((8, 1, 1), "dp"), ((2, 4, 1), "fsdp")):
+  mesh = parallel.make_mesh(shape)
+  config.mesh.rules = rules
+  tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps)
+  _, shardings = train.abstract_train_state(built.model, tx, config, mesh, parallel.rules_for(rules))
+  sharded = jax.device_put(params, shardings.params)
+  encoder = evaluation.TowerEncoder(built.model, built.tokenizer, data, mesh=mesh, **kwargs)
+  got = encoder.corpus(sharded), encoder.queries(sharded, sorted(data.queries)[:5])
+  for a, b in zip(got, reference):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+print("rows on mesh ok")
+"""
+
+
+def test_evaluation_encoding_split_over_8_devices_equals_one(tmp_path):
+  """The trainer's corpus and query encoding with rows split over a mesh of 8 simulated CPU devices (data
+  parallel, and fully sharded parameters) gives the single-device vectors; 3-row batches exercise padding."""
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  result = subprocess.run([sys.executable, "-c", _ROWS_ON_MESH, str(ROOT), str(ROOT / "tests"), str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+  assert "rows on mesh ok" in result.stdout

@@ -37,9 +37,12 @@ def _train_cmd(workdir, data, *extra):
           "--workdir", str(workdir), f"--config.data.dataset={data}", *TINY, *extra]
 
 
+def _records(workdir) -> list[dict]:
+  return [json.loads(l) for l in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+
+
 def _losses(workdir) -> list[float]:
-  records = [json.loads(l) for l in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()]
-  return [r["train/loss"] for r in records if "train/loss" in r]
+  return [r["train/loss"] for r in _records(workdir) if "train/loss" in r]
 
 
 def test_sharded_runs_equal_one_device(tmp_path):
@@ -89,9 +92,10 @@ def test_sharded_runs_equal_one_device(tmp_path):
 
 def test_two_processes_equal_one(tmp_path):
   """The multi-host path through the local launcher: 2 processes x 4 CPU devices (jax.distributed) train
-  like 1 process x 8 devices."""
+  like 1 process x 8 devices, and their final evaluation (each device encoding its own rows of the corpus,
+  gathered across the hosts) scores the same."""
   data = write_tiny_beir(tmp_path / "data")
-  common = ["--config.num_train_steps=6", "--config.checkpoint_every=3", "--config.data.eval_split="]
+  common = ["--config.num_train_steps=6", "--config.checkpoint_every=3", "--config.eval_before_training=False"]
   launched = subprocess.run([sys.executable, "-m", "jdr.launch.local", "--processes", "2", "--devices-per-process",
                              "4", "--log-dir", str(tmp_path / "logs"), "--",
                              *_train_cmd(tmp_path / "multi", data, *common)],
@@ -101,6 +105,9 @@ def test_two_processes_equal_one(tmp_path):
                  capture_output=True, timeout=600)
   assert len(_losses(tmp_path / "multi")) == 6  # host 0 alone writes the log
   np.testing.assert_allclose(_losses(tmp_path / "multi"), _losses(tmp_path / "single"), rtol=3e-5)
+  evals = [[r for r in _records(tmp_path / w) if "eval/ndcg@10" in r] for w in ("multi", "single")]
+  assert len(evals[0]) == len(evals[1]) == 1
+  np.testing.assert_allclose(evals[0][0]["eval/ndcg@10"], evals[1][0]["eval/ndcg@10"], rtol=1e-6)
   assert (tmp_path / "multi" / "checkpoints" / "6").is_dir()
 
 
