@@ -64,6 +64,33 @@ class EncoderRuntime:
   apply_spans: Callable | None = None
 
 
+def rows_on_mesh(fn, mesh):
+  """`fn(params, ids, mask)` with the rows of each batch split over the mesh's batch axes: every device
+  encodes its own rows, on all hosts; the vectors come back whole to every host as numpy.
+
+  Rows are padded to a multiple of the batch devices (padding rows are dropped again). Each host passes
+  the same full batch; a device reads only its slice of it."""
+  from jdr import parallel  # pylint: disable=g-import-not-at-top
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  rows_sharding = parallel.batch_sharding(mesh)
+  jitted = jax.jit(fn, out_shardings=rows_sharding)
+  split = int(np.prod([mesh.shape[a] for a in parallel.BATCH_AXES]))
+
+  def apply(params, ids, mask):
+    ids, mask = np.asarray(ids), np.asarray(mask)
+    n = len(ids)
+    pad = -n % split
+    if pad:
+      ids = np.concatenate([ids, np.zeros((pad, ids.shape[1]), ids.dtype)])
+      mask = np.concatenate([mask, np.zeros((pad, mask.shape[1]), mask.dtype)])
+    put = lambda x: jax.make_array_from_callback(x.shape, rows_sharding, lambda index: x[index])
+    out = jitted(params, put(ids), put(mask))
+    out = np.asarray(out) if out.is_fully_addressable else multihost_utils.process_allgather(out, tiled=True)
+    return out[:n]
+
+  return apply
+
+
 def load_runtime(model: str, *, pooling: str | None = None, normalize: bool | None = None,
                  max_length: int | None = None, dtype: str = "float32",
                  side: str = "doc") -> EncoderRuntime:

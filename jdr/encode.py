@@ -8,10 +8,13 @@ process encodes and writes its own shards of the shared output directory.
 """
 
 import argparse
+import dataclasses
 import pathlib
 import sys
 import time
 from typing import Iterable
+
+import jax
 
 from jdr import cli
 from jdr import corpus as corpus_lib
@@ -63,6 +66,13 @@ def main(argv: Iterable[str] | None = None) -> None:
     tokens_per_batch = args.tokens_per_batch
     if args.batch_size:
       tokens_per_batch = args.batch_size * runtime.max_length
+    devices = jax.local_device_count()
+    if devices > 1 and not args.pieces:
+      # This host's devices split each batch's rows (hosts split the shards): batches grow with them.
+      mesh = parallel.make_mesh((-1, 1, 1), devices=jax.local_devices())
+      runtime = dataclasses.replace(runtime, apply_fn=corpus_lib.rows_on_mesh(runtime.apply_fn, mesh))
+      tokens_per_batch = (tokens_per_batch or corpus_lib.default_tokens_per_batch()) * devices
+      print(f"{devices} local devices split each batch's rows", file=sys.stderr)
     model_name = args.model if args.model == "minilm" else str(pathlib.Path(args.model).resolve())
     settings = {"model": model_name, "corpus": str(pathlib.Path(args.corpus).resolve()),
                 **{k: runtime.info[k] for k in ("pooling", "normalize", "max_length")},

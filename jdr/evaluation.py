@@ -24,38 +24,11 @@ from jdr.data import text as text_lib
 from jdr.models.towers import TwoTower
 
 
-def rows_on_mesh(fn, mesh):
-  """`fn(params, ids, mask)` with the rows of each batch split over the mesh's batch axes: every device
-  encodes its own rows, on all hosts; the vectors come back whole to every host as numpy.
-
-  Rows are padded to a multiple of the batch devices (padding rows are dropped again). Each host passes
-  the same full batch; a device reads only its slice of it."""
-  from jdr import parallel  # pylint: disable=g-import-not-at-top
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-  rows_sharding = parallel.batch_sharding(mesh)
-  jitted = jax.jit(fn, out_shardings=rows_sharding)
-  split = int(np.prod([mesh.shape[a] for a in parallel.BATCH_AXES]))
-
-  def apply(params, ids, mask):
-    ids, mask = np.asarray(ids), np.asarray(mask)
-    n = len(ids)
-    pad = -n % split
-    if pad:
-      ids = np.concatenate([ids, np.zeros((pad, ids.shape[1]), ids.dtype)])
-      mask = np.concatenate([mask, np.zeros((pad, mask.shape[1]), mask.dtype)])
-    put = lambda x: jax.make_array_from_callback(x.shape, rows_sharding, lambda index: x[index])
-    out = jitted(params, put(ids), put(mask))
-    out = multihost_utils.process_allgather(out, tiled=True) if jax.process_count() > 1 else np.asarray(out)
-    return out[:n]
-
-  return apply
-
-
 class TowerEncoder:
   """Encodes the corpus (document tower) and queries (query tower) of a dataset with given params.
 
   With a `mesh` of more than one device (the trainer's), each batch's rows are split over its batch axes
-  (`rows_on_mesh`): no device encodes what another does, across hosts too."""
+  (`jdr.corpus.rows_on_mesh`): no device encodes what another does, across hosts too."""
 
   def __init__(self, model: TwoTower, tokenizer, data, *, query_max_length: int, doc_max_length: int,
                tokens_per_batch: int | None = None, mesh=None):
@@ -68,7 +41,8 @@ class TowerEncoder:
     doc = lambda p, i, m: model.apply({"params": p}, i, m, method=TwoTower.encode_doc)
     query = lambda p, i, m: model.apply({"params": p}, i, m, method=TwoTower.encode_query)
     if mesh is not None and mesh.devices.size > 1:
-      self.encode_doc, self.encode_query = rows_on_mesh(doc, mesh), rows_on_mesh(query, mesh)
+      self.encode_doc = corpus_lib.rows_on_mesh(doc, mesh)
+      self.encode_query = corpus_lib.rows_on_mesh(query, mesh)
     else:
       self.encode_doc, self.encode_query = jax.jit(doc), jax.jit(query)
 

@@ -48,7 +48,8 @@ def test_local_dry_run(capsys):
 
 def test_two_hosts_encode_disjoint_shards_equal_to_one(tmp_path):
   """jdr.encode under the local launcher: 2 processes (jax.distributed) each encode and write their own
-  shards (round robin), and the directory equals a one-process encoding, ids and vectors."""
+  shards (round robin), their 2 devices each encoding half of every batch's rows, and the directory equals a
+  one-process, one-device encoding, ids and vectors."""
   import os  # pylint: disable=g-import-not-at-top
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
@@ -60,10 +61,11 @@ def test_two_hosts_encode_disjoint_shards_equal_to_one(tmp_path):
             "--shard-size", "7"]
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   launched = subprocess.run([sys.executable, "-m", "jdr.launch.local", "--processes", "2", "--devices-per-process",
-                             "1", "--log-dir", str(tmp_path / "logs"), "--", *encode, "--out", str(tmp_path / "two")],
+                             "2", "--log-dir", str(tmp_path / "logs"), "--", *encode, "--out", str(tmp_path / "two")],
                             env=env, capture_output=True, text=True, timeout=600)
   assert launched.returncode == 0, launched.stderr[-3000:] + (tmp_path / "logs" / "process-1.log").read_text()[-2000:]
-  assert "host 1 of 2" in (tmp_path / "logs" / "process-1.log").read_text()  # process 1 did encode shards
+  log = (tmp_path / "logs" / "process-1.log").read_text()
+  assert "host 1 of 2" in log and "2 local devices split" in log  # process 1 encoded shards on both devices
   subprocess.run([*encode, "--out", str(tmp_path / "one")], env=env, check=True, capture_output=True, timeout=600)
   two, two_ids, two_meta = corpus_lib.load_embeddings(tmp_path / "two")
   one, one_ids, one_meta = corpus_lib.load_embeddings(tmp_path / "one")
