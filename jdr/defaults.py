@@ -42,7 +42,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model.projection_dim = 0  # 0 = no head; N adds Dense(N) + LayerNorm (the ANCE / STAR head)
   c.model.shared = True  # one tower for queries and documents
   c.model.train_towers = "both"  # "both" or "query" (ADORE / LTRe keep the document tower fixed)
-  c.model.dtype = "float32"  # compute dtype: float32 or bfloat16
+  c.model.dtype = "auto"  # compute dtype: float32, bfloat16, or auto (bfloat16 on GPU / TPU, float32 on CPU)
   c.model.remat = False
   c.model.dropout = 0.1
 

@@ -253,3 +253,13 @@ def test_dropout_keeps_the_rate_and_the_expectation():
   other = np.asarray(layer.apply({}, x, deterministic=False, rngs={"dropout": jax.random.PRNGKey(1)}))
   assert np.mean((y == 0) == (other == 0)) < 0.9  # a different key, a different mask
   np.testing.assert_array_equal(np.asarray(layer.apply({}, x, deterministic=True)), np.asarray(x))
+
+
+def test_model_dtype_auto_is_float32_on_cpu_and_bad_names_are_refused():
+  """model.dtype=auto (the default) computes in bfloat16 only where the backend is an accelerator."""
+  from jdr.models import build  # pylint: disable=g-import-not-at-top
+  assert jax.default_backend() == "cpu"
+  assert build.compute_dtype("auto") == "float32"
+  assert build.compute_dtype("bfloat16") == "bfloat16"
+  with pytest.raises(ValueError, match="model.dtype"):
+    build.compute_dtype("float16")

@@ -134,9 +134,20 @@ def build(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collections.ConfigD
   return Built(model, _tokenizer(tokenizer_path), description, encoder_params, None)
 
 
+def compute_dtype(name: str) -> str:
+  """model.dtype: "float32", "bfloat16", or "auto" = bfloat16 on GPUs and TPUs (their matrix units' fast
+  type; parameters, LayerNorm statistics, softmax and the encoder's output stay float32) and float32 on CPUs,
+  where bfloat16 has no fast path."""
+  if name == "auto":
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+  if name not in ("float32", "bfloat16"):
+    raise ValueError(f"model.dtype must be float32, bfloat16 or auto, got {name!r}")
+  return name
+
+
 def _encoder_overrides(model_cfg: ml_collections.ConfigDict) -> dict:
   """What a run's model.* settings change in any encoder it starts from."""
-  return dict(dtype=model_cfg.dtype, remat=model_cfg.remat, hidden_dropout=model_cfg.dropout,
+  return dict(dtype=compute_dtype(model_cfg.dtype), remat=model_cfg.remat, hidden_dropout=model_cfg.dropout,
               attention_dropout=model_cfg.dropout)
 
 
@@ -232,7 +243,7 @@ def _from_jdr_model(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collectio
                          "another checkpoint")
     if tower.encoder is not None:
       tower = tower.replace(encoder=dataclasses.replace(
-          tower.encoder, dtype=model_cfg.dtype, remat=model_cfg.remat, hidden_dropout=model_cfg.dropout,
+          tower.encoder, dtype=compute_dtype(model_cfg.dtype), remat=model_cfg.remat, hidden_dropout=model_cfg.dropout,
           attention_dropout=model_cfg.dropout))
     towers[side] = tower
   if model.shared and not model_cfg.shared:
