@@ -263,3 +263,26 @@ def test_model_dtype_auto_is_float32_on_cpu_and_bad_names_are_refused():
   assert build.compute_dtype("bfloat16") == "bfloat16"
   with pytest.raises(ValueError, match="model.dtype"):
     build.compute_dtype("float16")
+
+
+@pytest.mark.parametrize("model_type", ["bert", "roberta"])
+def test_fused_attention_equals_the_einsum_attention(model_type):
+  """jax.nn.dot_product_attention (what model.attention=auto takes on accelerators, here forced on the CPU)
+  gives the einsum path's token vectors, padding included; a training forward with attention dropout keeps
+  the einsum path (it needs the probabilities)."""
+  cfg = TINY.replace(model_type=model_type, pad_token_id=1 if model_type == "roberta" else 0)
+  rng = np.random.default_rng(0)
+  ids = rng.integers(3, 50, (3, 9)).astype(np.int32)
+  mask = (np.arange(9)[None, :] < np.array([[9], [5], [2]])).astype(np.int32)
+  ids = np.where(mask > 0, ids, cfg.pad_token_id).astype(np.int32)
+  einsum, fused = Encoder(cfg.replace(attention="einsum")), Encoder(cfg.replace(attention="fused"))
+  params = einsum.init(jax.random.PRNGKey(0), ids, mask)
+  a = np.asarray(einsum.apply(params, ids, mask))
+  b = np.asarray(fused.apply(params, ids, mask))
+  valid = mask > 0
+  np.testing.assert_allclose(b[valid], a[valid], rtol=1e-5, atol=1e-5)
+  train = lambda m: np.asarray(m.apply(params, ids, mask, deterministic=False,
+                                       rngs={"dropout": jax.random.PRNGKey(3)}))
+  np.testing.assert_array_equal(train(fused), train(einsum))
+  with pytest.raises(ValueError, match="attention"):
+    cfg.replace(attention="flash")

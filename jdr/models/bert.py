@@ -45,6 +45,9 @@ class EncoderConfig:
   hidden_act: str = "gelu"  # "gelu" is the exact (erf) GELU, as in Hugging Face.
   dtype: str = "float32"  # compute dtype: "float32" | "bfloat16"; params are float32 regardless.
   remat: bool = False  # recompute each layer's activations in the backward pass (saves memory).
+  # "auto": jax.nn.dot_product_attention (cuDNN's fused kernel where the platform has one) on accelerators
+  # when no attention dropout is drawn, else jdr's own einsum attention; "einsum" / "fused" force one.
+  attention: str = "auto"
 
   def __post_init__(self):
     if self.model_type not in ("bert", "roberta"):
@@ -55,6 +58,8 @@ class EncoderConfig:
       raise ValueError(f"hidden_act {self.hidden_act!r} unsupported; expected one of {_ACTIVATIONS}")
     if self.dtype not in _DTYPES:
       raise ValueError(f"dtype must be one of {tuple(_DTYPES)}, got {self.dtype!r}")
+    if self.attention not in ("auto", "einsum", "fused"):
+      raise ValueError(f"attention must be auto, einsum or fused, got {self.attention!r}")
 
   @property
   def head_dim(self) -> int:
@@ -242,14 +247,23 @@ class Layer(nn.Module):
     q = _dense(cfg, heads, ("embed", "heads", "kv"), name="query")(x)
     k = _dense(cfg, heads, ("embed", "heads", "kv"), name="key")(x)
     v = _dense(cfg, heads, ("embed", "heads", "kv"), name="value")(x)
-    # Scaling q ([B, L, N, D]) is cheaper than scaling the [B, N, L, L] logits.
-    q = q * jnp.asarray(cfg.head_dim ** -0.5, q.dtype)
-    logits = jnp.einsum("bqnd,bknd->bnqk", q, k, preferred_element_type=jnp.float32)
-    # Boolean mask + where (not an additive bias) keeps padded keys at exactly zero weight.
-    logits = jnp.where(key_mask[:, None, None, :], logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1)
-    probs = Dropout(cfg.attention_dropout)(probs, deterministic=deterministic)
-    ctx = jnp.einsum("bnqk,bknd->bqnd", probs.astype(cfg.compute_dtype), v)
+    # FGD's spans need the [CLS] probabilities and attention dropout needs them too: both stay on einsums.
+    no_probs_needed = span_mask is None and (deterministic or cfg.attention_dropout == 0.0)
+    fused = no_probs_needed and (cfg.attention == "fused" or (
+        cfg.attention == "auto" and jax.default_backend() != "cpu"))
+    if fused:
+      # [B, L, N, D] is jax.nn.dot_product_attention's own layout; it picks cuDNN's kernel where it can.
+      ctx = jax.nn.dot_product_attention(q, k, v, mask=key_mask[:, None, None, :],
+                                         scale=cfg.head_dim ** -0.5).astype(cfg.compute_dtype)
+    else:
+      # Scaling q ([B, L, N, D]) is cheaper than scaling the [B, N, L, L] logits.
+      q = q * jnp.asarray(cfg.head_dim ** -0.5, q.dtype)
+      logits = jnp.einsum("bqnd,bknd->bnqk", q, k, preferred_element_type=jnp.float32)
+      # Boolean mask + where (not an additive bias) keeps padded keys at exactly zero weight.
+      logits = jnp.where(key_mask[:, None, None, :], logits, jnp.finfo(jnp.float32).min)
+      probs = jax.nn.softmax(logits, axis=-1)
+      probs = Dropout(cfg.attention_dropout)(probs, deterministic=deterministic)
+      ctx = jnp.einsum("bnqk,bknd->bqnd", probs.astype(cfg.compute_dtype), v)
     attention_output = _dense(cfg, cfg.hidden_size, ("heads", "kv", "embed"), axis=(-2, -1),
                               name="attention_output")
     attention_norm = _layer_norm(cfg, "attention_norm")
