@@ -41,6 +41,21 @@ def _student_config(beir, teacher, extra=()):
   return config
 
 
+def _distiller_inputs(tmp_path, setup):
+  """(config, data, tokenizer, sampler, batches) of the tiny student: BM25 pools of 3, 2 negatives a query."""
+  from jdr import negatives  # pylint: disable=g-import-not-at-top
+  from jdr.data import pairs  # pylint: disable=g-import-not-at-top
+  from jdr.models import build  # pylint: disable=g-import-not-at-top
+  beir, teacher = setup
+  config = _student_config(beir, teacher)
+  data = pairs.load(config.data, tmp_path)
+  tokenizer = build.build(config.model, config.data).tokenizer
+  sampler = negatives.BM25Negatives(data.corpus, data.queries, data.train_qrels, top_k=3)
+  batches = pairs.Batches(data, tokenizer, batch_size=4, query_max_length=12, doc_max_length=32,
+                          negative_source=sampler, negatives_per_query=2, seed=0)
+  return config, data, tokenizer, sampler, batches
+
+
 def _records(workdir):
   return [json.loads(l) for l in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()]
 
@@ -62,16 +77,8 @@ def test_fgd_and_document_kd_train_with_cached_teacher_scores(tmp_path, setup):
 
 
 def test_teacher_pieces_are_the_students_windows_and_negatives_come_from_negative_documents(tmp_path, setup):
-  from jdr import distill, granularity, negatives  # pylint: disable=g-import-not-at-top
-  from jdr.data import pairs  # pylint: disable=g-import-not-at-top
-  from jdr.models import build  # pylint: disable=g-import-not-at-top
-  beir, teacher = setup
-  config = _student_config(beir, teacher)
-  data = pairs.load(config.data, tmp_path)
-  tokenizer = build.build(config.model, config.data).tokenizer
-  sampler = negatives.BM25Negatives(data.corpus, data.queries, data.train_qrels, top_k=3)
-  batches = pairs.Batches(data, tokenizer, batch_size=4, query_max_length=12, doc_max_length=32,
-                          negative_source=sampler, negatives_per_query=2, seed=0)
+  from jdr import distill, granularity  # pylint: disable=g-import-not-at-top
+  config, data, tokenizer, sampler, batches = _distiller_inputs(tmp_path, setup)
   distiller = distill.Distiller(config, data, tokenizer, batches, sampler, tmp_path / "cache")
   # Scored once: a second distiller on the same data reads the cache and gets the same scores.
   again = distill.Distiller(config, data, tokenizer, batches, sampler, tmp_path / "cache")
@@ -118,16 +125,8 @@ def test_hierarchical_negatives_keep_the_best_inside_kept_parents():
 def test_pairs_outside_the_pools_are_scored_when_a_batch_needs_them(tmp_path, setup):
   """A random top-up of a short pool is a (query, document) pair the up-front pass never saw: `ensure` scores
   it on demand (the GPU ablation's KeyError), exactly as the up-front pass would have, and counts it."""
-  from jdr import distill, negatives  # pylint: disable=g-import-not-at-top
-  from jdr.data import pairs  # pylint: disable=g-import-not-at-top
-  from jdr.models import build  # pylint: disable=g-import-not-at-top
-  beir, teacher = setup
-  config = _student_config(beir, teacher)
-  data = pairs.load(config.data, tmp_path)
-  tokenizer = build.build(config.model, config.data).tokenizer
-  sampler = negatives.BM25Negatives(data.corpus, data.queries, data.train_qrels, top_k=3)
-  batches = pairs.Batches(data, tokenizer, batch_size=4, query_max_length=12, doc_max_length=32,
-                          negative_source=sampler, negatives_per_query=2, seed=0)
+  from jdr import distill  # pylint: disable=g-import-not-at-top
+  config, data, tokenizer, sampler, batches = _distiller_inputs(tmp_path, setup)
   scores = distill.Distiller(config, data, tokenizer, batches, sampler, tmp_path / "cache").teacher
   q = next(iter({q for q, _ in scores.scores}))
   outside = next(d for d in data.corpus if (q, d) not in scores.scores)
