@@ -62,31 +62,30 @@ class EncoderRuntime:
   info: dict
   # (params, input_ids, attention_mask, span_mask [B, S, L]) -> ([B, D], [B, S, D]): FGD's Eq. 7 pieces
   apply_spans: Callable | None = None
+  # Batch rows are planned as a multiple of this: the devices that split them (`rows_on_mesh`).
+  rows_multiple: int = 1
 
 
 def rows_on_mesh(fn, mesh):
   """`fn(params, ids, mask)` with the rows of each batch split over the mesh's batch axes: every device
   encodes its own rows, on all hosts; the vectors come back whole to every host as numpy.
 
-  Rows are padded to a multiple of the batch devices (padding rows are dropped again). Each host passes
-  the same full batch; a device reads only its slice of it."""
+  Rows must be a multiple of the batch devices: an EncoderRuntime with `rows_multiple` set to
+  `parallel.data_parallel_size(mesh)` plans its batches so (with filler rows). Each host passes the same
+  full batch; a device reads only its slice of it."""
   from jdr import parallel  # pylint: disable=g-import-not-at-top
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   rows_sharding = parallel.batch_sharding(mesh)
   jitted = jax.jit(fn, out_shardings=rows_sharding)
-  split = int(np.prod([mesh.shape[a] for a in parallel.BATCH_AXES]))
+  split = parallel.data_parallel_size(mesh)
 
   def apply(params, ids, mask):
-    ids, mask = np.asarray(ids), np.asarray(mask)
-    n = len(ids)
-    pad = -n % split
-    if pad:
-      ids = np.concatenate([ids, np.zeros((pad, ids.shape[1]), ids.dtype)])
-      mask = np.concatenate([mask, np.zeros((pad, mask.shape[1]), mask.dtype)])
-    put = lambda x: jax.make_array_from_callback(x.shape, rows_sharding, lambda index: x[index])
+    if len(ids) % split:
+      raise ValueError(f"a batch of {len(ids)} rows does not split over {split} devices; plan batches with "
+                       f"rows_multiple={split}")
+    put = lambda x: jax.make_array_from_callback(x.shape, rows_sharding, lambda index: np.asarray(x)[index])
     out = jitted(params, put(ids), put(mask))
-    out = np.asarray(out) if out.is_fully_addressable else multihost_utils.process_allgather(out, tiled=True)
-    return out[:n]
+    return np.asarray(out) if out.is_fully_addressable else multihost_utils.process_allgather(out, tiled=True)
 
   return apply
 
@@ -172,10 +171,11 @@ def encode_pieces(runtime: EncoderRuntime, token_ids: Sequence[np.ndarray], leve
   return np.concatenate(docs), {name: np.concatenate(parts) for name, parts in pieces.items()}
 
 
-def batch_plan_args(max_length: int, tokens_per_batch: int) -> dict:
-  """How jdr batches for encoding: ~tokens_per_batch padded tokens per length bucket, few shapes."""
+def batch_plan_args(max_length: int, tokens_per_batch: int, rows_multiple: int = 1) -> dict:
+  """How jdr batches for encoding: ~tokens_per_batch padded tokens per length bucket, few shapes, rows a
+  multiple of `rows_multiple` (the devices splitting them)."""
   return {"max_tokens": tokens_per_batch, "bucket_lengths": text_lib.default_bucket_lengths(max_length),
-          "short_rows_to_power_of_two": True}
+          "short_rows_to_power_of_two": True, "multiple_of": rows_multiple}
 
 
 def encode_texts(runtime: EncoderRuntime, texts: Sequence[str], *,
@@ -198,7 +198,7 @@ def encode_tokens(runtime: EncoderRuntime, token_ids: Sequence[np.ndarray], *,
   out = None
   for indices, input_ids, mask in text_lib.bucketed_batches(
       token_ids, pad_id=runtime.tokenizer.pad_token_id or 0,
-      **batch_plan_args(runtime.max_length, tokens_per_batch)):
+      **batch_plan_args(runtime.max_length, tokens_per_batch, runtime.rows_multiple)):
     emb = np.asarray(runtime.apply_fn(runtime.params, input_ids, mask), dtype=np.float32)
     if out is None:
       out = np.empty((len(token_ids), emb.shape[-1]), np.float32)

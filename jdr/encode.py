@@ -70,7 +70,8 @@ def main(argv: Iterable[str] | None = None) -> None:
     if devices > 1 and not args.pieces:
       # This host's devices split each batch's rows (hosts split the shards): batches grow with them.
       mesh = parallel.make_mesh((-1, 1, 1), devices=jax.local_devices())
-      runtime = dataclasses.replace(runtime, apply_fn=corpus_lib.rows_on_mesh(runtime.apply_fn, mesh))
+      runtime = dataclasses.replace(runtime, apply_fn=corpus_lib.rows_on_mesh(runtime.apply_fn, mesh),
+                                    rows_multiple=devices)
       tokens_per_batch = (tokens_per_batch or corpus_lib.default_tokens_per_batch()) * devices
       print(f"{devices} local devices split each batch's rows", file=sys.stderr)
     model_name = args.model if args.model == "minilm" else str(pathlib.Path(args.model).resolve())

@@ -40,9 +40,12 @@ class TowerEncoder:
     self._query_tokens: dict[str, np.ndarray] = {}
     doc = lambda p, i, m: model.apply({"params": p}, i, m, method=TwoTower.encode_doc)
     query = lambda p, i, m: model.apply({"params": p}, i, m, method=TwoTower.encode_query)
+    self.rows_multiple = 1
     if mesh is not None and mesh.devices.size > 1:
+      from jdr import parallel  # pylint: disable=g-import-not-at-top
       self.encode_doc = corpus_lib.rows_on_mesh(doc, mesh)
       self.encode_query = corpus_lib.rows_on_mesh(query, mesh)
+      self.rows_multiple = parallel.data_parallel_size(mesh)
     else:
       self.encode_doc, self.encode_query = jax.jit(doc), jax.jit(query)
 
@@ -55,7 +58,8 @@ class TowerEncoder:
 
   def corpus(self, params, progress: bool = False) -> np.ndarray:
     """float32 [N, D], rows in `self.doc_ids` order."""
-    runtime = corpus_lib.EncoderRuntime(self.encode_doc, params, self.tokenizer, self.doc_max_length, {})
+    runtime = corpus_lib.EncoderRuntime(self.encode_doc, params, self.tokenizer, self.doc_max_length, {},
+                                        rows_multiple=self.rows_multiple)
     bar = None
     if progress and jax.process_index() == 0:
       import tqdm  # pylint: disable=g-import-not-at-top
@@ -72,7 +76,8 @@ class TowerEncoder:
     if missing:
       tokens = text_lib.tokenize(self.tokenizer, [self.data.queries[q] for q in missing], self.query_max_length)
       self._query_tokens.update(zip(missing, tokens))
-    runtime = corpus_lib.EncoderRuntime(self.encode_query, params, self.tokenizer, self.query_max_length, {})
+    runtime = corpus_lib.EncoderRuntime(self.encode_query, params, self.tokenizer, self.query_max_length, {},
+                                        rows_multiple=self.rows_multiple)
     return corpus_lib.encode_tokens(runtime, [self._query_tokens[q] for q in qids],
                                     tokens_per_batch=self.tokens_per_batch)
 

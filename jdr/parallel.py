@@ -38,29 +38,24 @@ _ACTIVATIONS = threading.local()
 
 
 @contextlib.contextmanager
-def activations_on(mesh: Mesh, rules):
+def activations_on(mesh: Mesh):
   """While a step is traced: the towers keep their activations split by rows over the mesh's batch axes
   (`constrain_rows`). Explicit NamedShardings, since a global mesh cannot be set inside jit."""
-  previous = getattr(_ACTIVATIONS, "value", None)
-  _ACTIVATIONS.value = (mesh, rules)
+  previous = getattr(_ACTIVATIONS, "mesh", None)
+  _ACTIVATIONS.mesh = mesh
   try:
     yield
   finally:
-    _ACTIVATIONS.value = previous
+    _ACTIVATIONS.mesh = previous
 
 
 def constrain_rows(x: jax.Array) -> jax.Array:
-  """x [rows, ...] pinned to the "batch" logical axis inside `activations_on` (a no-op elsewhere, and for
-  row counts the batch axes do not divide, such as gradient caching's single rows)."""
-  current = getattr(_ACTIVATIONS, "value", None)
-  if current is None:
+  """x [rows, ...] with the batch sharding inside `activations_on` (a no-op elsewhere, and for row counts
+  the batch axes do not divide, such as gradient caching's single rows)."""
+  mesh = getattr(_ACTIVATIONS, "mesh", None)
+  if mesh is None or x.shape[0] % data_parallel_size(mesh):
     return x
-  mesh, rules = current
-  spec = nn.logical_to_mesh_axes(("batch",) + (None,) * (x.ndim - 1), rules)
-  axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],) if spec[0] else ()
-  if x.shape[0] % int(np.prod([mesh.shape[a] for a in axes], dtype=np.int64)):
-    return x
-  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+  return jax.lax.with_sharding_constraint(x, batch_sharding(mesh))
 
 
 def initialize_distributed() -> None:

@@ -218,11 +218,10 @@ def make_train_step(model: TwoTower, tx: optax.GradientTransformation, config: m
 
   if mesh is None:
     return train_step
-  rules = parallel.rules_for(config.mesh.rules)
 
   def train_step_on_mesh(*args):
-    # The towers' logical activation constraints (jdr.models.bert.Encoder) resolve against this mesh.
-    with parallel.activations_on(mesh, rules):
+    # The towers pin their activations to this mesh's batch axes (jdr.models.bert.Encoder).
+    with parallel.activations_on(mesh):
       return train_step(*args)
 
   return train_step_on_mesh
