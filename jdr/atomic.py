@@ -2,17 +2,25 @@
 
 A run killed mid-write (preemption, SIGKILL) must never leave half a cache, snapshot or generation file
 that a resumed run would trust. Temp files are hidden (`.NAME.XXXX.tmp`) so a reader can clear strays.
+On object storage (gs://, s3://) an object only appears once its upload is closed, so it is written in place.
 """
 
 import os
-import pathlib
 import tempfile
 from typing import Any, Callable
 
+from jdr import paths
 
-def write_atomic(path: pathlib.Path, write: Callable[[Any], None]) -> None:
+
+def write_atomic(path: paths.PathLike, write: Callable[[Any], None]) -> None:
   """Calls `write(binary file)` on a temp file beside `path`, then renames it to `path`."""
-  path = pathlib.Path(path)
+  if not paths.is_local(path):
+    target = paths.as_path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with target.open("wb") as f:
+      write(f)
+    return
+  path = paths.local(path)
   path.parent.mkdir(parents=True, exist_ok=True)
   fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
   try:
@@ -20,5 +28,9 @@ def write_atomic(path: pathlib.Path, write: Callable[[Any], None]) -> None:
       write(f)
     os.replace(tmp, path)
   except BaseException:
-    pathlib.Path(tmp).unlink(missing_ok=True)
+    paths.local(tmp).unlink(missing_ok=True)
     raise
+
+
+def write_text(path: paths.PathLike, text: str) -> None:
+  write_atomic(path, lambda f: f.write(text.encode("utf-8")))

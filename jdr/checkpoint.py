@@ -9,20 +9,21 @@ Load order at start-up (train.train_and_evaluate):
 """
 
 import json
-import pathlib
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
+from jdr import paths
+
 STATE = "state"
 META = "meta"
 
 
-def manager(workdir: str | pathlib.Path, *, keep: int = 3) -> ocp.CheckpointManager:
+def manager(workdir: paths.PathLike, *, keep: int = 3) -> ocp.CheckpointManager:
   """The workdir's CheckpointManager, keeping the last `keep` checkpoints; the trainer decides when to save."""
   options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
-  return ocp.CheckpointManager(pathlib.Path(workdir).absolute() / "checkpoints", options=options,
+  return ocp.CheckpointManager(paths.absolute(workdir) / "checkpoints", options=options,
                                item_names=(STATE, META))
 
 
@@ -45,18 +46,18 @@ def abstract_like(tree: Any) -> Any:
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
-def save_params(path: str | pathlib.Path, params: Any, model_config: dict) -> None:
+def save_params(path: paths.PathLike, params: Any, model_config: dict) -> None:
   """A params-only checkpoint for serving: orbax params plus the model description as JSON."""
-  path = pathlib.Path(path).absolute()
+  path = paths.absolute(path)
   path.mkdir(parents=True, exist_ok=True)
   with ocp.StandardCheckpointer() as ckptr:
     ckptr.save(path / "params", params, force=True)
   (path / "jdr_model.json").write_text(json.dumps(model_config, indent=1, sort_keys=True))
 
 
-def load_params(path: str | pathlib.Path) -> tuple[Any, dict]:
+def load_params(path: paths.PathLike) -> tuple[Any, dict]:
   """Reads a params-only checkpoint written by save_params: (params as host arrays, model config)."""
-  path = pathlib.Path(path).absolute()
+  path = paths.absolute(path)
   if not (path / "jdr_model.json").exists():
     raise FileNotFoundError(f"{path}: not a jdr params checkpoint (no jdr_model.json)")
   with ocp.StandardCheckpointer() as ckptr:
@@ -64,11 +65,11 @@ def load_params(path: str | pathlib.Path) -> tuple[Any, dict]:
   return params, json.loads((path / "jdr_model.json").read_text())
 
 
-def latest_params(workdir: str | pathlib.Path) -> Any:
+def latest_params(workdir: paths.PathLike) -> Any:
   """The parameters of the latest checkpoint in a training workdir, as host arrays (no shardings needed)."""
   mngr = manager(workdir)
   step = mngr.latest_step()
   if step is None:
-    raise FileNotFoundError(f"{pathlib.Path(workdir) / 'checkpoints'}: no checkpoint to load")
+    raise FileNotFoundError(f"{paths.as_path(workdir) / 'checkpoints'}: no checkpoint to load")
   restored = mngr.restore(step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore()}))
   return restored[STATE]["params"]

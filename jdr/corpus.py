@@ -24,7 +24,6 @@ background refresh calling them must not end the trainer. Command lines turn err
 import dataclasses
 import json
 import os
-import pathlib
 import sys
 from typing import Callable, Iterable, Literal, Sequence
 
@@ -32,7 +31,9 @@ import jax
 import numpy as np
 import tqdm
 
+from jdr import atomic
 from jdr import index as index_lib
+from jdr import paths
 from jdr.data import text as text_lib
 
 # A batch holds about this many tokens (padded), whatever its length bucket, so short documents go in
@@ -213,44 +214,58 @@ def encode_tokens(runtime: EncoderRuntime, token_ids: Sequence[np.ndarray], *,
 # Encoding directories.
 
 
-def _shard_paths(out_dir: pathlib.Path, shard: int) -> tuple[pathlib.Path, pathlib.Path]:
+def _shard_paths(out_dir: paths.epath.Path, shard: int) -> tuple[paths.epath.Path, paths.epath.Path]:
   return out_dir / f"emb-{shard:05d}.npy", out_dir / f"ids-{shard:05d}.txt"
 
 
-def _write_atomic(path: pathlib.Path, write: Callable[[pathlib.Path], None]) -> None:
-  tmp = path.with_name(path.name + ".tmp")
-  write(tmp)
-  os.replace(tmp, path)
+def _save_npy(path: paths.epath.Path, array: np.ndarray) -> None:
+  atomic.write_atomic(path, lambda f: np.save(f, array))
 
 
-def encode_corpus(runtime: EncoderRuntime, corpus: dict, out_dir: str | os.PathLike, *,
+def _load_npy(path: paths.epath.Path) -> np.ndarray:
+  with path.open("rb") as f:
+    return np.load(f)
+
+
+def encode_corpus(runtime: EncoderRuntime, docs: dict, out_dir: str | os.PathLike, *,
                   shard_size: int = 10_000, settings: dict | None = None,
                   tokens_per_batch: int | None = None, passages: int = 1,
                   pieces: Sequence[tuple[str, int]] = ()) -> dict:
-  """Encodes `corpus` (id -> Doc) into shards under out_dir, resuming finished shards. Returns meta.
+  """Encodes `docs` (id -> Doc) into shards under out_dir, resuming finished shards. Returns meta.
 
-  In a multi-process job (jax.distributed: a pod, SLURM, `jdr.launch.local`) process i tokenizes, encodes
-  and writes shards i, i + P, i + 2P, ... of the P processes' shared out_dir (a shared file system), so no
-  host encodes what another does; process 0 writes meta.json, and marks it complete once every host's
-  shards are there.
+  In a one-process job `docs` is the corpus. In a multi-process job (jax.distributed: a pod, SLURM,
+  `jdr.launch.local`) it is this process's part, in process order (`formats.read_corpus(path,
+  part=jax.process_index(), parts=jax.process_count())` reads only that part of the file): process i
+  tokenizes, encodes and writes only its part's shards into the shared out_dir (local disk all hosts share,
+  or gs://), numbered after the shards of processes 0..i-1, so the directory reads back in corpus order.
+  Process 0 writes meta.json, and marks it complete once every host's shards are there and no document id
+  occurs in two parts.
 
   passages = 1 is FirstP (each document truncated to the model's length, one row); passages = P > 1 is
   ANCE's MaxP: up to P consecutive passages of max_length tokens per document, one row each, the ids file
   naming the document on every row (search then keeps a document's best passage: `retrieve_run`).
   `pieces` [(name, window tokens)] also stores each document's window vectors (FGD Eq. 7) in
   pieces-NAME-SHARD.npy [n, K, D] (NaN past a document's end), for the Eq. 16 ensemble of `jdr.retrieve`.
-  Raises ValueError when out_dir holds an encoding made with other settings.
+  Raises ValueError when out_dir holds an encoding made with other settings or another split into parts.
   """
   if shard_size < 1:
     raise ValueError(f"shard_size must be positive, got {shard_size}")
-  if not corpus:
+  index, count = jax.process_index(), jax.process_count()
+  part_docs = [len(docs)]
+  if count > 1:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    part_docs = [int(n) for n in np.asarray(multihost_utils.process_allgather(np.int64(len(docs)))).ravel()]
+  if not sum(part_docs):
     raise ValueError("the corpus is empty: nothing to encode")
-  out_dir = pathlib.Path(out_dir)
+  out_dir = paths.absolute(out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
-  doc_ids = list(corpus)
-  num_shards = max(1, -(-len(doc_ids) // shard_size))
-  meta = {"num_docs": len(doc_ids), "shard_size": shard_size, "num_shards": num_shards,
+  doc_ids = list(docs)
+  part_shards = [-(-n // shard_size) for n in part_docs]
+  first_shard, num_shards = sum(part_shards[:index]), sum(part_shards)
+  meta = {"num_docs": sum(part_docs), "shard_size": shard_size, "num_shards": num_shards,
           **(settings or {})}
+  if count > 1:
+    meta["part_docs"] = part_docs  # the shard layout: a resume must split the corpus the same way
   if passages > 1:
     meta["passages"] = passages
   if pieces:
@@ -264,27 +279,30 @@ def encode_corpus(runtime: EncoderRuntime, corpus: dict, out_dir: str | os.PathL
     if diff:
       raise ValueError(f"{meta_path}: the existing encoding was made with other settings "
                        f"(key: (old, new)) {diff}; use a new output directory")
-  index, count = jax.process_index(), jax.process_count()
+  if count > 1:
+    # Every host has read meta.json before host 0 rewrites it.
+    multihost_utils.sync_global_devices("jdr.corpus.encode_corpus: settings checked")
   if index == 0:
-    _write_atomic(meta_path, lambda p: p.write_text(json.dumps({**meta, "complete": False}, indent=1)))
+    atomic.write_text(meta_path, json.dumps({**meta, "complete": False}, indent=1))
 
-  mine = range(index, num_shards, count)  # round robin: hosts get shards of every part of the corpus
+  mine = range(part_shards[index])  # this part's shards, local numbering
   size_of = lambda s: min(shard_size, len(doc_ids) - s * shard_size)
-  done = [s for s in mine if all(p.exists() for p in _shard_paths(out_dir, s))]
+  done = [s for s in mine if all(p.exists() for p in _shard_paths(out_dir, first_shard + s))]
   todo = [s for s in mine if s not in done]
   if done:
     print(f"resuming: {len(done)} of {len(mine)} shards already encoded in {out_dir}", file=sys.stderr)
-  bar = tqdm.tqdm(total=sum(size_of(s) for s in mine), initial=sum(size_of(s) for s in done), unit="doc",
+  bar = tqdm.tqdm(total=len(doc_ids), initial=sum(size_of(s) for s in done), unit="doc",
                   desc="encode" if count == 1 else f"encode (host {index} of {count})", smoothing=0.1,
                   mininterval=1.0)
-  for shard in todo:
-    ids = doc_ids[shard * shard_size:(shard + 1) * shard_size]
-    texts = [text_lib.doc_text(corpus[i]) for i in ids]
+  for local_shard in todo:
+    shard = first_shard + local_shard
+    ids = doc_ids[local_shard * shard_size:(local_shard + 1) * shard_size]
+    texts = [text_lib.doc_text(docs[i]) for i in ids]
     if pieces:
       emb, parts = encode_pieces(runtime, text_lib.tokenize(runtime.tokenizer, texts, runtime.max_length),
                                  list(pieces))
       for name, part in parts.items():
-        _write_atomic(out_dir / f"pieces-{name}-{shard:05d}.npy", lambda p, part=part: np.save(open(p, "wb"), part))
+        _save_npy(out_dir / f"pieces-{name}-{shard:05d}.npy", part)
       bar.update(len(ids))
     elif passages > 1:
       split = text_lib.passage_tokens(runtime.tokenizer, texts, runtime.max_length, passages)
@@ -295,26 +313,41 @@ def encode_corpus(runtime: EncoderRuntime, corpus: dict, out_dir: str | os.PathL
       emb = encode_texts(runtime, texts, tokens_per_batch=tokens_per_batch, progress=bar)
     emb_path, ids_path = _shard_paths(out_dir, shard)
     # ids first, embeddings last: a shard counts as finished only once its embeddings exist.
-    _write_atomic(ids_path, lambda p: p.write_text("".join(i + "\n" for i in ids)))
-    _write_atomic(emb_path, lambda p: np.save(open(p, "wb"), emb))
+    atomic.write_text(ids_path, "".join(i + "\n" for i in ids))
+    _save_npy(emb_path, emb)
   bar.close()
   if count > 1:
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
     multihost_utils.sync_global_devices("jdr.corpus.encode_corpus: every host's shards written")
   missing = [s for s in range(num_shards) if not all(p.exists() for p in _shard_paths(out_dir, s))]
   if missing:
     raise RuntimeError(f"{out_dir}: shards {missing[:10]} are missing after every host finished; is out_dir on a "
                        "file system all hosts share?")
+  if count > 1:
+    # Each host checked its own part for repeated ids; an id in two parts shows only in the merged ids.
+    check_unique_ids(out_dir, num_shards)
   meta["complete"] = True
-  meta["dim"] = int(np.load(_shard_paths(out_dir, 0)[0], mmap_mode="r").shape[1])
+  meta["dim"] = int(_load_npy(_shard_paths(out_dir, 0)[0]).shape[1])
   if index == 0:
-    _write_atomic(meta_path, lambda p: p.write_text(json.dumps(meta, indent=1)))
+    atomic.write_text(meta_path, json.dumps(meta, indent=1))
   return meta
+
+
+def check_unique_ids(enc_dir: str | os.PathLike, num_shards: int) -> None:
+  """Raises ValueError naming the shards when a document id is in two shards of an encoding (MaxP rows of
+  one document share a shard)."""
+  enc_dir = paths.as_path(enc_dir)
+  where: dict[str, int] = {}
+  for shard in range(num_shards):
+    for doc in dict.fromkeys(_shard_paths(enc_dir, shard)[1].read_text().splitlines()):
+      if doc in where:
+        raise ValueError(f"doc id {doc!r} is in shards {where[doc]} and {shard} of {enc_dir}, from two parts of "
+                         "the corpus; document ids must be unique")
+      where[doc] = shard
 
 
 def read_meta(enc_dir: str | os.PathLike) -> dict:
   """The settings of a finished encoding directory (model, pooling, normalize, max_length, ...)."""
-  meta_path = pathlib.Path(enc_dir) / "meta.json"
+  meta_path = paths.as_path(enc_dir) / "meta.json"
   if not meta_path.exists():
     raise FileNotFoundError(f"{meta_path}: no meta.json; is {enc_dir} the --out of jdr.encode?")
   meta = json.loads(meta_path.read_text())
@@ -325,7 +358,7 @@ def read_meta(enc_dir: str | os.PathLike) -> dict:
 
 def read_ids(enc_dir: str | os.PathLike) -> list[str]:
   """The document ids of a finished encoding directory, in row order, without loading embeddings."""
-  enc_dir = pathlib.Path(enc_dir)
+  enc_dir = paths.as_path(enc_dir)
   meta = read_meta(enc_dir)
   ids = []
   for shard in range(meta["num_shards"]):
@@ -345,12 +378,12 @@ def _documents(ids: list[str], meta: dict) -> int:
 
 def load_embeddings(enc_dir: str | os.PathLike) -> tuple[np.ndarray, list[str], dict]:
   """Reads a finished encoding directory: (embeddings [N, D], ids, meta)."""
-  enc_dir = pathlib.Path(enc_dir)
+  enc_dir = paths.as_path(enc_dir)
   meta = read_meta(enc_dir)
   embs, ids = [], []
   for shard in range(meta["num_shards"]):
     emb_path, ids_path = _shard_paths(enc_dir, shard)
-    embs.append(np.load(emb_path))
+    embs.append(_load_npy(emb_path))
     ids.extend(ids_path.read_text().splitlines())
   emb = np.concatenate(embs)
   if emb.shape[0] != len(ids) or _documents(ids, meta) != meta["num_docs"]:
@@ -401,17 +434,18 @@ def check_ids_match(enc_dir_or_ids: str | os.PathLike | Sequence[str], corpus_id
 
 def build_index(embeddings: np.ndarray, ids: Sequence[str],
                 backend: Literal["faiss", "jax"] = "faiss", factory: str = "Flat",
-                mesh=None, recall_target: float = 1.0) -> index_lib.Retriever:
+                mesh=None, recall_target: float = 1.0, gpu: dict | None = None) -> index_lib.Retriever:
   """A retriever over embeddings [N, D] with their N ids.
 
-  `factory` is a Faiss index_factory string (the faiss back-end); the jax back-end is exact top-k over
+  `factory` is a Faiss index_factory string (the faiss back-end; `gpu` = {"gpu_layout", "gpu_float16"}
+  says how it spreads over the host's GPUs, see FaissRetriever); the jax back-end is exact top-k over
   the embedding matrix sharded by rows over `mesh` (default: all devices) and takes only "Flat".
   """
   embeddings = np.asarray(embeddings)
   if embeddings.ndim != 2:
     raise ValueError(f"embeddings must be [N, D], got shape {embeddings.shape}")
   if backend == "faiss":
-    kwargs = {"factory": factory}
+    kwargs = {"factory": factory, **(gpu or {})}
   elif backend == "jax":
     if factory != "Flat":
       raise ValueError(f"the jax back-end is exact (factory 'Flat'), not {factory!r}; use backend='faiss'")
@@ -425,17 +459,17 @@ def build_index(embeddings: np.ndarray, ids: Sequence[str],
 
 def load_index(enc_dir: str | os.PathLike, backend: Literal["faiss", "jax"] = "faiss",
                factory: str = "Flat", *, save: bool = False, mesh=None,
-               recall_target: float = 1.0) -> index_lib.Retriever:
+               recall_target: float = 1.0, gpu: dict | None = None) -> index_lib.Retriever:
   """A retriever over an encoding directory; reuses a Faiss index saved in it (see `save`).
 
   With `save`, a built Faiss index is kept in enc_dir/index-faiss-FACTORY, so that a compressed index
   is trained once.
   """
-  saved = pathlib.Path(enc_dir) / f"index-{backend}-{factory.replace(',', '_')}"
+  saved = paths.as_path(enc_dir) / f"index-{backend}-{factory.replace(',', '_')}"
   if backend == "faiss" and saved.is_dir():
-    return index_lib.load_retriever(saved)
+    return index_lib.load_retriever(saved, **(gpu or {}))
   emb, ids, _ = load_embeddings(enc_dir)
-  retriever = build_index(emb, ids, backend, factory, mesh, recall_target)
+  retriever = build_index(emb, ids, backend, factory, mesh, recall_target, gpu if backend == "faiss" else None)
   if save and backend == "faiss":
     retriever.save(saved)
   return retriever
@@ -443,11 +477,11 @@ def load_index(enc_dir: str | os.PathLike, backend: Literal["faiss", "jax"] = "f
 
 def load_pieces(enc_dir: str | os.PathLike) -> dict[str, np.ndarray]:
   """The window vectors of an encoding made with pieces: {level: [N, K, D]} in row order."""
-  enc_dir = pathlib.Path(enc_dir)
+  enc_dir = paths.as_path(enc_dir)
   meta = read_meta(enc_dir)
   if not meta.get("pieces"):
     raise ValueError(f"{enc_dir}: no piece vectors; encode with --pieces (jdr.encode)")
-  return {name: np.concatenate([np.load(enc_dir / f"pieces-{name}-{s:05d}.npy") for s in range(meta["num_shards"])])
+  return {name: np.concatenate([_load_npy(enc_dir / f"pieces-{name}-{s:05d}.npy") for s in range(meta["num_shards"])])
           for name in meta["pieces"]}
 
 

@@ -27,12 +27,14 @@ import hashlib
 import json
 import pathlib
 import sys
-from typing import Any, Sequence
+from typing import Sequence
 
 import ml_collections
 import numpy as np
 import tqdm
 
+from jdr import atomic
+from jdr import paths
 from jdr.data import text as text_lib
 
 
@@ -155,7 +157,7 @@ class TeacherScores:
     self.counts = {name: max(1, -(-(config.data.doc_max_length - 1) // size)) for name, size in self.levels}
     self._score_fn = None
     self.late = 0
-    key = hashlib.sha256(json.dumps([str(pathlib.Path(config.distill.teacher).resolve()), data.name,
+    key = hashlib.sha256(json.dumps([str(paths.absolute(config.distill.teacher)), data.name,
                                      config.data.query_max_length, config.data.doc_max_length, self.levels,
                                      sorted(pairs)]).encode()).hexdigest()[:16]
     path = cache / f"teacher-{key}.json"
@@ -165,10 +167,7 @@ class TeacherScores:
       return
     self.scores = {}
     self._score(pairs, progress=True)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({f"{q}\t{d}": v for (q, d), v in self.scores.items()}))
-    tmp.replace(path)
+    atomic.write_text(path, json.dumps({f"{q}\t{d}": v for (q, d), v in self.scores.items()}))
 
   def _scorer(self):
     if self._score_fn is None:

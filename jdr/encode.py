@@ -4,12 +4,12 @@ The output directory holds `emb-NNNNN.npy` (float32 [n, D]) and `ids-NNNNN.txt` 
 `meta.json` (see jdr.corpus, which does the work). A killed run resumes from the last finished shard;
 a resume with different settings is refused rather than mixing embeddings of two models in one index.
 Launched on several hosts (`python -m jdr.launch.local|slurm|tpu ... -- python -m jdr.encode ...`), each
-process encodes and writes its own shards of the shared output directory.
+process reads, tokenizes, encodes and writes only its own part of the corpus, as shards of the shared output
+directory (local disk all hosts share, or gs://...).
 """
 
 import argparse
 import dataclasses
-import pathlib
 import sys
 import time
 from typing import Iterable
@@ -19,6 +19,7 @@ import jax
 from jdr import cli
 from jdr import corpus as corpus_lib
 from jdr import parallel
+from jdr import paths
 from jdr.data import formats
 
 
@@ -59,8 +60,10 @@ def main(argv: Iterable[str] | None = None) -> None:
   # A multi-process launch (jdr.launch.*) splits the shards over the hosts: join it before jax starts.
   parallel.initialize_distributed()
   with cli.reporting_errors(skip_flag="--skip-invalid"):
-    # The corpus first: a bad line is reported in seconds, not after loading the model.
-    corpus = formats.read_corpus(args.corpus, skip_invalid=args.skip_invalid)
+    # The corpus first: a bad line is reported in seconds, not after loading the model. Each process of a
+    # multi-host job reads and tokenizes only its own part of the file (its share of the bytes).
+    corpus = formats.read_corpus(args.corpus, skip_invalid=args.skip_invalid, part=jax.process_index(),
+                                 parts=jax.process_count())
     runtime = corpus_lib.load_runtime(args.model, pooling=args.pooling, normalize=args.normalize,
                                       max_length=args.max_length, dtype=args.dtype)
     tokens_per_batch = args.tokens_per_batch
@@ -74,8 +77,8 @@ def main(argv: Iterable[str] | None = None) -> None:
                                     rows_multiple=devices)
       tokens_per_batch = (tokens_per_batch or corpus_lib.default_tokens_per_batch()) * devices
       print(f"{devices} local devices split each batch's rows", file=sys.stderr)
-    model_name = args.model if args.model == "minilm" else str(pathlib.Path(args.model).resolve())
-    settings = {"model": model_name, "corpus": str(pathlib.Path(args.corpus).resolve()),
+    model_name = args.model if args.model == "minilm" else str(paths.absolute(args.model))
+    settings = {"model": model_name, "corpus": str(paths.absolute(args.corpus)),
                 **{k: runtime.info[k] for k in ("pooling", "normalize", "max_length")},
                 "dtype": args.dtype}
     start = time.perf_counter()

@@ -14,6 +14,7 @@ import json
 import sys
 from typing import Sequence
 
+from jdr import atomic
 from jdr import cli
 from jdr import metrics
 from jdr.data import formats
@@ -68,8 +69,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
   print("; ".join(notes), file=sys.stderr)
 
   if args.per_query:
-    with cli.reporting_errors(), open(args.per_query, "w", encoding="utf-8") as f:
-      json.dump(per_query, f, indent=1)
+    with cli.reporting_errors():
+      atomic.write_text(args.per_query, json.dumps(per_query, indent=1))
   if args.json:
     print(json.dumps(results))
   else:

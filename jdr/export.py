@@ -14,11 +14,13 @@ import argparse
 import json
 import pathlib
 import sys
+import tempfile
 
 import jax
 
 from jdr import checkpoint
 from jdr import cli
+from jdr import paths
 from jdr.models import build as build_lib
 from jdr.models import hf
 from jdr.models.bert import EncoderConfig
@@ -53,13 +55,24 @@ def sentence_transformers_max_length(description: dict, side: str) -> int:
   return min(length, EncoderConfig(**description[side]["encoder"]).max_length)
 
 
-def export(workdir: str | pathlib.Path, out: str | pathlib.Path) -> pathlib.Path:
-  """Writes the params-only checkpoint and the Hugging Face directories; returns `out`."""
+def export(workdir: paths.PathLike, out: paths.PathLike):
+  """Writes the params-only checkpoint and the Hugging Face directories; returns `out`.
+
+  `out` may be on object storage (gs://...): the Hugging Face files are then written locally first (their
+  writers take local paths only) and uploaded; the tokenizer path recorded in jdr_model.json is `out`'s."""
+  if not paths.is_local(out):
+    with tempfile.TemporaryDirectory(prefix="jdr-export-") as tmp:
+      _export(workdir, pathlib.Path(tmp), tokenizer_at=paths.as_path(out) / "tokenizer")
+      paths.upload_dir(tmp, out)
+    return paths.as_path(out)
+  return _export(workdir, pathlib.Path(out))
+
+
+def _export(workdir: paths.PathLike, out: pathlib.Path, tokenizer_at=None) -> pathlib.Path:
   model, params, tokenizer, description = build_lib.load_jdr_model(workdir)
-  out = pathlib.Path(out)
   out.mkdir(parents=True, exist_ok=True)
   tokenizer.save_pretrained(str(out / "tokenizer"))
-  description = {**description, "tokenizer": str((out / "tokenizer").absolute())}
+  description = {**description, "tokenizer": str(tokenizer_at or (out / "tokenizer").absolute())}
   params = jax.device_get(params)
   checkpoint.save_params(out, params, description)
   if description.get("architecture") == "cross_encoder":
@@ -89,7 +102,7 @@ def main(argv=None) -> None:
   parser.add_argument("--out", required=True, help="output directory")
   args = parser.parse_args(argv)
   with cli.reporting_errors():
-    if not pathlib.Path(args.workdir).is_dir():
+    if not paths.as_path(args.workdir).is_dir():
       raise FileNotFoundError(f"--workdir {args.workdir}: no such directory")
     out = export(args.workdir, args.out)
   print(f"exported {args.workdir} to {out}", file=sys.stderr)

@@ -23,6 +23,9 @@ from typing import Any, Literal, Protocol, Sequence
 
 import numpy as np
 
+from jdr import atomic
+from jdr import paths
+
 _META = "meta.json"
 _IDS = "ids.txt"
 _FORMAT = 1
@@ -76,17 +79,16 @@ def _as_ids(ids: Sequence[str], n: int) -> list[str]:
   return ids
 
 
-def _write_common(directory: str | pathlib.Path, ids: list[str], meta: dict[str, Any]) -> pathlib.Path:
-  path = pathlib.Path(directory)
+def _write_common(directory: str | pathlib.Path, ids: list[str], meta: dict[str, Any]):
+  path = paths.as_path(directory)
   path.mkdir(parents=True, exist_ok=True)
-  with open(path / _IDS, "w", encoding="utf-8") as f:
-    f.writelines(i + "\n" for i in ids)
-  (path / _META).write_text(json.dumps({"format": _FORMAT, **meta}, indent=2) + "\n")
+  atomic.write_text(path / _IDS, "".join(i + "\n" for i in ids))
+  atomic.write_text(path / _META, json.dumps({"format": _FORMAT, **meta}, indent=2) + "\n")
   return path
 
 
 def _read_meta(directory: str | pathlib.Path) -> dict[str, Any]:
-  path = pathlib.Path(directory) / _META
+  path = paths.as_path(directory) / _META
   if not path.is_file():
     raise FileNotFoundError(f"{path} not found: not a directory written by a jdr retriever's save()")
   meta = json.loads(path.read_text())
@@ -96,8 +98,8 @@ def _read_meta(directory: str | pathlib.Path) -> dict[str, Any]:
 
 
 def _read_ids(directory: str | pathlib.Path) -> list[str]:
-  with open(pathlib.Path(directory) / _IDS, encoding="utf-8") as f:
-    return [line.rstrip("\n") for line in f]
+  text = (paths.as_path(directory) / _IDS).read_bytes().decode("utf-8")
+  return text.split("\n")[:-1] if text else []
 
 
 def to_run(query_ids: Sequence[str], scores: np.ndarray, ids: list[list[str]]) -> dict[str, dict[str, float]]:
@@ -120,6 +122,16 @@ def _faiss():
 def _gpu_count() -> int:
   faiss = _faiss()
   return faiss.get_num_gpus() if hasattr(faiss, "get_num_gpus") else 0
+
+
+def gpu_cloner_options(faiss, layout: str, float16: bool):
+  """faiss' options for putting a CPU index on all GPUs of the host: sharded or replicated, float16 or not.
+  Indices stay 64-bit, so ids past 2^31 documents are safe."""
+  options = faiss.GpuMultipleClonerOptions()
+  options.shard = layout == "shard"
+  options.useFloat16 = bool(float16)  # Flat storage and IVFPQ lookup tables
+  options.useFloat16CoarseQuantizer = bool(float16)
+  return options
 
 
 def _skip_polysemous_training(index) -> None:
@@ -150,6 +162,10 @@ class FaissRetriever:
     search_params: faiss ParameterSpace string applied before each search, e.g. "nprobe=16" or
       "efSearch=128".
     seed: for the training sample.
+    gpu_layout: with several GPUs, "shard" splits the documents over them (memory / GPUs each, every
+      query searched on all) or "replicate" copies the index to each (more query throughput).
+    gpu_float16: store vectors (Flat) and lookup tables (IVFPQ) in float16 on the GPUs: half the memory,
+      scores within float16 rounding.
 
   On GPUs faiss caps k at 2048. Slots an approximate index cannot fill (an IVF probe that reaches
   fewer than k documents) come back with score -inf and id "", which `to_run` drops.
@@ -159,10 +175,14 @@ class FaissRetriever:
 
   def __init__(self, dim: int, factory: str = "Flat", metric: Literal["ip", "l2"] = "ip",
                use_gpu: bool | Literal["auto"] = "auto", train_size: int = 100_000,
-               search_params: str | None = None, seed: int = 0, *, _index=None):
+               search_params: str | None = None, seed: int = 0, *,
+               gpu_layout: Literal["shard", "replicate"] = "shard", gpu_float16: bool = False, _index=None):
     faiss = _faiss()
     if metric not in ("ip", "l2"):
       raise ValueError(f"metric must be 'ip' or 'l2', got {metric!r}")
+    if gpu_layout not in ("shard", "replicate"):
+      raise ValueError(f"gpu_layout must be 'shard' or 'replicate', got {gpu_layout!r}")
+    self.gpu_layout, self.gpu_float16 = gpu_layout, bool(gpu_float16)
     self.dim = int(dim)
     self.factory = factory
     self.metric = metric
@@ -205,9 +225,8 @@ class FaissRetriever:
     self._index = self._cpu
     if self._want_gpu:
       try:
-        options = faiss.GpuMultipleClonerOptions()
-        options.shard = True  # Split documents over the GPUs rather than replicate them.
-        self._index = faiss.index_cpu_to_all_gpus(self._cpu, options)
+        self._index = faiss.index_cpu_to_all_gpus(self._cpu, gpu_cloner_options(faiss, self.gpu_layout,
+                                                                                 self.gpu_float16))
       except RuntimeError as e:  # e.g. HNSW has no GPU implementation.
         print(f"jdr.index: {self.factory!r} stays on the CPU ({str(e).splitlines()[0]})", file=sys.stderr)
 
@@ -282,22 +301,29 @@ class FaissRetriever:
     path = _write_common(directory, self._ids, {
         "kind": self.kind, "dim": self.dim, "factory": self.factory, "metric": self.metric,
         "train_size": self.train_size, "search_params": self.search_params, "seed": self.seed,
-        "fixed_bytes": self._fixed_bytes, "ntotal": len(self._ids)})
-    _faiss().write_index(self._cpu_copy(), str(path / "index.faiss"))
+        "fixed_bytes": self._fixed_bytes, "ntotal": len(self._ids), "gpu_layout": self.gpu_layout,
+        "gpu_float16": self.gpu_float16})
+    # Through bytes, not faiss.write_index: the directory may be on object storage (gs://).
+    data = _faiss().serialize_index(self._cpu_copy())
+    atomic.write_atomic(path / "index.faiss", lambda f: f.write(data.tobytes()))
 
   @classmethod
   def load(cls, directory: str | pathlib.Path, use_gpu: bool | Literal["auto"] = "auto",
-           search_params: str | None = None) -> "FaissRetriever":
+           search_params: str | None = None, gpu_layout: str | None = None,
+           gpu_float16: bool | None = None) -> "FaissRetriever":
     meta = _read_meta(directory)
     if meta["kind"] != cls.kind:
       raise ValueError(f"{directory} holds a {meta['kind']!r} index, not {cls.kind!r}")
-    index = _faiss().read_index(str(pathlib.Path(directory) / "index.faiss"))
+    data = (paths.as_path(directory) / "index.faiss").read_bytes()
+    index = _faiss().deserialize_index(np.frombuffer(data, dtype=np.uint8))
     ids = _read_ids(directory)
     if len(ids) != index.ntotal:
       raise ValueError(f"{directory}: {len(ids)} ids for {index.ntotal} vectors")
     self = cls(meta["dim"], meta["factory"], meta["metric"], use_gpu, meta["train_size"],
                search_params if search_params is not None else meta.get("search_params"),
-               meta["seed"], _index=index)
+               meta["seed"], _index=index,
+               gpu_layout=gpu_layout or meta.get("gpu_layout", "shard"),
+               gpu_float16=meta.get("gpu_float16", False) if gpu_float16 is None else gpu_float16)
     self._fixed_bytes = meta.get("fixed_bytes")
     self._ids = ids
     return self
@@ -476,7 +502,7 @@ class JaxRetriever:
         "score_budget_bytes": self.score_budget_bytes, "precision": self.precision,
         "ntotal": len(self._ids)})
     matrix = self._host_matrix() if self._ids else np.zeros((0, self.dim), np.float32)
-    np.save(path / "embeddings.npy", matrix.astype(np.float32))
+    atomic.write_atomic(path / "embeddings.npy", lambda f: np.save(f, matrix.astype(np.float32)))
 
   @classmethod
   def load(cls, directory: str | pathlib.Path, mesh=None, devices=None) -> "JaxRetriever":
@@ -486,7 +512,12 @@ class JaxRetriever:
     self = cls(meta["dim"], mesh=mesh, devices=devices, dtype=meta["dtype"],
                query_chunk=meta["query_chunk"], score_budget_bytes=meta["score_budget_bytes"],
                precision=meta["precision"])
-    embeddings = np.load(pathlib.Path(directory) / "embeddings.npy", mmap_mode="r")
+    path = paths.as_path(directory) / "embeddings.npy"
+    if paths.is_local(path):
+      embeddings = np.load(path, mmap_mode="r")
+    else:
+      with path.open("rb") as f:
+        embeddings = np.load(f)
     ids = _read_ids(directory)
     if len(ids) != len(embeddings):
       raise ValueError(f"{directory}: {len(ids)} ids for {len(embeddings)} vectors")

@@ -1,32 +1,51 @@
-"""Where training metrics go: a JSON-lines log and TensorBoard in the workdir (host 0 only)."""
+"""Where training metrics go: a JSON-lines log and TensorBoard in the workdir (host 0 only).
+
+The workdir may be on object storage (gs://...), which has no appending: there the log is kept in memory and
+the whole object rewritten at each write (a few KB; metrics are written every log_every steps).
+"""
 
 import json
-import pathlib
+import sys
 import time
 
 import jax
+
+from jdr import atomic
+from jdr import paths
 
 
 class MetricWriter:
   """Appends {"step", "time", **scalars} to WORKDIR/metrics.jsonl and writes TensorBoard scalars."""
 
-  def __init__(self, workdir: str | pathlib.Path, *, tensorboard: bool = True):
+  def __init__(self, workdir: paths.PathLike, *, tensorboard: bool = True):
     self.active = jax.process_index() == 0
-    self.path = pathlib.Path(workdir) / "metrics.jsonl"
+    self.path = paths.as_path(workdir) / "metrics.jsonl"
+    self._remote_lines = None
+    if self.active and not paths.is_local(self.path):
+      self._remote_lines = self.path.read_text().splitlines(keepends=True) if self.path.exists() else []
     self._tb = None
     if self.active and tensorboard:
       try:
         from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
-        self._tb = SummaryWriter(str(pathlib.Path(workdir) / "tensorboard"))
+        # tensorboardX writes gs:// and s3:// itself (with google-cloud-storage / boto3 installed).
+        self._tb = SummaryWriter(str(paths.as_path(workdir) / "tensorboard"))
       except ImportError:
         self._tb = None  # the JSON-lines log still has everything
+      except Exception as e:  # pylint: disable=broad-except  (a missing cloud client must not stop training)
+        print(f"jdr: no TensorBoard events ({type(e).__name__}: {e}); metrics.jsonl has every scalar", file=sys.stderr)
+        self._tb = None
 
   def write(self, step: int, scalars: dict[str, float]) -> None:
     if not self.active:
       return
     record = {"step": int(step), "time": round(time.time(), 3), **{k: float(v) for k, v in scalars.items()}}
-    with self.path.open("a") as f:
-      f.write(json.dumps(record) + "\n")
+    line = json.dumps(record) + "\n"
+    if self._remote_lines is None:
+      with open(paths.local(self.path), "a", encoding="utf-8") as f:
+        f.write(line)
+    else:
+      self._remote_lines.append(line)
+      atomic.write_text(self.path, "".join(self._remote_lines))
     if self._tb is not None:
       for key, value in scalars.items():
         self._tb.add_scalar(key, float(value), int(step))
@@ -36,6 +55,6 @@ class MetricWriter:
       self._tb.close()
 
 
-def read(workdir: str | pathlib.Path) -> list[dict]:
-  path = pathlib.Path(workdir) / "metrics.jsonl"
+def read(workdir: paths.PathLike) -> list[dict]:
+  path = paths.as_path(workdir) / "metrics.jsonl"
   return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []

@@ -8,7 +8,6 @@ jdr.corpus'.
 """
 
 import argparse
-import pathlib
 import sys
 import time
 from typing import Iterable
@@ -16,12 +15,13 @@ from typing import Iterable
 from jdr import cli
 from jdr import corpus as corpus_lib
 from jdr import encode as encode_cli
+from jdr import paths
 from jdr.data import formats
 
 
 def load_queries(path: str, split: str | None, *, skip_invalid: bool = False) -> dict[str, str]:
   """Queries from a BEIR directory (optionally only those judged in qrels/SPLIT.tsv) or a file."""
-  path_ = pathlib.Path(path)
+  path_ = paths.as_path(path)
   if path_.is_dir():
     queries = formats.read_queries(path_ / "queries.jsonl", skip_invalid=skip_invalid)
     if split is None:
@@ -47,6 +47,11 @@ def main(argv: Iterable[str] | None = None) -> None:
   parser.add_argument("--backend", choices=["faiss", "jax"], default="faiss")
   parser.add_argument("--factory", default="Flat", help="Faiss index factory string, e.g. OPQ96,IVF1,PQ96")
   parser.add_argument("--save-index", action="store_true", help="keep the built Faiss index in --index")
+  parser.add_argument("--gpu-layout", choices=["shard", "replicate"], default="shard",
+                      help="--backend faiss on several GPUs: split the documents over them, or copy the index "
+                           "to each")
+  parser.add_argument("--gpu-float16", action="store_true",
+                      help="--backend faiss on GPUs: float16 vectors / lookup tables (half the memory)")
   parser.add_argument("--recall-target", type=float, default=1.0,
                       help="--backend jax: below 1, each device's top-k is jax.lax.approx_max_k (fast on TPUs)")
   parser.add_argument("--ensemble-gamma", type=float, default=None,
@@ -76,8 +81,11 @@ def main(argv: Iterable[str] | None = None) -> None:
           max_length=args.max_length or meta.get("max_length"), dtype=args.dtype, side="query")
     if args.recall_target != 1.0 and args.backend != "jax":
       parser.error("--recall-target needs --backend jax")
+    if (args.gpu_layout != "shard" or args.gpu_float16) and args.backend != "faiss":
+      parser.error("--gpu-layout / --gpu-float16 are options of --backend faiss")
     retriever = corpus_lib.load_index(args.index, args.backend, args.factory, save=args.save_index,
-                                      recall_target=args.recall_target)
+                                      recall_target=args.recall_target,
+                                      gpu={"gpu_layout": args.gpu_layout, "gpu_float16": args.gpu_float16})
     print(f"index: {args.backend} {args.factory}, {retriever.bytes_per_doc():.1f} bytes/doc",
           file=sys.stderr)
 

@@ -22,6 +22,7 @@ import numpy as np
 import optax
 import tqdm
 
+from jdr import atomic
 from jdr import checkpoint
 from jdr import cli
 from jdr import config_files
@@ -32,6 +33,7 @@ from jdr import losses
 from jdr import metric_writers
 from jdr import optimizers
 from jdr import parallel
+from jdr import paths
 from jdr.data import pairs
 from jdr.data import pretrain_batches
 from jdr.negatives import retrieved
@@ -299,7 +301,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   """Trains per `config`, checkpointing to and resuming from `workdir`; returns the final metrics."""
   # ---------------------------------------------------------------- hosts and mesh
   parallel.initialize_distributed()  # first: it must run before anything starts a jax backend
-  workdir = pathlib.Path(workdir)
+  workdir = paths.absolute(workdir)  # local, or gs://... (etils.epath)
   workdir.mkdir(parents=True, exist_ok=True)
   is_host0 = jax.process_index() == 0
   mesh = parallel.make_mesh(config.mesh.shape)
@@ -328,8 +330,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   query_only = config.model.train_towers == "query"
   candidates = "corpus" if config.negatives.source == "retrieval" else "pairs" if cross_encoder else "tokens"
   if is_host0:
-    (workdir / "config.json").write_text(config.to_json_best_effort(indent=1))
-    (workdir / "model.json").write_text(json.dumps(built.description, indent=1))
+    atomic.write_text(workdir / "config.json", config.to_json_best_effort(indent=1))
+    atomic.write_text(workdir / "model.json", json.dumps(built.description, indent=1))
 
   # ---------------------------------------------------------------- optimizer and abstract state
   tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps, config.model.train_towers)

@@ -44,3 +44,36 @@ def write_tiny_beir(directory, num_docs: int = 40, seed: int = 0):
 @pytest.fixture
 def tiny_beir(tmp_path):
   return write_tiny_beir(tmp_path / "tiny-beir")
+
+
+@pytest.fixture
+def fake_gcs():
+  """`gs://` paths served from memory (an fsspec MemoryFileSystem under the gs / gcs protocols), so code that
+  goes through etils.epath is tested on object storage without a cloud account; yields the store dict."""
+  import fsspec  # pylint: disable=g-import-not-at-top
+  from etils.epath import backend  # pylint: disable=g-import-not-at-top
+  from fsspec.implementations.memory import MemoryFileSystem  # pylint: disable=g-import-not-at-top
+
+  class FakeGCS(MemoryFileSystem):
+    protocol = ("gs", "gcs")
+    store, pseudo_dirs = {}, [""]
+    cachable = False
+
+    def __init__(self, *args, finalize_on_close=None, **kwargs):  # gcsfs' argument, which epath passes
+      del finalize_on_close
+      super().__init__(*args, **kwargs)
+
+  import sys  # pylint: disable=g-import-not-at-top
+  registry = sys.modules["fsspec.registry"]._registry  # pylint: disable=protected-access  (fsspec.registry is a view)
+  saved = {name: registry.get(name) for name in ("gs", "gcs")}
+  for name in saved:
+    fsspec.register_implementation(name, FakeGCS, clobber=True)
+  backend._FileSystemSpecBackend._get_filesystem.cache_clear()  # pylint: disable=protected-access
+  try:
+    yield FakeGCS.store
+  finally:
+    for name, cls in saved.items():
+      registry.pop(name, None)
+      if cls is not None:
+        registry[name] = cls
+    backend._FileSystemSpecBackend._get_filesystem.cache_clear()  # pylint: disable=protected-access

@@ -239,3 +239,45 @@ def test_long_documents_group_whole_abstracts_and_map_qrels(tmp_path):
   sizes = [len(r["pieces"]) for r in map(json.loads, (tmp_path / "free" / "pieces.jsonl").read_text().splitlines())]
   assert set(sizes[:-1]) <= {2, 3} and free["documents"] < stats["documents"]
   assert (tmp_path / "again" / "pieces.jsonl").read_text() == (tmp_path / "long" / "pieces.jsonl").read_text()
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".tsv"])
+def test_corpus_parts_cover_every_line_once_in_order(tmp_path, suffix):
+  """Each host's part (its share of the bytes) read alone: the parts, in order, are the whole corpus, whatever
+  the number of parts, with blank lines, long and short lines, CRLF and a byte-order mark in the file."""
+  path = tmp_path / f"corpus{suffix}"
+  lines = []
+  for i in range(23):
+    text = "word " * (1 + (i * 7) % 40)
+    lines.append(json.dumps({"_id": f"d{i}", "title": "", "text": text}) if suffix == ".jsonl" else f"d{i}\t{text}")
+    if i % 5 == 0:
+      lines.append("")
+  path.write_bytes(b"\xef\xbb\xbf" + "\r\n".join(lines).encode() + b"\r\n")
+  whole = F.read_corpus(path)
+  assert len(whole) == 23
+  for parts in (1, 2, 3, 5, 23, 40):
+    merged = {}
+    for part in range(parts):
+      docs = F.read_corpus(path, part=part, parts=parts)
+      assert not set(docs) & set(merged)
+      merged.update(docs)
+    assert list(merged.items()) == list(whole.items()), parts
+
+
+def test_corpus_part_errors_name_the_files_own_line(tmp_path):
+  """A bad record in a later part is reported with its line number in the whole file, not in the part."""
+  path = tmp_path / "corpus.tsv"
+  path.write_text("".join(f"d{i}\ttext {i}\n" for i in range(30)) + "bad line without a tab\n" + "d31\tx\n")
+  with pytest.raises(F.DataFormatError) as err:
+    for part in range(3):
+      F.read_corpus(path, part=part, parts=3)
+  assert err.value.line == 31 and "expected 2 tab-separated columns" in str(err.value)
+  dup = tmp_path / "dup.tsv"
+  dup.write_text("".join(f"d{i}\ttext\n" for i in range(20)) + "d15\tagain\n")
+  with pytest.raises(F.DataFormatError, match=r"dup.tsv:21: duplicate id: doc id 'd15' already on line 16"):
+    F.read_corpus(dup, part=1, parts=2)
+  gz = tmp_path / "c.tsv.gz"
+  with gzip.open(gz, "wt") as f:
+    f.write("d1\tx\n")
+  with pytest.raises(ValueError, match="cannot be split into parts by bytes"):
+    F.read_corpus(gz, part=0, parts=2)

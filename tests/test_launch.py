@@ -47,9 +47,9 @@ def test_local_dry_run(capsys):
 
 
 def test_two_hosts_encode_disjoint_shards_equal_to_one(tmp_path):
-  """jdr.encode under the local launcher: 2 processes (jax.distributed) each encode and write their own
-  shards (round robin), their 2 devices each encoding half of every batch's rows, and the directory equals a
-  one-process, one-device encoding, ids and vectors."""
+  """jdr.encode under the local launcher: 2 processes (jax.distributed) each read only their own part of the
+  corpus file (half its bytes) and encode and write its shards, their 2 devices each encoding half of every
+  batch's rows, and the directory equals a one-process, one-device encoding, ids and vectors."""
   import os  # pylint: disable=g-import-not-at-top
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
@@ -69,5 +69,6 @@ def test_two_hosts_encode_disjoint_shards_equal_to_one(tmp_path):
   subprocess.run([*encode, "--out", str(tmp_path / "one")], env=env, check=True, capture_output=True, timeout=600)
   two, two_ids, two_meta = corpus_lib.load_embeddings(tmp_path / "two")
   one, one_ids, one_meta = corpus_lib.load_embeddings(tmp_path / "one")
-  assert two_ids == one_ids and two_meta["complete"] and two_meta["num_shards"] == one_meta["num_shards"] > 2
+  assert two_ids == one_ids and two_meta["complete"] and one_meta["num_shards"] > 2
+  assert sum(two_meta["part_docs"]) == 40 and min(two_meta["part_docs"]) > 0  # both hosts read a part
   np.testing.assert_allclose(two, one, rtol=1e-5, atol=1e-6)

@@ -23,10 +23,12 @@ import gzip
 import json
 import math
 import os
-import pathlib
 import sys
 from collections.abc import Container, Iterator, Mapping
 from typing import NamedTuple
+
+from jdr import atomic
+from jdr import paths
 
 PathLike = str | os.PathLike
 
@@ -78,44 +80,86 @@ class _Invalid(Exception):
 
 @dataclasses.dataclass
 class _File:
-  """One file being read: yields its decoded lines and either raises on bad records or counts them."""
+  """One file being read: yields its decoded lines and either raises on bad records or counts them.
 
-  path: pathlib.Path
+  With `byte_range` only the lines that start inside [start, end) are read (a host's part of a corpus): their
+  numbers are counted from the range's first line, and turned into the file's own line numbers (`line`) only
+  when a message needs one, by counting the newlines before the range then.
+  """
+
+  path: paths.epath.Path
   skip_invalid: bool
+  byte_range: tuple[int, int] | None = None
   counts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   first_line: dict = dataclasses.field(default_factory=dict)
+  _lines_before: int | None = None
+
+  def line(self, local: int) -> int:
+    """The file's 1-based line number of the range's `local`-th line."""
+    if self.byte_range is None or self.byte_range[0] == 0:
+      return local
+    if self._lines_before is None:
+      with _open_bytes(self.path) as f:
+        left, count = self.byte_range[0], 0
+        while left:
+          chunk = f.read(min(left, 1 << 24))
+          if not chunk:
+            break
+          count, left = count + chunk.count(b"\n"), left - len(chunk)
+      self._lines_before = count
+    return self._lines_before + local
 
   def bad(self, lineno: int, err: _Invalid) -> None:
     if not self.skip_invalid:
-      raise DataFormatError(self.path, lineno, f"{err.kind}: {err.detail}")
+      raise DataFormatError(self.path, self.line(lineno), f"{err.kind}: {err.detail}")
     self.counts[err.kind] += 1
     self.first_line.setdefault(err.kind, lineno)
 
+  def _raw_lines(self) -> Iterator[bytes]:
+    if self.byte_range is None:
+      with _open_bytes(self.path) as f:
+        yield from (gzip.open(f, "rb") if self.path.suffix == ".gz" else f)
+      return
+    start, end = self.byte_range
+    with _open_bytes(self.path) as f:
+      f.seek(start)
+      at = start
+      while at < end:
+        raw = f.readline()
+        if not raw:
+          break
+        at += len(raw)
+        yield raw
+
   def lines(self) -> Iterator[tuple[int, str]]:
-    opener = gzip.open if self.path.suffix == ".gz" else open
-    with opener(self.path, "rb") as f:
-      for lineno, raw in enumerate(f, 1):
-        if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
-          raw = raw[3:]  # a UTF-8 byte-order mark, as some Windows tools write
-        try:
-          line = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-          self.bad(lineno, _Invalid(BAD_UTF8, f"invalid byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line"))
-          continue
-        line = line.rstrip("\r\n")
-        if line.strip():
-          yield lineno, line
+    at_file_start = self.byte_range is None or self.byte_range[0] == 0
+    for lineno, raw in enumerate(self._raw_lines(), 1):
+      if lineno == 1 and at_file_start and raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]  # a UTF-8 byte-order mark, as some Windows tools write
+      try:
+        line = raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        self.bad(lineno, _Invalid(BAD_UTF8, f"invalid byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line"))
+        continue
+      line = line.rstrip("\r\n")
+      if line.strip():
+        yield lineno, line
 
   def report(self) -> None:
     if self.counts:
-      parts = ", ".join(f"{n} {kind} (first on line {self.first_line[kind]})"
+      parts = ", ".join(f"{n} {kind} (first on line {self.line(self.first_line[kind])})"
                         for kind, n in sorted(self.counts.items()))
       print(f"jdr: skipped {sum(self.counts.values())} invalid records in {self.path}: {parts}", file=sys.stderr)
 
 
+def _open_bytes(path: PathLike, mode: str = "rb"):
+  """A binary file on local disk or object storage (gs://, s3://: etils.epath)."""
+  return paths.as_path(path).open(mode)
+
+
 @contextlib.contextmanager
-def _reading(path: PathLike, skip_invalid: bool) -> Iterator[_File]:
-  f = _File(pathlib.Path(path), skip_invalid)
+def _reading(path: PathLike, skip_invalid: bool, byte_range: tuple[int, int] | None = None) -> Iterator[_File]:
+  f = _File(paths.as_path(path), skip_invalid, byte_range)
   try:
     yield f
   finally:
@@ -123,16 +167,15 @@ def _reading(path: PathLike, skip_invalid: bool) -> Iterator[_File]:
     f.report()
 
 
-def _is_jsonl(path: pathlib.Path) -> bool:
+def _is_jsonl(path: paths.epath.Path) -> bool:
   """BEIR JSONL or a TSV? By extension, else by whether the first non-blank byte opens a JSON object."""
   name = path.name[:-3] if path.name.endswith(".gz") else path.name
   if name.endswith((".jsonl", ".json")):
     return True
   if name.endswith((".tsv", ".txt")):
     return False
-  opener = gzip.open if path.suffix == ".gz" else open
-  with opener(path, "rb") as f:
-    return f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"{")
+  with _open_bytes(path) as f:
+    return (gzip.open(f, "rb") if path.suffix == ".gz" else f).read(4096).lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"{")
 
 
 def _json_record(line: str) -> dict:
@@ -171,9 +214,9 @@ def _check_id(value: str, what: str) -> str:
   return value
 
 
-def _check_new(seen: dict, key, what: str) -> None:
+def _check_new(seen: dict, key, what: str, line=lambda local: local) -> None:
   if key in seen:
-    raise _Invalid(DUPLICATE, f"{what} {key!r} already on line {seen[key]}")
+    raise _Invalid(DUPLICATE, f"{what} {key!r} already on line {line(seen[key])}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -181,19 +224,29 @@ def _check_new(seen: dict, key, what: str) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _corpus_file(path: PathLike) -> pathlib.Path:
-  path = pathlib.Path(path)
+def _corpus_file(path: PathLike) -> paths.epath.Path:
+  path = paths.as_path(path)
   if path.is_dir():
     path = path / "corpus.jsonl"
   return path
 
 
-def iter_corpus(path: PathLike, *, skip_invalid: bool = False) -> Iterator[Doc]:
-  """Streams a corpus file (or a BEIR directory) one validated `Doc` at a time; see `read_corpus`."""
+def iter_corpus(path: PathLike, *, skip_invalid: bool = False, part: int = 0, parts: int = 1) -> Iterator[Doc]:
+  """Streams a corpus file (or a BEIR directory) one validated `Doc` at a time; see `read_corpus`.
+
+  With parts > 1 it streams only part `part` of `parts`: the lines that start in that part's equal share of
+  the file's bytes, so each host of a job reads and parses only its own part (`corpus_part_bytes`). Ids are
+  then checked for duplicates within the part; a job's merged output checks across parts.
+  """
   path = _corpus_file(path)
   jsonl = _is_jsonl(path)
+  byte_range = None
+  if parts > 1:
+    if path.suffix == ".gz":
+      raise ValueError(f"{path}: a gzip file cannot be split into parts by bytes; decompress it first")
+    byte_range = corpus_part_bytes(path, part, parts)
   seen: dict[str, int] = {}  # id -> line; the only per-document state kept while streaming
-  with _reading(path, skip_invalid) as f:
+  with _reading(path, skip_invalid, byte_range) as f:
     for lineno, line in f.lines():
       try:
         if jsonl:
@@ -203,7 +256,7 @@ def iter_corpus(path: PathLike, *, skip_invalid: bool = False) -> Iterator[Doc]:
         else:
           doc_id, text = _tsv_fields(line, 2, "pid, text")
           doc = Doc(_check_id(doc_id, "doc"), "", text)
-        _check_new(seen, doc.id, "doc id")
+        _check_new(seen, doc.id, "doc id", f.line)
         if not doc.title.strip() and not doc.text.strip():
           raise _Invalid(EMPTY, f"doc {doc.id!r} has empty title and text")
       except _Invalid as e:
@@ -213,14 +266,36 @@ def iter_corpus(path: PathLike, *, skip_invalid: bool = False) -> Iterator[Doc]:
       yield doc
 
 
-def read_corpus(path: PathLike, *, skip_invalid: bool = False) -> Corpus:
-  """Reads BEIR corpus.jsonl, an MS MARCO collection TSV (`pid\\ttext`), or a BEIR directory -> {id: Doc}."""
-  return {doc.id: doc for doc in iter_corpus(path, skip_invalid=skip_invalid)}
+def corpus_part_bytes(path: PathLike, part: int, parts: int) -> tuple[int, int]:
+  """Byte range [start, end) of part `part` of `parts` of a file: the lines whose first byte lies in the
+  part's equal share of the bytes. Parts are contiguous and in order, and cover every line exactly once;
+  finding a boundary reads one line."""
+  if not 0 <= part < parts:
+    raise ValueError(f"part {part} is not in 0..{parts - 1}")
+  path = paths.as_path(_corpus_file(path))
+  size = path.stat().length
+
+  def line_start(offset: int) -> int:  # where the first line starting at or after `offset` begins
+    if offset <= 0:
+      return 0
+    if offset >= size:
+      return size
+    with _open_bytes(path) as f:
+      f.seek(offset - 1)
+      return offset - 1 + len(f.readline())
+
+  return line_start(size * part // parts), line_start(size * (part + 1) // parts)
+
+
+def read_corpus(path: PathLike, *, skip_invalid: bool = False, part: int = 0, parts: int = 1) -> Corpus:
+  """Reads BEIR corpus.jsonl, an MS MARCO collection TSV (`pid\\ttext`), or a BEIR directory -> {id: Doc}; with
+  parts > 1 only part `part` of them (see `iter_corpus`)."""
+  return {doc.id: doc for doc in iter_corpus(path, skip_invalid=skip_invalid, part=part, parts=parts)}
 
 
 def iter_queries(path: PathLike, *, skip_invalid: bool = False) -> Iterator[tuple[str, str]]:
   """Streams (query id, text) pairs from BEIR queries.jsonl or an MS MARCO queries TSV (`qid\\ttext`)."""
-  path = pathlib.Path(path)
+  path = paths.as_path(path)
   jsonl = _is_jsonl(path)
   seen: dict[str, int] = {}
   with _reading(path, skip_invalid) as f:
@@ -261,7 +336,7 @@ def read_qrels(path: PathLike, *, doc_ids: Container[str] | None = None, query_i
   With `doc_ids` / `query_ids` (e.g. the corpus and queries dicts), a judgment naming an id outside them is an
   error too: such a judgment can never be retrieved or asked, and would silently skew recall.
   """
-  path = pathlib.Path(path)
+  path = paths.as_path(path)
   qrels: Qrels = {}
   seen: dict[tuple[str, str], int] = {}
   trec = None  # decided on the first line
@@ -329,7 +404,7 @@ def read_run(path: PathLike, *, skip_invalid: bool = False) -> Run:
   Queries keep file order; each query's docs are in rank order as `ranked` defines it (trec_eval's), not the
   file's rank column, so iterating a query's dict walks its ranking.
   """
-  path = pathlib.Path(path)
+  path = paths.as_path(path)
   run: Run = {}
   seen: dict[tuple[str, str], int] = {}
   with _reading(path, skip_invalid) as f:
@@ -391,19 +466,12 @@ def _check_tsv_text(value: str, what: str) -> None:
 
 def _write_lines(path: PathLike, lines: list[str]) -> None:
   """Writes through a temporary file and a rename, so readers never see half a file and reruns are idempotent."""
-  path = pathlib.Path(path)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-  with open(tmp, "w", encoding="utf-8", newline="\n") as f:
-    for line in lines:
-      f.write(line)
-      f.write("\n")
-  os.replace(tmp, path)
+  atomic.write_atomic(path, lambda f: f.writelines(line.encode("utf-8") + b"\n" for line in lines))
 
 
 def write_corpus(path: PathLike, corpus: Mapping[str, Doc]) -> None:
   """Writes BEIR corpus.jsonl, or an MS MARCO collection TSV when the name ends in .tsv (no titles allowed)."""
-  path = pathlib.Path(path)
+  path = paths.as_path(path)
   if path.suffix == ".tsv":
     for doc in corpus.values():
       if doc.title:
@@ -417,7 +485,7 @@ def write_corpus(path: PathLike, corpus: Mapping[str, Doc]) -> None:
 
 def write_queries(path: PathLike, queries: Mapping[str, str]) -> None:
   """Writes BEIR queries.jsonl, or an MS MARCO queries TSV when the name ends in .tsv."""
-  path = pathlib.Path(path)
+  path = paths.as_path(path)
   if path.suffix == ".tsv":
     for qid, text in queries.items():
       _check_writable_id(qid), _check_tsv_text(text, f"query {qid!r}")
@@ -429,7 +497,7 @@ def write_queries(path: PathLike, queries: Mapping[str, str]) -> None:
 def write_beir(directory: PathLike, corpus: Mapping[str, Doc], queries: Mapping[str, str],
                qrels: Mapping[str, Mapping[str, int]] | None = None, split: str = "test") -> None:
   """Writes the BEIR layout: corpus.jsonl, queries.jsonl and (with qrels) qrels/<split>.tsv."""
-  directory = pathlib.Path(directory)
+  directory = paths.as_path(directory)
   write_corpus(directory / "corpus.jsonl", corpus)
   write_queries(directory / "queries.jsonl", queries)
   if qrels is not None:
@@ -444,7 +512,7 @@ def load_beir(directory: PathLike, split: str | None = None, *,
   queries are narrowed to those the split judges, as BEIR's GenericDataLoader does: SciFact's queries.jsonl
   holds train and test queries together, and evaluating the unjudged ones would score them as zero.
   """
-  directory = pathlib.Path(directory)
+  directory = paths.as_path(directory)
   if not directory.is_dir():
     raise FileNotFoundError(f"BEIR directory not found: {directory}")
   corpus = read_corpus(directory / "corpus.jsonl", skip_invalid=skip_invalid)

@@ -14,6 +14,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from jdr import paths
 from jdr.models import hf
 from jdr.models.bert import EncoderConfig
 from jdr.models.towers import TowerConfig, TwoTower
@@ -66,19 +67,20 @@ def from_description(description: dict):
 
 def _tokenizer(path: str):
   import transformers  # pylint: disable=g-import-not-at-top
-  return transformers.AutoTokenizer.from_pretrained(path)
+  with paths.local_copy(path) as local_path:  # transformers reads local directories only
+    return transformers.AutoTokenizer.from_pretrained(str(local_path))
 
 
 def is_jdr_model(path: str | pathlib.Path) -> bool:
   """A jdr export (jdr_model.json + params) or a training workdir (config.json + checkpoints/)."""
-  path = pathlib.Path(path)
+  path = paths.as_path(path)
   return (path / "jdr_model.json").exists() or (path / "checkpoints").is_dir()
 
 
 def load_jdr_model(path: str | pathlib.Path) -> tuple[TwoTower, dict, Any, dict]:
   """(model, params, tokenizer, description) from a jdr export or the latest checkpoint of a workdir."""
   from jdr import checkpoint  # pylint: disable=g-import-not-at-top
-  path = pathlib.Path(path)
+  path = paths.as_path(path)
   if (path / "jdr_model.json").exists():
     params, description = checkpoint.load_params(path)
   else:
@@ -113,9 +115,10 @@ def build(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collections.ConfigD
   overrides = _encoder_overrides(model_cfg)
   declared = {}
   if init_from:
-    path = hf.minilm_path() if init_from == "minilm" else pathlib.Path(init_from)
-    encoder_config, encoder_params = hf.load_hf(path, **overrides)
-    declared = hf.sentence_transformers_settings(path)
+    path = hf.minilm_path() if init_from == "minilm" else init_from
+    with paths.local_copy(path) as local_path:  # a Hugging Face directory on gs:// is read through a copy
+      encoder_config, encoder_params = hf.load_hf(local_path, **overrides)
+      declared = hf.sentence_transformers_settings(local_path)
     tokenizer_path = str(path)
   else:
     tokenizer_path = str(hf.minilm_path())
@@ -160,7 +163,7 @@ def _fresh_encoder_config(model_cfg: ml_collections.ConfigDict, tokenizer_path: 
 
 
 def _description(path) -> dict:
-  path = pathlib.Path(path)
+  path = paths.as_path(path)
   for name in ("jdr_model.json", "model.json"):
     if (path / name).exists():
       return json.loads((path / name).read_text())

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdr import atomic
+from jdr import paths
 
 Pools = dict[str, list[str]]
 
@@ -94,7 +95,7 @@ def save_snapshot(path: pathlib.Path, host_params: Any) -> None:
 def load_snapshot(path: pathlib.Path, like: Any) -> Any:
   """Load a snapshot into the tree structure of `like` (the resumed params): npz keeps leaves, not treedefs."""
   leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(like)
-  with np.load(path) as data:
+  with paths.load_npy(path) as data:
     dtypes = json.loads(str(data[_DTYPES_KEY]))
     stored = set(data.files) - {_DTYPES_KEY}
     keys = [jax.tree_util.keystr(p) for p, _ in leaves_with_path]
@@ -138,7 +139,7 @@ class AsyncRefresher:
       raise ValueError(f"max_wait_s must be >= 0, got {max_wait_s}")
     self._mine = mine
     self.every, self.delay = int(every), int(delay)
-    self.directory = pathlib.Path(directory)
+    self.directory = paths.as_path(directory)
     self.max_wait_s = float(max_wait_s)
     self._log = log
     self.directory.mkdir(parents=True, exist_ok=True)

@@ -22,12 +22,13 @@ import hashlib
 import logging
 import os
 import pathlib
-import tempfile
 from collections.abc import Collection, Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
 
+from jdr import atomic
+from jdr import paths
 from jdr.data.formats import Doc, read_run
 from jdr.data.text import doc_text
 
@@ -195,7 +196,7 @@ class BM25Negatives(_PoolNegatives):
     self.from_cache = False
     if cache_dir is not None:
       key = _bm25_key(corpus, self.qids, query_texts, params)
-      self.cache_path = pathlib.Path(cache_dir) / f"bm25-top{self.top_k}-{key[:20]}.npz"
+      self.cache_path = paths.as_path(cache_dir) / f"bm25-top{self.top_k}-{key[:20]}.npz"
       if self.cache_path.exists():
         rows, scores = _load_mined(self.cache_path, self.qids)
         self.from_cache = True
@@ -273,20 +274,12 @@ def bm25_run(corpus: Mapping[str, Doc], queries: Mapping[str, str], qids: Sequen
 
 
 def _save_mined(path: pathlib.Path, qids: Sequence[str], rows: np.ndarray, scores: np.ndarray) -> None:
-  path.parent.mkdir(parents=True, exist_ok=True)
-  # Write then rename, so an interrupted run never leaves a truncated cache that a later run would trust.
-  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-  try:
-    with os.fdopen(fd, "wb") as f:
-      np.savez(f, qids=np.asarray(qids, dtype=str), rows=rows, scores=scores)
-    os.replace(tmp, path)
-  except BaseException:
-    pathlib.Path(tmp).unlink(missing_ok=True)
-    raise
+  # Whole or not at all, so an interrupted run never leaves a truncated cache that a later run would trust.
+  atomic.write_atomic(path, lambda f: np.savez(f, qids=np.asarray(qids, dtype=str), rows=rows, scores=scores))
 
 
 def _load_mined(path: pathlib.Path, qids: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-  with np.load(path, allow_pickle=False) as f:
+  with paths.load_npy(path) as f:
     cached_qids, rows, scores = f["qids"], f["rows"], f["scores"]
   if cached_qids.tolist() != list(qids):
     raise ValueError(f"{path}: cached BM25 negatives are for other queries; delete the file to re-mine")

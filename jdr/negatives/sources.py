@@ -23,6 +23,7 @@ import ml_collections
 import numpy as np
 
 from jdr import atomic
+from jdr import paths
 from jdr.negatives import retrieved
 from jdr.negatives import sampled
 
@@ -146,7 +147,7 @@ def make(config: ml_collections.ConfigDict, data, workdir: pathlib.Path, encoder
         encoder.queries(initial_params, train_qids)
     path = cache / _cache_name("retrieval_static", neg.top_n, encoder, train_qids)
     if path.exists():
-      static = np.load(path)
+      static = paths.load_npy(path)
     else:
       static = retrieved.top_rows(faiss_retriever, q, neg.top_n)
       atomic.write_atomic(path, lambda f: np.save(f, static))
@@ -210,7 +211,7 @@ def corpus_embeddings(neg, encoder, params, cache: pathlib.Path, corpus_ids: lis
   # One name per workdir: the document tower is frozen, so a resumed run's is the starting one.
   path = cache / _cache_name("corpus-emb", 0, encoder, corpus_ids)
   if path.exists():
-    return np.load(path)
+    return paths.load_npy(path)
   retrieved.log(f"encoding the corpus ({len(corpus_ids)} documents) with the starting document tower")
   emb = encoder.corpus(params, progress=True)
   atomic.write_atomic(path, lambda f: np.save(f, emb))
@@ -225,7 +226,7 @@ def mine_rows(encoder, params, qids: list[str], n: int, path: pathlib.Path | Non
   With `path`, the result is cached there: what the starting weights mined stays what a resumed run uses.
   """
   if path is not None and path.exists():
-    return np.load(path)
+    return paths.load_npy(path)
   doc_emb = encoder.corpus(params, progress=path is not None)
   rows = retrieved.exact_top_rows(doc_emb, encoder.queries(params, qids), n, backend)
   if path is not None:
