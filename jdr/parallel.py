@@ -34,6 +34,27 @@ RULES = {
 }
 
 
+_TARGET = threading.local()
+
+
+def platform() -> str:
+  """The platform the code being traced will run on: jax's default backend, or the one `compiling_for` names
+  (ahead-of-time compilation for a TPU slice from a CPU host). Platform-dependent defaults (bfloat16 compute,
+  fused attention, batch sizes) ask this, not jax.default_backend()."""
+  return getattr(_TARGET, "platform", None) or jax.default_backend()
+
+
+@contextlib.contextmanager
+def compiling_for(target: str):
+  """Traces inside take `target` ("tpu", "gpu", "cpu") as their platform (see `platform`)."""
+  previous = getattr(_TARGET, "platform", None)
+  _TARGET.platform = target
+  try:
+    yield
+  finally:
+    _TARGET.platform = previous
+
+
 _ACTIVATIONS = threading.local()
 
 

@@ -50,15 +50,39 @@ def abstract_batch(config: ml_collections.ConfigDict, sharding) -> dict:
   return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for k, (shape, dtype) in shapes.items()}
 
 
-def size_step(config: ml_collections.ConfigDict) -> dict:
-  """Compiles the step of `config` for its mesh; returns the per-device figures (module docstring)."""
+def topology_devices(name: str) -> list:
+  """The devices of a named TPU slice ("v5e:2x2", "v4:2x2x1", "v5p:2x2x2"), for ahead-of-time compilation on a
+  host without TPUs, as MaxText's train_compile does; needs libtpu installed (pip install 'jax[tpu]')."""
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  try:
+    return list(topologies.get_topology_desc(topology_name=name, platform="tpu").devices)
+  except Exception as e:  # pylint: disable=broad-except  (libtpu absent or an unknown name: say which)
+    raise ValueError(f"--topology {name}: no TPU topology description ({type(e).__name__}: "
+                     f"{str(e).splitlines()[0] if str(e) else ''}); it needs libtpu (pip install 'jax[tpu]') and a "
+                     "name such as v5e:2x2 or v4:2x2x1") from None
+
+
+def size_step(config: ml_collections.ConfigDict, topology: str | None = None) -> dict:
+  """Compiles the step of `config` for its mesh; returns the per-device figures (module docstring).
+
+  With `topology` (a TPU slice name) the mesh is built from that slice's devices and the step compiled for
+  them ahead of time, with the TPU's defaults (model.dtype auto = bfloat16, fused attention)."""
   # pylint: disable=g-import-not-at-top  (the trainer imports this module)
-  from jdr import optimizers, parallel, train
-  from jdr.models import build as build_lib
+  from jdr import parallel
+  if topology is None:
+    return _size_step(config, None)
+  devices = topology_devices(topology)
+  with parallel.compiling_for("tpu"):
+    return {**_size_step(config, devices), "topology": topology, "device_kind": devices[0].device_kind}
+
+
+def _size_step(config: ml_collections.ConfigDict, devices) -> dict:
+  from jdr import optimizers, parallel, train  # pylint: disable=g-import-not-at-top
+  from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
   if config.negatives.source == "retrieval" or (config.data.kind == "pretrain" and config.data.pretrain_task == "mlm"):
     raise ValueError("--compile-only sizes token-batch steps; ADORE / LTRe corpus batches and masked-LM are not "
                      "covered yet (their corpus matrix: jdr.sizing.corpus_matrix_bytes)")
-  mesh = parallel.make_mesh(config.mesh.shape)
+  mesh = parallel.make_mesh(config.mesh.shape, devices=devices)
   rules = parallel.rules_for(config.mesh.rules)
   parallel.check_batch_size(config.batch_size, mesh)
   built = build_lib.build(config.model, config.data)
@@ -96,7 +120,8 @@ def size_step(config: ml_collections.ConfigDict) -> dict:
 def report(sizes: dict, file=None) -> None:
   file = file or sys.stdout
   mib = lambda b: f"{b / 2**20:,.1f} MiB"
-  print(f"mesh {sizes['mesh']} ({sizes['rules']}), batch {sizes['batch_size']}, {sizes['parameters']:,} parameters; "
+  on = f" of {sizes['topology']} ({sizes['device_kind']})" if sizes.get("topology") else ""
+  print(f"mesh {sizes['mesh']}{on} ({sizes['rules']}), batch {sizes['batch_size']}, {sizes['parameters']:,} parameters; "
         f"per device: params {mib(sizes['params_bytes_per_device'])}, optimizer "
         f"{mib(sizes['optimizer_bytes_per_device'])}, activations and other temporaries {mib(sizes['temp_bytes'])}, "
         f"step total {mib(sizes['total_bytes_per_device'])}; {sizes['flops_per_device'] / 1e12:.3f} TFLOP per device "

@@ -512,7 +512,12 @@ def main(argv=None) -> None:
     parser.add_argument("--compile-only", action="store_true",
                         help="compile the step for the configured mesh and print its per-device memory and FLOPs "
                              "(jdr/sizing.py); no data is read and nothing trains")
+    parser.add_argument("--topology", default=None,
+                        help="with --compile-only: compile for this TPU slice's devices instead of the local ones, "
+                             "e.g. v5e:2x2 or v4:2x2x1 (ahead of time, from any host with libtpu installed)")
     args = parser.parse_args(rest)
+    if args.topology and not args.compile_only:
+      parser.error("--topology goes with --compile-only")
     if not args.workdir and not args.compile_only:
       parser.error("--workdir is required (except with --compile-only)")
     config = config_files.load_config_file(args.config)
@@ -526,7 +531,7 @@ def main(argv=None) -> None:
     if args.compile_only:
       from jdr import sizing  # pylint: disable=g-import-not-at-top
       parallel.initialize_distributed()
-      sizing.report(sizing.size_step(config))
+      sizing.report(sizing.size_step(config, topology=args.topology))
       return
     train_and_evaluate(config, args.workdir)
 

@@ -7,6 +7,10 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
+from jdr import sizing
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = ["--config.model.init_from=", "--config.model.fresh=tiny", "--config.batch_size=16",
         "--config.data.query_max_length=16", "--config.data.doc_max_length=32"]
@@ -36,3 +40,20 @@ def test_compile_only_reports_per_device_memory_and_flops(tmp_path):
   # optimizer update that fully sharded devices split.
   assert dp["flops_per_device"] > fsdp["flops_per_device"]
   assert not (tmp_path / "w").exists()  # nothing written: no workdir was given
+
+
+def test_tpu_slices_compile_ahead_of_time_with_tpu_defaults():
+  """--topology: the devices come from libtpu's description of the slice (no TPU needed, but libtpu is: its
+  absence is a clear error), and the model is traced with the TPU's defaults (bfloat16, fused attention)."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  from jdr import parallel  # pylint: disable=g-import-not-at-top
+  from jdr.models import build  # pylint: disable=g-import-not-at-top
+  assert build.compute_dtype("auto") == "float32" and parallel.platform() == "cpu"
+  with parallel.compiling_for("tpu"):
+    assert build.compute_dtype("auto") == "bfloat16" and parallel.platform() == "tpu"
+  assert parallel.platform() == "cpu"
+  if importlib.util.find_spec("libtpu") is not None:
+    assert len(sizing.topology_devices("v5e:2x2")) == 4
+  else:
+    with pytest.raises(ValueError, match=r"--topology v5e:2x2: no TPU topology description .*pip install 'jax\[tpu\]'"):
+      sizing.topology_devices("v5e:2x2")

@@ -3,6 +3,7 @@ the per-device corpus matrix of an 8.8M-document corpus.
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m jdr.bench sizing [--batches 32,1024]
       [--models minilm,base] [--meshes "8,1,1;2,4,1;4,1,2"]
+  python -m jdr.bench sizing --topology v5e:2x4   # the same rows compiled for a TPU slice (needs libtpu)
 
 Each row compiles the in-batch training step (queries of 32 tokens, documents of 128, AdamW) for the mesh on
 simulated CPU devices, exactly as `python -m jdr.train ... --compile-only` does (jdr.sizing.size_step), and
@@ -28,10 +29,17 @@ def main(argv=None) -> None:
   parser.add_argument("--models", default="minilm,base")
   parser.add_argument("--batches", default="32,1024")
   parser.add_argument("--meshes", default="8,1,1;2,4,1;4,1,2")
+  parser.add_argument("--topology", default=None,
+                      help="compile for this TPU slice ahead of time (e.g. v5e:2x4; needs libtpu) instead of the "
+                           "local devices")
   args = parser.parse_args(argv)
   meshes = [tuple(int(x) for x in m.split(",")) for m in args.meshes.split(";")]
   needed = max(a * b * c for a, b, c in meshes)
-  if jax.device_count() < needed:
+  if args.topology:
+    available = len(sizing.topology_devices(args.topology))
+    if available < needed:
+      raise SystemExit(f"these meshes need {needed} devices and {args.topology} has {available}")
+  elif jax.device_count() < needed:
     raise SystemExit(f"these meshes need {needed} devices and {jax.device_count()} are present: run with "
                      f"XLA_FLAGS=--xla_force_host_platform_device_count={needed}")
   rows = []
@@ -49,7 +57,7 @@ def main(argv=None) -> None:
         c.batch_size = batch
         c.mesh.shape = mesh
         c.mesh.rules = RULES.get(mesh, "fsdp_tp")
-        s = sizing.size_step(c)
+        s = sizing.size_step(c, topology=args.topology)
         rows.append({"model": model, **s})
         print(f"{model:<7} {batch:>5} {str(mesh):<9} {c.mesh.rules:<8} {mib(s['params_bytes_per_device']):>9.1f} "
               f"{mib(s['optimizer_bytes_per_device']):>9.1f} {mib(s['batch_bytes_per_device']):>9.2f} "
@@ -60,7 +68,7 @@ def main(argv=None) -> None:
   for key, value in corpus.items():
     print(f"8.8M x 768 corpus matrix, {key.replace('_', ' on ')} devices: {value / 2**30:.2f} GiB per device",
           file=sys.stderr)
-  print(json.dumps({"benchmark": "sizing", "rows": rows, "corpus_matrix_bytes": corpus,
+  print(json.dumps({"benchmark": "sizing", "topology": args.topology, "rows": rows, "corpus_matrix_bytes": corpus,
                     "corpus_docs": MSMARCO_PASSAGES}))
 
 

@@ -250,7 +250,7 @@ class Layer(nn.Module):
     # FGD's spans need the [CLS] probabilities and attention dropout needs them too: both stay on einsums.
     no_probs_needed = span_mask is None and (deterministic or cfg.attention_dropout == 0.0)
     fused = no_probs_needed and (cfg.attention == "fused" or (
-        cfg.attention == "auto" and jax.default_backend() != "cpu"))
+        cfg.attention == "auto" and parallel.platform() != "cpu"))
     if fused:
       # [B, L, N, D] is jax.nn.dot_product_attention's own layout; it picks cuDNN's kernel where it can.
       ctx = jax.nn.dot_product_attention(q, k, v, mask=key_mask[:, None, None, :],

@@ -14,6 +14,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from jdr import parallel
 from jdr import paths
 from jdr.models import hf
 from jdr.models.bert import EncoderConfig
@@ -142,7 +143,7 @@ def compute_dtype(name: str) -> str:
   type; parameters, LayerNorm statistics, softmax and the encoder's output stay float32) and float32 on CPUs,
   where bfloat16 has no fast path."""
   if name == "auto":
-    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    return "float32" if parallel.platform() == "cpu" else "bfloat16"
   if name not in ("float32", "bfloat16"):
     raise ValueError(f"model.dtype must be float32, bfloat16 or auto, got {name!r}")
   return name
