@@ -222,11 +222,6 @@ def _save_npy(path: paths.epath.Path, array: np.ndarray) -> None:
   atomic.write_atomic(path, lambda f: np.save(f, array))
 
 
-def _load_npy(path: paths.epath.Path) -> np.ndarray:
-  with path.open("rb") as f:
-    return np.load(f)
-
-
 def encode_corpus(runtime: EncoderRuntime, docs: dict, out_dir: str | os.PathLike, *,
                   shard_size: int = 10_000, settings: dict | None = None,
                   tokens_per_batch: int | None = None, passages: int = 1,
@@ -326,7 +321,7 @@ def encode_corpus(runtime: EncoderRuntime, docs: dict, out_dir: str | os.PathLik
     # Each host checked its own part for repeated ids; an id in two parts shows only in the merged ids.
     check_unique_ids(out_dir, num_shards)
   meta["complete"] = True
-  meta["dim"] = int(_load_npy(_shard_paths(out_dir, 0)[0]).shape[1])
+  meta["dim"] = int(paths.load_npy(_shard_paths(out_dir, 0)[0], mmap_mode="r").shape[1])
   if index == 0:
     atomic.write_text(meta_path, json.dumps(meta, indent=1))
   return meta
@@ -383,7 +378,7 @@ def load_embeddings(enc_dir: str | os.PathLike) -> tuple[np.ndarray, list[str], 
   embs, ids = [], []
   for shard in range(meta["num_shards"]):
     emb_path, ids_path = _shard_paths(enc_dir, shard)
-    embs.append(_load_npy(emb_path))
+    embs.append(paths.load_npy(emb_path))
     ids.extend(ids_path.read_text().splitlines())
   emb = np.concatenate(embs)
   if emb.shape[0] != len(ids) or _documents(ids, meta) != meta["num_docs"]:
@@ -481,7 +476,7 @@ def load_pieces(enc_dir: str | os.PathLike) -> dict[str, np.ndarray]:
   meta = read_meta(enc_dir)
   if not meta.get("pieces"):
     raise ValueError(f"{enc_dir}: no piece vectors; encode with --pieces (jdr.encode)")
-  return {name: np.concatenate([_load_npy(enc_dir / f"pieces-{name}-{s:05d}.npy") for s in range(meta["num_shards"])])
+  return {name: np.concatenate([paths.load_npy(enc_dir / f"pieces-{name}-{s:05d}.npy") for s in range(meta["num_shards"])])
           for name in meta["pieces"]}
 
 
