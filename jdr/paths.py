@@ -52,11 +52,13 @@ def local_copy(path: PathLike) -> Iterator[pathlib.Path]:
   with tempfile.TemporaryDirectory(prefix="jdr-") as tmp:
     dst = pathlib.Path(tmp) / src.name
     if src.is_dir():
-      for item in src.rglob("*"):
-        if item.is_file():
-          target = dst / os.fspath(item)[len(os.fspath(src)):].lstrip("/")
+      # walk, not rglob: epath refuses `**` on object storage (one listing per directory is what it costs).
+      for root, _, files in src.walk():
+        relative = os.fspath(root)[len(os.fspath(src)):].lstrip("/")
+        for name in files:
+          target = dst / relative / name
           target.parent.mkdir(parents=True, exist_ok=True)
-          target.write_bytes(item.read_bytes())
+          target.write_bytes((as_path(root) / name).read_bytes())
     else:
       dst.write_bytes(src.read_bytes())
     yield dst

@@ -99,3 +99,19 @@ def test_faiss_gpu_options_and_their_record(tmp_path):
   back = index_lib.load_retriever(tmp_path / "idx", use_gpu=False)
   assert (back.gpu_layout, back.gpu_float16) == ("replicate", True)
   assert index_lib.load_retriever(tmp_path / "idx", use_gpu=False, gpu_layout="shard").gpu_layout == "shard"
+
+
+def test_local_copy_and_upload_of_directories(tmp_path, fake_gcs):
+  """What readers of local directories only (transformers' from_pretrained) and writers of them (exports) get."""
+  src = tmp_path / "model"
+  (src / "sub").mkdir(parents=True)
+  (src / "config.json").write_text('{"a": 1}')
+  (src / "sub" / "w.bin").write_bytes(b"\x00\x01")
+  paths.upload_dir(src, "gs://bucket/model")
+  assert {"gs://bucket/model/config.json", "gs://bucket/model/sub/w.bin"} <= set(fake_gcs)
+  with paths.local_copy("gs://bucket/model") as copy:
+    assert (copy / "config.json").read_text() == '{"a": 1}' and (copy / "sub" / "w.bin").read_bytes() == b"\x00\x01"
+    kept = copy
+  assert not kept.exists()  # the temporary copy is gone
+  with paths.local_copy(src) as same:
+    assert same == src  # local paths are used in place
