@@ -71,7 +71,7 @@ def main(argv: Iterable[str] | None = None) -> None:
       tokens_per_batch = args.batch_size * runtime.max_length
     devices = jax.local_device_count()
     if devices > 1 and not args.pieces:
-      # This host's devices split each batch's rows (hosts split the shards): batches grow with them.
+      # This host's devices split each batch's rows (hosts split the corpus): batches grow with them.
       mesh = parallel.make_mesh((-1, 1, 1), devices=jax.local_devices())
       runtime = dataclasses.replace(runtime, apply_fn=corpus_lib.rows_on_mesh(runtime.apply_fn, mesh),
                                     rows_multiple=devices)

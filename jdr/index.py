@@ -512,12 +512,7 @@ class JaxRetriever:
     self = cls(meta["dim"], mesh=mesh, devices=devices, dtype=meta["dtype"],
                query_chunk=meta["query_chunk"], score_budget_bytes=meta["score_budget_bytes"],
                precision=meta["precision"])
-    path = paths.as_path(directory) / "embeddings.npy"
-    if paths.is_local(path):
-      embeddings = np.load(path, mmap_mode="r")
-    else:
-      with path.open("rb") as f:
-        embeddings = np.load(f)
+    embeddings = paths.load_npy(paths.as_path(directory) / "embeddings.npy", mmap_mode="r")
     ids = _read_ids(directory)
     if len(ids) != len(embeddings):
       raise ValueError(f"{directory}: {len(ids)} ids for {len(embeddings)} vectors")

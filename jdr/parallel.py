@@ -34,46 +34,45 @@ RULES = {
 }
 
 
+@contextlib.contextmanager
+def _scoped(state: threading.local, value):
+  """Sets `state.value` while the block runs (traces read it), restoring what was there before."""
+  previous = getattr(state, "value", None)
+  state.value = value
+  try:
+    yield
+  finally:
+    state.value = previous
+
+
 _TARGET = threading.local()
 
 
 def platform() -> str:
   """The platform the code being traced will run on: jax's default backend, or the one `compiling_for` names
   (ahead-of-time compilation for a TPU slice from a CPU host). Platform-dependent defaults (bfloat16 compute,
-  fused attention, batch sizes) ask this, not jax.default_backend()."""
-  return getattr(_TARGET, "platform", None) or jax.default_backend()
+  fused attention) ask this, not jax.default_backend()."""
+  return getattr(_TARGET, "value", None) or jax.default_backend()
 
 
-@contextlib.contextmanager
 def compiling_for(target: str):
   """Traces inside take `target` ("tpu", "gpu", "cpu") as their platform (see `platform`)."""
-  previous = getattr(_TARGET, "platform", None)
-  _TARGET.platform = target
-  try:
-    yield
-  finally:
-    _TARGET.platform = previous
+  return _scoped(_TARGET, target)
 
 
 _ACTIVATIONS = threading.local()
 
 
-@contextlib.contextmanager
 def activations_on(mesh: Mesh):
   """While a step is traced: the towers keep their activations split by rows over the mesh's batch axes
   (`constrain_rows`). Explicit NamedShardings, since a global mesh cannot be set inside jit."""
-  previous = getattr(_ACTIVATIONS, "mesh", None)
-  _ACTIVATIONS.mesh = mesh
-  try:
-    yield
-  finally:
-    _ACTIVATIONS.mesh = previous
+  return _scoped(_ACTIVATIONS, mesh)
 
 
 def constrain_rows(x: jax.Array) -> jax.Array:
   """x [rows, ...] with the batch sharding inside `activations_on` (a no-op elsewhere, and for row counts
   the batch axes do not divide, such as gradient caching's single rows)."""
-  mesh = getattr(_ACTIVATIONS, "mesh", None)
+  mesh = getattr(_ACTIVATIONS, "value", None)
   if mesh is None or x.shape[0] % data_parallel_size(mesh):
     return x
   return jax.lax.with_sharding_constraint(x, batch_sharding(mesh))

@@ -1,8 +1,8 @@
 """Paths on local disk or object storage (gs://, s3://), through one library: etils.epath.
 
 Everything jdr reads or writes (data files, workdirs, checkpoints, metric logs, encodings, exports, runs) goes
-through `as_path`, so a `gs://bucket/...` workdir works wherever a local one does, on the same code path; the
-tests run that path on local disk. Two things need real local files, and get them here: Faiss (its index files
+through `as_path`, so a `gs://bucket/...` workdir works wherever a local one does, on the same code path
+(tests/test_paths.py runs it on an in-memory bucket). Two things need real local files, and get them here: Faiss (its index files
 go through `faiss.serialize_index` bytes instead) and tools that only take local directories (`local_copy`).
 """
 
