@@ -91,6 +91,50 @@ def rows_on_mesh(fn, mesh):
   return apply
 
 
+class LocalRows:
+  """`fn(params, ids, mask)` on this host's own devices only, rows split over them: for work each host does
+  on its own part of the corpus (`evaluation.TowerEncoder` on several hosts), with no other host taking part.
+
+  Parameters sharded across hosts are first copied whole to this host's devices (`host_params`)."""
+
+  def __init__(self, fn):
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
+    devices = jax.local_devices()
+    mesh = Mesh(np.array(devices), ("rows",))
+    self.rows = NamedSharding(mesh, PartitionSpec("rows"))
+    self.replicated = NamedSharding(mesh, PartitionSpec())
+    self.rows_multiple = len(devices)
+    self.fn = fn
+    self.jitted = jax.jit(fn, out_shardings=self.rows)
+
+  def host_params(self, params):
+    """params (global arrays, possibly split over hosts) as copies on this host's devices."""
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    whole = lambda x: multihost_utils.process_allgather(x, tiled=True) if (
+        isinstance(x, jax.Array) and not x.is_fully_addressable) else np.asarray(x)
+    return jax.device_put(jax.tree.map(whole, params), self.replicated)
+
+  def output_dim(self, params) -> int:
+    ids = jax.ShapeDtypeStruct((self.rows_multiple, 8), np.int32)
+    return int(jax.eval_shape(self.fn, params, ids, ids).shape[-1])
+
+  def __call__(self, params, ids, mask):
+    if len(ids) % self.rows_multiple:
+      raise ValueError(f"a batch of {len(ids)} rows does not split over {self.rows_multiple} local devices")
+    return np.asarray(self.jitted(params, jax.device_put(ids, self.rows), jax.device_put(mask, self.rows)))
+
+
+def gather_host_parts(part: np.ndarray | None, dim: int) -> np.ndarray:
+  """Every host's [n_i, dim] part (None: an empty one), concatenated in process order, on every host."""
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  part = np.zeros((0, dim), np.float32) if part is None else np.asarray(part, np.float32)
+  sizes = [int(n) for n in np.asarray(multihost_utils.process_allgather(np.int64(len(part)))).ravel()]
+  padded = np.zeros((max(sizes), dim), np.float32)
+  padded[:len(part)] = part
+  stacked = np.asarray(multihost_utils.process_allgather(padded))  # [hosts, max(sizes), dim]
+  return np.concatenate([stacked[i, :n] for i, n in enumerate(sizes)])
+
+
 def load_runtime(model: str, *, pooling: str | None = None, normalize: bool | None = None,
                  max_length: int | None = None, dtype: str = "float32",
                  side: str = "doc") -> EncoderRuntime:

@@ -28,7 +28,9 @@ class TowerEncoder:
   """Encodes the corpus (document tower) and queries (query tower) of a dataset with given params.
 
   With a `mesh` of more than one device (the trainer's), each batch's rows are split over its batch axes
-  (`jdr.corpus.rows_on_mesh`): no device encodes what another does, across hosts too."""
+  (`jdr.corpus.rows_on_mesh`): no device encodes what another does. On several hosts each host tokenizes
+  and encodes only its own contiguous part of the corpus on its own devices (`jdr.corpus.LocalRows`), and
+  the parts' vectors are gathered to every host."""
 
   def __init__(self, model: TwoTower, tokenizer, data, *, query_max_length: int, doc_max_length: int,
                tokens_per_batch: int | None = None, mesh=None):
@@ -48,26 +50,47 @@ class TowerEncoder:
       self.rows_multiple = parallel.data_parallel_size(mesh)
     else:
       self.encode_doc, self.encode_query = jax.jit(doc), jax.jit(query)
+    # Several hosts: each tokenizes and encodes only its own contiguous part of the corpus, on its own
+    # devices, with no collective until the parts' vectors are gathered; tokenizing 8.8M documents on
+    # every host, and stepping all hosts through every batch in lockstep, would not scale.
+    self.hosts, self.host = jax.process_count(), jax.process_index()
+    n = len(self.doc_ids)
+    self.part = (n * self.host // self.hosts, n * (self.host + 1) // self.hosts)
+    if self.hosts > 1:
+      self._local = corpus_lib.LocalRows(doc)
 
   @property
   def doc_tokens(self):
+    """Token ids of this host's part of the corpus (`self.part`; the whole corpus on one host)."""
     if self._doc_tokens is None:  # tokenized once per run, on first use
+      lo, hi = self.part
       self._doc_tokens = text_lib.tokenize(
-          self.tokenizer, [text_lib.doc_text(self.data.corpus[d]) for d in self.doc_ids], self.doc_max_length)
+          self.tokenizer, [text_lib.doc_text(self.data.corpus[d]) for d in self.doc_ids[lo:hi]],
+          self.doc_max_length)
     return self._doc_tokens
 
   def corpus(self, params, progress: bool = False) -> np.ndarray:
-    """float32 [N, D], rows in `self.doc_ids` order."""
-    runtime = corpus_lib.EncoderRuntime(self.encode_doc, params, self.tokenizer, self.doc_max_length, {},
-                                        rows_multiple=self.rows_multiple)
+    """float32 [N, D], rows in `self.doc_ids` order, on every host."""
+    if self.hosts > 1:
+      params = self._local.host_params(params)
+    runtime = corpus_lib.EncoderRuntime(
+        self._local if self.hosts > 1 else self.encode_doc, params, self.tokenizer, self.doc_max_length, {},
+        rows_multiple=self._local.rows_multiple if self.hosts > 1 else self.rows_multiple)
     bar = None
-    if progress and jax.process_index() == 0:
+    if progress and self.host == 0:
       import tqdm  # pylint: disable=g-import-not-at-top
-      bar = tqdm.tqdm(total=len(self.doc_ids), unit="doc", desc="encode corpus", mininterval=5.0, leave=False)
+      desc = "encode corpus" if self.hosts == 1 else f"encode corpus (host 0 of {self.hosts})"
+      bar = tqdm.tqdm(total=len(self.doc_tokens), unit="doc", desc=desc, mininterval=5.0, leave=False)
+    if self.hosts > 1:
+      lo, hi = self.part
+      print(f"host {self.host} of {self.hosts}: tokenized and encoding documents {lo}-{hi - 1} of "
+            f"{len(self.doc_ids)}", file=sys.stderr, flush=True)
     emb = corpus_lib.encode_tokens(runtime, self.doc_tokens, tokens_per_batch=self.tokens_per_batch,
-                                   progress=bar)
+                                   progress=bar) if (self.doc_tokens or self.hosts == 1) else None
     if bar is not None:
       bar.close()
+    if self.hosts > 1:
+      emb = corpus_lib.gather_host_parts(emb, self._local.output_dim(params))
     return emb
 
   def queries(self, params, qids: Sequence[str]) -> np.ndarray:

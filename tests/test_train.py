@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -109,6 +110,15 @@ def test_two_processes_equal_one(tmp_path):
   assert len(evals[0]) == len(evals[1]) == 1
   np.testing.assert_allclose(evals[0][0]["eval/ndcg@10"], evals[1][0]["eval/ndcg@10"], rtol=1e-6)
   assert (tmp_path / "multi" / "checkpoints" / "6").is_dir()
+  # Each host tokenized and encoded only its own part of the corpus, and the parts tile it.
+  parts = []
+  for i in (0, 1):
+    log = launched.stderr if i == 0 else (tmp_path / "logs" / f"process-{i}.log").read_text()  # 0: the launcher's
+    found = re.findall(rf"host {i} of 2: tokenized and encoding documents (\d+)-(\d+) of (\d+)", log)
+    assert found, log[-2000:]
+    parts.append(tuple(int(x) for x in found[-1]))
+  (lo0, hi0, n), (lo1, hi1, n1) = parts
+  assert n == n1 and lo0 == 0 and hi0 + 1 == lo1 and hi1 == n - 1 and hi0 >= lo0 and hi1 >= lo1, parts
 
 
 def test_resume_after_sigkill_is_exact(tmp_path):
