@@ -15,9 +15,9 @@ Steps, each skipped when its output exists (so the driver resumes):
   ROW_S      stage 2 from warmup_S with the row's overrides (contrastive only, document-level KD, FGD, FGD
              without passage / sentence, FG pooling, FGD + document KD); its final evaluation (MRR@100,
              nDCG@10, R@100 on the test queries, FirstP at 512 tokens)
-  fgd_S extras   for the first seed's FGD workdir: MaxP (`jdr.encode --passages 4`) against FirstP, and the Eq. 16
-             ensemble (`jdr.encode --pieces passage:128,sentence:64`, `jdr.retrieve --ensemble-gamma G`) for
-             G in 0, 0.1, 0.3, 1
+  fgd_S extras   for the first seed's FGD workdir (--extras-row: another row's): MaxP (`jdr.encode --passages
+             4`) against FirstP, and the Eq. 16 ensemble (`jdr.encode --pieces passage:128,sentence:64`,
+             `jdr.retrieve --ensemble-gamma G`) for G in 0, 0.1, 0.3, 1
 `--table` prints every finished row: the mean over seeds and ± half their range ((max - min) / 2).
 
 `--jobs N` runs up to N stages at once (a seed's rows wait for its warm-up), each with its own log
@@ -196,6 +196,8 @@ def main(argv=None) -> None:
   parser.add_argument("--source", default=None, help="the SciFact BEIR directory (default ../shared/data/scifact)")
   parser.add_argument("--backend", choices=["faiss", "jax"], default="faiss", help="jdr.retrieve's back-end")
   parser.add_argument("--jobs", type=int, default=1, help="stages run at once")
+  parser.add_argument("--extras-row", default="fgd", choices=sorted(ROWS),
+                      help="the row whose first-seed model gets MaxP vs FirstP and the Eq. 16 gamma sweep")
   parser.add_argument("--table", action="store_true")
   args = parser.parse_args(argv)
   out = pathlib.Path(args.out)
@@ -230,7 +232,7 @@ def main(argv=None) -> None:
     extra = ROWS[row] + [f"--config.model.init_from={out / f'warmup_s{seed}'}"]
     result = _stage(py, out, out / f"{row}_s{seed}", "runlocal", seed, args.steps, extra, args.backend)
     print(f"{row}_s{seed}: {json.dumps(result)}", file=sys.stderr, flush=True)
-    if row == "fgd" and seed == seeds[0]:  # MaxP and the Eq. 16 sweep on one model
+    if row == args.extras_row and seed == seeds[0]:  # MaxP and the Eq. 16 sweep on one model
       print(json.dumps(long_doc_extras(py, out, out / f"{row}_s{seed}", args.backend)), file=sys.stderr, flush=True)
 
   # The teacher (and its reranking figures) and the warm-ups need nothing of each other; they are queued
