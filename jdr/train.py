@@ -61,6 +61,7 @@ def make_train_step(model: TwoTower, tx: optax.GradientTransformation, config: m
   encoding that many rows at a time, with one dropout key per row.
   """
   loss_of = losses.make_loss(config.loss)
+  chunk_rows = config.model.get("encode_chunk_rows", 0)
   hardest = config.negatives.hardest_in_batch
   query_only = config.model.train_towers == "query"
   top_n = config.negatives.top_n
@@ -168,12 +169,16 @@ def make_train_step(model: TwoTower, tx: optax.GradientTransformation, config: m
         ids = batch["pair_ids"]
         rows, n, length = ids.shape
         flat = lambda x: x.reshape(rows * n, length)
-        scores = model.apply(variables, flat(ids), flat(batch["pair_mask"]), flat(batch["pair_types"]),
-                             deterministic=False, rngs={"dropout": query_rng}).reshape(rows, n)
+        scores = encode_in_chunks(
+            lambda a, key: model.apply(variables, *a, deterministic=False, rngs={"dropout": key}),
+            (flat(ids), flat(batch["pair_mask"]), flat(batch["pair_types"])), query_rng, chunk_rows
+        ).reshape(rows, n)
         fields = {"labels": batch["labels"], "valid": batch["valid"]}
         return finish(scores, fields, batch["labels"] > 0, aux)
-      q = model.apply(variables, batch["query_ids"], batch["query_mask"], deterministic=False,
-                      rngs={"dropout": query_rng}, method=TwoTower.encode_query)
+      q = encode_in_chunks(
+          lambda a, key: model.apply(variables, *a, deterministic=False, rngs={"dropout": key},
+                                     method=TwoTower.encode_query),
+          (batch["query_ids"], batch["query_mask"]), query_rng, chunk_rows)
       if candidates == "corpus":
         if retrieve_in_step:
           rows = retrieved.sharded_top_k(jax.lax.stop_gradient(q), corpus, bias, top_n, mesh,
@@ -190,9 +195,11 @@ def make_train_step(model: TwoTower, tx: optax.GradientTransformation, config: m
       # A frozen document tower runs forward only, without dropout: nothing of it is trained.
       spans = None
       span_mask = distill.span_masks(batch["doc_mask"], distill_levels) if distill_levels else None
-      d = model.apply(variables, batch["doc_ids"], batch["doc_mask"], deterministic=query_only,
-                      rngs={} if query_only else {"dropout": doc_rng}, method=TwoTower.encode_doc,
-                      span_mask=span_mask, span_pooling=config.distill.pooling)
+      d = encode_in_chunks(
+          lambda a, key: model.apply(variables, a[0], a[1], deterministic=query_only,
+                                     rngs={} if query_only else {"dropout": key}, method=TwoTower.encode_doc,
+                                     span_mask=a[2], span_pooling=config.distill.pooling),
+          (batch["doc_ids"], batch["doc_mask"], span_mask), doc_rng, chunk_rows)
       if span_mask is not None:
         d, spans = d
       if query_only:
@@ -234,14 +241,32 @@ def step_rngs(state: TrainState) -> tuple[jax.Array, jax.Array]:
   return jax.random.split(jax.random.fold_in(state.rng, state.step))
 
 
-def make_step_query_vectors(model: TwoTower):
+def encode_in_chunks(encode, arrays, rng: jax.Array, chunk_rows: int):
+  """`encode(arrays, rng)` (rows first in every array) run `chunk_rows` rows at a time, as one jax.lax.map.
+
+  The chunks are strided (chunk k holds rows k, k + n, k + 2n, ... for n chunks), so on a mesh every chunk
+  keeps the batch's split over the data devices. Chunk k draws its dropout from fold_in(rng, k). With
+  chunk_rows 0, at least the number of rows, or not dividing it, `encode` runs once on everything."""
+  rows = jax.tree.leaves(arrays)[0].shape[0]
+  if chunk_rows <= 0 or chunk_rows >= rows or rows % chunk_rows:
+    return encode(arrays, rng)
+  n = rows // chunk_rows
+  split = lambda x: x.reshape(chunk_rows, n, *x.shape[1:]).swapaxes(0, 1)  # [n, chunk_rows, ...]
+  out = jax.lax.map(lambda a: encode(a[0], jax.random.fold_in(rng, a[1])),
+                    (jax.tree.map(split, arrays), jnp.arange(n)))
+  return jax.tree.map(lambda y: y.swapaxes(0, 1).reshape(rows, *y.shape[2:]), out)
+
+
+def make_step_query_vectors(model: TwoTower, chunk_rows: int = 0):
   """Jitted (state, query_ids, query_mask) -> exactly the query vectors the step computes (same params,
-  same dropout key), so host retrieval between steps ranks what the loss will see."""
+  same dropout keys, same chunks), so host retrieval between steps ranks what the loss will see."""
 
   @jax.jit
   def step_query_vectors(state, query_ids, query_mask):
-    return model.apply({"params": state.params}, query_ids, query_mask, deterministic=False,
-                       rngs={"dropout": step_rngs(state)[0]}, method=TwoTower.encode_query)
+    return encode_in_chunks(
+        lambda a, key: model.apply({"params": state.params}, *a, deterministic=False, rngs={"dropout": key},
+                                   method=TwoTower.encode_query),
+        (query_ids, query_mask), step_rngs(state)[0], chunk_rows)
 
   return step_query_vectors
 
@@ -268,6 +293,11 @@ def check_grad_cache(config: ml_collections.ConfigDict, candidates: str = "token
   if chunk and candidates != "tokens":
     raise ValueError("grad_cache.chunk_size > 0 needs token batches: negatives.source=retrieval scores "
                      "against a fixed corpus matrix and has no document tower to cache")
+  rows = config.model.get("encode_chunk_rows", 0)
+  if not isinstance(rows, int) or rows < 0:
+    raise ValueError(f"model.encode_chunk_rows must be an int >= 0 (0 = off), got {rows!r}")
+  if chunk and rows:
+    raise ValueError("grad_cache.chunk_size already encodes the batch in chunks; leave model.encode_chunk_rows at 0")
   return chunk
 
 
@@ -356,7 +386,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
       doc_max_length=config.eval.doc_max_length or config.data.doc_max_length,
       tokens_per_batch=config.eval.tokens_per_batch, mesh=mesh)
 
-  negatives = sources.make(config, data, workdir, encoder, state.params, mesh, make_step_query_vectors(model))
+  negatives = sources.make(config, data, workdir, encoder, state.params, mesh, make_step_query_vectors(model, config.model.encode_chunk_rows))
   if not pretraining:
     batches = pairs.Batches(
         data, built.tokenizer, batch_size=config.batch_size,

@@ -2,7 +2,8 @@
 
   python -m jdr.bench fgd-ablation --out runs/fgd [--rows contrastive,document_kd,fgd,...] [--seeds 0,1,2]
       [--single-seed-rows no_passage,no_sentence,fg_pooling,fgd_document_kd] [--steps 120] [--jobs 1]
-      [--backend faiss|jax] [--source ../shared/data/scifact] [--teacher-steps 120]
+      [--backend faiss|jax] [--source ../shared/data/scifact] [--teacher-steps 120] [--extras-row fgd]
+      [--set model.encode_chunk_rows=4 ...]
   python -m jdr.bench fgd-ablation --out runs/fgd --table
 
 Steps, each skipped when its output exists (so the driver resumes):
@@ -198,6 +199,8 @@ def main(argv=None) -> None:
   parser.add_argument("--jobs", type=int, default=1, help="stages run at once")
   parser.add_argument("--extras-row", default="fgd", choices=sorted(ROWS),
                       help="the row whose first-seed model gets MaxP vs FirstP and the Eq. 16 gamma sweep")
+  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                      help="a config override for every training stage, e.g. model.encode_chunk_rows=4 (CPU)")
   parser.add_argument("--table", action="store_true")
   args = parser.parse_args(argv)
   out = pathlib.Path(args.out)
@@ -210,6 +213,14 @@ def main(argv=None) -> None:
   for row, _ in plan:
     if row not in ROWS:
       parser.error(f"unknown row {row!r}; choose from {sorted(ROWS)}")
+  if args.extras_row not in [row for row, _ in plan]:
+    parser.error(f"--extras-row {args.extras_row} is not among the rows this run trains")
+  if args.extras_row == "fg_pooling":
+    parser.error("--extras-row fg_pooling: its pieces are mean-pooled, and jdr.encode --pieces stores Eq. 7's")
+  for item in args.set:
+    if "=" not in item:
+      parser.error(f"--set {item!r}: expected KEY=VALUE")
+  overrides = [f"--config.{item}" for item in args.set]
   out.mkdir(parents=True, exist_ok=True)
   _device(out)
   py = sys.executable
@@ -224,12 +235,12 @@ def main(argv=None) -> None:
     print(f"teacher: {json.dumps(result)}", file=sys.stderr, flush=True)
 
   def warmup(seed):
-    return _stage(py, out, out / f"warmup_s{seed}", "runlocal,warmup", seed, args.steps, [], args.backend)
+    return _stage(py, out, out / f"warmup_s{seed}", "runlocal,warmup", seed, args.steps, overrides, args.backend)
 
   def row_stage(row, seed, warm, taught):
     warm.result()
     taught.result()
-    extra = ROWS[row] + [f"--config.model.init_from={out / f'warmup_s{seed}'}"]
+    extra = ROWS[row] + [f"--config.model.init_from={out / f'warmup_s{seed}'}"] + overrides
     result = _stage(py, out, out / f"{row}_s{seed}", "runlocal", seed, args.steps, extra, args.backend)
     print(f"{row}_s{seed}: {json.dumps(result)}", file=sys.stderr, flush=True)
     if row == args.extras_row and seed == seeds[0]:  # MaxP and the Eq. 16 sweep on one model

@@ -30,6 +30,7 @@ def _config(args, variant: str):
   c.loss.temperature = 0.05
   c.optimizer.warmup_steps = 0
   c.num_train_steps = 10_000
+  c.model.encode_chunk_rows = getattr(args, "encode_chunk_rows", 0)
   if variant != "contrastive":
     c.distill.teacher = "bench"  # any non-empty name: the step only reads the teacher fields of the batch
     c.distill.document = variant == "document_kd"
@@ -83,10 +84,13 @@ def main(argv=None) -> None:
   parser.add_argument("--negatives", type=int, default=3)
   parser.add_argument("--doc-length", type=int, default=512)
   parser.add_argument("--steps", type=int, default=5)
+  parser.add_argument("--encode-chunk-rows", type=int, default=0,
+                      help="model.encode_chunk_rows: the towers encode this many rows at a time (0: all)")
   args = parser.parse_args(argv)
   seconds = {v: step_seconds(args, v) for v in ("contrastive", "document_kd", "fgd")}
   result = {"benchmark": "fgd-step", "units": "seconds/step", "batch_size": args.batch_size,
-            "negatives": args.negatives, "doc_length": args.doc_length, "device": jax.devices()[0].device_kind,
+            "negatives": args.negatives, "doc_length": args.doc_length, "encode_chunk_rows": args.encode_chunk_rows,
+            "device": jax.devices()[0].device_kind,
             **{v: round(s, 4) for v, s in seconds.items()},
             "fgd_overhead": round(seconds["fgd"] / seconds["contrastive"] - 1, 4),
             "document_kd_overhead": round(seconds["document_kd"] / seconds["contrastive"] - 1, 4)}

@@ -34,6 +34,7 @@ def _config(args) -> ml_collections.ConfigDict:
   c.batch_size = args.batch_size
   c.optimizer.learning_rate, c.optimizer.warmup_steps = 2e-5, 0
   c.num_train_steps = 10_000
+  c.model.encode_chunk_rows = getattr(args, "encode_chunk_rows", 0)
   return c
 
 
@@ -144,6 +145,8 @@ def main(argv=None) -> None:
   parser.add_argument("--query-length", type=int, default=32)
   parser.add_argument("--doc-length", type=int, default=128)
   parser.add_argument("--steps", type=int, default=10)
+  parser.add_argument("--encode-chunk-rows", type=int, default=0,
+                      help="model.encode_chunk_rows: the towers encode this many rows at a time (0: all)")
   args = parser.parse_args(argv)
 
   rng = np.random.default_rng(0)
@@ -168,6 +171,7 @@ def main(argv=None) -> None:
       "jdr": round(jdr_s, 4), "reference": round(torch_s, 4), "ratio": round(torch_s / jdr_s, 3),
       "reference_name": "transformers BertModel + torch AdamW",
       "batch_size": b, "query_length": args.query_length, "doc_length": args.doc_length,
+      "encode_chunk_rows": args.encode_chunk_rows,
       "peak_gflops": round(peak["peak"] / 1e9, 1),
       "jdr_peak_fraction": round(flops / jdr_s / peak["peak"], 3),
       "reference_peak_fraction": round(flops / torch_s / peak["peak"], 3),
