@@ -124,15 +124,30 @@ class LocalRows:
     return np.asarray(self.jitted(params, jax.device_put(ids, self.rows), jax.device_put(mask, self.rows)))
 
 
-def gather_host_parts(part: np.ndarray | None, dim: int) -> np.ndarray:
-  """Every host's [n_i, dim] part (None: an empty one), concatenated in process order, on every host."""
+GATHER_BYTES = 1 << 28
+
+
+def gather_host_parts(part: np.ndarray | None, dim: int, block_bytes: int = GATHER_BYTES) -> np.ndarray:
+  """Every host's [n_i, dim] part (None: an empty one), concatenated in process order, on every host.
+
+  process_allgather stages what it gathers on every local device, so the parts go over in blocks of rows
+  (about `block_bytes` gathered per call): an 8.8M x 768 float32 corpus gathered at once would need 27 GB
+  on each device. The result is assembled in host memory."""
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   part = np.zeros((0, dim), np.float32) if part is None else np.asarray(part, np.float32)
   sizes = [int(n) for n in np.asarray(multihost_utils.process_allgather(np.int64(len(part)))).ravel()]
-  padded = np.zeros((max(sizes), dim), np.float32)
-  padded[:len(part)] = part
-  stacked = np.asarray(multihost_utils.process_allgather(padded))  # [hosts, max(sizes), dim]
-  return np.concatenate([stacked[i, :n] for i, n in enumerate(sizes)])
+  block = max(1, block_bytes // (4 * max(dim, 1) * len(sizes)))
+  out = np.empty((sum(sizes), dim), np.float32)
+  starts = np.concatenate([[0], np.cumsum(sizes)])
+  for lo in range(0, max(sizes), block):  # the same number of calls on every host
+    padded = np.zeros((block, dim), np.float32)
+    mine = part[lo:lo + block]
+    padded[:len(mine)] = mine
+    stacked = np.asarray(multihost_utils.process_allgather(padded))  # [hosts, block, dim]
+    for host, n in enumerate(sizes):
+      take = max(0, min(block, n - lo))
+      out[starts[host] + lo:starts[host] + lo + take] = stacked[host, :take]
+  return out
 
 
 def load_runtime(model: str, *, pooling: str | None = None, normalize: bool | None = None,
@@ -314,7 +329,9 @@ def encode_corpus(runtime: EncoderRuntime, docs: dict, out_dir: str | os.PathLik
   meta_path = out_dir / "meta.json"
   if meta_path.exists():
     old = json.loads(meta_path.read_text())
-    diff = {k: (old.get(k), v) for k, v in meta.items() if k != "complete" and old.get(k) != v}
+    # Over both key sets: a key only the old encoding has (a split into parts, MaxP passages) differs too.
+    diff = {k: (old.get(k), meta.get(k)) for k in sorted((set(old) | set(meta)) - {"complete", "dim"})
+            if old.get(k) != meta.get(k)}
     if diff:
       raise ValueError(f"{meta_path}: the existing encoding was made with other settings "
                        f"(key: (old, new)) {diff}; use a new output directory")

@@ -62,8 +62,13 @@ def main(argv: Iterable[str] | None = None) -> None:
   with cli.reporting_errors(skip_flag="--skip-invalid"):
     # The corpus first: a bad line is reported in seconds, not after loading the model. Each process of a
     # multi-host job reads and tokenizes only its own part of the file (its share of the bytes).
-    corpus = formats.read_corpus(args.corpus, skip_invalid=args.skip_invalid, part=jax.process_index(),
-                                 parts=jax.process_count())
+    error = corpus = None
+    try:
+      corpus = formats.read_corpus(args.corpus, skip_invalid=args.skip_invalid, part=jax.process_index(),
+                                   parts=jax.process_count())
+    except Exception as e:  # pylint: disable=broad-except  (raised below, on every host at once)
+      error = e
+    parallel.raise_if_any_host_failed(error, f"reading their part of {args.corpus}")
     runtime = corpus_lib.load_runtime(args.model, pooling=args.pooling, normalize=args.normalize,
                                       max_length=args.max_length, dtype=args.dtype)
     tokens_per_batch = args.tokens_per_batch

@@ -178,3 +178,15 @@ def check_batch_size(global_batch_size: int, mesh: Mesh) -> None:
   if global_batch_size % jax.process_count():
     raise ValueError(f"batch_size={global_batch_size} is not divisible by the "
                      f"{jax.process_count()} processes")
+
+
+def raise_if_any_host_failed(error: BaseException | None, what: str) -> None:
+  """Every host learns whether any host failed `what`, and all raise together: a host that raised alone
+  would leave the others waiting in their next collective for ever. One host: raises `error` if any."""
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    failed = np.asarray(multihost_utils.process_allgather(np.int32(error is not None))).ravel()
+    if error is None and failed.any():
+      raise ValueError(f"host(s) {np.flatnonzero(failed).tolist()} failed {what}; their logs say why")
+  if error is not None:
+    raise error

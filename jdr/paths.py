@@ -37,8 +37,9 @@ def local(path: PathLike) -> pathlib.Path:
 
 
 def absolute(path: PathLike) -> epath.Path:
-  """Local paths made absolute (orbax wants absolute paths), object-storage paths as they are."""
-  return as_path(pathlib.Path(os.fspath(path)).absolute()) if is_local(path) else as_path(path)
+  """Local paths made absolute with symlinks and `..` resolved (orbax wants absolute paths; settings recorded
+  with an encoding or a cache name one file one way), object-storage paths as they are."""
+  return as_path(pathlib.Path(os.fspath(path)).resolve()) if is_local(path) else as_path(path)
 
 
 @contextlib.contextmanager

@@ -211,3 +211,11 @@ def test_eq16_ensemble_from_stored_pieces(tmp_path):
       expected = sorted(total, key=lambda d: -total[d])[:5]
       assert list(run[q]) == expected
       np.testing.assert_allclose([run[q][d] for d in expected], [total[d] for d in expected], rtol=1e-4, atol=1e-5)
+
+
+def test_gather_host_parts_in_blocks_on_one_host():
+  """The block-by-block gather reassembles the rows whatever the block size (one host: its own part)."""
+  part = np.random.default_rng(0).standard_normal((37, 5)).astype(np.float32)
+  for block_bytes in (4 * 5 * 8, 4 * 5 * 37, 1 << 28, 1):
+    np.testing.assert_array_equal(corpus_lib.gather_host_parts(part, 5, block_bytes), part)
+  assert corpus_lib.gather_host_parts(None, 5).shape == (0, 5)

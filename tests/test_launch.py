@@ -72,3 +72,25 @@ def test_two_hosts_encode_disjoint_shards_equal_to_one(tmp_path):
   assert two_ids == one_ids and two_meta["complete"] and one_meta["num_shards"] > 2
   assert sum(two_meta["part_docs"]) == 40 and min(two_meta["part_docs"]) > 0  # both hosts read a part
   np.testing.assert_allclose(two, one, rtol=1e-5, atol=1e-6)
+
+
+def test_a_bad_line_in_one_hosts_part_stops_every_host(tmp_path):
+  """Host 1 alone reads the bad last line; both hosts exit with an error (none waits for ever), host 1's
+  naming the file's own line and host 0's naming host 1."""
+  import os  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  from conftest import write_tiny_beir  # pylint: disable=g-import-not-at-top
+  data = write_tiny_beir(tmp_path / "data")
+  with open(data / "corpus.jsonl", "a") as f:
+    f.write("{not json\n")
+  lines = (data / "corpus.jsonl").read_text().count("\n")
+  encode = [sys.executable, "-m", "jdr.encode", "--model", "minilm", "--corpus", str(data), "--max-length", "16",
+            "--out", str(tmp_path / "enc")]
+  launched = subprocess.run([sys.executable, "-m", "jdr.launch.local", "--processes", "2", "--devices-per-process",
+                             "1", "--log-dir", str(tmp_path / "logs"), "--", *encode],
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=300)
+  host1 = (tmp_path / "logs" / "process-1.log").read_text()
+  assert launched.returncode != 0
+  assert f"corpus.jsonl:{lines}" in host1 or f"line {lines}" in host1, host1[-2000:]
+  assert "host(s) [1] failed reading their part" in launched.stderr, launched.stderr[-2000:]

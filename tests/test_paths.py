@@ -82,6 +82,13 @@ def test_metric_log_and_atomic_files_on_gs(fake_gcs):
   atomic.write_atomic("gs://bucket/work/a.npy", lambda f: np.save(f, arr))
   np.testing.assert_array_equal(paths.load_npy("gs://bucket/work/a.npy"), arr)
 
+  def half_then_fail(f):
+    f.write(b"\x93NUMPY half a header")
+    raise OSError("preempted mid-write")
+  with pytest.raises(OSError, match="preempted"):
+    atomic.write_atomic("gs://bucket/work/b.npy", half_then_fail)
+  assert not paths.as_path("gs://bucket/work/b.npy").exists()  # no truncated object that looks finished
+
 
 def test_faiss_gpu_options_and_their_record(tmp_path):
   """How an index spreads over a host's GPUs (the faiss GPU build is not installed here: the cloner options

@@ -98,6 +98,11 @@ def test_encode_matches_direct_and_resumes(tmp_path, tiny_model, capsys):
   runtime = corpus_lib.load_runtime(str(tiny_model), max_length=16)
   with pytest.raises(ValueError, match="other settings"):  # the library raises, never exits
     corpus_lib.encode_corpus(runtime, corpus, out, shard_size=5, settings={"max_length": 16})
+  # A key only the old encoding has differs too: a FirstP resume of a MaxP directory is refused.
+  maxp = tmp_path / "maxp"
+  corpus_lib.encode_corpus(runtime, corpus, maxp, shard_size=50, settings={"max_length": 16}, passages=2)
+  with pytest.raises(ValueError, match="'passages': \\(2, None\\)"):
+    corpus_lib.encode_corpus(runtime, corpus, maxp, shard_size=50, settings={"max_length": 16})
 
 
 def test_retrieve_backends_agree_and_evaluate(tmp_path, tiny_model):
