@@ -91,7 +91,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.distill.contrastive_weight = 1.0  # lambda of Eq. 13
   c.distill.negative_pieces = 0  # 0 = every window of the negative documents; m = Eq. 14-15's hierarchy, top m
   c.distill.temperature = 1.0  # the teacher's logits / this; the student's scores / loss.temperature
-  c.distill.teacher_batch_size = 32
+  # Pairs per teacher batch; 0 = by tokens, as jdr.rerank and jdr.encode batch (about 1,024 padded tokens a
+  # batch on a CPU, 16,384 on accelerators): on the 2-core box a fixed 32 scored 21.2 pairs/s and token
+  # batches 46.3 (`python -m jdr.bench cross-encoder`), and FGD's 64- to 512-token pieces vary in length.
+  c.distill.teacher_batch_size = 0
 
   c.grad_cache = ml_collections.ConfigDict()
   c.grad_cache.chunk_size = 0

@@ -37,7 +37,7 @@ def _student_config(beir, teacher, extra=()):
       "negatives.bm25_top_k=3", "negatives.per_query=2", "num_train_steps=2", "log_every=1",
       "optimizer.warmup_steps=1", "eval_before_training=False", "eval.diagnostic_queries=0",
       f"distill.teacher={teacher}", "distill.passage_tokens=8", "distill.sentence_tokens=4",
-      "distill.teacher_batch_size=16", *extra])
+      *extra])
   return config
 
 
