@@ -91,37 +91,14 @@ def rows_on_mesh(fn, mesh):
   return apply
 
 
-class LocalRows:
-  """`fn(params, ids, mask)` on this host's own devices only, rows split over them: for work each host does
-  on its own part of the corpus (`evaluation.TowerEncoder` on several hosts), with no other host taking part.
-
-  Parameters sharded across hosts are first copied whole to this host's devices (`host_params`)."""
-
-  def __init__(self, fn):
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
-    devices = jax.local_devices()
-    mesh = Mesh(np.array(devices), ("rows",))
-    self.rows = NamedSharding(mesh, PartitionSpec("rows"))
-    self.replicated = NamedSharding(mesh, PartitionSpec())
-    self.rows_multiple = len(devices)
-    self.fn = fn
-    self.jitted = jax.jit(fn, out_shardings=self.rows)
-
-  def host_params(self, params):
-    """params (global arrays, possibly split over hosts) as copies on this host's devices."""
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-    whole = lambda x: multihost_utils.process_allgather(x, tiled=True) if (
-        isinstance(x, jax.Array) and not x.is_fully_addressable) else np.asarray(x)
-    return jax.device_put(jax.tree.map(whole, params), self.replicated)
-
-  def output_dim(self, params) -> int:
-    ids = jax.ShapeDtypeStruct((self.rows_multiple, 8), np.int32)
-    return int(jax.eval_shape(self.fn, params, ids, ids).shape[-1])
-
-  def __call__(self, params, ids, mask):
-    if len(ids) % self.rows_multiple:
-      raise ValueError(f"a batch of {len(ids)} rows does not split over {self.rows_multiple} local devices")
-    return np.asarray(self.jitted(params, jax.device_put(ids, self.rows), jax.device_put(mask, self.rows)))
+def whole_on(params, mesh):
+  """params (global arrays, possibly split over hosts) whole and replicated on `mesh`, e.g. this host's own
+  devices, for work each host does alone on its part of the corpus (`evaluation.TowerEncoder`)."""
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  from jdr import parallel  # pylint: disable=g-import-not-at-top
+  whole = lambda x: multihost_utils.process_allgather(x, tiled=True) if (
+      isinstance(x, jax.Array) and not x.is_fully_addressable) else np.asarray(x)
+  return jax.device_put(jax.tree.map(whole, params), parallel.replicated(mesh))
 
 
 GATHER_BYTES = 1 << 28

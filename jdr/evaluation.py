@@ -29,7 +29,7 @@ class TowerEncoder:
 
   With a `mesh` of more than one device (the trainer's), each batch's rows are split over its batch axes
   (`jdr.corpus.rows_on_mesh`): no device encodes what another does. On several hosts each host tokenizes
-  and encodes only its own contiguous part of the corpus on its own devices (`jdr.corpus.LocalRows`), and
+  and encodes only its own contiguous part of the corpus on its own devices (`jdr.corpus.rows_on_mesh` over them), and
   the parts' vectors are gathered to every host."""
 
   def __init__(self, model: TwoTower, tokenizer, data, *, query_max_length: int, doc_max_length: int,
@@ -56,8 +56,11 @@ class TowerEncoder:
     self.hosts, self.host = jax.process_count(), jax.process_index()
     n = len(self.doc_ids)
     self.part = (n * self.host // self.hosts, n * (self.host + 1) // self.hosts)
+    self._doc_fn = doc
     if self.hosts > 1:
-      self._local = corpus_lib.LocalRows(doc)
+      from jdr import parallel  # pylint: disable=g-import-not-at-top
+      self._host_mesh = parallel.make_mesh((-1, 1, 1), devices=jax.local_devices())
+      self._encode_part = corpus_lib.rows_on_mesh(doc, self._host_mesh)
 
   @property
   def doc_tokens(self):
@@ -71,11 +74,13 @@ class TowerEncoder:
 
   def corpus(self, params, progress: bool = False) -> np.ndarray:
     """float32 [N, D], rows in `self.doc_ids` order, on every host."""
-    if self.hosts > 1:
-      params = self._local.host_params(params)
-    runtime = corpus_lib.EncoderRuntime(
-        self._local if self.hosts > 1 else self.encode_doc, params, self.tokenizer, self.doc_max_length, {},
-        rows_multiple=self._local.rows_multiple if self.hosts > 1 else self.rows_multiple)
+    if self.hosts == 1:
+      runtime = corpus_lib.EncoderRuntime(self.encode_doc, params, self.tokenizer, self.doc_max_length, {},
+                                          rows_multiple=self.rows_multiple)
+    else:
+      params = corpus_lib.whole_on(params, self._host_mesh)
+      runtime = corpus_lib.EncoderRuntime(self._encode_part, params, self.tokenizer, self.doc_max_length, {},
+                                          rows_multiple=self._host_mesh.devices.size)
     bar = None
     if progress and self.host == 0:
       import tqdm  # pylint: disable=g-import-not-at-top
@@ -90,7 +95,8 @@ class TowerEncoder:
     if bar is not None:
       bar.close()
     if self.hosts > 1:
-      emb = corpus_lib.gather_host_parts(emb, self._local.output_dim(params))
+      probe = jax.ShapeDtypeStruct((1, 8), np.int32)  # the vector width, for a host whose part is empty
+      emb = corpus_lib.gather_host_parts(emb, jax.eval_shape(self._doc_fn, params, probe, probe).shape[-1])
     return emb
 
   def queries(self, params, qids: Sequence[str]) -> np.ndarray:

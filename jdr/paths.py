@@ -2,8 +2,9 @@
 
 Everything jdr reads or writes (data files, workdirs, checkpoints, metric logs, encodings, exports, runs) goes
 through `as_path`, so a `gs://bucket/...` workdir works wherever a local one does, on the same code path
-(tests/test_paths.py runs it on an in-memory bucket). Two things need real local files, and get them here: Faiss (its index files
-go through `faiss.serialize_index` bytes instead) and tools that only take local directories (`local_copy`).
+(tests/test_paths.py runs it on an in-memory bucket). Two things need real local files, and get them here:
+Faiss (its index files go through `faiss.serialize_index` bytes instead) and tools that only take local
+directories (`local_copy`).
 """
 
 import contextlib
