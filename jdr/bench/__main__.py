@@ -4,6 +4,8 @@ import argparse
 import importlib
 import sys
 
+from jdr import host_memory
+
 BENCHMARKS = {
     "adore-step": "jdr.bench.adore_step",
     "ance-refresh": "jdr.bench.ance_refresh",
@@ -21,6 +23,7 @@ BENCHMARKS = {
 def main() -> None:
   parser = argparse.ArgumentParser(prog="python -m jdr.bench")
   parser.add_argument("name", choices=sorted(BENCHMARKS))
+  print(host_memory.status(), file=sys.stderr)
   args, rest = parser.parse_known_args()
   importlib.import_module(BENCHMARKS[args.name]).main(rest)
 
