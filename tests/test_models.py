@@ -236,13 +236,13 @@ def test_two_tower_shared_and_separate_params():
 
 
 def test_dropout_keeps_the_rate_and_the_expectation():
-  """jdr's packed-bits dropout: the drop fraction is the rate (to sampling error over 4M draws: an 8-bit
+  """jdr's hashed-bits dropout: the drop fraction is the rate (to sampling error over 4M draws: an 8-bit
   threshold, 0.1016 for 0.1, would fail), kept values are scaled by 1 / (1 - rate), the same key gives the
   same mask and deterministic mode is the identity."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jdr.models.bert import Dropout  # pylint: disable=g-import-not-at-top
-  x = jnp.ones((1024, 4099), jnp.float32)  # an odd size: the last 32-bit word is half used
+  x = jnp.ones((1024, 4099), jnp.float32)
   layer = Dropout(0.1)
   y = np.asarray(layer.apply({}, x, deterministic=False, rngs={"dropout": jax.random.PRNGKey(0)}))
   dropped = float(np.mean(y == 0))
@@ -253,6 +253,34 @@ def test_dropout_keeps_the_rate_and_the_expectation():
   other = np.asarray(layer.apply({}, x, deterministic=False, rngs={"dropout": jax.random.PRNGKey(1)}))
   assert np.mean((y == 0) == (other == 0)) < 0.9  # a different key, a different mask
   np.testing.assert_array_equal(np.asarray(layer.apply({}, x, deterministic=True)), np.asarray(x))
+
+
+def test_dropout_bits_look_independent_and_follow_each_rows_key():
+  """The keyed-hash masks: neighbours along every axis are dropped together at rate^2 (as independent draws
+  would be), each 4-bit nibble is uniform, and under vmap a row's mask is the one its own key gives alone."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jdr.models.bert import dropout_bits  # pylint: disable=g-import-not-at-top
+  bits = np.asarray(dropout_bits(jax.random.key(7), (64, 12, 64, 64)))
+  dropped = bits < np.uint32(round(0.1 * 2**32))
+  n = dropped.size
+  for axis in range(4):
+    a, b = np.take(dropped, range(dropped.shape[axis] - 1), axis), np.take(dropped, range(1, dropped.shape[axis]), axis)
+    both = float(np.mean(a & b))
+    assert abs(both - 0.01) < 4 * np.sqrt(0.01 * 0.99 / a.size), (axis, both)
+  for shift in range(0, 32, 4):
+    counts = np.bincount(((bits >> shift) & 15).reshape(-1), minlength=16)
+    chi2 = float(np.sum((counts - n / 16) ** 2 / (n / 16)))
+    assert chi2 < 50, (shift, chi2)  # 15 degrees of freedom: p ~ 1e-5
+  keys = jax.random.split(jax.random.key(1), 4)
+  rows = jax.vmap(lambda k: dropout_bits(k, (8, 16)))(keys)
+  for i in range(4):
+    np.testing.assert_array_equal(np.asarray(rows[i]), np.asarray(dropout_bits(keys[i], (8, 16))))
+  assert len({np.asarray(r).tobytes() for r in rows}) == 4
+  # A raw uint32 key (jax.random.PRNGKey) and its typed form draw the same bits.
+  np.testing.assert_array_equal(np.asarray(dropout_bits(jax.random.PRNGKey(3), (5, 7))),
+                                np.asarray(dropout_bits(jax.random.wrap_key_data(jax.random.PRNGKey(3)), (5, 7))))
+  assert jnp.asarray(dropout_bits(jax.random.key(0), (3,))).dtype == jnp.uint32
 
 
 def test_model_dtype_auto_is_float32_on_cpu_and_bad_names_are_refused():
