@@ -138,6 +138,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.mesh = ml_collections.ConfigDict()
   c.mesh.shape = (-1, 1, 1)  # (data, fsdp, model); -1 takes the remaining devices
   c.mesh.rules = "dp"  # dp | fsdp | tp | fsdp_tp (see jdr/parallel.py)
+  # A host without accelerators as this many XLA CPU devices (0: JAX's one); 2 on a 2-core CPU made the
+  # MiniLM step 13% faster (parallel.use_cpu_devices). The batch must split over them.
+  c.mesh.cpu_devices = 0
   return c
 
 

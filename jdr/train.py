@@ -330,7 +330,9 @@ def _dummy_inputs(config: ml_collections.ConfigDict):
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict:
   """Trains per `config`, checkpointing to and resuming from `workdir`; returns the final metrics."""
   # ---------------------------------------------------------------- hosts and mesh
-  parallel.initialize_distributed()  # first: it must run before anything starts a jax backend
+  # first: both must run before anything starts a jax backend
+  parallel.use_cpu_devices(config.mesh.cpu_devices)
+  parallel.initialize_distributed()
   workdir = paths.absolute(workdir)  # local, or gs://... (etils.epath)
   workdir.mkdir(parents=True, exist_ok=True)
   is_host0 = jax.process_index() == 0
@@ -560,6 +562,7 @@ def main(argv=None) -> None:
   with cli.reporting_errors():
     if args.compile_only:
       from jdr import sizing  # pylint: disable=g-import-not-at-top
+      parallel.use_cpu_devices(config.mesh.cpu_devices)
       parallel.initialize_distributed()
       sizing.report(sizing.size_step(config, topology=args.topology))
       return

@@ -10,6 +10,7 @@ import sys
 import textwrap
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -191,6 +192,23 @@ def test_batch_not_divisible_by_devices(tmp_path):
   assert proc.returncode != 0
   assert "batch_size=12 is not divisible by the 8 data-parallel devices" in proc.stderr
   assert not (tmp_path / "w" / "checkpoints").exists()
+
+
+def test_cpu_devices_split_the_host_and_are_refused_once_jax_runs(tmp_path):
+  """mesh.cpu_devices=8 makes a 1-device process an 8-device one (its batch must then split 8 ways), and a
+  process where JAX already runs with another count gets a clear error, not a silent single device."""
+  data = write_tiny_beir(tmp_path / "data")
+  proc = _run_train(tmp_path, *_train_cmd(tmp_path / "w", data, "--config.batch_size=12",
+                                          "--config.mesh.cpu_devices=8")[3:], devices=1)
+  assert proc.returncode != 0
+  assert "batch_size=12 is not divisible by the 8 data-parallel devices" in proc.stderr
+  from jdr import parallel  # pylint: disable=g-import-not-at-top
+  have = len(jax.devices("cpu"))
+  parallel.use_cpu_devices(have)  # the count it has: nothing to change
+  parallel.use_cpu_devices(0)
+  with pytest.raises(ValueError, match=f"mesh.cpu_devices={have + 1}: JAX already runs in this process with "
+                                       f"{have} CPU device"):
+    parallel.use_cpu_devices(have + 1)
 
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):

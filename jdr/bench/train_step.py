@@ -1,6 +1,7 @@
 """Training step time: jdr's jitted step vs an equivalent PyTorch step, same model, same shapes, one process.
 
   python -m jdr.bench train-step [--batch-size 32] [--query-length 32] [--doc-length 128] [--steps 10]
+                                 [--cpu-devices N]
 
 Both sides train the bundled all-MiniLM-L6-v2 as one shared tower (mean pooling, L2-normalized) on a batch of
 B queries and B positive documents with in-batch softmax NLL, dropout on, AdamW (lr 2e-5, weight decay 0.01,
@@ -10,11 +11,14 @@ plus backward as 3x the forward FLOPs and are given as a fraction of the float32
 the same run. jdr's step is split into parts: towers (forward + backward: the step without dropout, less
 the next two), dropout masks (the step with dropout less the step without), loss (in-batch softmax NLL and
 its gradient on [B, 384] vectors) and update (AdamW with clipping on the parameters), each jitted and timed
-alone.
+alone. jdr's step is also timed data-parallel over --cpu-devices XLA CPU devices (default one per core: the
+trainer's mesh.cpu_devices, parameters replicated, the batch split); "jdr" is the faster of the two, named in
+"jdr_setting", and both are printed. The PyTorch step uses all cores through its own intra-op threads.
 """
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -49,9 +53,11 @@ def _time_steps(run_step, steps: int) -> float:
   return float(np.median(times))
 
 
-def jdr_step_seconds(args, batch, dropout: float | None = None) -> float:
-  """Median seconds of jdr's jitted step; `dropout` overrides the model's rates (0.0: the step without masks)."""
-  from jdr import optimizers, train  # pylint: disable=g-import-not-at-top
+def jdr_step_seconds(args, batch, dropout: float | None = None, devices: int = 1) -> float:
+  """Median seconds of jdr's jitted step; `dropout` overrides the model's rates (0.0: the step without masks);
+  `devices` > 1 splits the batch over that many devices (a (devices, 1, 1) mesh, parameters replicated: the
+  trainer's mesh.rules=dp), as the trainer does with mesh.cpu_devices on a CPU host."""
+  from jdr import optimizers, parallel, train  # pylint: disable=g-import-not-at-top
   from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
   config = _config(args)
   if dropout is not None:
@@ -61,7 +67,18 @@ def jdr_step_seconds(args, batch, dropout: float | None = None) -> float:
   params = train.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
   state = train.TrainState(step=jax.numpy.int32(0), params=params, opt_state=tx.init(params),
                            rng=jax.random.PRNGKey(1))
-  step_fn = jax.jit(train.make_train_step(built.model, tx, config), donate_argnums=(0,))
+  step = train.make_train_step(built.model, tx, config)
+  if devices == 1:
+    step_fn = jax.jit(step, donate_argnums=(0,))
+  else:
+    mesh = parallel.make_mesh((devices, 1, 1), jax.devices()[:devices])
+    rows, whole = parallel.batch_sharding(mesh), parallel.replicated(mesh)
+    batch_shardings = {k: whole if k == "valid" else rows for k in batch}
+    state = jax.device_put(state, whole)
+    batch = {k: jax.device_put(v, batch_shardings[k]) for k, v in batch.items()}
+    with parallel.activations_on(mesh):
+      step_fn = jax.jit(step, donate_argnums=(0,), in_shardings=(whole, batch_shardings),
+                        out_shardings=(whole, whole)).lower(state, batch).compile()
   holder = {"state": state}
 
   def run_step():
@@ -147,7 +164,12 @@ def main(argv=None) -> None:
   parser.add_argument("--steps", type=int, default=10)
   parser.add_argument("--encode-chunk-rows", type=int, default=0,
                       help="model.encode_chunk_rows: the towers encode this many rows at a time (0: all)")
+  parser.add_argument("--cpu-devices", type=int, default=min(os.cpu_count() or 1, 8),
+                      help="also time jdr's step data-parallel over this many XLA CPU devices (the trainer's "
+                           "mesh.cpu_devices; default: one per core, at most 8); 1: one device only")
   args = parser.parse_args(argv)
+  from jdr import parallel  # pylint: disable=g-import-not-at-top
+  parallel.use_cpu_devices(args.cpu_devices if args.cpu_devices > 1 else 0)
 
   rng = np.random.default_rng(0)
   b = args.batch_size
@@ -161,10 +183,12 @@ def main(argv=None) -> None:
   peak = peak_lib.matmul_peak_flops()
   flops = 3 * (peak_lib.encoder_flops([args.query_length] * b, layers=6, hidden=384, intermediate=1536)
                + peak_lib.encoder_flops([args.doc_length] * b, layers=6, hidden=384, intermediate=1536))
-  jdr_s = jdr_step_seconds(args, batch)
+  one_device_s = jdr_step_seconds(args, batch)
+  split_s = jdr_step_seconds(args, batch, devices=args.cpu_devices) if args.cpu_devices > 1 else None
+  jdr_s = min(one_device_s, split_s or one_device_s)
   no_dropout_s = jdr_step_seconds(args, batch, dropout=0.0)
   parts = jdr_part_seconds(args, batch)
-  parts = {"towers": no_dropout_s - parts["update"] - parts["loss"], "dropout": jdr_s - no_dropout_s, **parts}
+  parts = {"towers": no_dropout_s - parts["update"] - parts["loss"], "dropout": one_device_s - no_dropout_s, **parts}
   torch_s = torch_step_seconds(args, batch)
   result = {
       "benchmark": "train-step", "units": "seconds/step (ratio = reference / jdr)",
@@ -176,8 +200,19 @@ def main(argv=None) -> None:
       "jdr_peak_fraction": round(flops / jdr_s / peak["peak"], 3),
       "reference_peak_fraction": round(flops / torch_s / peak["peak"], 3),
       "jdr_parts_seconds": {k: round(v, 4) for k, v in parts.items()},
+      "jdr_one_device": round(one_device_s, 4),
+      "jdr_one_device_peak_fraction": round(flops / one_device_s / peak["peak"], 3),
+      "cpu_devices": args.cpu_devices,
+      "jdr_cpu_devices": round(split_s, 4) if split_s else None,
+      "jdr_cpu_devices_peak_fraction": round(flops / split_s / peak["peak"], 3) if split_s else None,
+      "jdr_setting": (f"{args.cpu_devices} CPU devices (mesh.cpu_devices={args.cpu_devices})"
+                      if jdr_s == split_s else "1 device"),
   }
-  print(f"jdr {jdr_s:.3f} s/step (" + ", ".join(f"{k} {v:.3f}" for k, v in parts.items()) + f"), PyTorch "
+  split = (f"; on {args.cpu_devices} CPU devices {split_s:.3f} s ({result['jdr_cpu_devices_peak_fraction']:.0%})"
+           if split_s else "")
+  print(f"jdr, 1 device: {one_device_s:.3f} s/step ({result['jdr_one_device_peak_fraction']:.0%}; "
+        + ", ".join(f"{k} {v:.3f}" for k, v in parts.items()) + f"){split}", file=sys.stderr)
+  print(f"jdr {jdr_s:.3f} s/step ({result['jdr_setting']}), PyTorch "
         f"{torch_s:.3f} s/step: ratio {result['ratio']:.2f}; jdr at {result['jdr_peak_fraction']:.0%} of the "
         f"float32 matmul peak ({result['peak_gflops']:.0f} GFLOP/s), PyTorch at "
         f"{result['reference_peak_fraction']:.0%}", file=sys.stderr)

@@ -288,12 +288,15 @@ class Layer(nn.Module):
     else:
       # Scaling q ([B, L, N, D]) is cheaper than scaling the [B, N, L, L] logits.
       q = q * jnp.asarray(cfg.head_dim ** -0.5, q.dtype)
-      logits = jnp.einsum("bqnd,bknd->bnqk", q, k, preferred_element_type=jnp.float32)
+      # Heads ahead of positions ([B, N, L, D]) before both contractions: XLA's CPU dots then see plain
+      # batched [L, D] x [D, L] products instead of strided ones.
+      q, k, v = (jnp.swapaxes(t, 1, 2) for t in (q, k, v))
+      logits = jnp.einsum("bnqd,bnkd->bnqk", q, k, preferred_element_type=jnp.float32)
       # Boolean mask + where (not an additive bias) keeps padded keys at exactly zero weight.
       logits = jnp.where(key_mask[:, None, None, :], logits, jnp.finfo(jnp.float32).min)
       probs = jax.nn.softmax(logits, axis=-1)
       probs = Dropout(cfg.attention_dropout)(probs, deterministic=deterministic)
-      ctx = jnp.einsum("bnqk,bknd->bqnd", probs.astype(cfg.compute_dtype), v)
+      ctx = jnp.swapaxes(jnp.einsum("bnqk,bnkd->bnqd", probs.astype(cfg.compute_dtype), v), 1, 2)
     attention_output = _dense(cfg, cfg.hidden_size, ("heads", "kv", "embed"), axis=(-2, -1),
                               name="attention_output")
     attention_norm = _layer_norm(cfg, "attention_norm")
@@ -315,7 +318,7 @@ class Layer(nn.Module):
     # The same contraction as [CLS]'s own context above (weights [B, N, S, L] in place of its row of
     # probabilities), so the whole sequence as one span reproduces [CLS] to the last bit.
     weights = probs[:, :, 0, None, :] * span_mask[:, None, :, :].astype(probs.dtype)
-    span_ctx = jnp.einsum("bnqk,bknd->bqnd", weights.astype(cfg.compute_dtype), v)
+    span_ctx = jnp.swapaxes(jnp.einsum("bnqk,bnkd->bnqd", weights.astype(cfg.compute_dtype), v), 1, 2)
     return out, rest(span_ctx, x[:, None, 0, :])
 
 
