@@ -120,6 +120,12 @@ def test_two_processes_equal_one(tmp_path):
     parts.append(tuple(int(x) for x in found[-1]))
   (lo0, hi0, n), (lo1, hi1, n1) = parts
   assert n == n1 and lo0 == 0 and hi0 + 1 == lo1 and hi1 == n - 1 and hi0 >= lo0 and hi1 >= lo1, parts
+  # Each host parsed only its part of corpus.jsonl (jdr.data.corpus_by_host): two parts, swapped through the
+  # workdir, that together hold every document once.
+  exchange = sorted((tmp_path / "multi" / "corpus-parts").iterdir())
+  assert [p.name for p in exchange] == ["part-00000-of-00002.npz", "part-00001-of-00002.npz"]
+  ids = [i for p in exchange for i in np.load(p)["ids"].tolist()]
+  assert len(ids) == n == len(set(ids)) and all(len(np.load(p)["ids"]) for p in exchange)
 
 
 def test_resume_after_sigkill_is_exact(tmp_path):

@@ -99,14 +99,7 @@ class _File:
     if self.byte_range is None or self.byte_range[0] == 0:
       return local
     if self._lines_before is None:
-      with _open_bytes(self.path) as f:
-        left, count = self.byte_range[0], 0
-        while left:
-          chunk = f.read(min(left, 1 << 24))
-          if not chunk:
-            break
-          count, left = count + chunk.count(b"\n"), left - len(chunk)
-      self._lines_before = count
+      self._lines_before = line_number_at(self.path, self.byte_range[0]) - 1
     return self._lines_before + local
 
   def bad(self, lineno: int, err: _Invalid) -> None:
@@ -115,27 +108,32 @@ class _File:
     self.counts[err.kind] += 1
     self.first_line.setdefault(err.kind, lineno)
 
-  def _raw_lines(self) -> Iterator[bytes]:
-    if self.byte_range is None:
-      with _open_bytes(self.path) as f:
-        yield from (gzip.open(f, "rb") if self.path.suffix == ".gz" else f)
-      return
-    start, end = self.byte_range
+  def _raw_lines(self) -> Iterator[tuple[int, bytes]]:
+    """(byte offset, raw line); offsets count the decompressed bytes of a gzip file."""
+    start, end = self.byte_range or (0, None)
     with _open_bytes(self.path) as f:
+      if self.byte_range is None and self.path.suffix == ".gz":
+        f = gzip.open(f, "rb")
       f.seek(start)
       at = start
-      while at < end:
+      while end is None or at < end:
         raw = f.readline()
         if not raw:
           break
+        yield at, raw
         at += len(raw)
-        yield raw
 
   def lines(self) -> Iterator[tuple[int, str]]:
+    for lineno, _, _, line in self.lines_at():
+      yield lineno, line
+
+  def lines_at(self) -> Iterator[tuple[int, int, int, str]]:
+    """(line number, byte offset, byte length, decoded line) of each non-blank line (a leading byte-order mark
+    is outside the offset and length)."""
     at_file_start = self.byte_range is None or self.byte_range[0] == 0
-    for lineno, raw in enumerate(self._raw_lines(), 1):
+    for lineno, (offset, raw) in enumerate(self._raw_lines(), 1):
       if lineno == 1 and at_file_start and raw.startswith(b"\xef\xbb\xbf"):
-        raw = raw[3:]  # a UTF-8 byte-order mark, as some Windows tools write
+        raw, offset = raw[3:], offset + 3  # a UTF-8 byte-order mark, as some Windows tools write
       try:
         line = raw.decode("utf-8")
       except UnicodeDecodeError as e:
@@ -143,7 +141,7 @@ class _File:
         continue
       line = line.rstrip("\r\n")
       if line.strip():
-        yield lineno, line
+        yield lineno, offset, len(raw), line
 
   def report(self) -> None:
     if self.counts:
@@ -238,6 +236,13 @@ def iter_corpus(path: PathLike, *, skip_invalid: bool = False, part: int = 0, pa
   the file's bytes, so each host of a job reads and parses only its own part (`corpus_part_bytes`). Ids are
   then checked for duplicates within the part; a job's merged output checks across parts.
   """
+  for doc, _, _ in iter_corpus_lines(path, skip_invalid=skip_invalid, part=part, parts=parts):
+    yield doc
+
+
+def iter_corpus_lines(path: PathLike, *, skip_invalid: bool = False, part: int = 0,
+                      parts: int = 1) -> Iterator[tuple[Doc, int, int]]:
+  """`iter_corpus` with where each document's line lies in the file: (doc, byte offset, byte length)."""
   path = _corpus_file(path)
   jsonl = _is_jsonl(path)
   byte_range = None
@@ -247,15 +252,9 @@ def iter_corpus(path: PathLike, *, skip_invalid: bool = False, part: int = 0, pa
     byte_range = corpus_part_bytes(path, part, parts)
   seen: dict[str, int] = {}  # id -> line; the only per-document state kept while streaming
   with _reading(path, skip_invalid, byte_range) as f:
-    for lineno, line in f.lines():
+    for lineno, offset, length, line in f.lines_at():
       try:
-        if jsonl:
-          obj = _json_record(line)
-          doc = Doc(_check_id(_json_field(obj, "_id"), "doc"), _json_field(obj, "title", required=False),
-                    _json_field(obj, "text"))
-        else:
-          doc_id, text = _tsv_fields(line, 2, "pid, text")
-          doc = Doc(_check_id(doc_id, "doc"), "", text)
+        doc = parse_doc(line, jsonl)
         _check_new(seen, doc.id, "doc id", f.line)
         if not doc.title.strip() and not doc.text.strip():
           raise _Invalid(EMPTY, f"doc {doc.id!r} has empty title and text")
@@ -263,7 +262,30 @@ def iter_corpus(path: PathLike, *, skip_invalid: bool = False, part: int = 0, pa
         f.bad(lineno, e)
         continue
       seen[doc.id] = lineno
-      yield doc
+      yield doc, offset, length
+
+
+def parse_doc(line: str, jsonl: bool) -> Doc:
+  """One corpus line (BEIR JSON or `pid\ttext`) -> Doc; raises _Invalid (a malformed line)."""
+  if jsonl:
+    obj = _json_record(line)
+    return Doc(_check_id(_json_field(obj, "_id"), "doc"), _json_field(obj, "title", required=False),
+               _json_field(obj, "text"))
+  doc_id, text = _tsv_fields(line, 2, "pid, text")
+  return Doc(_check_id(doc_id, "doc"), "", text)
+
+
+def line_number_at(path: PathLike, offset: int) -> int:
+  """The 1-based line number of the line starting at byte `offset` of a file (for messages: reads the bytes
+  before it)."""
+  count, left = 0, offset
+  with _open_bytes(path) as f:
+    while left:
+      chunk = f.read(min(left, 1 << 24))
+      if not chunk:
+        break
+      count, left = count + chunk.count(b"\n"), left - len(chunk)
+  return count + 1
 
 
 def corpus_part_bytes(path: PathLike, part: int, parts: int) -> tuple[int, int]:
@@ -504,9 +526,10 @@ def write_beir(directory: PathLike, corpus: Mapping[str, Doc], queries: Mapping[
     write_qrels(directory / "qrels" / f"{split}.tsv", qrels)
 
 
-def load_beir(directory: PathLike, split: str | None = None, *,
-              skip_invalid: bool = False) -> tuple[Corpus, Queries, Qrels | None]:
-  """Loads a BEIR directory -> (corpus, queries, qrels or None).
+def load_beir(directory: PathLike, split: str | None = None, *, skip_invalid: bool = False,
+              corpus: Mapping[str, Doc] | None = None) -> tuple[Corpus, Queries, Qrels | None]:
+  """Loads a BEIR directory -> (corpus, queries, qrels or None); `corpus`, when given, is its corpus.jsonl
+  already read (jdr.data.corpus_by_host's, on several hosts).
 
   With a split, qrels/<split>.tsv is checked against the corpus and queries (unknown ids are errors), and the
   queries are narrowed to those the split judges, as BEIR's GenericDataLoader does: SciFact's queries.jsonl
@@ -515,7 +538,8 @@ def load_beir(directory: PathLike, split: str | None = None, *,
   directory = paths.as_path(directory)
   if not directory.is_dir():
     raise FileNotFoundError(f"BEIR directory not found: {directory}")
-  corpus = read_corpus(directory / "corpus.jsonl", skip_invalid=skip_invalid)
+  if corpus is None:
+    corpus = read_corpus(directory / "corpus.jsonl", skip_invalid=skip_invalid)
   queries = read_queries(directory / "queries.jsonl", skip_invalid=skip_invalid)
   if split is None:
     return corpus, queries, None

@@ -12,11 +12,13 @@ import sys
 import zlib
 from typing import Any, Sequence
 
+import jax
 import ml_collections
 import numpy as np
 
 from jdr import negatives as negatives_lib
 from jdr.data import builtin
+from jdr.data import corpus_by_host
 from jdr.data import formats
 from jdr.data import text as text_lib
 
@@ -42,7 +44,11 @@ def load(data_cfg: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> Re
   if data_cfg.source == "tfds":
     corpus, queries, train_qrels = _load_tfds(directory, data_cfg, workdir)
   elif data_cfg.source == "files":
-    corpus, queries, train_qrels = formats.load_beir(directory, data_cfg.train_split)
+    corpus = None
+    if jax.process_count() > 1 and corpus_by_host.readable_by_parts(directory / "corpus.jsonl"):
+      # Each host parses only its own part; documents are read from the file when asked.
+      corpus = corpus_by_host.read_by_hosts(directory / "corpus.jsonl", workdir)
+    corpus, queries, train_qrels = formats.load_beir(directory, data_cfg.train_split, corpus=corpus)
     queries = formats.read_queries(directory / "queries.jsonl")
   else:
     raise ValueError(f"data.source must be 'files' or 'tfds', got {data_cfg.source!r}")
