@@ -29,12 +29,19 @@ def _by_hosts(path, tmp_path, parts, **kwargs):
   results, errors = [None] * parts, [None] * parts
 
   def host(k):
+    synced = []
+
+    def sync(name):
+      barrier.wait(timeout=60)
+      synced.append(name)
+
     try:
-      results[k] = corpus_by_host.read_by_hosts(path, tmp_path / "exchange", part=k, parts=parts,
-                                                sync=lambda name: barrier.wait(timeout=60), **kwargs)
+      results[k] = corpus_by_host.read_by_hosts(path, tmp_path / "exchange", part=k, parts=parts, sync=sync,
+                                                **kwargs)
     except Exception as e:  # pylint: disable=broad-except
       errors[k] = e
-      barrier.abort()
+      if not synced:  # failed before the sync: release the others (a job's hosts all raise then)
+        barrier.abort()
 
   threads = [threading.Thread(target=host, args=(k,)) for k in range(parts)]
   for t in threads:
