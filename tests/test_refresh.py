@@ -132,6 +132,37 @@ def test_resume_gives_the_same_pools(tmp_path):
   assert "restored from disk" in lines[0] and "generation 2" in lines[0]
 
 
+@pytest.mark.parametrize("every,delay", [(5, 2), (3, 0), (4, 7)])
+def test_inline_mines_on_the_callers_thread_with_the_same_pools(tmp_path, every, delay):
+  """inline=True (the trainer's choice on several hosts): every mine runs on the thread that calls prepare, at
+  its snapshot step, and the pools in force at every step equal the worker thread's; a failure still keeps
+  the previous generation."""
+  threaded = AsyncRefresher(fake_mine(0.002), every=every, delay=delay, directory=tmp_path / "t", log=lambda _: None)
+  expected = run(threaded, range(23))
+  threaded.close()
+  threads = []
+  miner = fake_mine(fail={2})
+
+  def mine(params, generation):
+    threads.append(threading.current_thread())
+    return miner(params, generation)
+
+  lines = []
+  inline = AsyncRefresher(mine, every=every, delay=delay, directory=tmp_path / "i", log=lines.append, inline=True)
+  got = {}
+  for s in range(23):
+    inline.prepare(s, params_at(s))
+    assert sorted(miner.calls) == list(range(s // every + 1))  # mined at its snapshot step, not later
+    got[s] = inline.pools(s)
+  inline.close()
+  assert set(threads) == {threading.current_thread()}
+  failed_from = activation_step(2, every, delay)
+  assert {s: p for s, p in got.items() if generation_at(s, every, delay) != 2} == {
+      s: p for s, p in expected.items() if generation_at(s, every, delay) != 2}
+  assert all(got[s] == got[failed_from - 1] for s in range(failed_from, 23) if generation_at(s, every, delay) == 2)
+  assert any("generation 2" in l and "failed" in l for l in lines)
+
+
 def test_resume_while_a_mine_was_in_flight(tmp_path):
   whole = AsyncRefresher(fake_mine(), every=5, delay=2, directory=tmp_path / "whole", log=lambda _: None)
   expected = run(whole, range(25))

@@ -128,6 +128,24 @@ def test_two_processes_equal_one(tmp_path):
   assert len(ids) == n == len(set(ids)) and all(len(np.load(p)["ids"]) for p in exchange)
 
 
+def test_two_processes_equal_one_with_ance_refresh(tmp_path):
+  """ANCE on 2 processes x 4 devices: each host mines on the trainer's thread (the gather of the corpus
+  parts is a collective), and the negatives, hence the losses, equal 1 process x 8 devices."""
+  data = write_tiny_beir(tmp_path / "data")
+  common = ["--config.num_train_steps=6", "--config.checkpoint_every=6", "--config.data.eval_split=",
+            "--config.negatives.source=ance", "--config.negatives.per_query=1", "--config.negatives.top_n=5",
+            "--config.negatives.refresh_every=2", "--config.negatives.refresh_delay=1"]
+  launched = subprocess.run([sys.executable, "-m", "jdr.launch.local", "--processes", "2", "--devices-per-process",
+                             "4", "--log-dir", str(tmp_path / "logs"), "--",
+                             *_train_cmd(tmp_path / "multi", data, *common)],
+                            env=_env(4), capture_output=True, text=True, timeout=600)
+  assert launched.returncode == 0, launched.stderr[-3000:] + (tmp_path / "logs" / "process-1.log").read_text()[-2000:]
+  subprocess.run(_train_cmd(tmp_path / "single", data, *common), env=_env(8), check=True,
+                 capture_output=True, timeout=600)
+  assert "refresh: generation 2 (snapshot step 4, mined in" in launched.stderr
+  np.testing.assert_allclose(_losses(tmp_path / "multi"), _losses(tmp_path / "single"), rtol=3e-5)
+
+
 def test_resume_after_sigkill_is_exact(tmp_path):
   """A run killed with SIGKILL after step 30 and resumed to 60 equals an uninterrupted 60-step run."""
   data = write_tiny_beir(tmp_path / "data")

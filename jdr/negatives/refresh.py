@@ -126,11 +126,16 @@ class AsyncRefresher:
 
   `initial_params` mines generation 0 in the constructor, for callers that need pools before the first
   `prepare`; it is ignored when `directory` already holds a run (a resume).
+
+  `inline=True` mines on the caller's thread at the snapshot step instead (training pauses while it runs).
+  The schedule makes the pools at every step the same either way; the trainer asks for it on several hosts,
+  where a mine's cross-host gather of the corpus vectors is a collective: issued from a worker thread beside
+  the step's own, an accelerator runtime could see the two in a different order on each host and hang.
   """
 
   def __init__(self, mine: Callable[[Any, int], Pools], *, every: int, delay: int, directory: pathlib.Path,
                max_wait_s: float = float("inf"), log: Callable[[str], None] = print,
-               initial_params: Any | None = None):
+               initial_params: Any | None = None, inline: bool = False):
     if every < 1:
       raise ValueError(f"every must be >= 1, got {every}")
     if delay < 0:
@@ -138,6 +143,7 @@ class AsyncRefresher:
     if not max_wait_s >= 0:
       raise ValueError(f"max_wait_s must be >= 0, got {max_wait_s}")
     self._mine = mine
+    self.inline = inline
     self.every, self.delay = int(every), int(delay)
     self.directory = paths.as_path(directory)
     self.max_wait_s = float(max_wait_s)
@@ -373,6 +379,11 @@ class AsyncRefresher:
   def _enqueue(self, k: int, snapshot_step: int, host: Any, snapshot: pathlib.Path | None) -> None:
     # Under the lock, so a worker dying right now either sees this job as pending (and fails it) or has
     # already cleared self._worker (and a new one gets it).
+    if self.inline:
+      with self._cond:
+        self._pending.add(k)
+      self._mine_one(k, snapshot_step, host, snapshot)
+      return
     with self._cond:
       self._pending.add(k)
       if self._worker is None:
@@ -392,33 +403,7 @@ class AsyncRefresher:
           return
         if self._closing:
           continue
-        k, snapshot_step, host, snapshot = job
-        start = time.perf_counter()
-        try:
-          pools = self._mine(host, k)
-          # The form a resumed run reads back from JSON, so both runs hold equal pools.
-          pools = {str(q): [str(d) for d in ids] for q, ids in pools.items()}
-          seconds = time.perf_counter() - start
-          body = {"generation": k, "snapshot_step": snapshot_step, "mine_seconds": seconds, "pools": pools}
-          atomic.write_atomic(self._gen_path(k), lambda f: f.write(json.dumps(body).encode()))
-        except Exception as e:  # noqa: BLE001 -- a bad mine must not stop training
-          with self._cond:
-            self._pending.discard(k)
-            self._failed.add(k)
-            self._say(f"refresh: generation {k} (snapshot step {snapshot_step}) failed after "
-                                  f"{time.perf_counter() - start:.2f}s, keeping the previous generation: "
-                                  f"{type(e).__name__}: {_one_line(e)}")
-            self._cond.notify_all()
-          continue
-        if snapshot is not None:
-          snapshot.unlink(missing_ok=True)
-        self._delete_failed_snapshots(before=k)
-        with self._cond:
-          self._ready[k] = _Generation(k, snapshot_step, seconds, pools)
-          self._pending.discard(k)
-          self._mines += 1
-          self._last_mine_seconds = seconds
-          self._cond.notify_all()
+        self._mine_one(*job)
     except BaseException as e:  # noqa: BLE001 -- the thread is dying; say so instead of hanging the trainer
       with self._cond:
         lost = sorted(self._pending)
@@ -429,6 +414,35 @@ class AsyncRefresher:
                               "generation; the next snapshot starts a new worker")
         self._worker = None  # its queue's backlog dies with it (counted as failed); the next job starts anew
         self._cond.notify_all()
+
+  def _mine_one(self, k: int, snapshot_step: int, host: Any, snapshot: pathlib.Path | None) -> None:
+    """Mines generation k and makes it ready (or failed); on the worker thread, or the caller's when inline."""
+    start = time.perf_counter()
+    try:
+      pools = self._mine(host, k)
+      # The form a resumed run reads back from JSON, so both runs hold equal pools.
+      pools = {str(q): [str(d) for d in ids] for q, ids in pools.items()}
+      seconds = time.perf_counter() - start
+      body = {"generation": k, "snapshot_step": snapshot_step, "mine_seconds": seconds, "pools": pools}
+      atomic.write_atomic(self._gen_path(k), lambda f: f.write(json.dumps(body).encode()))
+    except Exception as e:  # noqa: BLE001 -- a bad mine must not stop training
+      with self._cond:
+        self._pending.discard(k)
+        self._failed.add(k)
+        self._say(f"refresh: generation {k} (snapshot step {snapshot_step}) failed after "
+                  f"{time.perf_counter() - start:.2f}s, keeping the previous generation: "
+                  f"{type(e).__name__}: {_one_line(e)}")
+        self._cond.notify_all()
+      return
+    if snapshot is not None:
+      snapshot.unlink(missing_ok=True)
+    self._delete_failed_snapshots(before=k)
+    with self._cond:
+      self._ready[k] = _Generation(k, snapshot_step, seconds, pools)
+      self._pending.discard(k)
+      self._mines += 1
+      self._last_mine_seconds = seconds
+      self._cond.notify_all()
 
   def _delete_failed_snapshots(self, before: int) -> None:
     """A failed generation keeps its snapshot (a resume may re-mine it) until a later one supersedes it."""

@@ -19,6 +19,7 @@ import json
 import pathlib
 from typing import Any, Callable
 
+import jax
 import ml_collections
 import numpy as np
 
@@ -119,14 +120,16 @@ def make(config: ml_collections.ConfigDict, data, workdir: pathlib.Path, encoder
     qid_list = list(train_qids)
 
     def mine(params, generation):
-      # Runs in the refresher's worker thread, beside training (jitted calls release the GIL).
+      # Runs in the refresher's worker thread, beside training (jitted calls release the GIL); on several
+      # hosts on the trainer's thread (inline), so the gather of the hosts' corpus parts, a collective, is
+      # issued in the same order as the step's own on every host.
       rows = mine_rows(encoder, params, qid_list, neg.top_n, None, neg.retrieval_backend)
       return rows_to_pools(rows, qid_list, corpus_ids)
 
     max_wait = float("inf") if neg.refresh_max_wait_s < 0 else float(neg.refresh_max_wait_s)
     refresher = refresh.AsyncRefresher(mine, every=neg.refresh_every, delay=neg.refresh_delay,
                                        directory=workdir / "ance", max_wait_s=max_wait, log=retrieved.log,
-                                       initial_params=initial_params)
+                                       initial_params=initial_params, inline=jax.process_count() > 1)
     sampler = RefreshedNegatives(refresher, data.train_qrels, corpus_ids, neg.top_n)
     return Negatives("tokens", sampler=sampler, refresher=refresher, top_n=neg.top_n,
                      pools_in_use=lambda qids: pools_to_rows(sampler.current_pools(), qids, corpus_ids,
