@@ -315,6 +315,7 @@ def encode_corpus(runtime: EncoderRuntime, docs: dict, out_dir: str | os.PathLik
   if count > 1:
     # Every host has read meta.json before host 0 rewrites it.
     multihost_utils.sync_global_devices("jdr.corpus.encode_corpus: settings checked")
+    _check_ids_unique_across_parts(out_dir, doc_ids, index, count)
   if index == 0:
     atomic.write_text(meta_path, json.dumps({**meta, "complete": False}, indent=1))
 
@@ -355,9 +356,15 @@ def encode_corpus(runtime: EncoderRuntime, docs: dict, out_dir: str | os.PathLik
   if missing:
     raise RuntimeError(f"{out_dir}: shards {missing[:10]} are missing after every host finished; is out_dir on a "
                        "file system all hosts share?")
-  if count > 1:
-    # Each host checked its own part for repeated ids; an id in two parts shows only in the merged ids.
-    check_unique_ids(out_dir, num_shards)
+  if count > 1 and index == 0:
+    # Every host read every part's ids before encoding (the sync above is after that): the swap is done.
+    swap = out_dir / ".part-ids"
+    for part_ids in swap.glob("part-*.txt"):
+      part_ids.unlink(missing_ok=True)
+    try:
+      swap.rmdir()
+    except OSError:
+      pass  # object stores have no directories to remove; the files are gone, which is what matters
   meta["complete"] = True
   meta["dim"] = int(paths.load_npy(_shard_paths(out_dir, 0)[0], mmap_mode="r").shape[1])
   if index == 0:
@@ -365,17 +372,22 @@ def encode_corpus(runtime: EncoderRuntime, docs: dict, out_dir: str | os.PathLik
   return meta
 
 
-def check_unique_ids(enc_dir: str | os.PathLike, num_shards: int) -> None:
-  """Raises ValueError naming the shards when a document id is in two shards of an encoding (MaxP rows of
-  one document share a shard)."""
-  enc_dir = paths.as_path(enc_dir)
+def _check_ids_unique_across_parts(out_dir, doc_ids: list[str], index: int, count: int) -> None:
+  """Before any host encodes: the hosts swap their parts' ids through out_dir and all raise if one id is in
+  two parts (each host has checked its own part while reading it), instead of finding it after hours."""
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  swap = out_dir / ".part-ids"
+  swap.mkdir(parents=True, exist_ok=True)
+  name = lambda k: f"part-{k:05d}-of-{count:05d}.txt"  # noqa: E731
+  atomic.write_text(swap / name(index), "".join(i + "\n" for i in doc_ids))
+  multihost_utils.sync_global_devices("jdr.corpus.encode_corpus: every part's ids written")
   where: dict[str, int] = {}
-  for shard in range(num_shards):
-    for doc in dict.fromkeys(_shard_paths(enc_dir, shard)[1].read_text().splitlines()):
+  for k in range(count):
+    for doc in (swap / name(k)).read_text().splitlines():
       if doc in where:
-        raise ValueError(f"doc id {doc!r} is in shards {where[doc]} and {shard} of {enc_dir}, from two parts of "
-                         "the corpus; document ids must be unique")
-      where[doc] = shard
+        raise ValueError(f"doc id {doc!r} is in the corpus parts of host {where[doc]} and host {k}: document ids "
+                         "must be unique; nothing was encoded")
+      where[doc] = k
 
 
 def read_meta(enc_dir: str | os.PathLike) -> dict:

@@ -71,6 +71,7 @@ def test_two_hosts_encode_disjoint_shards_equal_to_one(tmp_path):
   one, one_ids, one_meta = corpus_lib.load_embeddings(tmp_path / "one")
   assert two_ids == one_ids and two_meta["complete"] and one_meta["num_shards"] > 2
   assert sum(two_meta["part_docs"]) == 40 and min(two_meta["part_docs"]) > 0  # both hosts read a part
+  assert not (tmp_path / "two" / ".part-ids").exists()  # the hosts' id lists, swapped before encoding, are gone
   np.testing.assert_allclose(two, one, rtol=1e-5, atol=1e-6)
 
 
@@ -94,3 +95,27 @@ def test_a_bad_line_in_one_hosts_part_stops_every_host(tmp_path):
   assert launched.returncode != 0
   assert f"corpus.jsonl:{lines}" in host1 or f"line {lines}" in host1, host1[-2000:]
   assert "host(s) [1] failed reading their part" in launched.stderr, launched.stderr[-2000:]
+
+
+def test_an_id_in_two_hosts_parts_stops_both_before_encoding(tmp_path):
+  """The second half of the corpus repeats a first-half id: both hosts stop before encoding anything, naming
+  the id and the two parts."""
+  import json  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  from conftest import write_tiny_beir  # pylint: disable=g-import-not-at-top
+  data = write_tiny_beir(tmp_path / "data")
+  first_id = json.loads((data / "corpus.jsonl").read_text().splitlines()[0])["_id"]
+  with open(data / "corpus.jsonl", "a") as f:
+    f.write(json.dumps({"_id": first_id, "title": "", "text": "the same id again"}) + "\n")
+  encode = [sys.executable, "-m", "jdr.encode", "--model", "minilm", "--corpus", str(data), "--max-length", "16",
+            "--out", str(tmp_path / "enc")]
+  launched = subprocess.run([sys.executable, "-m", "jdr.launch.local", "--processes", "2", "--devices-per-process",
+                             "1", "--log-dir", str(tmp_path / "logs"), "--", *encode],
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=300)
+  assert launched.returncode != 0
+  message = f"doc id {first_id!r} is in the corpus parts of host 0 and host 1"
+  assert message in launched.stderr, launched.stderr[-2000:]
+  assert message in (tmp_path / "logs" / "process-1.log").read_text()
+  assert not list((tmp_path / "enc").glob("emb-*"))  # nothing encoded
