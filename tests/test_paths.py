@@ -122,3 +122,46 @@ def test_local_copy_and_upload_of_directories(tmp_path, fake_gcs):
   assert not kept.exists()  # the temporary copy is gone
   with paths.local_copy(src) as same:
     assert same == src  # local paths are used in place
+
+
+def test_faiss_gpu_path_with_a_stand_in_for_the_gpus(tmp_path, monkeypatch):
+  """jdr's side of Faiss on GPUs, run on the CPU: faiss' GPU calls are replaced by a stand-in whose "GPU clone"
+  is a separate CPU index (what index_cpu_to_all_gpus returns is a copy too). With 2 "GPUs" the retriever
+  clones with the chosen options, adds to and searches the clone (results equal brute force), saves the
+  clone's contents (not the empty CPU original), and a load without GPUs gets them back."""
+  import faiss  # pylint: disable=g-import-not-at-top
+  calls = []
+
+  def to_gpus(cpu, options):
+    calls.append(("to_gpus", options.shard, options.useFloat16))
+    return faiss.clone_index(cpu)
+
+  def to_cpu(index):
+    calls.append(("to_cpu",))
+    return faiss.clone_index(index)
+
+  stand_in = types.SimpleNamespace(**{k: getattr(faiss, k) for k in dir(faiss) if not k.startswith("__")})
+  stand_in.get_num_gpus = lambda: 2
+  stand_in.GpuMultipleClonerOptions = types.SimpleNamespace
+  stand_in.index_cpu_to_all_gpus = to_gpus
+  stand_in.index_gpu_to_cpu = to_cpu
+  stand_in.GpuParameterSpace = faiss.ParameterSpace
+  monkeypatch.setattr(index_lib, "_faiss", lambda: stand_in)
+  rng = np.random.default_rng(0)
+  emb = rng.standard_normal((300, 16)).astype(np.float32)
+  ids = [f"d{i}" for i in range(300)]
+  queries = rng.standard_normal((5, 16)).astype(np.float32)
+  r = index_lib.FaissRetriever(16, gpu_layout="replicate", gpu_float16=True)
+  r.add(emb, ids)
+  assert r.on_gpu and calls[0] == ("to_gpus", False, True)
+  scores, found = r.search(queries, 4)
+  best = np.argsort(-(queries @ emb.T), axis=1)[:, :4]
+  assert found == [[ids[j] for j in row] for row in best]
+  r.save(tmp_path / "idx")
+  assert ("to_cpu",) in calls
+  monkeypatch.setattr(stand_in, "get_num_gpus", lambda: 0)
+  back = index_lib.load_retriever(tmp_path / "idx")
+  assert not back.on_gpu and back.search(queries, 4)[1] == found
+  np.testing.assert_allclose(back.search(queries, 4)[0], scores, rtol=1e-5)
+  with pytest.raises(RuntimeError, match="faiss sees no GPU"):
+    index_lib.FaissRetriever(16, use_gpu=True)
