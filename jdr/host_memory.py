@@ -79,7 +79,7 @@ def reexec_command_line_with_huge_pages() -> None:
   Called from jdr/__init__.py only while runpy is still locating the command's module (sys.argv[0] is "-m"),
   i.e. before the command or JAX has been imported or has printed anything.
   """
-  if sys.argv[:1] != ["-m"]:
+  if sys.argv[:1] != ["-m"] or not sys.executable:
     return
   env, _ = reexec_plan(list(getattr(sys, "orig_argv", [])), dict(os.environ), glibc_version(),
                        transparent_huge_pages())
