@@ -377,13 +377,13 @@ class AsyncRefresher:
     self._enqueue(k, step, host, path)
 
   def _enqueue(self, k: int, snapshot_step: int, host: Any, snapshot: pathlib.Path | None) -> None:
-    # Under the lock, so a worker dying right now either sees this job as pending (and fails it) or has
-    # already cleared self._worker (and a new one gets it).
     if self.inline:
       with self._cond:
         self._pending.add(k)
       self._mine_one(k, snapshot_step, host, snapshot)
       return
+    # Under the lock, so a worker dying right now either sees this job as pending (and fails it) or has
+    # already cleared self._worker (and a new one gets it).
     with self._cond:
       self._pending.add(k)
       if self._worker is None:
