@@ -164,12 +164,20 @@ def main(argv=None) -> None:
   parser.add_argument("--steps", type=int, default=10)
   parser.add_argument("--encode-chunk-rows", type=int, default=0,
                       help="model.encode_chunk_rows: the towers encode this many rows at a time (0: all)")
-  parser.add_argument("--cpu-devices", type=int, default=min(os.cpu_count() or 1, 8),
-                      help="also time jdr's step data-parallel over this many XLA CPU devices (the trainer's "
-                           "mesh.cpu_devices; default: one per core, at most 8); 1: one device only")
+  parser.add_argument("--cpu-devices", type=int, default=None,
+                      help="on a CPU host, also time jdr's step data-parallel over this many XLA CPU devices (the "
+                           "trainer's mesh.cpu_devices; default: one per core, at most 8, dividing the batch); "
+                           "1: one device only")
   args = parser.parse_args(argv)
+  if args.cpu_devices is None:
+    cores = min(os.cpu_count() or 1, 8)
+    args.cpu_devices = max(n for n in range(1, cores + 1) if args.batch_size % n == 0)
+  elif args.batch_size % args.cpu_devices:
+    parser.error(f"--batch-size {args.batch_size} does not split over --cpu-devices {args.cpu_devices}")
   from jdr import parallel  # pylint: disable=g-import-not-at-top
   parallel.use_cpu_devices(args.cpu_devices if args.cpu_devices > 1 else 0)
+  if jax.default_backend() != "cpu":
+    args.cpu_devices = 1  # an accelerator host: the step runs on the accelerator, as the trainer's would
 
   rng = np.random.default_rng(0)
   b = args.batch_size
