@@ -359,7 +359,7 @@ def encode_corpus(runtime: EncoderRuntime, docs: dict, out_dir: str | os.PathLik
   if count > 1 and index == 0:
     # Every host read every part's ids before encoding (the sync above is after that): the swap is done.
     swap = out_dir / ".part-ids"
-    for part_ids in swap.glob("part-*.txt"):
+    for part_ids in swap.glob("part-*.npz"):
       part_ids.unlink(missing_ok=True)
     try:
       swap.rmdir()
@@ -375,15 +375,11 @@ def encode_corpus(runtime: EncoderRuntime, docs: dict, out_dir: str | os.PathLik
 def _check_ids_unique_across_parts(out_dir, doc_ids: list[str], index: int, count: int) -> None:
   """Before any host encodes: the hosts swap their parts' ids through out_dir and all raise if one id is in
   two parts (each host has checked its own part while reading it), instead of finding it after hours."""
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-  swap = out_dir / ".part-ids"
-  swap.mkdir(parents=True, exist_ok=True)
-  name = lambda k: f"part-{k:05d}-of-{count:05d}.txt"  # noqa: E731
-  atomic.write_text(swap / name(index), "".join(i + "\n" for i in doc_ids))
-  multihost_utils.sync_global_devices("jdr.corpus.encode_corpus: every part's ids written")
+  from jdr.data import corpus_by_host  # pylint: disable=g-import-not-at-top
   where: dict[str, int] = {}
-  for k in range(count):
-    for doc in (swap / name(k)).read_text().splitlines():
+  parts = corpus_by_host.swap_parts(out_dir / ".part-ids", index, count, {"ids": np.asarray(doc_ids, dtype=str)})
+  for k, arrays in enumerate(parts):
+    for doc in arrays["ids"].tolist():
       if doc in where:
         raise ValueError(f"doc id {doc!r} is in the corpus parts of host {where[doc]} and host {k}: document ids "
                          "must be unique; nothing was encoded")

@@ -92,12 +92,9 @@ def test_sharded_runs_equal_one_device(tmp_path):
       np.testing.assert_allclose(sharded[key], single[key], rtol=1e-4, atol=2e-5, err_msg=f"{name} {key}")
 
 
-def test_two_processes_equal_one(tmp_path):
-  """The multi-host path through the local launcher: 2 processes x 4 CPU devices (jax.distributed) train
-  like 1 process x 8 devices, and their final evaluation (each device encoding its own rows of the corpus,
-  gathered across the hosts) scores the same."""
-  data = write_tiny_beir(tmp_path / "data")
-  common = ["--config.num_train_steps=6", "--config.checkpoint_every=3", "--config.eval_before_training=False"]
+def _two_processes_and_one(tmp_path, data, common):
+  """Trains into tmp_path/multi on 2 processes x 4 CPU devices (the local launcher) and into tmp_path/single on
+  1 x 8; returns the launcher's completed process (its stderr is host 0's)."""
   launched = subprocess.run([sys.executable, "-m", "jdr.launch.local", "--processes", "2", "--devices-per-process",
                              "4", "--log-dir", str(tmp_path / "logs"), "--",
                              *_train_cmd(tmp_path / "multi", data, *common)],
@@ -105,6 +102,16 @@ def test_two_processes_equal_one(tmp_path):
   assert launched.returncode == 0, launched.stderr[-3000:] + (tmp_path / "logs" / "process-1.log").read_text()[-2000:]
   subprocess.run(_train_cmd(tmp_path / "single", data, *common), env=_env(8), check=True,
                  capture_output=True, timeout=600)
+  return launched
+
+
+def test_two_processes_equal_one(tmp_path):
+  """The multi-host path through the local launcher: 2 processes x 4 CPU devices (jax.distributed) train
+  like 1 process x 8 devices, and their final evaluation (each device encoding its own rows of the corpus,
+  gathered across the hosts) scores the same."""
+  data = write_tiny_beir(tmp_path / "data")
+  common = ["--config.num_train_steps=6", "--config.checkpoint_every=3", "--config.eval_before_training=False"]
+  launched = _two_processes_and_one(tmp_path, data, common)
   assert len(_losses(tmp_path / "multi")) == 6  # host 0 alone writes the log
   np.testing.assert_allclose(_losses(tmp_path / "multi"), _losses(tmp_path / "single"), rtol=3e-5)
   evals = [[r for r in _records(tmp_path / w) if "eval/ndcg@10" in r] for w in ("multi", "single")]
@@ -135,13 +142,7 @@ def test_two_processes_equal_one_with_ance_refresh(tmp_path):
   common = ["--config.num_train_steps=6", "--config.checkpoint_every=6", "--config.data.eval_split=",
             "--config.negatives.source=ance", "--config.negatives.per_query=1", "--config.negatives.top_n=5",
             "--config.negatives.refresh_every=2", "--config.negatives.refresh_delay=1"]
-  launched = subprocess.run([sys.executable, "-m", "jdr.launch.local", "--processes", "2", "--devices-per-process",
-                             "4", "--log-dir", str(tmp_path / "logs"), "--",
-                             *_train_cmd(tmp_path / "multi", data, *common)],
-                            env=_env(4), capture_output=True, text=True, timeout=600)
-  assert launched.returncode == 0, launched.stderr[-3000:] + (tmp_path / "logs" / "process-1.log").read_text()[-2000:]
-  subprocess.run(_train_cmd(tmp_path / "single", data, *common), env=_env(8), check=True,
-                 capture_output=True, timeout=600)
+  launched = _two_processes_and_one(tmp_path, data, common)
   assert "refresh: generation 2 (snapshot step 4, mined in" in launched.stderr
   np.testing.assert_allclose(_losses(tmp_path / "multi"), _losses(tmp_path / "single"), rtol=3e-5)
 

@@ -67,6 +67,31 @@ def readable_by_parts(path: str | pathlib.Path) -> bool:
   return not str(path).startswith(("gs://", "s3://")) and path.suffix != ".gz" and path.is_file()
 
 
+def swap_parts(directory: str | pathlib.Path, part: int, parts: int, arrays: dict[str, np.ndarray],
+               sync=None) -> list[dict[str, np.ndarray]]:
+  """Every host's `arrays` for its part, in part order: each host writes its own to `directory` (which the
+  hosts share), waits for all (`sync(name)`, default jax's multihost_utils.sync_global_devices) and reads
+  every part's. For lists each host builds from its part of a file (ids, offsets) that all hosts need."""
+  if sync is None:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    sync = multihost_utils.sync_global_devices
+  directory = paths.as_path(directory)
+  directory.mkdir(parents=True, exist_ok=True)
+  buffer = io.BytesIO()  # np.savez / np.load want seekable files; gs:// objects are written whole
+  np.savez(buffer, **arrays)
+  (directory / _part_name(part, parts)).write_bytes(buffer.getvalue())
+  sync(f"jdr.data.corpus_by_host.swap_parts: {directory}")
+  out = []
+  for k in range(parts):
+    part_file = directory / _part_name(k, parts)
+    if not part_file.exists():
+      raise FileNotFoundError(f"{part_file} is missing after every host wrote its part: it must be one "
+                              "directory all hosts share (a network filesystem or gs://)")
+    with np.load(io.BytesIO(part_file.read_bytes())) as f:
+      out.append({name: f[name] for name in f.files})
+  return out
+
+
 def read_by_hosts(path: str | pathlib.Path, exchange_dir: str | pathlib.Path, *, skip_invalid: bool = False,
                   part: int | None = None, parts: int | None = None, sync=None) -> LineCorpus:
   """Parses this host's part of the corpus, swaps the parts' (id, offset, length) lists through
@@ -76,38 +101,26 @@ def read_by_hosts(path: str | pathlib.Path, exchange_dir: str | pathlib.Path, *,
   (default: jax's multihost_utils.sync_global_devices). A bad line in any part stops every host.
   """
   import jax  # pylint: disable=g-import-not-at-top
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   from jdr import parallel  # pylint: disable=g-import-not-at-top
   part = jax.process_index() if part is None else part
   parts = jax.process_count() if parts is None else parts
-  sync = sync or multihost_utils.sync_global_devices
   path = formats._corpus_file(path)  # pylint: disable=protected-access
-  exchange = paths.as_path(exchange_dir) / "corpus-parts"
-  exchange.mkdir(parents=True, exist_ok=True)
-  error = None
+  error, ids, offsets, lengths = None, [], [], []
   try:
-    ids, offsets, lengths = [], [], []
     for doc, offset, length in formats.iter_corpus_lines(path, skip_invalid=skip_invalid, part=part, parts=parts):
       ids.append(doc.id)
       offsets.append(offset)
       lengths.append(length)
-    buffer = io.BytesIO()  # np.savez / np.load want seekable files; gs:// objects are written whole
-    np.savez(buffer, ids=np.asarray(ids, dtype=str), offsets=np.asarray(offsets, np.int64),
-             lengths=np.asarray(lengths, np.int64))
-    (exchange / _part_name(part, parts)).write_bytes(buffer.getvalue())
   except (ValueError, OSError) as e:
     error = e
   parallel.raise_if_any_host_failed(error, f"reading {path}")
-  sync("jdr.data.corpus_by_host: every part indexed")
+  swapped = swap_parts(paths.as_path(exchange_dir) / "corpus-parts", part, parts,
+                       {"ids": np.asarray(ids, dtype=str), "offsets": np.asarray(offsets, np.int64),
+                        "lengths": np.asarray(lengths, np.int64)}, sync)
   ids, offsets, lengths, where, skipped = [], [], [], {}, 0
-  for k in range(parts):
-    part_file = exchange / _part_name(k, parts)
-    if not part_file.exists():
-      raise FileNotFoundError(f"{part_file} is missing after every host wrote its part: the workdir must be one "
-                              "directory all hosts share (a network filesystem or gs://)")
-    with np.load(io.BytesIO(part_file.read_bytes())) as f:
-      part_ids, part_offsets, part_lengths = f["ids"].tolist(), f["offsets"].tolist(), f["lengths"].tolist()
-    for doc_id, offset, length in zip(part_ids, part_offsets, part_lengths):
+  for arrays in swapped:
+    for doc_id, offset, length in zip(arrays["ids"].tolist(), arrays["offsets"].tolist(),
+                                      arrays["lengths"].tolist()):
       if doc_id in where:  # within a part iter_corpus_lines has checked already: this one spans two parts
         if not skip_invalid:
           raise formats.DataFormatError(
