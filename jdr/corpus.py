@@ -475,12 +475,14 @@ def check_ids_match(enc_dir_or_ids: str | os.PathLike | Sequence[str], corpus_id
 
 def build_index(embeddings: np.ndarray, ids: Sequence[str],
                 backend: Literal["faiss", "jax"] = "faiss", factory: str = "Flat",
-                mesh=None, recall_target: float = 1.0, gpu: dict | None = None) -> index_lib.Retriever:
+                mesh=None, recall_target: float = 1.0, gpu: dict | None = None,
+                jax_dtype: str = "auto") -> index_lib.Retriever:
   """A retriever over embeddings [N, D] with their N ids.
 
   `factory` is a Faiss index_factory string (the faiss back-end; `gpu` = {"gpu_layout", "gpu_float16"}
   says how it spreads over the host's GPUs, see FaissRetriever); the jax back-end is exact top-k over
-  the embedding matrix sharded by rows over `mesh` (default: all devices) and takes only "Flat".
+  the embedding matrix sharded by rows over `mesh` (default: all devices) and takes only "Flat"; `jax_dtype`
+  is its storage (see index.JaxRetriever).
   """
   embeddings = np.asarray(embeddings)
   if embeddings.ndim != 2:
@@ -490,7 +492,7 @@ def build_index(embeddings: np.ndarray, ids: Sequence[str],
   elif backend == "jax":
     if factory != "Flat":
       raise ValueError(f"the jax back-end is exact (factory 'Flat'), not {factory!r}; use backend='faiss'")
-    kwargs = {"mesh": mesh, "recall_target": recall_target}
+    kwargs = {"mesh": mesh, "recall_target": recall_target, "dtype": jax_dtype}
   else:
     raise ValueError(f"backend must be 'faiss' or 'jax', got {backend!r}")
   retriever = index_lib.make_retriever(backend, embeddings.shape[1], **kwargs)
@@ -500,7 +502,8 @@ def build_index(embeddings: np.ndarray, ids: Sequence[str],
 
 def load_index(enc_dir: str | os.PathLike, backend: Literal["faiss", "jax"] = "faiss",
                factory: str = "Flat", *, save: bool = False, mesh=None,
-               recall_target: float = 1.0, gpu: dict | None = None) -> index_lib.Retriever:
+               recall_target: float = 1.0, gpu: dict | None = None,
+               jax_dtype: str = "auto") -> index_lib.Retriever:
   """A retriever over an encoding directory; reuses a Faiss index saved in it (see `save`).
 
   With `save`, a built Faiss index is kept in enc_dir/index-faiss-FACTORY, so that a compressed index
@@ -510,7 +513,8 @@ def load_index(enc_dir: str | os.PathLike, backend: Literal["faiss", "jax"] = "f
   if backend == "faiss" and saved.is_dir():
     return index_lib.load_retriever(saved, **(gpu or {}))
   emb, ids, _ = load_embeddings(enc_dir)
-  retriever = build_index(emb, ids, backend, factory, mesh, recall_target, gpu if backend == "faiss" else None)
+  retriever = build_index(emb, ids, backend, factory, mesh, recall_target, gpu if backend == "faiss" else None,
+                          jax_dtype)
   if save and backend == "faiss":
     retriever.save(saved)
   return retriever
