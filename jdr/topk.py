@@ -49,12 +49,14 @@ def resolve_dtype(dtype: str, platform: str | None = None) -> str:
   return "float32" if platform == "cpu" else "bfloat16"
 
 
-def quantize_int8(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """(int8 [N, D], float32 scale [N, 1]) with row i ~ values[i] * scale[i]: symmetric, one scale per row."""
-  matrix = np.asarray(matrix, np.float32)
-  peak = np.max(np.abs(matrix), axis=1, keepdims=True)
-  scale = np.where(peak > 0, peak / 127.0, 1.0).astype(np.float32)
-  values = np.clip(np.rint(matrix / scale), -127, 127).astype(np.int8)
+def quantize_int8(matrix):
+  """(int8 [N, D], float32 scale [N, 1]) with row i ~ values[i] * scale[i]: symmetric, one scale per row.
+  numpy in, numpy out; a jax array in (also under jit), jax arrays out."""
+  xp = jnp if isinstance(matrix, jax.Array) else np
+  matrix = xp.asarray(matrix, xp.float32)
+  peak = xp.max(xp.abs(matrix), axis=1, keepdims=True)
+  scale = xp.where(peak > 0, peak / 127.0, 1.0).astype(xp.float32)
+  values = xp.clip(xp.rint(matrix / scale), -127, 127).astype(xp.int8)
   return values, scale
 
 
