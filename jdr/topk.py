@@ -29,6 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jdr import parallel
+
 DTYPES = ("auto", "float32", "bfloat16", "int8")
 DEFAULT_BLOCK_ROWS = 128
 
@@ -140,7 +142,7 @@ def scores(queries: jax.Array, rows, precision=None) -> jax.Array:
   """float32 [B, N] inner products of queries [B, D] with stored rows (any storage dtype)."""
   if isinstance(rows, QuantizedRows):
     # int8 widens to the queries' compute type inside the matmul; the row scale applies to the result.
-    compute = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    compute = jnp.float32 if parallel.platform() == "cpu" else jnp.bfloat16
     raw = jnp.dot(queries.astype(compute), rows.values.astype(compute).T, precision=precision,
                   preferred_element_type=jnp.float32)
     return raw * rows.scale[:, 0][None, :]

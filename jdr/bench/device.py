@@ -20,6 +20,8 @@ Sections, each printed when it finishes and all together as the last JSON line:
           torch.topk on the same matrix, with the bound and the two's agreement on the rows.
   adore   the ADORE recipe's step (configs/adore.py with in-step JAX retrieval) with and without its retrieval;
           share = (with - without) / with.
+  int8-scifact  real vectors: SciFact encoded by MiniLM, top-200 of its test queries from float32, bfloat16
+          and int8 storage: Recall@200 against float32 and nDCG@10 of each.
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ import numpy as np
 from jdr import topk
 from jdr.bench import peak as peak_lib
 
-SECTIONS = ("peak", "encode", "train", "topk", "adore")
+SECTIONS = ("peak", "encode", "train", "topk", "adore", "int8-scifact")
+# int8-scifact encodes all of SciFact with MiniLM: seconds on an accelerator, minutes on a CPU.
+DEFAULT_SECTIONS = {"full": SECTIONS, "small": SECTIONS[:-1]}
 SIZES = {
     "full": dict(model="base", dtype="bfloat16", encode_docs=0, encode_length=256, reference_batches=(32, 128, 512),
                  train_batch=128, train_query_length=32, train_doc_length=256, topk_sizes=(1_000_000, 8_841_823),
@@ -355,6 +359,31 @@ def section_topk(size: dict, torch_device: str, bandwidth: float, mesh, k: int =
   return out
 
 
+def section_int8_scifact(mesh, k: int = 200) -> dict:
+  """Real vectors: SciFact encoded by the bundled MiniLM, its test queries' top-k from float32 (exact),
+  bfloat16 and int8 storage; Recall@k of each against exact, and each one's nDCG@10."""
+  from jdr import corpus as corpus_lib, metrics  # pylint: disable=g-import-not-at-top
+  from jdr.data import formats, shared, text  # pylint: disable=g-import-not-at-top
+  path = shared.shared_dataset("scifact")
+  if path is None:
+    raise SystemExit(f"the int8 section reads SciFact from {shared.shared_data_dir() / 'scifact'}")
+  corpus, queries, qrels = formats.load_beir(path, "test")
+  doc_ids, qids = list(corpus), list(queries)
+  runtime = corpus_lib.load_runtime("minilm")
+  docs = corpus_lib.encode_texts(runtime, [text.doc_text(corpus[d]) for d in doc_ids])
+  q = corpus_lib.encode_texts(corpus_lib.load_runtime("minilm", side="query"), [queries[i] for i in qids])
+  out, exact = {"docs": len(doc_ids), "queries": len(qids), "k": k}, None
+  for dtype in ("float32", "bfloat16", "int8"):
+    placed = topk.put_corpus(docs, mesh, dtype)
+    scores, rows = (np.asarray(x) for x in topk.search_fn(placed, k, mesh)(q))
+    exact = rows if exact is None else exact
+    run = {qid: {doc_ids[r]: float(s) for r, s in zip(row, score)} for qid, row, score in zip(qids, rows, scores)}
+    out[dtype] = {"recall_vs_exact": round(float(np.mean([len(set(a) & set(b)) / k for a, b in zip(rows, exact)])), 4),
+                  "ndcg@10": round(metrics.evaluate(qrels, run, ["ndcg@10"])["ndcg@10"], 4),
+                  "bytes_per_doc": topk.storage_bytes_per_row(docs.shape[1], dtype)}
+  return out
+
+
 # ------------------------------------------------------------------------------------------------ ADORE
 
 
@@ -380,15 +409,17 @@ def main(argv=None) -> None:
   parser.add_argument("--size", choices=sorted(SIZES), default=None,
                       help="full: BERT-base, 8.84M rows (default on accelerators); small: a tiny model, 100k rows "
                            "(default on CPUs)")
-  parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated: {', '.join(SECTIONS)}")
+  parser.add_argument("--sections", default=None,
+                      help=f"comma-separated: {', '.join(SECTIONS)} (default all; on a CPU all but int8-scifact)")
   parser.add_argument("--topk-sizes", default=None, help="override the top-k corpus sizes, comma-separated")
   args = parser.parse_args(argv)
-  sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+  platform = jax.default_backend()
+  size_name = args.size or ("small" if platform == "cpu" else "full")
+  size = dict(SIZES[size_name])
+  sections = [s.strip() for s in (args.sections or ",".join(DEFAULT_SECTIONS[size_name])).split(",") if s.strip()]
   unknown = sorted(set(sections) - set(SECTIONS))
   if unknown:
     parser.error(f"--sections: unknown {unknown}; valid: {', '.join(SECTIONS)}")
-  platform = jax.default_backend()
-  size = dict(SIZES[args.size or ("small" if platform == "cpu" else "full")])
   if args.topk_sizes:
     size["topk_sizes"] = tuple(int(s) for s in args.topk_sizes.split(","))
   torch_device = peak_lib.torch_device()
@@ -398,7 +429,7 @@ def main(argv=None) -> None:
   mesh = parallel.make_mesh((-1, 1, 1))
   result = {"benchmark": "device", "device": jax.devices()[0].device_kind, "platform": platform,
             "devices": jax.device_count(), "reference_device": torch_device,
-            "size": args.size or ("small" if platform == "cpu" else "full"), "jax": jax.__version__}
+            "size": size_name, "jax": jax.__version__}
   start = time.perf_counter()
   result["peak"] = _report("peak", section_peak(size, torch_device))
   peak_flops = result["peak"]["peak_tflops"] * 1e12  # the better library's: fractions are of the device
@@ -414,6 +445,8 @@ def main(argv=None) -> None:
       result["topk"] = section_topk(size, torch_device, bandwidth, mesh)
     if "adore" in sections:
       result["adore"] = _report("adore", section_adore(size, model_dir, mesh))
+  if "int8-scifact" in sections:
+    result["int8_scifact"] = _report("int8-scifact", section_int8_scifact(mesh))
   result["seconds"] = round(time.perf_counter() - start, 1)
   print(json.dumps(result))
 

@@ -10,7 +10,9 @@ simulated CPU devices, exactly as `python -m jdr.train ... --compile-only` does 
 prints XLA's per-device bytes. Rules follow the mesh: (8,1,1) data parallel (dp), (2,4,1) fully sharded
 (fsdp), (4,1,2) fsdp plus tensor parallel (fsdp_tp). `minilm` is the bundled all-MiniLM-L6-v2 (6 x 384),
 `base` a fresh BERT-base (12 x 768, the MiniLM vocabulary of 30,522). The corpus rows are
-jdr.sizing.corpus_matrix_bytes: ceil(8,841,823 / devices) x 768 x (4 or 2) bytes.
+jdr.sizing.corpus_matrix_bytes: ceil(8,841,823 / devices) x 768 x (4 or 2) bytes. Then the ADORE step's exact
+retrieval (jdr.topk.sharded_top_k: top-200 of 32 queries over 8,841,823 x 768 rows split over the devices) is
+compiled alone for bfloat16, int8 and float32 storage: per-device corpus bytes, temporaries and FLOPs.
 """
 
 import argparse
@@ -18,15 +20,48 @@ import json
 import sys
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jdr import topk
 
 MSMARCO_PASSAGES = 8_841_823
 RULES = {(8, 1, 1): "dp", (2, 4, 1): "fsdp", (4, 1, 2): "fsdp_tp"}
 
 
+def size_retrieval(devices, num_docs: int = MSMARCO_PASSAGES, dim: int = 768, k: int = 200, queries: int = 32,
+                   dtype: str = "bfloat16") -> dict:
+  """Compiles the exact per-step retrieval (jdr.topk.sharded_top_k, as the ADORE step runs it) for the corpus
+  rows split over `devices`, without data; returns XLA's per-device bytes and FLOPs."""
+  from jdr import sizing  # pylint: disable=g-import-not-at-top
+  mesh = jax.sharding.Mesh(np.array(devices), ("docs",))
+  padded = topk.padded_size(num_docs, len(devices), topk.DEFAULT_BLOCK_ROWS)
+  rows_sharding, bias_sharding = topk.row_shardings(mesh)
+  whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  struct = lambda shape, dt, sh: jax.ShapeDtypeStruct(shape, dt, sharding=sh)
+  if dtype == "int8":
+    rows = topk.QuantizedRows(struct((padded, dim), jnp.int8, rows_sharding),
+                              struct((padded, 1), jnp.float32, rows_sharding))
+  else:
+    rows = struct((padded, dim), jnp.bfloat16 if dtype == "bfloat16" else jnp.float32, rows_sharding)
+  bias = struct((padded,), jnp.float32, bias_sharding)
+  q = struct((queries, dim), jnp.float32, whole)
+  search = jax.jit(lambda q, r, b: topk.sharded_top_k(q, r, b, k, mesh))
+  compiled = search.lower(q, rows, bias).compile()
+  memory = compiled.memory_analysis()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return {"docs": num_docs, "dim": dim, "k": k, "queries": queries, "dtype": dtype, "devices": len(devices),
+          "corpus_bytes_per_device": sizing.per_device_bytes(rows),
+          "temp_bytes": int(memory.temp_size_in_bytes),
+          "flops_per_device": float(cost.get("flops", 0.0)) if cost else 0.0,
+          "bytes_accessed_per_device": float(cost.get("bytes accessed", 0.0)) if cost else 0.0}
+
+
 def main(argv=None) -> None:
-  from jdr import defaults, sizing  # pylint: disable=g-import-not-at-top
+  from jdr import defaults, parallel, sizing  # pylint: disable=g-import-not-at-top
   parser = argparse.ArgumentParser(prog="python -m jdr.bench sizing", description=__doc__.splitlines()[0])
-  parser.add_argument("--models", default="minilm,base")
+  parser.add_argument("--models", default="minilm,base", help="comma-separated; empty: the retrieval rows only")
   parser.add_argument("--batches", default="32,1024")
   parser.add_argument("--meshes", default="8,1,1;2,4,1;4,1,2")
   parser.add_argument("--topology", default=None,
@@ -46,7 +81,7 @@ def main(argv=None) -> None:
   mib = lambda b: b / 2**20
   print(f"{'model':<7} {'batch':>5} {'mesh':<9} {'rules':<8} {'params':>9} {'optimizer':>9} {'batch in':>9} "
         f"{'temps':>10} {'total':>10}  MiB per device; TFLOP per device", file=sys.stderr)
-  for model in args.models.split(","):
+  for model in [m for m in args.models.split(",") if m.strip()]:
     for batch in (int(b) for b in args.batches.split(",")):
       for mesh in meshes:
         c = defaults.get_config()
@@ -63,12 +98,27 @@ def main(argv=None) -> None:
               f"{mib(s['optimizer_bytes_per_device']):>9.1f} {mib(s['batch_bytes_per_device']):>9.2f} "
               f"{mib(s['temp_bytes']):>10.1f} {mib(s['total_bytes_per_device']):>10.1f}  "
               f"{s['flops_per_device'] / 1e12:.3f}", file=sys.stderr, flush=True)
+  # The ADORE step's retrieval over the whole 8.8M x 768 corpus, compiled for the same devices.
+  devices = (sizing.topology_devices(args.topology) if args.topology else jax.devices())[:needed]
+  retrieval = []
+  for dtype in ("bfloat16", "int8", "float32"):
+    if args.topology:
+      with parallel.compiling_for("tpu"):
+        r = size_retrieval(devices, dtype=dtype)
+    else:
+      r = size_retrieval(devices, dtype=dtype)
+    retrieval.append(r)
+    print(f"top-{r['k']} of {r['queries']} queries over {r['docs']:,} x {r['dim']} {dtype} on {r['devices']} devices: "
+          f"corpus {mib(r['corpus_bytes_per_device']):,.1f} MiB, temporaries {mib(r['temp_bytes']):,.1f} MiB, "
+          f"{r['flops_per_device'] / 1e9:.2f} GFLOP, {r['bytes_accessed_per_device'] / 2**30:.2f} GiB accessed "
+          "per device", file=sys.stderr, flush=True)
   corpus = {f"{dtype}_{devices}": sizing.corpus_matrix_bytes(MSMARCO_PASSAGES, 768, devices, dtype)
             for dtype in ("float32", "bfloat16") for devices in (8, 64)}
   for key, value in corpus.items():
     print(f"8.8M x 768 corpus matrix, {key.replace('_', ' on ')} devices: {value / 2**30:.2f} GiB per device",
           file=sys.stderr)
-  print(json.dumps({"benchmark": "sizing", "topology": args.topology, "rows": rows, "corpus_matrix_bytes": corpus,
+  print(json.dumps({"benchmark": "sizing", "topology": args.topology, "rows": rows, "retrieval": retrieval,
+                    "corpus_matrix_bytes": corpus,
                     "corpus_docs": MSMARCO_PASSAGES}))
 
 
