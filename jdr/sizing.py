@@ -82,6 +82,7 @@ def size_step(config: ml_collections.ConfigDict, topology: str | None = None) ->
 
 
 def _size_step(config: ml_collections.ConfigDict, devices) -> dict:
+  sources.check(config)
   candidates = sources.candidates(config)
   if candidates == "corpus" or pretrain_batches.is_masked_lm(config):
     raise ValueError("--compile-only sizes token-batch steps; ADORE / LTRe corpus batches and masked-LM are not "

@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 
-from jdr import defaults, distill, step, train
+from jdr import defaults, distill, step
 from jdr.models.bert import EncoderConfig
 from jdr.models.towers import TowerConfig, TwoTower
 

@@ -87,8 +87,9 @@ def check(batch: dict[str, np.ndarray]) -> str:
   return form
 
 
-def candidate_mask(batch_query_ids: Sequence[str | None], doc_ids_in_batch: Sequence[str | None], qrels: Mapping[str, Mapping[str, int]],
-                   in_batch: bool = True, *, doc_index: np.ndarray | None = None) -> np.ndarray:
+def candidate_mask(batch_query_ids: Sequence[str | None], doc_ids_in_batch: Sequence[str | None],
+                   qrels: Mapping[str, Mapping[str, int]], in_batch: bool = True, *,
+                   doc_index: np.ndarray | None = None) -> np.ndarray:
   """valid [B, C]: may column c be a candidate for query b, for the tokens layout above.
 
   Column b is always valid for row b (its target). Another column c is invalid when

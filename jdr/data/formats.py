@@ -555,14 +555,14 @@ def load_queries(path: str, split: str | None, *, skip_invalid: bool = False) ->
   """Queries from a BEIR directory (optionally only those judged in qrels/SPLIT.tsv) or a file."""
   path_ = paths.as_path(path)
   if path_.is_dir():
-    queries = formats.read_queries(path_ / "queries.jsonl", skip_invalid=skip_invalid)
+    queries = read_queries(path_ / "queries.jsonl", skip_invalid=skip_invalid)
     if split is None:
       return queries
     qrels_path = path_ / "qrels" / f"{split}.tsv"
     if not qrels_path.exists():
       raise FileNotFoundError(f"--split {split}: {qrels_path} is missing")
-    qrels = formats.read_qrels(qrels_path, query_ids=queries, skip_invalid=skip_invalid)
+    qrels = read_qrels(qrels_path, query_ids=queries, skip_invalid=skip_invalid)
     return {q: queries[q] for q in qrels}
   if split is not None:
     raise ValueError(f"--split needs a BEIR directory, but {path} is a file")
-  return formats.read_queries(path_, skip_invalid=skip_invalid)
+  return read_queries(path_, skip_invalid=skip_invalid)
