@@ -2,12 +2,13 @@
 step over a fixed document index, LambdaRank with M = MRR@10 (their document task; MRR@200 on passages).
 
 Paper: AdamW, learning rate 5e-6, batch 32, top-200, dropout 0.1, a trained model's document tower frozen.
-`runlocal` scales it to this two-core machine and SciFact: the bundled MiniLM (its shared tower split
+`runlocal` scales it to a 2-core x86 CPU and SciFact: the bundled MiniLM (its shared tower split
 into a trainable query tower and a frozen document tower), 208 steps (about 7 epochs of 919 pairs).
 MiniLM's vectors are L2-normalized, so scores are cosines in [-1, 1]: a temperature of 0.05 gives the
 pairwise losses the same room the unnormalized RoBERTa scores of the paper have, and the learning rate is
 raised to 1e-4 for the short run (2e-5 reached nDCG@10 0.7050, 5e-5 0.7756, 1e-4 0.8053 on SciFact test,
-seed 0; only the query tower moves, so a large rate is safe). Arguments (comma-separated, after the colon):
+seed 0; only the query tower moves, so a large rate is safe). Arguments (comma-separated, after the colon;
+another name is an error):
   runlocal    the scaled-down run above
   ranknet     RankNet instead of LambdaRank (the LTRe / ADORE ablation)
   ndcg        LambdaRank with M = NDCG@10
@@ -21,30 +22,36 @@ seed 0; only the query tower moves, so a large rate is safe). Arguments (comma-s
 
 import base
 
+ARGS = dict(runlocal=False, ranknet=False, ndcg=False, static=False, jax=False, pq=False)
+
 
 def get_config(arg=None):
-  args = (arg or "").split(",")
+  return recipe(base.parse_arg(arg, **ARGS))
+
+
+def recipe(a):
+  """The recipe for parsed arguments `a` (configs/ltre.py and adore_star.py pass theirs)."""
   c = base.get_config()
   c.model.shared = False
   c.model.train_towers = "query"
   c.negatives.source = "retrieval"
   c.negatives.top_n = 200
-  c.negatives.retrieve_every = 0 if "static" in args else 1
-  c.negatives.retrieval_backend = "jax" if "jax" in args else "faiss"
+  c.negatives.retrieve_every = 0 if a.static else 1
+  c.negatives.retrieval_backend = "jax" if a.jax else "faiss"
   c.negatives.in_batch = False
-  c.loss.name = "ranknet" if "ranknet" in args else "lambdarank"
-  c.loss.lambda_metric = "ndcg@10" if "ndcg" in args else "mrr@10"
+  c.loss.name = "ranknet" if a.ranknet else "lambdarank"
+  c.loss.lambda_metric = "ndcg@10" if a.ndcg else "mrr@10"
   c.optimizer.name = "adamw"
   c.optimizer.learning_rate = 5e-6
   c.optimizer.weight_decay = 0.01
   c.optimizer.warmup_steps = 0
   c.batch_size = 32
   c.model.dropout = 0.1
-  if "pq" in args:
+  if a.pq:
     c.negatives.index_factory = "OPQ48,IVF1,PQ48"
     c.eval.factories = "OPQ48,IVF1,PQ48;Flat"
     c.eval.backend = "faiss"
-  if base.runlocal(arg):
+  if a.runlocal:
     c.data.query_max_length = 32
     c.data.doc_max_length = 256  # the fixed index is encoded at the evaluation length
     c.eval.doc_max_length = 256

@@ -11,9 +11,12 @@ its copy on the query side trains. Every argument of configs/adore.py applies.
 """
 
 import adore
+import base
+
+ARGS = adore.ARGS
 
 
 def get_config(arg=None):
-  c = adore.get_config(arg)
+  c = adore.recipe(base.parse_arg(arg, **ARGS))
   c.model.init_from = "runs/star"  # a STAR workdir or export; override on the command line
   return c

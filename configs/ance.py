@@ -17,16 +17,19 @@ force 15 steps after its snapshot. The paper's warm-up from BM25 negatives is a 
 import base
 import inbatch
 
+ARGS = dict(runlocal=False)
+
 
 def get_config(arg=None):
-  c = inbatch.get_config(arg)  # runlocal: the same budget and optimizer as the in-batch baseline
+  a = base.parse_arg(arg, **ARGS)
+  c = inbatch.recipe(a)  # runlocal: the same budget and optimizer as the in-batch baseline
   c.model.shared = True
   c.negatives.source = "ance"
   c.negatives.top_n = 200
   c.negatives.per_query = 1
   c.negatives.in_batch = True
   c.loss.name = "softmax_nll"
-  if base.runlocal(arg):
+  if a.runlocal:
     c.negatives.refresh_every = 30
     c.negatives.refresh_delay = 15
     c.eval.doc_max_length = 256

@@ -5,11 +5,14 @@ top 100 (mined once with bm25s and cached in the workdir), plus the batch's othe
       --config.data.dataset=../shared/data/scifact
 """
 
+import base
 import inbatch
+
+ARGS = dict(runlocal=False)
 
 
 def get_config(arg=None):
-  c = inbatch.get_config(arg)
+  c = inbatch.recipe(base.parse_arg(arg, **ARGS))
   c.negatives.source = "bm25"
   c.negatives.per_query = 1
   c.negatives.bm25_top_k = 100

@@ -4,11 +4,14 @@
       --config.data.dataset=../shared/data/scifact
 """
 
+import base
 import inbatch
+
+ARGS = dict(runlocal=False)
 
 
 def get_config(arg=None):
-  c = inbatch.get_config(arg)
+  c = inbatch.recipe(base.parse_arg(arg, **ARGS))
   c.negatives.source = "bm25_random"
   c.negatives.per_query = 2  # one BM25, one random
   return c

@@ -16,8 +16,11 @@ negatives, batch 64, 2e-5, 2,000 steps.
 import base
 from jdr.data import shared
 
+ARGS = dict(runlocal=False)
+
 
 def get_config(arg=None):
+  a = base.parse_arg(arg, **ARGS)
   c = base.get_config()
   c.model.architecture = "cross_encoder"
   c.model.init_from = "minilm"
@@ -31,7 +34,7 @@ def get_config(arg=None):
   c.eval.rerank_depth = 100
   c.eval.diagnostic_queries = 0
   c.eval_before_training = False  # a fresh head ranks at random: the first stage's own metrics say more
-  if base.runlocal(arg):
+  if a.runlocal:
     c.negatives.per_query = 3
     c.batch_size = 16
     c.num_train_steps = 120

@@ -7,8 +7,11 @@ negatives, evaluating before and after. No download; about five minutes on two C
 
 import base
 
+ARGS = dict(tiny=False)
+
 
 def get_config(arg=None):
+  a = base.parse_arg(arg, **ARGS)
   c = base.get_config()
   c.data.dataset = "builtin"
   c.data.query_max_length = 32
@@ -25,7 +28,7 @@ def get_config(arg=None):
   c.optimizer.warmup_steps = 20
   c.log_every = 10
   c.checkpoint_every = 100
-  if arg == "tiny":
+  if a.tiny:
     c.model.init_from = ""
     c.model.fresh = "tiny"
     c.model.pooling = "mean"

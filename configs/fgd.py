@@ -25,9 +25,11 @@ configs/cross_encoder.py's workdir (runs/cross). Without `runlocal`: batch 32, 7
 
 import base
 
+ARGS = dict(runlocal=False, warmup=False)
+
 
 def get_config(arg=None):
-  args = set((arg or "").split(","))
+  a = base.parse_arg(arg, **ARGS)
   c = base.get_config()
   c.data.dataset = "runs/scifact-long"
   c.data.query_max_length = 32
@@ -39,10 +41,10 @@ def get_config(arg=None):
   c.loss.temperature = 0.05
   c.eval.metrics = "mrr@100,ndcg@10,recall@100"
   c.eval.diagnostic_queries = 0
-  c.distill.teacher = "" if "warmup" in args else "runs/cross"
+  c.distill.teacher = "" if a.warmup else "runs/cross"
   c.distill.granularities = "passage,sentence"
   c.distill.contrastive_weight = 1.0
-  if "runlocal" in args:
+  if a.runlocal:
     c.negatives.per_query = 3
     c.negatives.top_n = 4  # the teacher scores every document of a query's pool: keep it small on a CPU
     c.batch_size = 8

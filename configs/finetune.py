@@ -14,8 +14,11 @@ lengths (64 / 288), batch 512, 1e-5, 5000 steps.
 import base
 from jdr.data import shared
 
+ARGS = dict(runlocal=False)
+
 
 def get_config(arg=None):
+  a = base.parse_arg(arg, **ARGS)
   c = base.get_config()
   c.model.init_from = "runs/pretrain_ict_bfs_wlp"  # override: any pretraining workdir
   c.model.normalize = -1  # the pretrained model's own settings (pooling, head) are kept
@@ -25,7 +28,7 @@ def get_config(arg=None):
   c.negatives.source = "none"
   c.negatives.in_batch = True
   c.loss.name = "softmax_nll"
-  if base.runlocal(arg):
+  if a.runlocal:
     c.data.query_max_length = 32
     c.data.doc_max_length = 128
     c.batch_size = 32

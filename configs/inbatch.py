@@ -1,7 +1,7 @@
 """In-batch negatives (DPR / STAR's "In-Batch Neg"): each query's negatives are the other queries' positives.
 
 STAR paper baseline (Zhan et al. 2021, Sec. 7.2): LAMB, batch 256, learning rate 2e-4. `runlocal` scales it
-to this two-core machine: the bundled MiniLM, batch 32, AdamW 2e-5, a few hundred steps.
+to a 2-core x86 CPU: the bundled MiniLM, batch 32, AdamW 2e-5, a few hundred steps.
 
   python -m jdr.train --config configs/inbatch.py:runlocal --workdir runs/inbatch \
       --config.data.dataset=../shared/data/scifact --config.eval.doc_max_length=256
@@ -9,13 +9,20 @@ to this two-core machine: the bundled MiniLM, batch 32, AdamW 2e-5, a few hundre
 
 import base
 
+ARGS = dict(runlocal=False)
+
 
 def get_config(arg=None):
+  return recipe(base.parse_arg(arg, **ARGS))
+
+
+def recipe(a):
+  """The recipe for parsed arguments `a` (the recipes built on this one pass theirs)."""
   c = base.get_config()
   c.negatives.source = "none"
   c.negatives.in_batch = True
   c.loss.name = "softmax_nll"
-  if base.runlocal(arg):
+  if a.runlocal:
     c.batch_size = 32
     c.num_train_steps = 90  # about three epochs of SciFact's 919 training pairs
     c.optimizer.learning_rate = 2e-5

@@ -10,11 +10,15 @@ argument of configs/adore.py (runlocal, static, jax, pq, ndcg) applies.
 """
 
 import adore
+import base
+
+ARGS = dict(adore.ARGS, lambdarank=False)
 
 
 def get_config(arg=None):
-  args = (arg or "").split(",")
-  c = adore.get_config(",".join(a for a in args if a != "lambdarank") + ("" if "lambdarank" in args else ",ranknet"))
-  if "runlocal" not in args:
+  a = base.parse_arg(arg, **ARGS)
+  a.ranknet = a.ranknet or not a.lambdarank  # RankNet unless LambdaRank is asked for
+  c = adore.recipe(a)
+  if not a.runlocal:
     c.optimizer.warmup_steps = 2000
   return c

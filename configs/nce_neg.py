@@ -5,10 +5,13 @@ kept (noise-contrastive estimation with the hardest in-batch noise).
       --config.data.dataset=../shared/data/scifact
 """
 
+import base
 import inbatch
+
+ARGS = dict(runlocal=False)
 
 
 def get_config(arg=None):
-  c = inbatch.get_config(arg)
+  c = inbatch.recipe(base.parse_arg(arg, **ARGS))
   c.negatives.hardest_in_batch = True
   return c

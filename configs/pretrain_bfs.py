@@ -12,6 +12,7 @@ task differs.
 
 import pretrain_ict_bfs_wlp
 
+ARGS = pretrain_ict_bfs_wlp.ARGS
 
 def get_config(arg=None):
   return pretrain_ict_bfs_wlp.pretrain_config("bfs", arg)

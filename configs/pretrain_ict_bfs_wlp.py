@@ -6,11 +6,11 @@ by the sharded step). The paper: query 64 tokens, document 288, a 512-dimensiona
 (here Dense(512) + LayerNorm, jdr's projection head), Adam at 1e-4 with 10% warm-up, batch 8192, made to fit
 through exact gradient caching (grad_cache.chunk_size rows encoded at once). BERT-base sized towers, shared.
 
-`runlocal` scales it to this two-core machine: a small BERT from random weights (4 layers, 256 wide, the
+`runlocal` scales it to a 2-core x86 CPU: a small BERT from random weights (4 layers, 256 wide, the
 MiniLM vocabulary; mean pooling and cosine scores at temperature 0.05, since [CLS] with raw inner products did
 not leave chance level at this budget), the shared Wikispeedia articles, query 32 / document 128 tokens, batch 32, 600 steps, no
 gradient caching (nothing to save at batch 32). About 7.5 minutes on 2 CPU cores (0.73 s a step, measured
-alone on this project's 2-core machine); the ablation in the README runs 300 of these steps a row.
+alone on a 2-core x86 CPU); the ablation in the README runs 300 of these steps a row.
 
   python -m jdr.train --config configs/pretrain_ict_bfs_wlp.py:runlocal --workdir runs/pretrain_ict_bfs_wlp
 
@@ -20,9 +20,12 @@ pretrain_bfs.py, pretrain_wlp.py, pretrain_mlm.py) are this one with another tas
 
 import base
 
+ARGS = dict(runlocal=False)
+
 
 def pretrain_config(task: str, arg=None):
-  """The shared pretraining recipe for `task` (ict | bfs | wlp | mixed | mlm); `arg` as the recipes'."""
+  """The shared pretraining recipe for `task` (ict | bfs | wlp | mixed | mlm); `arg` as the recipes' (ARGS)."""
+  a = base.parse_arg(arg, **ARGS)
   c = base.get_config()
   c.data.kind = "pretrain"
   c.data.pretrain_task = task
@@ -41,7 +44,7 @@ def pretrain_config(task: str, arg=None):
   c.optimizer.name = "adamw"
   c.optimizer.weight_decay = 0.0  # Adam
   c.optimizer.learning_rate = 1e-4
-  if base.runlocal(arg):
+  if a.runlocal:
     # From random weights at this budget [CLS] pooling does not train: the loss stayed at log(32) (chance)
     # for 300 steps with raw inner products at lr 1e-4, for 120 with cosine scores at temperature 0.05, and
     # for 80 at lr 5e-4; mean pooling with cosine / 0.05 reached 30% in-batch accuracy in 80 steps (measured).

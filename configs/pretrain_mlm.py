@@ -13,6 +13,7 @@ and jdr.export read from the workdir; the projection head stays at its initializ
 
 import pretrain_ict_bfs_wlp
 
+ARGS = pretrain_ict_bfs_wlp.ARGS
 
 def get_config(arg=None):
   return pretrain_ict_bfs_wlp.pretrain_config("mlm", arg)

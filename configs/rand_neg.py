@@ -5,11 +5,14 @@ per query, scored against the batch's other documents as well.
       --config.data.dataset=../shared/data/scifact
 """
 
+import base
 import inbatch
+
+ARGS = dict(runlocal=False)
 
 
 def get_config(arg=None):
-  c = inbatch.get_config(arg)
+  c = inbatch.recipe(base.parse_arg(arg, **ARGS))
   c.negatives.source = "random"
   c.negatives.per_query = 1
   return c

@@ -15,16 +15,19 @@ budget as configs/inbatch.py and bm25_neg.py.
 import base
 import inbatch
 
+ARGS = dict(runlocal=False)
+
 
 def get_config(arg=None):
-  c = inbatch.get_config(arg)  # the same budget and optimizer as the in-batch baseline
+  a = base.parse_arg(arg, **ARGS)
+  c = inbatch.recipe(a)  # the same budget and optimizer as the in-batch baseline
   c.negatives.source = "dense_static"
   c.negatives.top_n = 200
   c.negatives.per_query = 1
   c.negatives.in_batch = True
   c.negatives.random_weight = 0.1
   c.loss.name = "ranknet"
-  if not base.runlocal(arg):
+  if not a.runlocal:
     c.optimizer.learning_rate = 1e-4
     c.model.projection_dim = 768
   return c

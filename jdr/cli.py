@@ -16,6 +16,7 @@ import os
 import sys
 from typing import Iterator
 
+from jdr import corpus as corpus_lib
 from jdr.data import formats
 
 # What a user can cause and fix: bad or missing files, settings that disagree. Anything else is a bug
@@ -51,3 +52,19 @@ def reporting_errors(skip_flag: str | None = None) -> Iterator[None]:
       print(f"(rerun with {skip_flag} to drop the invalid records and go on; each is counted on stderr)",
             file=sys.stderr)
     raise SystemExit(2) from None
+
+
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--model", default=None,
+                      help="Hugging Face directory, jdr export directory, or `minilm` (bundled)")
+  parser.add_argument("--pooling", choices=["cls", "mean", "max"], default=None,
+                      help="default: the model's own (mean for minilm, cls otherwise)")
+  parser.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
+                      help="L2-normalize embeddings (default: the model's own)")
+  parser.add_argument("--max-length", type=int, default=None, help="tokens per text (default 256)")
+  parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                      help="compute dtype of the encoder")
+  parser.add_argument("--tokens-per-batch", type=int, default=None,
+                      help="padded tokens per batch; the batch size follows from each length bucket "
+                           f"(default {corpus_lib.CPU_TOKENS_PER_BATCH} on CPU, "
+                           f"{corpus_lib.ACCELERATOR_TOKENS_PER_BATCH} on GPU/TPU)")

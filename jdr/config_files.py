@@ -1,7 +1,8 @@
-"""Loading recipe files (`configs/X.py[:arg]`) and `--config.key=value` overrides.
+"""Loading recipe files (`configs/X.py[:arg]`), their typed arguments, and `--config.key=value` overrides.
 
-A recipe is a Python file whose `get_config(arg)` returns a ConfigDict. Overrides are typed by the
-value they replace, and an unknown key is an error that lists the valid names, so a typo never
+A recipe is a Python file whose `get_config(arg)` returns a ConfigDict; it reads `arg` ("runlocal,seed=1")
+with `parse_arg`, declaring each argument it takes with its default. Arguments and overrides are typed by
+the value they replace, and an unknown name is an error that lists the valid ones, so a typo never
 silently trains the default.
 """
 
@@ -34,9 +35,51 @@ def load_config_file(spec: str) -> ml_collections.ConfigDict:
   module_spec.loader.exec_module(module)
   if not hasattr(module, "get_config"):
     raise ConfigError(f"{path}: has no get_config(arg) function")
-  config = module.get_config(arg or None)
+  try:
+    config = module.get_config(arg or None)
+  except ConfigError as e:
+    raise ConfigError(f"{path}: {e}") from None
   config.lock()
   return config
+
+
+def parse_arg(arg: str | None, **spec) -> ml_collections.ConfigDict:
+  """A recipe's argument string as a locked ConfigDict of the arguments the recipe declares (the shape of
+  big_vision's `parse_arg`): `spec` maps each name to its default, whose type types the value.
+
+    parse_arg("runlocal,seed=1,metric=ndcg", runlocal=False, seed=0, metric="mrr")
+      -> runlocal=True, seed=1, metric="ndcg"
+
+  A bare name sets a boolean argument to True; any argument takes `name=value`. A name the recipe does not
+  declare, a bare name of a non-boolean or a value of the wrong type is a ConfigError that lists what the
+  recipe takes.
+  """
+  values = dict(spec)
+  for item in (arg or "").split(","):
+    name, sep, text = (part.strip() for part in item.partition("="))
+    if not name and not sep:
+      continue
+    if name not in spec:
+      close = difflib.get_close_matches(name, list(spec), n=1)
+      hint = f" (did you mean {close[0]}?)" if close else ""
+      raise ConfigError(f"unknown recipe argument {name!r}{hint}; this recipe takes {describe_args(spec)}")
+    if not sep and not isinstance(spec[name], bool):
+      raise ConfigError(f"recipe argument {name!r} needs a value ({name}=...); this recipe takes "
+                        f"{describe_args(spec)}")
+    try:
+      values[name] = _parse_value(text, spec[name]) if sep else True
+    except (ValueError, SyntaxError) as e:
+      raise ConfigError(f"recipe argument {name!r}: cannot use {text!r} ({e})") from None
+  out = ml_collections.ConfigDict(values)
+  out.lock()
+  return out
+
+
+def describe_args(spec: dict) -> str:
+  """"runlocal (bool, default False), seed (int, default 0)": what a recipe takes, for error messages."""
+  if not spec:
+    return "no arguments"
+  return ", ".join(f"{name} ({type(default).__name__}, default {default!r})" for name, default in spec.items())
 
 
 def all_keys(config: ml_collections.ConfigDict, prefix: str = "") -> list[str]:

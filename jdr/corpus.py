@@ -32,13 +32,16 @@ import numpy as np
 import tqdm
 
 from jdr import atomic
+from jdr import granularity
 from jdr import index as index_lib
+from jdr import parallel
 from jdr import paths
+from jdr.data import corpus_by_host
 from jdr.data import text as text_lib
 
 # A batch holds about this many tokens (padded), whatever its length bucket, so short documents go in
 # big batches and long ones in small batches: a small fixed set of compiled shapes, little padding.
-# On CPU small batches win: MiniLM at 4 x 256 tokens ran at 287 GFLOP/s on this 2-core machine, at
+# On CPU small batches win: MiniLM at 4 x 256 tokens ran at 287 GFLOP/s on a 2-core x86 CPU, at
 # 32 x 256 at 122 GFLOP/s, because the [batch, heads, L, L] attention scores then stop fitting in cache.
 # Accelerators want big batches to fill the device: BERT-base at 256 tokens encoded 9% faster at 65,536
 # tokens a batch than at 16,384 on an NVIDIA H200.
@@ -75,7 +78,6 @@ def rows_on_mesh(fn, mesh):
   Rows must be a multiple of the batch devices: an EncoderRuntime with `rows_multiple` set to
   `parallel.data_parallel_size(mesh)` plans its batches so (with filler rows). Each host passes the same
   full batch; a device reads only its slice of it."""
-  from jdr import parallel  # pylint: disable=g-import-not-at-top
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   rows_sharding = parallel.batch_sharding(mesh)
   jitted = jax.jit(fn, out_shardings=rows_sharding)
@@ -96,7 +98,6 @@ def whole_on(params, mesh):
   """params (global arrays, possibly split over hosts) whole and replicated on `mesh`, e.g. this host's own
   devices, for work each host does alone on its part of the corpus (`evaluation.TowerEncoder`)."""
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-  from jdr import parallel  # pylint: disable=g-import-not-at-top
   whole = lambda x: multihost_utils.process_allgather(x, tiled=True) if (
       isinstance(x, jax.Array) and not x.is_fully_addressable) else np.asarray(x)
   return jax.device_put(jax.tree.map(whole, params), parallel.replicated(mesh))
@@ -182,7 +183,6 @@ def encode_pieces(runtime: EncoderRuntime, token_ids: Sequence[np.ndarray], leve
                   *, rows_per_batch: int = 8) -> tuple[np.ndarray, dict[str, np.ndarray]]:
   """Document vectors [N, D] and, per level, window vectors [N, K, D] (NaN where a window is past the end)
   from one forward pass per batch (FGD Eq. 7): documents padded to max_length, windows of each level's size."""
-  from jdr import granularity  # pylint: disable=g-import-not-at-top
   if runtime.apply_spans is None:
     raise ValueError("this encoder has no span embeddings (a query tower?)")
   if runtime.info.get("pooling") != "cls":
@@ -376,7 +376,6 @@ def encode_corpus(runtime: EncoderRuntime, docs: dict, out_dir: str | os.PathLik
 def _check_ids_unique_across_parts(out_dir, doc_ids: list[str], index: int, count: int) -> None:
   """Before any host encodes: the hosts swap their parts' ids through out_dir and all raise if one id is in
   two parts (each host has checked its own part while reading it), instead of finding it after hours."""
-  from jdr.data import corpus_by_host  # pylint: disable=g-import-not-at-top
   where: dict[str, int] = {}
   parts = corpus_by_host.swap_parts(out_dir / ".part-ids", index, count, {"ids": np.asarray(doc_ids, dtype=str)})
   for k, arrays in enumerate(parts):

@@ -46,7 +46,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model.remat = False
   # > 0: in the train step the towers encode a batch's rows this many at a time (jax.lax.map), their
   # [rows, heads, L, L] attention tensors then fit a CPU's cache (MiniLM at 512 tokens, 32 rows, forward +
-  # backward: 13.2 s whole, 10.7 s in chunks of 4 on the 2-core dev box). Same math; each chunk draws its own
+  # backward: 13.2 s whole, 10.7 s in chunks of 4 on a 2-core x86 CPU). Same math; each chunk draws its own
   # dropout masks. 0 = all rows at once (accelerators want big batches).
   c.model.encode_chunk_rows = 0
   c.model.dropout = 0.1
@@ -94,7 +94,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.distill.negative_pieces = 0  # 0 = every window of the negative documents; m = Eq. 14-15's hierarchy, top m
   c.distill.temperature = 1.0  # the teacher's logits / this; the student's scores / loss.temperature
   # Pairs per teacher batch; 0 = by tokens, as jdr.rerank and jdr.encode batch (about 1,024 padded tokens a
-  # batch on a CPU, 16,384 on accelerators): on the 2-core box a fixed 32 scored 21.2 pairs/s and token
+  # batch on a CPU, 16,384 on accelerators): on a 2-core x86 CPU a fixed 32 scored 21.2 pairs/s and token
   # batches 46.3 (`python -m jdr.bench cross-encoder`), and FGD's 64- to 512-token pieces vary in length.
   c.distill.teacher_batch_size = 0
 

@@ -29,13 +29,19 @@ import pathlib
 import sys
 from typing import Sequence
 
+import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import tqdm
 
 from jdr import atomic
+from jdr import losses
 from jdr import paths
+from jdr import reranking
 from jdr.data import text as text_lib
+from jdr.models import cross
+from jdr.negatives import sources
 
 
 def enabled(config: ml_collections.ConfigDict) -> bool:
@@ -64,9 +70,10 @@ def check(config: ml_collections.ConfigDict) -> None:
   if config.model.architecture != "two_tower" or config.data.kind != "pairs":
     raise ValueError("distillation trains two towers on supervised pairs (model.architecture=two_tower, "
                      "data.kind=pairs)")
-  if neg.source not in ("bm25", "static", "dense_static") or neg.per_query < 1:
+  pools = sources.named(lambda s: s.fixed_pool)
+  if neg.source not in pools or neg.per_query < 1:
     raise ValueError("distillation scores each query's own negatives with the teacher once per stage: use a "
-                     "fixed pool (negatives.source = bm25 | static | dense_static) and negatives.per_query >= 1")
+                     f"fixed pool (negatives.source = {' | '.join(pools)}) and negatives.per_query >= 1")
   if d.pooling not in ("attention", "mean"):
     raise ValueError(f"distill.pooling must be 'attention' or 'mean', got {d.pooling!r}")
   if d.pooling == "attention" and levels(config) and config.model.pooling not in ("", "cls"):
@@ -81,7 +88,6 @@ def check(config: ml_collections.ConfigDict) -> None:
 
 def span_masks(doc_mask, level_sizes: Sequence[tuple[str, int]]):
   """In-step jnp version of jdr.granularity.windows for every level, concatenated: [C, sum K, L] (float32)."""
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   length = doc_mask.shape[1]
   position = jnp.arange(length)
   out = []
@@ -101,8 +107,6 @@ def hierarchical_negatives(scores: Sequence, valid: Sequence, sizes: Sequence[in
   scores[j], valid[j]: [B, n, K_j] student scores and validity of the negative documents' windows at level j
   (coarse to fine; window sizes `sizes` nested, each dividing the one before). Returns the kept masks [B, n, K_j].
   Only the negative documents' windows come in, so a piece of the positive document is never a negative."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   out = []
   allowed = None
   for j, (s, v) in enumerate(zip(scores, valid)):
@@ -121,6 +125,69 @@ def hierarchical_negatives(scores: Sequence, valid: Sequence, sizes: Sequence[in
     out.append(kept)
     allowed = kept
   return out
+
+
+def loss_terms(config: ml_collections.ConfigDict):
+  """The step's distillation terms (jdr/step.py adds them to the contrastive loss):
+  (q [B, D], spans [C, sum K, D], scores [B, C], valid [B, C], batch) -> {"kd_document": .., "fgd_<level>": ..},
+  document-level KD and FGD's per-level KD over each query's own candidates (its positive, then its own
+  negatives: batch columns B + b * n ...)."""
+  doc_level, level_sizes, keep = config.distill.document, levels(config), config.distill.negative_pieces
+  # The student's scores on the scale its contrastive loss uses (loss.temperature: cosine towers need
+  # ~0.05), the teacher's logits at distill.temperature (the paper's 1).
+  s_scale, t_scale = config.loss.temperature, config.distill.temperature
+
+  def terms(q, spans, scores, valid, batch):
+    num_q, num_d = scores.shape
+    per = (num_d - num_q) // num_q
+    own = jnp.concatenate([jnp.arange(num_q)[:, None],
+                           num_q + jnp.arange(num_q)[:, None] * per + jnp.arange(per)[None, :]], axis=1)
+    own_valid = jnp.take_along_axis(valid, own, axis=1)
+    out = {}
+    if doc_level:
+      teacher = batch["teacher_doc"]
+      ok = own_valid & jnp.isfinite(teacher)
+      out["kd_document"] = jnp.mean(losses.distillation_kl(
+          jnp.take_along_axis(scores, own, axis=1) / s_scale, jnp.where(ok, teacher, 0.0) / t_scale, ok))
+    per_level = _level_scores(q, spans, batch, level_sizes, num_q, per, own_valid)
+    if keep:
+      kept = hierarchical_negatives([lv[5] for lv in per_level], [lv[6] for lv in per_level],
+                                    [size for _, size in level_sizes], keep)
+      per_level = [lv[:6] + (lv[6] & k,) for lv, k in zip(per_level, kept)]
+    for name, k, t_pos, t_neg, s_pos, s_neg, neg_ok in per_level:
+      out[f"fgd_{name}"] = _level_kl(k, t_pos, t_neg, s_pos, s_neg, neg_ok, num_q, per, s_scale, t_scale)
+    return out
+
+  return terms
+
+
+def _level_scores(q, spans, batch, level_sizes, num_q: int, per: int, own_valid) -> list[tuple]:
+  """Per level: (name, K, teacher positive [B, K], teacher negatives [B, n, K], student positive [B, K],
+  student negatives [B, n, K], which negative pieces count [B, n, K])."""
+  start = 0
+  out = []
+  for name, _ in level_sizes:
+    t_pos, t_neg = batch[f"teacher_{name}_pos"], batch[f"teacher_{name}_neg"]  # [B, K], [B, n, K]
+    k = t_pos.shape[1]
+    piece = spans[:, start:start + k]  # [C, K, D]
+    start += k
+    s_pos = jnp.einsum("bd,bkd->bk", q, piece[:num_q])
+    s_neg = jnp.einsum("bd,bnkd->bnk", q, piece[num_q:].reshape(num_q, per, k, -1))
+    neg_ok = jnp.isfinite(t_neg) & own_valid[:, 1:, None]  # pieces of negative documents only (Eq. 15)
+    out.append((name, k, t_pos, t_neg, s_pos, s_neg, neg_ok))
+  return out
+
+
+def _level_kl(k, t_pos, t_neg, s_pos, s_neg, neg_ok, num_q, per, s_scale, t_scale):
+  """Eq. 12: for each piece of the positive, KL over it and the negative documents' pieces, averaged."""
+  pos_ok = jnp.isfinite(t_pos)
+  student = jnp.concatenate([s_pos[:, :, None], jnp.broadcast_to(
+      s_neg.reshape(num_q, 1, per * k), (num_q, k, per * k))], axis=2)
+  teacher = jnp.concatenate([t_pos[:, :, None], jnp.broadcast_to(
+      t_neg.reshape(num_q, 1, per * k), (num_q, k, per * k))], axis=2)
+  ok = jnp.concatenate([pos_ok[:, :, None], jnp.broadcast_to(
+      neg_ok.reshape(num_q, 1, per * k), (num_q, k, per * k))], axis=2) & pos_ok[:, :, None]
+  return jnp.mean(losses.granular_distillation(student / s_scale, jnp.where(ok, teacher, 0.0) / t_scale, ok))
 
 
 def windows_of(token_ids: np.ndarray, size: int, count: int) -> list[np.ndarray]:
@@ -171,8 +238,6 @@ class TeacherScores:
 
   def _scorer(self):
     if self._score_fn is None:
-      from jdr import rerank  # pylint: disable=g-import-not-at-top
-      from jdr.models import cross  # pylint: disable=g-import-not-at-top
       teacher = self.config.distill.teacher
       try:
         model, params, teacher_tokenizer = cross.load_cross_encoder(teacher)
@@ -183,9 +248,9 @@ class TeacherScores:
                          "windows of the student's documents, so both must share one vocabulary")
       data_cfg = self.config.data
       self.longest = min(data_cfg.query_max_length + data_cfg.doc_max_length + 2, model.config.max_length)
-      self._score_fn = rerank.make_token_scorer(model, params, self.tokenizer.pad_token_id or 0,
-                                                max_length=self.longest,
-                                                batch_size=self.config.distill.teacher_batch_size)
+      self._score_fn = reranking.make_token_scorer(model, params, self.tokenizer.pad_token_id or 0,
+                                                   max_length=self.longest,
+                                                   batch_size=self.config.distill.teacher_batch_size)
     return self._score_fn
 
   def _score(self, pairs: Sequence[tuple[str, str]], progress: bool = False) -> None:

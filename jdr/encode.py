@@ -23,25 +23,9 @@ from jdr import paths
 from jdr.data import formats
 
 
-def add_model_flags(parser: argparse.ArgumentParser) -> None:
-  parser.add_argument("--model", default=None,
-                      help="Hugging Face directory, jdr export directory, or `minilm` (bundled)")
-  parser.add_argument("--pooling", choices=["cls", "mean", "max"], default=None,
-                      help="default: the model's own (mean for minilm, cls otherwise)")
-  parser.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
-                      help="L2-normalize embeddings (default: the model's own)")
-  parser.add_argument("--max-length", type=int, default=None, help="tokens per text (default 256)")
-  parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                      help="compute dtype of the encoder")
-  parser.add_argument("--tokens-per-batch", type=int, default=None,
-                      help="padded tokens per batch; the batch size follows from each length bucket "
-                           f"(default {corpus_lib.CPU_TOKENS_PER_BATCH} on CPU, "
-                           f"{corpus_lib.ACCELERATOR_TOKENS_PER_BATCH} on GPU/TPU)")
-
-
 def main(argv: Iterable[str] | None = None) -> None:
   parser = argparse.ArgumentParser(prog="python -m jdr.encode", description=__doc__.splitlines()[0])
-  add_model_flags(parser)
+  cli.add_model_flags(parser)
   parser.add_argument("--corpus", required=True, help="BEIR directory, corpus.jsonl or collection TSV")
   parser.add_argument("--out", required=True, help="output directory (resumes if it exists)")
   parser.add_argument("--shard-size", type=int, default=10_000, help="documents per shard file")

@@ -16,12 +16,18 @@ from typing import Sequence
 import jax
 import ml_collections
 import numpy as np
+import tqdm
 
 from jdr import corpus as corpus_lib
 from jdr import index as index_lib
 from jdr import metrics as metrics_lib
+from jdr import parallel
+from jdr import reranking
+from jdr.data import formats
 from jdr.data import text as text_lib
 from jdr.models.towers import TwoTower
+from jdr.negatives import retrieved
+from jdr.negatives import sampled
 
 
 class TowerEncoder:
@@ -44,7 +50,6 @@ class TowerEncoder:
     query = lambda p, i, m: model.apply({"params": p}, i, m, method=TwoTower.encode_query)
     self.rows_multiple = 1
     if mesh is not None and mesh.devices.size > 1:
-      from jdr import parallel  # pylint: disable=g-import-not-at-top
       self.encode_doc = corpus_lib.rows_on_mesh(doc, mesh)
       self.encode_query = corpus_lib.rows_on_mesh(query, mesh)
       self.rows_multiple = parallel.data_parallel_size(mesh)
@@ -58,7 +63,6 @@ class TowerEncoder:
     self.part = (n * self.host // self.hosts, n * (self.host + 1) // self.hosts)
     self._doc_fn = doc
     if self.hosts > 1:
-      from jdr import parallel  # pylint: disable=g-import-not-at-top
       self._host_mesh = parallel.make_mesh((-1, 1, 1), devices=jax.local_devices())
       self._encode_part = corpus_lib.rows_on_mesh(doc, self._host_mesh)
 
@@ -83,7 +87,6 @@ class TowerEncoder:
                                           rows_multiple=self._host_mesh.devices.size)
     bar = None
     if progress and self.host == 0:
-      import tqdm  # pylint: disable=g-import-not-at-top
       desc = "encode corpus" if self.hosts == 1 else f"encode corpus (host 0 of {self.hosts})"
       bar = tqdm.tqdm(total=len(self.doc_tokens), unit="doc", desc=desc, mininterval=5.0, leave=False)
     if self.hosts > 1:
@@ -189,7 +192,6 @@ class TrainingDiagnostics:
 
   def bm25_rows(self) -> np.ndarray:
     if self._bm25 is None:
-      from jdr.negatives import sampled  # pylint: disable=g-import-not-at-top
       rows, _ = sampled._mine_bm25(  # pylint: disable=protected-access
           [text_lib.doc_text(self.data.corpus[d]) for d in self.encoder.doc_ids],
           [self.data.queries[q] for q in self.qids], min(self.n, len(self.encoder.doc_ids)),
@@ -200,7 +202,6 @@ class TrainingDiagnostics:
   def __call__(self, params, doc_emb: np.ndarray) -> dict[str, float]:
     if not self.qids:
       return {}
-    from jdr.negatives import retrieved  # pylint: disable=g-import-not-at-top
     n = min(self.n, len(doc_emb))
     rows = retrieved.exact_top_rows(doc_emb, self.encoder.queries(params, self.qids), n)
     out = {f"overlap_bm25@{n}": retrieved.overlap(rows, self.bm25_rows()[:, :n])}
@@ -223,7 +224,6 @@ class RerankEvaluator:
   """
 
   def __init__(self, model, tokenizer, data, config: ml_collections.ConfigDict):
-    from jdr.data import formats  # pylint: disable=g-import-not-at-top
     self.model, self.tokenizer, self.data, self.config = model, tokenizer, data, config
     self.metric_names = [m.strip() for m in config.eval.metrics.split(",") if m.strip()]
     for name in self.metric_names:
@@ -242,20 +242,17 @@ class RerankEvaluator:
       self.first_stage = {q: run[q] for q in qids}
     else:
       self.first_stage = self._bm25(max(self.depth, config.eval.top_k))
-    from jdr import rerank  # pylint: disable=g-import-not-at-top
-    rerank.check_inputs(self.first_stage, data.queries, data.corpus, self.depth,
-                        config.eval.rerank_run or "BM25 first stage")
+    reranking.check_inputs(self.first_stage, data.queries, data.corpus, self.depth,
+                           config.eval.rerank_run or "BM25 first stage")
 
   def _bm25(self, k: int) -> dict:
-    from jdr.negatives import sampled  # pylint: disable=g-import-not-at-top
     return sampled.bm25_run(self.data.corpus, self.data.queries, self.qids, k)
 
   def __call__(self, params) -> dict[str, float]:
-    from jdr import rerank  # pylint: disable=g-import-not-at-top
-    score = rerank.make_scorer(self.model, params, self.tokenizer, max_length=self.config.data.doc_max_length,
-                               batch_size=self.config.eval.rerank_batch_size or None,
-                               query_max_length=self.config.data.query_max_length)
-    run = rerank.rerank(self.first_stage, self.data.queries, self.data.corpus, score, self.depth)
+    score = reranking.make_scorer(self.model, params, self.tokenizer, max_length=self.config.data.doc_max_length,
+                                  batch_size=self.config.eval.rerank_batch_size or None,
+                                  query_max_length=self.config.data.query_max_length)
+    run = reranking.rerank(self.first_stage, self.data.queries, self.data.corpus, score, self.depth)
     qrels = {q: self.data.eval_qrels[q] for q in self.qids}
     return metrics_lib.evaluate(qrels, run, self.metric_names)
 

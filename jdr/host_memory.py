@@ -3,7 +3,7 @@
 XLA's CPU runtime allocates one scratch buffer per execution for all of a computation's intermediates (2.1 GB
 for the MiniLM train step at batch 32 with 32 + 128 tokens) and frees it when the step ends. glibc serves an
 allocation that large with a fresh mmap and hands it back with munmap, so every step touched 522k new 4 KiB
-pages: on the 2-core CPU this project measures on, 0.86 s of kernel time per 1.9 s step, and the step went
+pages: on a 2-core x86 CPU, 0.86 s of kernel time per 1.9 s step, and the step went
 from 1.91 s to 1.40 s once the pages were 2 MiB ones (about 1,000 faults a step). glibc (2.35 and later)
 does that with the tunable `glibc.malloc.hugetlb=1` (madvise(MADV_HUGEPAGE) on its mappings), but it reads
 tunables only when a process starts. So `python -m jdr.<command>` re-executes itself once, before anything

@@ -357,7 +357,38 @@ def hardest_negative_mask(scores: Array, valid: Array) -> Array:
   return jnp.logical_or(target, jnp.logical_and(chosen, has_negative))
 
 
-LOSS_NAMES = ("softmax_nll", "ranknet", "lambdarank", "hinge", "bce")
+def _softmax_nll_of(cfg):
+  temperature = cfg.temperature
+  return lambda s, v, labels, weights: softmax_nll(s, v, temperature=temperature, labels=labels)
+
+
+def _ranknet_of(cfg):
+  # The temperature scales the pairwise differences too: with L2-normalized towers the scores are
+  # cosines in [-1, 1], where log(1 + e^(s- - s+)) is nearly flat without it.
+  t = cfg.temperature
+  return lambda s, v, labels, weights: ranknet(s / t, v, weights=weights, labels=labels)
+
+
+def _lambdarank_of(cfg):
+  metric = cfg.lambda_metric
+  _parse_metric(metric)  # a typo fails here, not at the first step
+  t = cfg.temperature
+  return lambda s, v, labels, weights: lambdarank(s / t, v, labels=labels, metric=metric, weights=weights)
+
+
+def _hinge_of(cfg):
+  margin = cfg.margin
+  return lambda s, v, labels, weights: hinge(s, v, margin=margin, weights=weights, labels=labels)
+
+
+def _bce_of(cfg):
+  return lambda s, v, labels, weights: bce(s, v, labels=labels)
+
+
+# loss.name -> (factory of (scores, valid, labels, weights) -> per-example losses, takes per-pair weights)
+LOSSES = {"softmax_nll": (_softmax_nll_of, False), "ranknet": (_ranknet_of, True),
+          "lambdarank": (_lambdarank_of, True), "hinge": (_hinge_of, True), "bce": (_bce_of, False)}
+LOSS_NAMES = tuple(LOSSES)
 
 
 def make_loss(loss_cfg: ml_collections.ConfigDict) -> Callable[[Array, Mapping[str, Array]], Array]:
@@ -370,27 +401,10 @@ def make_loss(loss_cfg: ml_collections.ConfigDict) -> Callable[[Array, Mapping[s
   error, not silently dropped.
   """
   name = loss_cfg.name
-  if name == "softmax_nll":
-    temperature = loss_cfg.temperature
-    loss = lambda s, v, labels, weights: softmax_nll(s, v, temperature=temperature, labels=labels)
-  elif name == "ranknet":
-    # The temperature scales the pairwise differences too: with L2-normalized towers the scores are
-    # cosines in [-1, 1], where log(1 + e^(s- - s+)) is nearly flat without it.
-    t = loss_cfg.temperature
-    loss = lambda s, v, labels, weights: ranknet(s / t, v, weights=weights, labels=labels)
-  elif name == "lambdarank":
-    metric = loss_cfg.lambda_metric
-    _parse_metric(metric)  # a typo fails here, not at the first step
-    t = loss_cfg.temperature
-    loss = lambda s, v, labels, weights: lambdarank(s / t, v, labels=labels, metric=metric, weights=weights)
-  elif name == "hinge":
-    margin = loss_cfg.margin
-    loss = lambda s, v, labels, weights: hinge(s, v, margin=margin, weights=weights, labels=labels)
-  elif name == "bce":
-    loss = lambda s, v, labels, weights: bce(s, v, labels=labels)
-  else:
+  if name not in LOSSES:
     raise ValueError(f"loss.name must be one of {', '.join(LOSS_NAMES)}; got {name!r}")
-  takes_weights = name in ("ranknet", "lambdarank", "hinge")
+  factory, takes_weights = LOSSES[name]
+  loss = factory(loss_cfg)
 
   def loss_of_batch(scores: Array, batch: Mapping[str, Array]) -> Array:
     weights = batch.get("weights")

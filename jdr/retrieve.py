@@ -14,31 +14,13 @@ from typing import Iterable
 
 from jdr import cli
 from jdr import corpus as corpus_lib
-from jdr import encode as encode_cli
-from jdr import paths
 from jdr.data import formats
-
-
-def load_queries(path: str, split: str | None, *, skip_invalid: bool = False) -> dict[str, str]:
-  """Queries from a BEIR directory (optionally only those judged in qrels/SPLIT.tsv) or a file."""
-  path_ = paths.as_path(path)
-  if path_.is_dir():
-    queries = formats.read_queries(path_ / "queries.jsonl", skip_invalid=skip_invalid)
-    if split is None:
-      return queries
-    qrels_path = path_ / "qrels" / f"{split}.tsv"
-    if not qrels_path.exists():
-      raise FileNotFoundError(f"--split {split}: {qrels_path} is missing")
-    qrels = formats.read_qrels(qrels_path, query_ids=queries, skip_invalid=skip_invalid)
-    return {q: queries[q] for q in qrels}
-  if split is not None:
-    raise ValueError(f"--split needs a BEIR directory, but {path} is a file")
-  return formats.read_queries(path_, skip_invalid=skip_invalid)
+from jdr.models import saved
 
 
 def main(argv: Iterable[str] | None = None) -> None:
   parser = argparse.ArgumentParser(prog="python -m jdr.retrieve", description=__doc__.splitlines()[0])
-  encode_cli.add_model_flags(parser)
+  cli.add_model_flags(parser)
   parser.add_argument("--index", required=True, help="an encoding directory written by jdr.encode")
   parser.add_argument("--queries", required=True, help="BEIR directory, queries.jsonl or queries TSV")
   parser.add_argument("--split", default=None, help="with a BEIR directory: only queries in qrels/SPLIT")
@@ -65,14 +47,13 @@ def main(argv: Iterable[str] | None = None) -> None:
   args = parser.parse_args(argv)
 
   with cli.reporting_errors(skip_flag="--skip-invalid"):
-    queries = load_queries(args.queries, args.split, skip_invalid=args.skip_invalid)
+    queries = formats.load_queries(args.queries, args.split, skip_invalid=args.skip_invalid)
     if not queries:
       raise ValueError(f"{args.queries}: no queries to retrieve for"
                        + (f" in split {args.split!r}" if args.split else ""))
     meta = corpus_lib.read_meta(args.index)
     model = args.model or meta["model"]
-    from jdr.models import build  # pylint: disable=g-import-not-at-top
-    if build.is_jdr_model(model):
+    if saved.is_jdr_model(model):
       # A trained model carries its own query tower settings (pooling, query length).
       runtime = corpus_lib.load_runtime(model, pooling=args.pooling, normalize=args.normalize,
                                         max_length=args.max_length, dtype=args.dtype, side="query")

@@ -20,6 +20,13 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from jdr import optimizers
+from jdr import parallel
+from jdr import step as step_lib
+from jdr.data import pretrain_batches
+from jdr.models import build as build_lib
+from jdr.negatives import sources
+
 
 def per_device_bytes(tree: Any) -> int:
   """Bytes one device holds of a tree of sharded ShapeDtypeStructs (the largest shard of each leaf)."""
@@ -39,7 +46,7 @@ def corpus_matrix_bytes(num_docs: int, dim: int, devices: int, dtype: str = "flo
 def abstract_batch(config: ml_collections.ConfigDict, sharding) -> dict:
   b = config.batch_size
   lq, ld = config.data.query_max_length, config.data.doc_max_length
-  if config.model.get("architecture", "two_tower") == "cross_encoder":
+  if sources.candidates(config) == "pairs":
     n = 1 + config.negatives.per_query
     shapes = {"pair_ids": ((b, n, ld), jnp.int32), "pair_mask": ((b, n, ld), jnp.int32),
               "pair_types": ((b, n, ld), jnp.int32), "valid": ((b, n), jnp.bool_), "labels": ((b, n), jnp.float32)}
@@ -67,8 +74,6 @@ def size_step(config: ml_collections.ConfigDict, topology: str | None = None) ->
 
   With `topology` (a TPU slice name) the mesh is built from that slice's devices and the step compiled for
   them ahead of time, with the TPU's defaults (model.dtype auto = bfloat16, fused attention)."""
-  # pylint: disable=g-import-not-at-top  (the trainer imports this module)
-  from jdr import parallel
   if topology is None:
     return _size_step(config, None)
   devices = topology_devices(topology)
@@ -77,9 +82,9 @@ def size_step(config: ml_collections.ConfigDict, topology: str | None = None) ->
 
 
 def _size_step(config: ml_collections.ConfigDict, devices) -> dict:
-  from jdr import optimizers, parallel, train  # pylint: disable=g-import-not-at-top
-  from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
-  if config.negatives.source == "retrieval" or (config.data.kind == "pretrain" and config.data.pretrain_task == "mlm"):
+  sources.check(config)
+  candidates = sources.candidates(config)
+  if candidates == "corpus" or pretrain_batches.is_masked_lm(config):
     raise ValueError("--compile-only sizes token-batch steps; ADORE / LTRe corpus batches and masked-LM are not "
                      "covered yet (their corpus matrix: jdr.sizing.corpus_matrix_bytes)")
   mesh = parallel.make_mesh(config.mesh.shape, devices=devices)
@@ -88,13 +93,10 @@ def _size_step(config: ml_collections.ConfigDict, devices) -> dict:
   built = build_lib.build(config.model, config.data)
   model = built.model
   tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps, config.model.train_towers)
-  abstract, shardings = train.abstract_train_state(model, tx, config, mesh, rules)
-  candidates = "pairs" if config.model.get("architecture", "two_tower") == "cross_encoder" else "tokens"
-  step = train.make_train_step(model, tx, config, mesh, candidates)
+  abstract, shardings = step_lib.abstract_train_state(model, tx, config, mesh, rules)
+  step = step_lib.make_train_step(model, tx, config, mesh, candidates)
   batch = abstract_batch(config, parallel.batch_sharding(mesh))
-  jitted = jax.jit(step, in_shardings=(shardings, parallel.batch_sharding(mesh)),
-                   out_shardings=(shardings, parallel.replicated(mesh)), donate_argnums=(0,))
-  compiled = jitted.lower(abstract, batch).compile()
+  compiled = step_lib.jit_step(step, shardings, mesh).lower(abstract, batch).compile()
   memory = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost

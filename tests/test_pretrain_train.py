@@ -247,7 +247,7 @@ def test_logq_correction_against_brute_force():
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
-  from jdr import defaults, train  # pylint: disable=g-import-not-at-top
+  from jdr import defaults, step  # pylint: disable=g-import-not-at-top
   from jdr.models.bert import EncoderConfig  # pylint: disable=g-import-not-at-top
   from jdr.models.towers import TowerConfig, TwoTower  # pylint: disable=g-import-not-at-top
   tower = TowerConfig(EncoderConfig(vocab_size=50, hidden_size=16, num_layers=1, num_heads=2,
@@ -270,9 +270,9 @@ def test_logq_correction_against_brute_force():
   def step_loss(correct: bool, logq):
     config = defaults.get_config()
     config.loss.logq_correction = correct
-    state = train.TrainState(step=jnp.int32(0), params=params, opt_state=tx.init(params),
-                             rng=jax.random.PRNGKey(1))
-    _, metrics = jax.jit(train.make_train_step(model, tx, config))(state, {**batch, "doc_logq": logq})
+    state = step.TrainState(step=jnp.int32(0), params=params, opt_state=tx.init(params),
+                            rng=jax.random.PRNGKey(1))
+    _, metrics = jax.jit(step.make_train_step(model, tx, config))(state, {**batch, "doc_logq": logq})
     return float(metrics["loss"])
 
   def brute(logq):
@@ -321,11 +321,11 @@ def test_grad_cache_chunking_does_not_change_dropout(tmp_path):
 
 
 def test_grad_cache_refuses_corpus_candidates():
-  from jdr import defaults, train  # pylint: disable=g-import-not-at-top
+  from jdr import defaults, step  # pylint: disable=g-import-not-at-top
   config = defaults.get_config()
   config.grad_cache.chunk_size = 4
   with pytest.raises(ValueError, match="grad_cache"):
-    train.check_grad_cache(config, "corpus")
+    step.check_grad_cache(config, "corpus")
 
 
 def test_sharded_grad_cache_equals_one_device(tmp_path):

@@ -32,6 +32,8 @@ import re
 import sysconfig
 import xml.etree.ElementTree as ET
 
+from jdr.data import builtin
+
 LEAD = -1
 
 # Problem kinds a report counts.
@@ -296,7 +298,6 @@ def builtin_articles(stdlib=None, check_sentences: bool = True) -> tuple[list[Ar
   section = the module docstring's other paragraphs, then each public function's, class's and method's docstring
   as one passage; links = other stdlib modules the docstrings refer to (see `_module_mentions`).
   """
-  from jdr.data import builtin  # pylint: disable=g-import-not-at-top
   stdlib = pathlib.Path(stdlib or sysconfig.get_paths()["stdlib"])
   report = Report(f"stdlib {stdlib}")
   modules = []

@@ -4,13 +4,13 @@ Leading axes: B = global batch of queries (split over the data-parallel devices)
 
   query_ids, query_mask   int32 [B, Lq]   the queries' token ids and attention mask
 
-and the candidates, in one of three forms (`negatives.source` picks; `jdr.train.make_train_step` reads them):
+and the candidates, in one of three forms (`Negatives.candidates` names it; jdr/step.py scores each):
 
   tokens (documents encoded in the step by the document tower; DPR-style, STAR, ANCE):
     doc_ids, doc_mask     int32 [C, L]    C = B * (1 + negatives.per_query): docs[0:B] are the positives
                                           (doc b belongs to query b), then query b's sampled negatives
     doc_index             int32 [C]       corpus row of each document (informational)
-    valid                 bool  [B, C]    may doc c be a candidate of query b (`negatives.candidate_mask`)
+    valid                 bool  [B, C]    may doc c be a candidate of query b (`candidate_mask`)
     labels                float [B, C]    optional relevance; absent = identity (column b is row b's positive)
     weights               float [B, C]    optional per-pair weights (STAR's alpha on the random part)
     doc_logq              float [C]       optional log sampling probability of each document (with
@@ -38,6 +38,8 @@ Masked-LM pretraining (jdr/data/pretrain_batches.MLMBatches) hands `mlm_*` field
 Losses are built by `jdr.losses.make_loss(config.loss)` and take `(scores [B, C], fields)` with `valid`,
 optional `labels` and `weights`, so a new method adds fields, never a new step.
 """
+
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -83,3 +85,40 @@ def check(batch: dict[str, np.ndarray]) -> str:
     if np.any(batch["positive_rows"][:, 0] < 0):
       raise ValueError("positive_rows[:, 0] must be each query's batch positive (got -1)")
   return form
+
+
+def candidate_mask(batch_query_ids: Sequence[str | None], doc_ids_in_batch: Sequence[str | None],
+                   qrels: Mapping[str, Mapping[str, int]], in_batch: bool = True, *,
+                   doc_index: np.ndarray | None = None) -> np.ndarray:
+  """valid [B, C]: may column c be a candidate for query b, for the tokens layout above.
+
+  Column b is always valid for row b (its target). Another column c is invalid when
+  - doc c is padding (id None, or `doc_index[c] == -1`);
+  - doc c is a positive of query b (qrels relevance > 0) or the same doc as column b: scoring a relevant
+    doc as a negative would push the query away from it;
+  - in_batch is False and c is not one of query b's own sampled negatives (B + b*n_neg ... B + (b+1)*n_neg - 1).
+  A padding query (id None) keeps only its target, so softmax and pairwise losses give it 0.
+  The same negative doc appearing in two columns stays valid in both (as in DPR).
+  """
+  num_queries, num_docs = len(batch_query_ids), len(doc_ids_in_batch)
+  if num_queries == 0 or num_docs < num_queries or num_docs % num_queries:
+    raise ValueError(f"{num_docs} docs for {num_queries} queries: the batch must hold B * (1 + n_neg) docs")
+  n_neg = num_docs // num_queries - 1
+  padding = np.asarray([d is None for d in doc_ids_in_batch])
+  if doc_index is not None:
+    doc_index = np.asarray(doc_index)
+    if doc_index.shape != (num_docs,):
+      raise ValueError(f"doc_index has shape {doc_index.shape}, expected ({num_docs},)")
+    padding |= doc_index < 0
+  valid = np.zeros((num_queries, num_docs), bool)
+  for b, qid in enumerate(batch_query_ids):
+    valid[b, b] = True
+    if qid is None:
+      continue
+    relevant = {d for d, rel in qrels.get(qid, {}).items() if rel > 0}
+    relevant.add(doc_ids_in_batch[b])
+    columns = range(num_docs) if in_batch else range(num_queries + b * n_neg, num_queries + (b + 1) * n_neg)
+    for c in columns:
+      if c != b and not padding[c] and doc_ids_in_batch[c] not in relevant:
+        valid[b, c] = True
+  return valid

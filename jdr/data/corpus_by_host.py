@@ -22,6 +22,7 @@ from typing import Iterator
 
 import numpy as np
 
+from jdr import parallel
 from jdr import paths
 from jdr.data import formats
 
@@ -101,7 +102,6 @@ def read_by_hosts(path: str | pathlib.Path, exchange_dir: str | pathlib.Path, *,
   (default: jax's multihost_utils.sync_global_devices). A bad line in any part stops every host.
   """
   import jax  # pylint: disable=g-import-not-at-top
-  from jdr import parallel  # pylint: disable=g-import-not-at-top
   part = jax.process_index() if part is None else part
   parts = jax.process_count() if parts is None else parts
   path = formats._corpus_file(path)  # pylint: disable=protected-access

@@ -549,3 +549,20 @@ def load_beir(directory: PathLike, split: str | None = None, *, skip_invalid: bo
     raise FileNotFoundError(f"no split {split!r} in {directory}: {qrels_path} is missing (splits: {splits})")
   qrels = read_qrels(qrels_path, doc_ids=corpus, query_ids=queries, skip_invalid=skip_invalid)
   return corpus, {qid: text for qid, text in queries.items() if qid in qrels}, qrels
+
+
+def load_queries(path: str, split: str | None, *, skip_invalid: bool = False) -> dict[str, str]:
+  """Queries from a BEIR directory (optionally only those judged in qrels/SPLIT.tsv) or a file."""
+  path_ = paths.as_path(path)
+  if path_.is_dir():
+    queries = read_queries(path_ / "queries.jsonl", skip_invalid=skip_invalid)
+    if split is None:
+      return queries
+    qrels_path = path_ / "qrels" / f"{split}.tsv"
+    if not qrels_path.exists():
+      raise FileNotFoundError(f"--split {split}: {qrels_path} is missing")
+    qrels = read_qrels(qrels_path, query_ids=queries, skip_invalid=skip_invalid)
+    return {q: queries[q] for q in qrels}
+  if split is not None:
+    raise ValueError(f"--split needs a BEIR directory, but {path} is a file")
+  return read_queries(path_, skip_invalid=skip_invalid)

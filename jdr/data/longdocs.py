@@ -26,6 +26,7 @@ import sys
 import numpy as np
 
 from jdr import cli
+from jdr import paths
 from jdr.data import formats
 
 
@@ -57,9 +58,8 @@ def build(source: str | pathlib.Path, out: str | pathlib.Path, *, seed: int = 0,
   corpus = formats.read_corpus(source / "corpus.jsonl")
   queries = formats.read_queries(source / "queries.jsonl")
   if tokenizer is None:
-    import transformers  # pylint: disable=g-import-not-at-top
-    from jdr.models import hf  # pylint: disable=g-import-not-at-top
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(hf.minilm_path()))
+    import transformers  # pylint: disable=g-import-not-at-top  (a heavy import only this branch needs)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(paths.minilm_path()))
   texts = {d: abstract_text(doc) for d, doc in corpus.items()}
   ids = sorted(texts)
   counts = tokenizer([texts[d] for d in ids], add_special_tokens=False, return_attention_mask=False)["input_ids"]

@@ -16,7 +16,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from jdr import negatives as negatives_lib
+from jdr.data import batch as batch_lib
 from jdr.data import builtin
 from jdr.data import corpus_by_host
 from jdr.data import formats
@@ -171,7 +171,7 @@ class Batches:
     return np.array([self._permutation(int(e))[i] for e, i in zip(epochs, within)])
 
   def global_layout(self, step: int) -> tuple[list[str], list[str], np.ndarray]:
-    """(query ids [B], document ids [C], valid [B, C]) of the batch at `step`; see jdr/negatives.py.
+    """(query ids [B], document ids [C], valid [B, C]) of the batch at `step`; see jdr/data/batch.py.
 
     The last step's layout is kept: the distiller asks for the step `local` just built, and sampling it again
     would redo the work and count the sampler's statistics twice."""
@@ -188,7 +188,7 @@ class Batches:
       rng = np.random.default_rng([self.seed, step, 1])
       sampled = self.negative_source.sample(qids, doc_ids, rng, self.per_query)
       doc_ids = doc_ids + [d for row in sampled for d in row]
-    valid = negatives_lib.candidate_mask(qids, doc_ids, self.data.train_qrels, in_batch=self.in_batch)
+    valid = batch_lib.candidate_mask(qids, doc_ids, self.data.train_qrels, in_batch=self.in_batch)
     return qids, doc_ids, valid
 
   def _tokens(self, texts: list[str], max_length: int) -> tuple[np.ndarray, np.ndarray]:

@@ -29,8 +29,11 @@ import pathlib
 import sys
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 
 from jdr.data import articles as articles_lib
 from jdr.data import pairs as pairs_lib
@@ -233,6 +236,22 @@ class MLMBatches:
       out["mlm_labels"][r, :len(chosen)] = labels[chosen]
       out["mlm_weights"][r, :len(chosen)] = 1.0
     return out
+
+
+def is_masked_lm(config: ml_collections.ConfigDict) -> bool:
+  return config.data.kind == "pretrain" and config.data.pretrain_task == "mlm"
+
+
+def masked_lm_loss(model, params, batch: dict[str, jax.Array], rng: jax.Array) -> tuple[jax.Array, dict]:
+  """The loss the step trains on `MLMBatches` (Chang et al. 2020's baseline): BERT's token cross-entropy at
+  the chosen positions only, through the tower's masked-LM head (`mlm_logits`)."""
+  logits = model.apply({"params": params}, batch["mlm_ids"], batch["mlm_mask"], batch["mlm_positions"],
+                       deterministic=False, rngs={"dropout": rng}, method="mlm_logits")
+  weights = batch["mlm_weights"]
+  per_token = optax.softmax_cross_entropy_with_integer_labels(logits, batch["mlm_labels"])
+  total = jnp.maximum(jnp.sum(weights), 1.0)
+  hits = (jnp.argmax(logits, axis=-1) == batch["mlm_labels"]) * weights
+  return jnp.sum(per_token * weights) / total, {"train_accuracy": jnp.sum(hits) / total}
 
 
 def make(config: ml_collections.ConfigDict, tokenizer: Any, *, process_index: int = 0,

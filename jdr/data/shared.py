@@ -15,6 +15,6 @@ def shared_data_dir() -> pathlib.Path:
 
 
 def shared_dataset(name: str) -> pathlib.Path | None:
-  """Path of one shared dataset, or None when it is absent on this machine."""
+  """Path of one shared dataset, or None when it is absent from this host."""
   path = shared_data_dir() / name
   return path if path.is_dir() else None

@@ -1,4 +1,4 @@
-"""N processes of one command on this machine, joined by jax.distributed with the coordinator on localhost.
+"""N processes of one command on the local host, joined by jax.distributed with the coordinator on localhost.
 
   python -m jdr.launch.local --processes 2 [--devices-per-process 4] [--port 0] [--dry-run] -- \
       python -m jdr.train --config configs/inbatch.py --workdir runs/x

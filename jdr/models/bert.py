@@ -180,8 +180,8 @@ def dropout_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   Each element's bits depend only on (key, its index in the whole array), so a sharded array draws the same
   mask as one device (the index comes from per-axis iotas, which XLA partitions), and under vmap each row's
   key gives that row its own mask. Two rounds of a full-avalanche mixer with the key's two words folded in
-  between cost ~12 integer ops an element, where threefry's 20 rounds gave 16 bits for ~40: on the 2-core
-  CPU the masks of one [32, 12, 128, 128] attention took 16.6 ms with threefry and ~2 ms with this.
+  between cost ~12 integer ops an element, where threefry's 20 rounds gave 16 bits for ~40: on a 2-core
+  x86 CPU the masks of one [32, 12, 128, 128] attention took 16.6 ms with threefry and ~2 ms with this.
   """
   data = jax.random.key_data(key) if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) else key
   data = data.astype(jnp.uint32).reshape(-1)

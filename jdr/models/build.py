@@ -6,7 +6,6 @@ export, so `jdr.encode --model DIR` rebuilds exactly the towers that were traine
 """
 
 import dataclasses
-import json
 import pathlib
 from typing import Any, NamedTuple
 
@@ -16,7 +15,9 @@ import numpy as np
 
 from jdr import parallel
 from jdr import paths
+from jdr.models import cross
 from jdr.models import hf
+from jdr.models import saved
 from jdr.models.bert import EncoderConfig
 from jdr.models.towers import TowerConfig, TwoTower
 
@@ -60,39 +61,18 @@ def _tower_config(d: dict) -> TowerConfig:
 def from_description(description: dict):
   """The model a description names: a TwoTower, or a CrossEncoder when architecture is cross_encoder."""
   if description.get("architecture") == "cross_encoder":
-    from jdr.models.cross import CrossEncoder  # pylint: disable=g-import-not-at-top
-    return CrossEncoder(EncoderConfig(**description["encoder"]))
+    return cross.CrossEncoder(EncoderConfig(**description["encoder"]))
   return TwoTower(query=_tower_config(description["query"]), doc=_tower_config(description["doc"]),
                   shared=description["shared"])
 
 
-def _tokenizer(path: str):
-  import transformers  # pylint: disable=g-import-not-at-top
-  with paths.local_copy(path) as local_path:  # transformers reads local directories only
-    return transformers.AutoTokenizer.from_pretrained(str(local_path))
-
-
-def is_jdr_model(path: str | pathlib.Path) -> bool:
-  """A jdr export (jdr_model.json + params) or a training workdir (config.json + checkpoints/)."""
-  path = paths.as_path(path)
-  return (path / "jdr_model.json").exists() or (path / "checkpoints").is_dir()
+is_jdr_model = saved.is_jdr_model  # the name jdr.bench's readers use
 
 
 def load_jdr_model(path: str | pathlib.Path) -> tuple[TwoTower, dict, Any, dict]:
   """(model, params, tokenizer, description) from a jdr export or the latest checkpoint of a workdir."""
-  from jdr import checkpoint  # pylint: disable=g-import-not-at-top
-  path = paths.as_path(path)
-  if (path / "jdr_model.json").exists():
-    params, description = checkpoint.load_params(path)
-  else:
-    description_file = path / "model.json"
-    if not description_file.exists():
-      raise FileNotFoundError(f"{path}: a jdr workdir needs model.json beside checkpoints/")
-    description = json.loads(description_file.read_text())
-    params = checkpoint.latest_params(path)
-  # A masked-LM pretraining run's head is not part of the retrieval model (jdr.models.towers.TwoTower).
-  params = {k: v for k, v in params.items() if k != "lm_head"}
-  return from_description(description), params, _tokenizer(description["tokenizer"]), description
+  params, description, tokenizer = saved.load(path)
+  return from_description(description), params, tokenizer, description
 
 
 def build(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collections.ConfigDict) -> Built:
@@ -103,9 +83,10 @@ def build(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collections.ConfigD
     return _cross_encoder(model_cfg, data_cfg)
   if architecture != "two_tower":
     raise ValueError(f"model.architecture must be 'two_tower' or 'cross_encoder', got {architecture!r}")
-  if init_from and is_jdr_model(init_from) and _description(init_from).get("architecture") == "cross_encoder":
+  if (init_from and saved.is_jdr_model(init_from)
+      and saved.description(init_from).get("architecture") == "cross_encoder"):
     raise ValueError(f"model.init_from={init_from} is a cross-encoder; set model.architecture=cross_encoder")
-  if init_from and is_jdr_model(init_from):
+  if init_from and saved.is_jdr_model(init_from):
     return _from_jdr_model(model_cfg, data_cfg, *load_jdr_model(init_from))
   kind = model_cfg.get("tower", "transformer")
   if kind == "bow_mlp":
@@ -135,7 +116,7 @@ def build(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collections.ConfigD
   model = TwoTower(query=tower, doc=tower, shared=model_cfg.shared)
   description = describe(model, tokenizer_path, data_cfg.query_max_length, data_cfg.doc_max_length,
                          declared.get("max_length"))
-  return Built(model, _tokenizer(tokenizer_path), description, encoder_params, None)
+  return Built(model, saved.tokenizer(tokenizer_path), description, encoder_params, None)
 
 
 def compute_dtype(name: str) -> str:
@@ -159,26 +140,17 @@ def _fresh_encoder_config(model_cfg: ml_collections.ConfigDict, tokenizer_path: 
   """model.fresh's architecture over the tokenizer's vocabulary, with the run's settings."""
   if model_cfg.fresh not in FRESH:
     raise ValueError(f"model.fresh must be one of {sorted(FRESH)}, got {model_cfg.fresh!r}")
-  vocab = _tokenizer(model_cfg.tokenizer or tokenizer_path).vocab_size
+  vocab = saved.tokenizer(model_cfg.tokenizer or tokenizer_path).vocab_size
   return EncoderConfig(vocab_size=vocab, **FRESH[model_cfg.fresh], **_encoder_overrides(model_cfg))
-
-
-def _description(path) -> dict:
-  path = paths.as_path(path)
-  for name in ("jdr_model.json", "model.json"):
-    if (path / name).exists():
-      return json.loads((path / name).read_text())
-  return {}
 
 
 def _cross_encoder(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collections.ConfigDict) -> Built:
   """A cross-encoder over (query, document) pairs of data.doc_max_length tokens: from a jdr cross-encoder
   workdir or export, a Hugging Face directory / "minilm" (a sequence classifier keeps its head), or fresh."""
-  from jdr.models import cross  # pylint: disable=g-import-not-at-top
   overrides = _encoder_overrides(model_cfg)
   init_from = model_cfg.init_from
   params = None
-  if init_from and is_jdr_model(init_from):
+  if init_from and saved.is_jdr_model(init_from):
     model, params, _, description = load_jdr_model(init_from)
     if not isinstance(model, cross.CrossEncoder):
       raise ValueError(f"model.init_from={init_from} holds two towers, not a cross-encoder; start from its "
@@ -198,7 +170,7 @@ def _cross_encoder(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collection
                      f"exceeds the model's {encoder_config.max_length} positions")
   description = {"architecture": "cross_encoder", "encoder": dataclasses.asdict(encoder_config),
                  "tokenizer": tokenizer_path, "max_length": data_cfg.doc_max_length}
-  return Built(cross.CrossEncoder(encoder_config), _tokenizer(tokenizer_path), description, None, params)
+  return Built(cross.CrossEncoder(encoder_config), saved.tokenizer(tokenizer_path), description, None, params)
 
 
 def _bow_mlp(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collections.ConfigDict) -> Built:
@@ -207,7 +179,7 @@ def _bow_mlp(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collections.Conf
     raise ValueError(f"model.tower=bow_mlp starts from fresh weights or a jdr workdir, not "
                      f"model.init_from={model_cfg.init_from!r}")
   tokenizer_path = model_cfg.tokenizer or str(hf.minilm_path())
-  tokenizer = _tokenizer(tokenizer_path)
+  tokenizer = saved.tokenizer(tokenizer_path)
   normalize = bool(model_cfg.normalize) if model_cfg.normalize >= 0 else False
   tower = TowerConfig(kind="bow_mlp", vocab_size=len(tokenizer), pooling=model_cfg.pooling or "mean",
                       projection_dim=model_cfg.projection_dim or None, normalize=normalize)

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdr.models import hf
+from jdr.models import saved
 from jdr.models.bert import Dropout, Encoder, EncoderConfig
 
 # HF name -> (jdr path, transpose) of each head tensor, per model type.
@@ -91,12 +92,12 @@ def load_cross_encoder(model: str | pathlib.Path, *, with_tokenizer: bool = True
   """(CrossEncoder, params, tokenizer or None) from a jdr cross-encoder workdir or export, a Hugging Face
   directory or "minilm"."""
   import transformers  # pylint: disable=g-import-not-at-top
-  from jdr.models import build  # pylint: disable=g-import-not-at-top  (build imports this module)
-  if str(model) != "minilm" and build.is_jdr_model(model):
-    loaded, params, tokenizer, _ = build.load_jdr_model(model)
-    if not isinstance(loaded, CrossEncoder):
+  if str(model) != "minilm" and saved.is_jdr_model(model):
+    params, description, tokenizer = saved.load(model)
+    if description.get("architecture") != "cross_encoder":
       raise ValueError(f"{model} holds two towers, not a cross-encoder")
-    return CrossEncoder(dataclasses.replace(loaded.config, **overrides)), params, tokenizer
+    config = EncoderConfig(**description["encoder"])
+    return CrossEncoder(dataclasses.replace(config, **overrides)), params, tokenizer
   path = hf.minilm_path() if str(model) == "minilm" else pathlib.Path(model)
   config_file = path / "config.json"
   if not config_file.exists():

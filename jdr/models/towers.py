@@ -203,7 +203,7 @@ class TwoTower(nn.Module):
   Use `apply(..., method="encode_query")` / `method="encode_doc"` to encode one side; `__call__` encodes
   both (and is what `init` should run so both sides get params). `mlm_head=True` (masked-LM pretraining of
   a shared transformer tower) adds the params "mlm_head" and the method `mlm_logits`; readers of a trained
-  model (jdr.models.build.load_jdr_model) drop that head, so it never reaches retrieval or fine-tuning.
+  model (jdr.models.saved.load) drop that head, so it never reaches retrieval or fine-tuning.
   """
   query: TowerConfig
   doc: TowerConfig

@@ -1,9 +1,9 @@
-"""Host-side negative samplers over static pools, and the candidate mask of a training batch.
+"""Host-side negative samplers over static pools.
 
 A training batch holds B queries and C = B * (1 + n_neg) documents: docs[0:B] are the positives (doc b is
 query b's positive) and query b's n_neg sampled negatives sit at B + b*n_neg ... B + (b+1)*n_neg - 1.
-A `NegativeSource` fills the second part; `candidate_mask` builds the `valid` [B, C] matrix the losses in
-`jdr.losses` take.
+A `NegativeSource` fills the second part; `jdr.data.batch.candidate_mask` builds the `valid` [B, C]
+matrix the losses in `jdr.losses` take.
 
 Sources (the "negatives come from" column of DESIGN.md):
   RandomNegatives   uniform over the corpus (Rand Neg)
@@ -354,39 +354,3 @@ class MixedNegatives:
           taken += source.sample([qid], [pos], rng, int(count), exclude=[base | set(taken)])[0]
       out.append(taken)
     return out
-
-
-def candidate_mask(batch_query_ids: Sequence[str | None], doc_ids_in_batch: Sequence[str | None], qrels: Qrels,
-                   in_batch: bool = True, *, doc_index: np.ndarray | None = None) -> np.ndarray:
-  """valid [B, C]: may column c be a candidate for query b, for the batch layout in the module docstring.
-
-  Column b is always valid for row b (its target). Another column c is invalid when
-  - doc c is padding (id None, or `doc_index[c] == -1`);
-  - doc c is a positive of query b (qrels relevance > 0) or the same doc as column b: scoring a relevant
-    doc as a negative would push the query away from it;
-  - in_batch is False and c is not one of query b's own sampled negatives (B + b*n_neg ... B + (b+1)*n_neg - 1).
-  A padding query (id None) keeps only its target, so softmax and pairwise losses give it 0.
-  The same negative doc appearing in two columns stays valid in both (as in DPR).
-  """
-  num_queries, num_docs = len(batch_query_ids), len(doc_ids_in_batch)
-  if num_queries == 0 or num_docs < num_queries or num_docs % num_queries:
-    raise ValueError(f"{num_docs} docs for {num_queries} queries: the batch must hold B * (1 + n_neg) docs")
-  n_neg = num_docs // num_queries - 1
-  padding = np.asarray([d is None for d in doc_ids_in_batch])
-  if doc_index is not None:
-    doc_index = np.asarray(doc_index)
-    if doc_index.shape != (num_docs,):
-      raise ValueError(f"doc_index has shape {doc_index.shape}, expected ({num_docs},)")
-    padding |= doc_index < 0
-  valid = np.zeros((num_queries, num_docs), bool)
-  for b, qid in enumerate(batch_query_ids):
-    valid[b, b] = True
-    if qid is None:
-      continue
-    relevant = {d for d, rel in qrels.get(qid, {}).items() if rel > 0}
-    relevant.add(doc_ids_in_batch[b])
-    columns = range(num_docs) if in_batch else range(num_queries + b * n_neg, num_queries + (b + 1) * n_neg)
-    for c in columns:
-      if c != b and not padding[c] and doc_ids_in_batch[c] not in relevant:
-        valid[b, c] = True
-  return valid

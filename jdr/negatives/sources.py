@@ -24,16 +24,16 @@ import ml_collections
 import numpy as np
 
 from jdr import atomic
+from jdr import corpus as corpus_lib
 from jdr import paths
+from jdr.negatives import refresh
 from jdr.negatives import retrieved
 from jdr.negatives import sampled
 
-SOURCES = ("none", "random", "bm25", "bm25_random", "static", "dense_static", "ance", "retrieval")
-
-
 @dataclasses.dataclass
 class Negatives:
-  candidates: str  # "tokens" (documents as token ids, encoded in the step) | "corpus" (rows of `corpus`)
+  candidates: str  # "tokens" (documents as token ids, encoded in the step) | "corpus" (rows of `corpus`) |
+                   # "pairs" (a cross-encoder's joint inputs); set by `make` from `candidates(config)`
   sampler: Any = None  # for token batches: a sampled.NegativeSource, or None (in-batch only)
   corpus: retrieved.CorpusMatrix | None = None
   doc_emb: np.ndarray | None = None  # corpus mode: the fixed document vectors (before any compression)
@@ -92,51 +92,90 @@ def check(config: ml_collections.ConfigDict) -> None:
     raise ValueError("negatives.source='ance' needs negatives.refresh_every >= 1 (steps between refreshes)")
   if neg.random_weight and neg.source == "retrieval":
     raise ValueError("negatives.random_weight (STAR's alpha) applies to token batches, not source=retrieval")
+  if candidates(config) == "pairs":
+    check_cross_encoder(config)
+
+
+def check_cross_encoder(config: ml_collections.ConfigDict) -> None:
+  """Refuses what a cross-encoder cannot train with, before anything is read."""
+  neg = config.negatives
+  if config.data.kind != "pairs":
+    raise ValueError("model.architecture=cross_encoder trains on supervised pairs: set data.kind=pairs")
+  allowed = [name for name in named(lambda s: not s.needs_towers) if name != "none"]
+  if neg.source not in allowed or neg.per_query < 1 or neg.in_batch:
+    raise ValueError("model.architecture=cross_encoder scores each query's own candidates: set "
+                     f"negatives.source to {' | '.join(allowed)}, negatives.per_query >= 1 and "
+                     "negatives.in_batch=False")
+  if config.grad_cache.chunk_size:
+    raise ValueError("model.architecture=cross_encoder: gradient caching is for two towers; set "
+                     "grad_cache.chunk_size=0")
+
+
+def candidates(config: ml_collections.ConfigDict) -> str:
+  """The candidate kind of `config`'s batches, the one place it is decided (`Negatives.candidates`, which
+  the step's scoring function and the batches follow): "pairs" for a cross-encoder, else the source's."""
+  if config.model.get("architecture", "two_tower") == "cross_encoder":
+    return "pairs"
+  return SOURCES[config.negatives.source].candidates
 
 
 def make(config: ml_collections.ConfigDict, data, workdir: pathlib.Path, encoder, initial_params, mesh,
          step_query_encoder: Callable | None = None) -> Negatives:
   """Builds the negatives of `config` (mining with `initial_params` where the method needs it)."""
   check(config)
+  out = SOURCES[config.negatives.source].build(config, data, workdir, encoder, initial_params, mesh,
+                                               step_query_encoder)
+  out.candidates = candidates(config)
+  return out
+
+
+def _train_qids(data) -> list[str]:
+  return sorted({q for q, docs in data.train_qrels.items() if any(r > 0 for r in docs.values())})
+
+
+def _sampled_source(config, data, workdir, *_) -> Negatives:
+  """none | random | bm25 | bm25_random | static: fixed pools, sampled on the host into token batches."""
   neg = config.negatives
-  cache = workdir / "cache"
-  name = neg.source
-  corpus_ids = list(data.corpus)
-  if name in ("none", "random", "bm25", "bm25_random", "static"):
-    return Negatives("tokens", sampler=_sampled(neg, data, cache))
+  return Negatives("tokens", sampler=SAMPLERS[neg.source](neg, data, workdir / "cache"))
 
-  train_qids = sorted({q for q, docs in data.train_qrels.items() if any(r > 0 for r in docs.values())})
-  if name == "dense_static":
-    rows = mine_rows(encoder, initial_params, train_qids, neg.top_n,
-                     cache / _cache_name("dense_static", neg.top_n, encoder, train_qids), neg.retrieval_backend,
-                     neg.corpus_dtype)
-    pools = rows_to_pools(rows, train_qids, corpus_ids)
-    run = {q: {d: float(-rank) for rank, d in enumerate(docs)} for q, docs in pools.items()}
-    sampler = sampled.StaticNegatives(run, data.train_qrels, top_k=neg.top_n, corpus_ids=corpus_ids)
-    return Negatives("tokens", sampler=sampler, top_n=neg.top_n,
-                     pools_in_use=lambda qids: pools_to_rows(pools, qids, corpus_ids, neg.top_n))
 
-  if name == "ance":
-    from jdr.negatives import refresh  # pylint: disable=g-import-not-at-top
-    qid_list = list(train_qids)
+def _dense_static(config, data, workdir, encoder, initial_params, *_) -> Negatives:
+  """STAR's static hard negatives: the starting model's own top-n, mined once and cached."""
+  neg, corpus_ids, train_qids = config.negatives, list(data.corpus), _train_qids(data)
+  rows = mine_rows(encoder, initial_params, train_qids, neg.top_n,
+                   workdir / "cache" / _cache_name("dense_static", neg.top_n, encoder, train_qids),
+                   neg.retrieval_backend, neg.corpus_dtype)
+  pools = rows_to_pools(rows, train_qids, corpus_ids)
+  run = {q: {d: float(-rank) for rank, d in enumerate(docs)} for q, docs in pools.items()}
+  sampler = sampled.StaticNegatives(run, data.train_qrels, top_k=neg.top_n, corpus_ids=corpus_ids)
+  return Negatives("tokens", sampler=sampler, top_n=neg.top_n,
+                   pools_in_use=lambda qids: pools_to_rows(pools, qids, corpus_ids, neg.top_n))
 
-    def mine(params, generation):
-      # Runs in the refresher's worker thread, beside training (jitted calls release the GIL); on several
-      # hosts on the trainer's thread (inline), so the gather of the hosts' corpus parts, a collective, is
-      # issued in the same order as the step's own on every host.
-      rows = mine_rows(encoder, params, qid_list, neg.top_n, None, neg.retrieval_backend, neg.corpus_dtype)
-      return rows_to_pools(rows, qid_list, corpus_ids)
 
-    max_wait = float("inf") if neg.refresh_max_wait_s < 0 else float(neg.refresh_max_wait_s)
-    refresher = refresh.AsyncRefresher(mine, every=neg.refresh_every, delay=neg.refresh_delay,
-                                       directory=workdir / "ance", max_wait_s=max_wait, log=retrieved.log,
-                                       initial_params=initial_params, inline=jax.process_count() > 1)
-    sampler = RefreshedNegatives(refresher, data.train_qrels, corpus_ids, neg.top_n)
-    return Negatives("tokens", sampler=sampler, refresher=refresher, top_n=neg.top_n,
-                     pools_in_use=lambda qids: pools_to_rows(sampler.current_pools(), qids, corpus_ids,
-                                                             neg.top_n))
+def _ance(config, data, workdir, encoder, initial_params, *_) -> Negatives:
+  """ANCE: the model's own top-n, re-mined every `refresh_every` steps by a background re-encode."""
+  neg, corpus_ids, qid_list = config.negatives, list(data.corpus), _train_qids(data)
 
-  # name == "retrieval": ADORE / LTRe over a fixed corpus index.
+  def mine(params, generation):
+    # Runs in the refresher's worker thread, beside training (jitted calls release the GIL); on several
+    # hosts on the trainer's thread (inline), so the gather of the hosts' corpus parts, a collective, is
+    # issued in the same order as the step's own on every host.
+    rows = mine_rows(encoder, params, qid_list, neg.top_n, None, neg.retrieval_backend, neg.corpus_dtype)
+    return rows_to_pools(rows, qid_list, corpus_ids)
+
+  max_wait = float("inf") if neg.refresh_max_wait_s < 0 else float(neg.refresh_max_wait_s)
+  refresher = refresh.AsyncRefresher(mine, every=neg.refresh_every, delay=neg.refresh_delay,
+                                     directory=workdir / "ance", max_wait_s=max_wait, log=retrieved.log,
+                                     initial_params=initial_params, inline=jax.process_count() > 1)
+  sampler = RefreshedNegatives(refresher, data.train_qrels, corpus_ids, neg.top_n)
+  return Negatives("tokens", sampler=sampler, refresher=refresher, top_n=neg.top_n,
+                   pools_in_use=lambda qids: pools_to_rows(sampler.current_pools(), qids, corpus_ids, neg.top_n))
+
+
+def _retrieval(config, data, workdir, encoder, initial_params, mesh, step_query_encoder) -> Negatives:
+  """ADORE / LTRe: candidates are rows of a fixed corpus index, retrieved at every step (in the jitted step
+  or on the host) or once before training (`retrieve_every=0`)."""
+  neg, cache, corpus_ids, train_qids = config.negatives, workdir / "cache", list(data.corpus), _train_qids(data)
   emb = corpus_embeddings(neg, encoder, initial_params, cache, corpus_ids)
   faiss_retriever = None
   if neg.retrieval_backend == "faiss" or neg.retrieve_every == 0:
@@ -147,13 +186,11 @@ def make(config: ml_collections.ConfigDict, data, workdir: pathlib.Path, encoder
   out = Negatives("corpus", corpus=corpus, top_n=neg.top_n, doc_emb=emb)
   if neg.retrieve_every == 0:
     # Mined once with the starting query tower, then fixed: the ablation that isolates "dynamic".
-    q = None if (cache / _cache_name("retrieval_static", neg.top_n, encoder, train_qids)).exists() else \
-        encoder.queries(initial_params, train_qids)
     path = cache / _cache_name("retrieval_static", neg.top_n, encoder, train_qids)
     if path.exists():
       static = paths.load_npy(path)
     else:
-      static = retrieved.top_rows(faiss_retriever, q, neg.top_n)
+      static = retrieved.top_rows(faiss_retriever, encoder.queries(initial_params, train_qids), neg.top_n)
       atomic.write_atomic(path, lambda f: np.save(f, static))
     out.host_fields = lambda batch, state: {**batch, "cand_rows": static[batch["query_index"]]}
     out.pools_in_use = lambda qids: static[[train_qids.index(q) for q in qids]]
@@ -164,26 +201,56 @@ def make(config: ml_collections.ConfigDict, data, workdir: pathlib.Path, encoder
   return out
 
 
-def _sampled(neg, data, cache_dir):
-  corpus_ids = list(data.corpus)
+def _bm25(neg, data, cache_dir):
+  return sampled.BM25Negatives(data.corpus, data.queries, data.train_qrels, top_k=neg.bm25_top_k,
+                               cache_dir=cache_dir)
 
-  def bm25():
-    return sampled.BM25Negatives(data.corpus, data.queries, data.train_qrels, top_k=neg.bm25_top_k,
-                                 cache_dir=cache_dir)
 
-  name = neg.source
-  if name == "none":
-    return None
-  if name == "random":
-    return sampled.RandomNegatives(corpus_ids, data.train_qrels)
-  if name == "bm25":
-    return bm25()
-  if name == "bm25_random":
-    # DPR's mix, 1:1 (ANCE's "BM25 + Rand Neg").
-    return sampled.MixedNegatives([(bm25(), 0.5), (sampled.RandomNegatives(corpus_ids, data.train_qrels), 0.5)])
+def _random(neg, data, cache_dir):
+  return sampled.RandomNegatives(list(data.corpus), data.train_qrels)
+
+
+def _bm25_random(neg, data, cache_dir):
+  # DPR's mix, 1:1 (ANCE's "BM25 + Rand Neg").
+  return sampled.MixedNegatives([(_bm25(neg, data, cache_dir), 0.5), (_random(neg, data, cache_dir), 0.5)])
+
+
+def _static(neg, data, cache_dir):
   if not neg.static_run:
     raise ValueError("negatives.source='static' needs negatives.static_run (a TREC run file)")
-  return sampled.StaticNegatives(neg.static_run, data.train_qrels, corpus_ids=corpus_ids)
+  return sampled.StaticNegatives(neg.static_run, data.train_qrels, corpus_ids=list(data.corpus))
+
+
+# The host samplers of the fixed-pool sources: (negatives config, data, cache dir) -> NegativeSource | None.
+SAMPLERS = {"none": lambda neg, data, cache_dir: None, "random": _random, "bm25": _bm25,
+            "bm25_random": _bm25_random, "static": _static}
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+  """One value of `negatives.source`: how it is built and what the rest of jdr may ask of it."""
+  build: Callable  # (config, data, workdir, encoder, initial_params, mesh, step_query_encoder) -> Negatives
+  candidates: str = "tokens"  # the batches' candidate kind (see `candidates`)
+  needs_towers: bool = False  # mined with the model's own towers (so not for a cross-encoder)
+  fixed_pool: bool = False  # each query's negatives come from a pool known before training (a teacher can
+                            # score them once)
+
+
+SOURCES = {
+    "none": Source(_sampled_source),
+    "random": Source(_sampled_source),
+    "bm25": Source(_sampled_source, fixed_pool=True),
+    "bm25_random": Source(_sampled_source),
+    "static": Source(_sampled_source, fixed_pool=True),
+    "dense_static": Source(_dense_static, needs_towers=True, fixed_pool=True),
+    "ance": Source(_ance, needs_towers=True),
+    "retrieval": Source(_retrieval, candidates="corpus", needs_towers=True),
+}
+
+
+def named(predicate: Callable[[Source], bool]) -> list[str]:
+  """The source names whose `Source` satisfies `predicate`, in table order (for error messages)."""
+  return [name for name, source in SOURCES.items() if predicate(source)]
 
 
 class RefreshedNegatives(sampled._PoolNegatives):  # pylint: disable=protected-access
@@ -206,7 +273,6 @@ class RefreshedNegatives(sampled._PoolNegatives):  # pylint: disable=protected-a
 def corpus_embeddings(neg, encoder, params, cache: pathlib.Path, corpus_ids: list[str]) -> np.ndarray:
   """The fixed document vectors: a `jdr.encode` directory when given, else the starting document tower's."""
   if neg.corpus_encoding:
-    from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
     # Refused before step 0: rows of another corpus would silently score the wrong documents.
     corpus_lib.check_ids_match(neg.corpus_encoding, corpus_ids,
                                f"negatives.corpus_encoding vs data.dataset={encoder.data.name}")

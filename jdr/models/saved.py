@@ -1,0 +1,50 @@
+"""jdr's saved models as files: a jdr export (jdr_model.json + params) or a training workdir (model.json +
+checkpoints/), read without building a model.
+
+Both builders stand on this module: jdr/models/build.py turns what it reads into two towers (or a
+cross-encoder), jdr/models/cross.py into a cross-encoder for reranking and distillation.
+"""
+
+import json
+import pathlib
+from typing import Any
+
+from jdr import checkpoint
+from jdr import paths
+
+
+def is_jdr_model(path: str | pathlib.Path) -> bool:
+  """A jdr export (jdr_model.json + params) or a training workdir (config.json + checkpoints/)."""
+  path = paths.as_path(path)
+  return (path / "jdr_model.json").exists() or (path / "checkpoints").is_dir()
+
+
+def description(path: str | pathlib.Path) -> dict:
+  """The model description (jdr.models.build.describe) saved at `path`; {} when there is none."""
+  path = paths.as_path(path)
+  for name in ("jdr_model.json", "model.json"):
+    if (path / name).exists():
+      return json.loads((path / name).read_text())
+  return {}
+
+
+def tokenizer(path: str):
+  import transformers  # pylint: disable=g-import-not-at-top  (slow to import; only loaders need it)
+  with paths.local_copy(path) as local_path:  # transformers reads local directories only
+    return transformers.AutoTokenizer.from_pretrained(str(local_path))
+
+
+def load(path: str | pathlib.Path) -> tuple[dict, dict, Any]:
+  """(params, description, tokenizer) from a jdr export or the latest checkpoint of a workdir."""
+  path = paths.as_path(path)
+  if (path / "jdr_model.json").exists():
+    params, described = checkpoint.load_params(path)
+  else:
+    description_file = path / "model.json"
+    if not description_file.exists():
+      raise FileNotFoundError(f"{path}: a jdr workdir needs model.json beside checkpoints/")
+    described = json.loads(description_file.read_text())
+    params = checkpoint.latest_params(path)
+  # A masked-LM pretraining run's head is not part of the retrieval model (jdr.models.towers.TwoTower).
+  params = {k: v for k, v in params.items() if k != "lm_head"}
+  return params, described, tokenizer(described["tokenizer"])

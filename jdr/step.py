@@ -1,0 +1,364 @@
+"""The train state and the step: `make_train_step(model, tx, config, mesh, candidates)`, jitted by `jit_step`.
+
+The step is one pure function of (state, batch[, corpus, bias]). Everything that differs between methods is
+chosen once, when the step is built, and held in a `Spec`:
+
+  scoring     one function per candidate kind (`SCORERS`), the kind being `Negatives.candidates`
+              (jdr/negatives/sources.py): "tokens" (documents as token ids, encoded here by the document
+              tower), "corpus" (rows of a fixed corpus matrix, ADORE / LTRe), "pairs" (a cross-encoder's
+              joint (query, candidate) inputs)
+  loss terms  the contrastive loss of jdr/losses.py plus the terms other modules own, added to it
+              (distill.loss_terms: FGD's and document-level distillation)
+  gradients   `GRADIENTS`: plain autodiff, exact gradient caching (jdr/gradcache.py), or the masked-LM
+              baseline's token loss (jdr/data/pretrain_batches.py), which replaces scoring altogether
+
+Batches follow the contract of jdr/data/batch.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+
+from jdr import distill
+from jdr import gradcache
+from jdr import losses
+from jdr import parallel
+from jdr.data import pretrain_batches
+from jdr.models.towers import TwoTower
+from jdr.negatives import retrieved
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array  # int32 scalar: steps taken; the batch and the dropout rng follow from it
+  params: Any
+  opt_state: Any
+  rng: jax.Array  # uint32[2] base key; step s uses fold_in(rng, s)
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+  """The static choices of one step, made when it is built (never inside the traced step)."""
+  model: TwoTower
+  tx: optax.GradientTransformation
+  mesh: Any
+  candidates: str  # a key of SCORERS
+  gradients: str  # a key of GRADIENTS
+  loss_of: Callable  # jdr.losses.make_loss: (scores, fields) -> per-example losses
+  chunk_rows: int  # model.encode_chunk_rows: encode this many rows at a time (0: all at once)
+  grad_cache_rows: int  # grad_cache.chunk_size (gradient caching only)
+  query_only: bool  # the document tower is frozen
+  hardest: bool  # negatives.hardest_in_batch
+  logq: bool  # loss.logq_correction
+  retrieve_in_step: bool  # corpus candidates: retrieved here, not given as `cand_rows`
+  top_n: int
+  recall_target: float
+  span_levels: tuple = ()  # FGD's (name, window tokens): the document tower also returns piece vectors
+  span_pooling: str = "attention"
+  terms: tuple = ()  # (q, spans, scores, valid, batch) -> {name: scalar}, added to the contrastive loss
+  contrastive_weight: float = 1.0
+  encode_query: Callable | None = None  # gradient caching: per-row encoders (jdr/gradcache.py)
+  encode_doc: Callable | None = None
+
+
+def make_train_step(model: TwoTower, tx: optax.GradientTransformation, config: ml_collections.ConfigDict,
+                    mesh=None, candidates: str = "tokens", retrieve_in_step: bool = False):
+  """The pure step (state, batch[, corpus, bias]) -> (state, metrics); `jit_step` jits it with shardings.
+
+  `candidates` is `Negatives.candidates`. "corpus": candidates are rows of `corpus`, retrieved in the step
+  (`retrieve_in_step`) or given as the batch field `cand_rows`; no document tower runs. With
+  `grad_cache.chunk_size` > 0 (tokens only) the loss and gradients come from jdr/gradcache.py, exact,
+  encoding that many rows at a time, with one dropout key per row.
+  """
+  spec = make_spec(model, tx, config, mesh, candidates, retrieve_in_step)
+  step = functools.partial(train_step, spec)
+  if mesh is None:
+    return step
+  return functools.partial(_on_mesh, step, mesh)
+
+
+def make_spec(model: TwoTower, tx: optax.GradientTransformation, config: ml_collections.ConfigDict, mesh,
+              candidates: str, retrieve_in_step: bool) -> Spec:
+  chunk = check_grad_cache(config, candidates)
+  query_only = config.model.train_towers == "query"
+  encoders = {}
+  if chunk:
+    frozen_doc = gradcache.per_row_encoder(model, "encode_doc", deterministic=True)
+    encoders = {"encode_query": gradcache.per_row_encoder(model, "encode_query"),
+                "encode_doc": (lambda *a: jax.lax.stop_gradient(frozen_doc(*a))) if query_only else
+                              gradcache.per_row_encoder(model, "encode_doc")}
+  distilling = distill.enabled(config)
+  gradients = "masked_lm" if pretrain_batches.is_masked_lm(config) else "cached" if chunk else "plain"
+  return Spec(
+      model=model, tx=tx, mesh=mesh, candidates=candidates, gradients=gradients,
+      loss_of=losses.make_loss(config.loss), chunk_rows=config.model.get("encode_chunk_rows", 0),
+      grad_cache_rows=chunk, query_only=query_only, hardest=config.negatives.hardest_in_batch,
+      logq=config.loss.logq_correction, retrieve_in_step=retrieve_in_step, top_n=config.negatives.top_n,
+      recall_target=config.negatives.top_k_recall_target,
+      span_levels=tuple(distill.levels(config)) if distilling else (), span_pooling=config.distill.pooling,
+      terms=(distill.loss_terms(config),) if distilling else (),
+      contrastive_weight=config.distill.contrastive_weight if distilling else 1.0, **encoders)
+
+
+def _on_mesh(step, mesh, *args):
+  # The towers pin their activations to this mesh's batch axes (jdr.models.bert.Encoder).
+  with parallel.activations_on(mesh):
+    return step(*args)
+
+
+def train_step(spec: Spec, state: TrainState, batch: dict[str, jax.Array], corpus=None, bias=None):
+  (loss, aux), grads = GRADIENTS[spec.gradients](spec, state, batch, corpus, bias)
+  updates, opt_state = spec.tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+  return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux,
+                     **group_grad_norms(grads, skip=("doc_tower",) if spec.query_only else ())}
+
+
+# ------------------------------------------------------------------------------------------------ gradients
+
+
+def plain_gradients(spec: Spec, state: TrainState, batch, corpus, bias):
+  score = SCORERS[spec.candidates]
+  return jax.value_and_grad(lambda params: score(spec, params, batch, step_rngs(state), corpus, bias),
+                            has_aux=True)(state.params)
+
+
+def cached_gradients(spec: Spec, state: TrainState, batch, corpus, bias):
+  del corpus, bias  # token batches only (check_grad_cache)
+  # Sharded chunk loops (one gradient all-reduce per step) when every shard holds whole chunks.
+  mesh = spec.mesh
+  shards = parallel.data_parallel_size(mesh) if mesh is not None else 1
+  sizes = (batch["query_ids"].shape[0], batch["doc_ids"].shape[0], spec.grad_cache_rows)
+  loss, aux, grads = gradcache.cached_value_and_grad(
+      spec.encode_query, spec.encode_doc, lambda q, d: tokens_loss(spec, q, d, batch), state.params, batch,
+      jax.random.fold_in(state.rng, state.step), chunk_size=spec.grad_cache_rows,
+      mesh=mesh if shards > 1 and not any(n % shards for n in sizes) else None,
+      batch_axes=parallel.BATCH_AXES)
+  return (loss, aux), grads
+
+
+def masked_lm_gradients(spec: Spec, state: TrainState, batch, corpus, bias):
+  del corpus, bias
+  return jax.value_and_grad(pretrain_batches.masked_lm_loss, argnums=1, has_aux=True)(
+      spec.model, state.params, batch, step_rngs(state)[0])
+
+
+GRADIENTS = {"plain": plain_gradients, "cached": cached_gradients, "masked_lm": masked_lm_gradients}
+
+
+# ------------------------------------------------------------------------------------------------ scoring
+
+
+def score_pairs(spec: Spec, params, batch, rngs, corpus=None, bias=None):
+  """A cross-encoder: every (query, candidate) pair is one joint forward pass, one logit each."""
+  del corpus, bias
+  ids = batch["pair_ids"]
+  rows, n, length = ids.shape
+  flat = lambda x: x.reshape(rows * n, length)
+  scores = encode_in_chunks(
+      lambda a, key: spec.model.apply({"params": params}, *a, deterministic=False, rngs={"dropout": key}),
+      (flat(ids), flat(batch["pair_mask"]), flat(batch["pair_types"])), rngs[0], spec.chunk_rows
+  ).reshape(rows, n)
+  fields = {"labels": batch["labels"], "valid": batch["valid"]}
+  return contrastive(spec, scores, fields, batch["labels"] > 0, {})
+
+
+def score_corpus(spec: Spec, params, batch, rngs, corpus, bias):
+  """ADORE / LTRe: the query tower against rows of the fixed corpus matrix; no document tower runs."""
+  q = encode_queries(spec, params, batch, rngs[0])
+  if spec.retrieve_in_step:
+    rows = retrieved.sharded_top_k(jax.lax.stop_gradient(q), corpus, bias, spec.top_n, spec.mesh,
+                                   spec.recall_target)
+  else:
+    rows = batch["cand_rows"]
+  rows, labels, retrieved_labels = retrieved.replace_last(rows, batch["positive_rows"])
+  docs = retrieved.gather_rows(corpus, rows, spec.mesh)
+  scores = jnp.einsum("bd,bnd->bn", q, docs)
+  aux = retrieved.retrieval_diagnostics(retrieved_labels, batch["positive_rows"])
+  return contrastive(spec, scores, {"labels": labels, "valid": rows >= 0}, labels > 0, aux)
+
+
+def score_tokens(spec: Spec, params, batch, rngs, corpus=None, bias=None):
+  """Two towers over token batches: every query against every document of the global batch."""
+  del corpus, bias
+  q = encode_queries(spec, params, batch, rngs[0])
+  # A frozen document tower runs forward only, without dropout: nothing of it is trained.
+  frozen = spec.query_only
+  span_mask = distill.span_masks(batch["doc_mask"], spec.span_levels) if spec.span_levels else None
+  d = encode_in_chunks(
+      lambda a, key: spec.model.apply({"params": params}, a[0], a[1], deterministic=frozen,
+                                      rngs={} if frozen else {"dropout": key}, method=TwoTower.encode_doc,
+                                      span_mask=a[2], span_pooling=spec.span_pooling),
+      (batch["doc_ids"], batch["doc_mask"], span_mask), rngs[1], spec.chunk_rows)
+  spans = None
+  if span_mask is not None:
+    d, spans = d
+  if frozen:
+    d = jax.lax.stop_gradient(d)
+  return tokens_loss(spec, q, d, batch, spans)
+
+
+SCORERS = {"pairs": score_pairs, "corpus": score_corpus, "tokens": score_tokens}
+
+
+def encode_queries(spec: Spec, params, batch, rng):
+  return encode_in_chunks(
+      lambda a, key: spec.model.apply({"params": params}, *a, deterministic=False, rngs={"dropout": key},
+                                      method=TwoTower.encode_query),
+      (batch["query_ids"], batch["query_mask"]), rng, spec.chunk_rows)
+
+
+def tokens_loss(spec: Spec, q, d, batch, spans=None):
+  """The loss of query vectors q [B, D] against document vectors d [C, D], plus the spec's loss terms."""
+  # Under jit the batch-sharded document matrix is all-gathered across devices and hosts by XLA, no
+  # hand-written collective.
+  scores = q @ d.T
+  if spec.logq:
+    # Sampled softmax under non-uniform sampling (Yi et al. 2019): s(q, d) - log Q(d) on every column.
+    scores = scores - batch["doc_logq"].astype(scores.dtype)[None, :]
+  valid = batch["valid"]
+  if spec.hardest:
+    valid = losses.hardest_negative_mask(scores, valid)
+  fields = {"valid": valid}
+  if "weights" in batch:
+    fields["weights"] = batch["weights"]
+  positive = jnp.arange(scores.shape[1])[None, :] == jnp.arange(scores.shape[0])[:, None]
+  loss, aux = contrastive(spec, scores, fields, positive, {})
+  if not spec.terms:
+    return loss, aux
+  terms = {}
+  for term in spec.terms:
+    terms.update(term(q, spans, scores, batch["valid"], batch))
+  aux.update({f"loss/{name}": value for name, value in terms.items()})
+  aux["loss/contrastive"] = loss
+  return spec.contrastive_weight * loss + sum(terms.values()), aux
+
+
+def contrastive(spec: Spec, scores, fields, positive, aux):
+  """The configured loss (mean over queries) and the training accuracy: is a positive ranked first."""
+  per_example = spec.loss_of(scores, fields)
+  masked = jnp.where(fields["valid"] | positive, scores, -jnp.inf)
+  top = jnp.argmax(masked, axis=1)
+  aux["train_accuracy"] = jnp.mean(jnp.take_along_axis(positive, top[:, None], axis=1))
+  return jnp.mean(per_example), aux
+
+
+# ------------------------------------------------------------------------------------------------ pieces
+
+
+def step_rngs(state: TrainState) -> tuple[jax.Array, jax.Array]:
+  """The (query, document) dropout keys of the step `state.step`: a function of the step alone."""
+  return jax.random.split(jax.random.fold_in(state.rng, state.step))
+
+
+def encode_in_chunks(encode, arrays, rng: jax.Array, chunk_rows: int):
+  """`encode(arrays, rng)` (rows first in every array) run `chunk_rows` rows at a time, as one jax.lax.map.
+
+  The chunks are strided (chunk k holds rows k, k + n, k + 2n, ... for n chunks), so on a mesh every chunk
+  keeps the batch's split over the data devices. Chunk k draws its dropout from fold_in(rng, k). With
+  chunk_rows 0, at least the number of rows, or not dividing it, `encode` runs once on everything."""
+  rows = jax.tree.leaves(arrays)[0].shape[0]
+  if chunk_rows <= 0 or chunk_rows >= rows or rows % chunk_rows:
+    return encode(arrays, rng)
+  n = rows // chunk_rows
+  split = lambda x: x.reshape(chunk_rows, n, *x.shape[1:]).swapaxes(0, 1)  # [n, chunk_rows, ...]
+  out = jax.lax.map(lambda a: encode(a[0], jax.random.fold_in(rng, a[1])),
+                    (jax.tree.map(split, arrays), jnp.arange(n)))
+  return jax.tree.map(lambda y: y.swapaxes(0, 1).reshape(rows, *y.shape[2:]), out)
+
+
+def make_step_query_vectors(model: TwoTower, chunk_rows: int = 0):
+  """Jitted (state, query_ids, query_mask) -> exactly the query vectors the step computes (same params,
+  same dropout keys, same chunks), so host retrieval between steps ranks what the loss will see."""
+
+  @jax.jit
+  def step_query_vectors(state, query_ids, query_mask):
+    return encode_in_chunks(
+        lambda a, key: model.apply({"params": state.params}, *a, deterministic=False, rngs={"dropout": key},
+                                   method=TwoTower.encode_query),
+        (query_ids, query_mask), step_rngs(state)[0], chunk_rows)
+
+  return step_query_vectors
+
+
+def group_grad_norms(grads, skip: tuple[str, ...] = ()) -> dict[str, jax.Array]:
+  """Gradient norm per layer group ("grad_norm/query_tower/layer_3", ".../embeddings", ".../head")."""
+  groups: dict[str, list] = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(grads)[0]:
+    keys = [getattr(k, "key", str(k)) for k in path]
+    if keys[0] in skip:
+      continue
+    if "encoder" in keys:
+      group = keys[keys.index("encoder") + 1]
+    elif keys[1].startswith("projection"):
+      group = "head"
+    else:
+      group = keys[1]
+    groups.setdefault(f"grad_norm/{keys[0]}/{group}", []).append(leaf)
+  return {name: optax.tree.norm(leaves) for name, leaves in groups.items()}
+
+
+# ------------------------------------------------------------------------------------------------ checks
+
+
+def check_grad_cache(config: ml_collections.ConfigDict, candidates: str = "tokens") -> int:
+  """grad_cache.chunk_size (0 = off), refusing what gradient caching cannot do."""
+  chunk = config.grad_cache.chunk_size
+  if not isinstance(chunk, int) or chunk < 0:
+    raise ValueError(f"grad_cache.chunk_size must be an int >= 0 (0 = off), got {chunk!r}")
+  if chunk and candidates != "tokens":
+    raise ValueError("grad_cache.chunk_size > 0 needs token batches: negatives.source=retrieval scores "
+                     "against a fixed corpus matrix and has no document tower to cache")
+  rows = config.model.get("encode_chunk_rows", 0)
+  if not isinstance(rows, int) or rows < 0:
+    raise ValueError(f"model.encode_chunk_rows must be an int >= 0 (0 = off), got {rows!r}")
+  if chunk and rows:
+    raise ValueError("grad_cache.chunk_size already encodes the batch in chunks; leave model.encode_chunk_rows at 0")
+  return chunk
+
+
+# ------------------------------------------------------------------------------------------------ state, jit
+
+
+def dummy_inputs(config: ml_collections.ConfigDict):
+  if config.model.get("architecture", "two_tower") == "cross_encoder":
+    pair = jnp.ones((1, config.data.doc_max_length), jnp.int32)
+    return pair, pair
+  q = jnp.ones((1, config.data.query_max_length), jnp.int32)
+  d = jnp.ones((1, config.data.doc_max_length), jnp.int32)
+  return q, q, d, d
+
+
+def abstract_train_state(model, tx: optax.GradientTransformation, config: ml_collections.ConfigDict, mesh,
+                         rules) -> tuple[TrainState, Any]:
+  """(the TrainState as sharded ShapeDtypeStructs, its shardings) from the logical axis names of the params:
+  nothing is allocated. The trainer restores and jits against it; `--compile-only` compiles against it."""
+  boxed_params = jax.eval_shape(lambda r: model.init(r, *dummy_inputs(config))["params"], jax.random.PRNGKey(0))
+  abstract = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=boxed_params,
+                        opt_state=jax.eval_shape(tx.init, boxed_params), rng=jax.ShapeDtypeStruct((2,), jnp.uint32))
+  shardings = parallel.tree_shardings(abstract, mesh, rules)
+  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), nn.unbox(abstract),
+                          shardings)
+  return abstract, shardings
+
+
+def jit_step(step, state_shardings, mesh, corpus: retrieved.CorpusMatrix | None = None):
+  """The step jitted once: explicit in/out shardings, the state donated. With `corpus` (corpus candidates)
+  the matrix and its bias are bound, sharded by rows, so the result is (state, batch) -> (state, metrics)
+  either way."""
+  batch_sharding, out = parallel.batch_sharding(mesh), (state_shardings, parallel.replicated(mesh))
+  if corpus is None:
+    return jax.jit(step, in_shardings=(state_shardings, batch_sharding), out_shardings=out, donate_argnums=(0,))
+  jitted = jax.jit(step, in_shardings=(state_shardings, batch_sharding, *retrieved.corpus_shardings(mesh)),
+                   out_shardings=out, donate_argnums=(0,))
+  return lambda state, batch: jitted(state, batch, corpus.device, corpus.bias)
