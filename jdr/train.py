@@ -194,12 +194,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   return results
 
 
-# What the benchmarks (jdr/bench/) name through this module; the step itself is jdr/step.py.
-TrainState = step_lib.TrainState
-make_train_step = step_lib.make_train_step
-make_step_query_vectors = step_lib.make_step_query_vectors
-
-
 def initial_params(model: TwoTower, built: build_lib.Built, config: ml_collections.ConfigDict,
                    rng: jax.Array, shardings: Any) -> Any:
   """init_from's weights (a jdr model, or a pretrained encoder in every tower), else fresh ones."""

@@ -33,6 +33,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from jdr import step as step_lib
 from jdr.bench import recipes
 
 _PREFIX = re.compile(r"(OPQ|PCA|ITQ|RR|IVF|IMI|L2norm)", re.IGNORECASE)
@@ -95,16 +96,16 @@ class Bench:
     tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps, config.model.train_towers)
     params = train.initial_params(model, built, config, jax.random.PRNGKey(0), None)
     rep = parallel.replicated(mesh)
-    state = train.TrainState(step=jax.numpy.int32(0), params=params, opt_state=tx.init(params),
+    state = step_lib.TrainState(step=jax.numpy.int32(0), params=params, opt_state=tx.init(params),
                              rng=jax.random.PRNGKey(1))
     self.holder = {"state": jax.device_put(state, rep)}
     corpus_sh, bias_sh = retrieved.corpus_shardings(mesh)
     shardings = dict(in_shardings=(rep, parallel.batch_sharding(mesh), corpus_sh, bias_sh),
                      out_shardings=(rep, rep), donate_argnums=(0,))
-    self.step_given = jax.jit(train.make_train_step(model, tx, config, mesh, "corpus", False), **shardings)
-    self.step_in_step = jax.jit(train.make_train_step(model, tx, config, mesh, "corpus", True), **shardings)
+    self.step_given = jax.jit(step_lib.make_train_step(model, tx, config, mesh, "corpus", False), **shardings)
+    self.step_in_step = jax.jit(step_lib.make_train_step(model, tx, config, mesh, "corpus", True), **shardings)
 
-    query_vectors = train.make_step_query_vectors(model)
+    query_vectors = step_lib.make_step_query_vectors(model)
     self.query_vectors = query_vectors
     b, length = args.batch_size, args.query_length
     self.dim = int(jax.eval_shape(query_vectors, self.holder["state"], jax.ShapeDtypeStruct((b, length), np.int32),

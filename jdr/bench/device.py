@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jdr import step as step_lib
 from jdr import topk
 from jdr.bench import peak as peak_lib
 
@@ -215,8 +216,8 @@ def jdr_train_step_seconds(config, batch: dict, repeats: int) -> float:
   built = build_lib.build(config.model, config.data)
   tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps)
   params = train.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
-  state = train.TrainState(step=jnp.int32(0), params=params, opt_state=tx.init(params), rng=jax.random.PRNGKey(1))
-  step_fn = jax.jit(train.make_train_step(built.model, tx, config), donate_argnums=(0,))
+  state = step_lib.TrainState(step=jnp.int32(0), params=params, opt_state=tx.init(params), rng=jax.random.PRNGKey(1))
+  step_fn = jax.jit(step_lib.make_train_step(built.model, tx, config), donate_argnums=(0,))
   batch = jax.device_put(batch)
   holder = {"state": state}
 

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from jdr import defaults
+from jdr import step as step_lib
 
 
 def _config(args, variant: str):
@@ -60,9 +61,9 @@ def step_seconds(args, variant: str) -> float:
   built = build_lib.build(config.model, config.data)
   tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps)
   params = train.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
-  state = {"s": train.TrainState(step=jax.numpy.int32(0), params=params, opt_state=tx.init(params),
+  state = {"s": step_lib.TrainState(step=jax.numpy.int32(0), params=params, opt_state=tx.init(params),
                                  rng=jax.random.PRNGKey(1))}
-  step_fn = jax.jit(train.make_train_step(built.model, tx, config), donate_argnums=(0,))
+  step_fn = jax.jit(step_lib.make_train_step(built.model, tx, config), donate_argnums=(0,))
   batch = _batch(args, config)
 
   def run():

@@ -11,7 +11,7 @@ clipping at 1.0.
 1. The batch B is the largest whose un-cached step fits `--budget-mib` of XLA's compiled memory on this
    backend (`jdr.gradcache.largest_batch`; `--batch-size` sets it instead). The largest batch the cached step
    reaches within the same budget is reported too.
-2. jdr trains B pairs a step through `jdr.train.make_train_step`, without caching and with
+2. jdr trains B pairs a step through `jdr.step_lib.make_train_step`, without caching and with
    grad_cache.chunk_size = `--chunk-size`.
 3. The reference is the same objective in sentence-transformers on the same weights (jdr's initialization,
    exported to Hugging Face) and the very same token ids: Transformer + Pooling(cls) + Dense(512, identity)
@@ -36,6 +36,7 @@ import ml_collections
 import numpy as np
 
 from jdr import defaults
+from jdr import step as step_lib
 from jdr.bench import peak as peak_lib
 
 
@@ -79,9 +80,9 @@ def jdr_seconds(built, config, batches, steps: int) -> float:
   from jdr import optimizers, train  # pylint: disable=g-import-not-at-top
   tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps)
   params = train.initial_params(built.model, built, config, jax.random.PRNGKey(config.seed), None)
-  state = {"s": train.TrainState(step=jax.numpy.int32(0), params=params, opt_state=tx.init(params),
+  state = {"s": step_lib.TrainState(step=jax.numpy.int32(0), params=params, opt_state=tx.init(params),
                                  rng=jax.random.PRNGKey(1))}
-  step_fn = jax.jit(train.make_train_step(built.model, tx, config), donate_argnums=(0,))
+  step_fn = jax.jit(step_lib.make_train_step(built.model, tx, config), donate_argnums=(0,))
 
   def run_step(s):
     state["s"], metrics = step_fn(state["s"], batches[s])

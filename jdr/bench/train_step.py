@@ -27,6 +27,7 @@ import ml_collections
 import numpy as np
 
 from jdr import defaults
+from jdr import step as step_lib
 from jdr.bench import peak as peak_lib
 from jdr.models import hf
 
@@ -65,9 +66,9 @@ def jdr_step_seconds(args, batch, dropout: float | None = None, devices: int = 1
   built = build_lib.build(config.model, config.data)
   tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps)
   params = train.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
-  state = train.TrainState(step=jax.numpy.int32(0), params=params, opt_state=tx.init(params),
+  state = step_lib.TrainState(step=jax.numpy.int32(0), params=params, opt_state=tx.init(params),
                            rng=jax.random.PRNGKey(1))
-  step = train.make_train_step(built.model, tx, config)
+  step = step_lib.make_train_step(built.model, tx, config)
   if devices == 1:
     step_fn = jax.jit(step, donate_argnums=(0,))
   else:
