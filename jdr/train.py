@@ -34,6 +34,7 @@ from jdr import metric_writers
 from jdr import optimizers
 from jdr import parallel
 from jdr import paths
+from jdr import preemption
 from jdr.data import pairs
 from jdr.data import pretrain_batches
 from jdr.negatives import retrieved
@@ -423,7 +424,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     return parallel.global_batch(batch, mesh)
 
   # ---------------------------------------------------------------- evaluation
-  writer = metric_writers.MetricWriter(workdir)
+  start = int(state.step)
+  writer = metric_writers.MetricWriter(workdir, start_step=start)  # a resume drops the lines it logs again
   evaluator = None
   if data.eval_qrels and cross_encoder:
     evaluator = evaluation.RerankEvaluator(model, built.tokenizer, data, config)
@@ -432,7 +434,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     evaluator = evaluation.Evaluator(encoder, config, mesh, doc_tower_frozen=query_only,
                                      diagnostics=diagnostics, fixed_doc_emb=negatives.doc_emb)
   results = {}
-  start = int(state.step)
   if evaluator and start == 0 and config.eval_before_training:
     results["before"] = evaluator(state.params)
     writer.write(0, {f"eval/{k}": v for k, v in results["before"].items()})
@@ -443,6 +444,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
                   disable=not is_host0, mininterval=1.0 if sys.stderr.isatty() else 30.0)
   window, window_start = [], time.perf_counter()
   next_batch = batch_at(start, state) if start < config.num_train_steps else None
+  stop = preemption.StopRequests().install()  # SIGTERM / SIGINT: stop after this step, saved
   try:
     for step in range(start, config.num_train_steps):
       state, step_metrics = step_fn(state, next_batch)
@@ -473,12 +475,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
         scores = evaluator(state.params)
         writer.write(done, {f"eval/{k}": v for k, v in scores.items()})
         bar.write(f"step {done}: " + ", ".join(f"{k}={v:.4f}" for k, v in scores.items()))
+      if stop.requested():
+        break
   finally:
-    negatives.close()
+    stop.restore()
+    negatives.close(wait=stop.signum is None)
   bar.close()
   if mngr.latest_step() != int(state.step):
     checkpoint.save(mngr, int(state.step), state, _data_position(batches, int(state.step)), force=True)
   mngr.wait_until_finished()
+  if stop.signum is not None:
+    writer.close()
+    raise preemption.Stopped(stop.signum, int(state.step), workdir)
 
   if evaluator:
     results["after"] = evaluator(state.params)
@@ -566,7 +574,28 @@ def main(argv=None) -> None:
       parallel.initialize_distributed()
       sizing.report(sizing.size_step(config, topology=args.topology))
       return
-    train_and_evaluate(config, args.workdir)
+    created = not paths.as_path(args.workdir).exists()
+    try:
+      train_and_evaluate(config, args.workdir)
+    except preemption.Stopped as stopped:
+      preemption.exit_stopped(stopped, argv)
+    except BaseException as e:
+      if created:
+        _remove_unstarted(args.workdir)
+      if isinstance(e, KeyboardInterrupt):  # outside the loop, where SIGINT stops after a saved step
+        print(f"jdr: interrupted; checkpoints, if any, are in {args.workdir}/checkpoints", file=sys.stderr)
+        raise SystemExit(130) from None
+      raise
+
+
+def _remove_unstarted(workdir: str) -> None:
+  """A run that failed before it saved or logged anything leaves no workdir behind (when it made it)."""
+  path = paths.as_path(workdir)
+  if jax.process_index() != 0 or not path.exists() or (path / "metrics.jsonl").exists():
+    return
+  if (path / "checkpoints").exists() and any(p.name.isdigit() for p in (path / "checkpoints").iterdir()):
+    return
+  path.rmtree()
 
 if __name__ == "__main__":
   main()
