@@ -53,8 +53,11 @@ class MetricWriter:
     record = {"step": int(step), "time": round(time.time(), 3), **{k: float(v) for k, v in scalars.items()}}
     line = json.dumps(record) + "\n"
     if self._remote_lines is None:
-      with open(paths.local(self.path), "a", encoding="utf-8") as f:
-        f.write(line)
+      try:
+        with open(paths.local(self.path), "a", encoding="utf-8") as f:
+          f.write(line)
+      except OSError as e:
+        raise atomic.naming(e, self.path) from None
     else:
       self._remote_lines.append(line)
       atomic.write_text(self.path, "".join(self._remote_lines))
