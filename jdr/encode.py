@@ -30,7 +30,9 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                       help="default: the model's own (mean for minilm, cls otherwise)")
   parser.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
                       help="L2-normalize embeddings (default: the model's own)")
-  parser.add_argument("--max-length", type=int, default=None, help="tokens per text (default 256)")
+  parser.add_argument("--max-length", type=int, default=None,
+                      help="tokens per text (default: a jdr export's serving length, a sentence-transformers "
+                           "model's max_seq_length, else what the model supports, up to 512)")
   parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                       help="compute dtype of the encoder")
   parser.add_argument("--tokens-per-batch", type=int, default=None,
@@ -71,6 +73,7 @@ def main(argv: Iterable[str] | None = None) -> None:
     parallel.raise_if_any_host_failed(error, f"reading their part of {args.corpus}")
     runtime = corpus_lib.load_runtime(args.model, pooling=args.pooling, normalize=args.normalize,
                                       max_length=args.max_length, dtype=args.dtype)
+    print(corpus_lib.length_line(runtime, "documents"), file=sys.stderr)
     tokens_per_batch = args.tokens_per_batch
     if args.batch_size:
       tokens_per_batch = args.batch_size * runtime.max_length

@@ -92,7 +92,39 @@ def load_jdr_model(path: str | pathlib.Path) -> tuple[TwoTower, dict, Any, dict]
     params = checkpoint.latest_params(path)
   # A masked-LM pretraining run's head is not part of the retrieval model (jdr.models.towers.TwoTower).
   params = {k: v for k, v in params.items() if k != "lm_head"}
+  description = {**description, "tokenizer": tokenizer_path(path, description["tokenizer"])}
   return from_description(description), params, _tokenizer(description["tokenizer"]), description
+
+
+def tokenizer_path(model_dir, recorded: str) -> str:
+  """The tokenizer a saved model names: a path relative to the model's own folder (an export's ".", so the
+  export loads wherever it is copied), else as recorded (an absolute path, a gs:// path, a hub name)."""
+  if paths.is_local(recorded) and not pathlib.PurePath(recorded).is_absolute():
+    candidate = paths.as_path(model_dir) / recorded
+    if candidate.exists():
+      return str(candidate)
+  elif not paths.as_path(recorded).exists() and (paths.as_path(model_dir) / "tokenizer").is_dir():
+    return str(paths.as_path(model_dir) / "tokenizer")  # an older export, moved: its tokenizer/ came with it
+  return recorded
+
+
+MAX_SERVING_LENGTH = 512
+
+
+def supported_length(tower: dict | None) -> int:
+  """The longest input a tower's encoder takes, capped at 512 (a BoW-MLP tower has no limit of its own)."""
+  encoder = (tower or {}).get("encoder")
+  limit = EncoderConfig(**encoder).max_length if encoder else MAX_SERVING_LENGTH
+  return min(limit, MAX_SERVING_LENGTH)
+
+
+def serving_length(description: dict, side: str) -> tuple[int, str]:
+  """(tokens, where that comes from) to serve one side ("query" | "doc") of a saved two-tower model with: the
+  length recorded at export, else what the encoder supports (up to 512). Never the training length: a model
+  trained on 32-token queries still reads a longer query whole."""
+  if f"serve_{side}_max_length" in description:
+    return int(description[f"serve_{side}_max_length"]), "the export's serving length"
+  return supported_length(description[side]), "what the encoder supports, up to 512"
 
 
 def build(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collections.ConfigDict) -> Built:

@@ -330,11 +330,13 @@ def load_tower(model: str, pooling: str | None = None, normalize: bool | None = 
   pooling = pooling or declared.get("pooling", "cls")
   normalize = declared.get("normalize", False) if normalize is None else normalize
   tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
+  source = "--max-length"
   if max_length is None:
+    source = "the sentence-transformers config" if declared.get("max_length") else "what the model supports"
     max_length = declared.get("max_length") or min(int(tokenizer.model_max_length), cfg.max_length)
   if max_length > cfg.max_length:
     raise ValueError(f"max_length {max_length} exceeds the model's {cfg.max_length} positions")
   tower_config = TowerConfig(encoder=cfg, pooling=pooling, normalize=normalize)
   info = {"path": str(path), "model_type": cfg.model_type, "pooling": pooling, "normalize": normalize,
-          "max_length": max_length, "dim": tower_config.dim, "dtype": dtype}  # JSON-able; tower.config has the rest
+          "max_length": max_length, "max_length_from": source, "dim": tower_config.dim, "dtype": dtype}  # JSON-able; tower.config has the rest
   return Tower(tower_config), jax.device_put({"encoder": encoder_params}), tokenizer, info
