@@ -194,7 +194,8 @@ def load_hf(path: str | Path, **overrides) -> tuple[EncoderConfig, dict[str, Any
   path = Path(path)
   config_file = path / "config.json"
   if not config_file.exists():
-    raise FileNotFoundError(f"{config_file} not found: load_hf needs a local Hugging Face model directory")
+    raise FileNotFoundError(f"{path}: not a model (no config.json): give a Hugging Face model directory, a jdr "
+                            "export or training workdir, or `minilm`")
   cfg = EncoderConfig.from_hf(json.loads(config_file.read_text()), **overrides)
   return cfg, params_from_state_dict(cfg, read_state_dict(path), str(path))
 
