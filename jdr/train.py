@@ -546,7 +546,12 @@ def main(argv=None) -> None:
   argv = sys.argv[1:] if argv is None else list(argv)
   try:
     rest, overrides = config_files.split_config_args(argv)
-    parser = argparse.ArgumentParser(prog="python -m jdr.train", description=__doc__.splitlines()[0])
+    from jdr import config_help  # pylint: disable=g-import-not-at-top
+    parser = argparse.ArgumentParser(
+        prog="python -m jdr.train", description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="config keys, set with --config.KEY=VALUE (the defaults of jdr/defaults.py; a recipe changes "
+               "some):\n" + config_help.describe())
     parser.add_argument("--config", required=True, help="configs/X.py[:arg]")
     parser.add_argument("--workdir", default=None, help="checkpoints, logs; an existing one resumes")
     parser.add_argument("--compile-only", action="store_true",

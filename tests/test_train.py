@@ -399,3 +399,19 @@ def test_init_from_jdr_model_applies_model_settings(tmp_path):
   config_files.apply_overrides(config, ["model.pooling=cls"])
   with pytest.raises(ValueError, match="pooling"):
     build_lib.build(config.model, config.data)
+
+
+def test_help_lists_every_config_key_with_its_default_and_meaning(capsys):
+  from jdr import config_files, defaults, train  # pylint: disable=g-import-not-at-top
+  with pytest.raises(SystemExit) as e:
+    train.main(["--help"])
+  assert e.value.code == 0
+  listed = {}
+  for line in capsys.readouterr().out.splitlines():
+    found = re.fullmatch(r"  ([\w.]+) = (.+?)  # (.+)", line)
+    if found:
+      listed[found.group(1)] = (found.group(2), found.group(3))
+  config = defaults.get_config()
+  assert set(listed) == set(config_files.all_keys(config))
+  assert listed["num_train_steps"][0] == str(config.num_train_steps)
+  assert all(meaning.strip() for _, meaning in listed.values())
