@@ -66,6 +66,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.negatives.retrieval_backend = "faiss"  # faiss (host, between steps) | jax (exact top-k inside the step;
   # also where dense_static and ANCE mine)
   c.negatives.top_k_recall_target = 1.0  # retrieval_backend=jax: < 1 takes jax.lax.approx_max_k (fast on TPUs)
+  c.negatives.corpus_dtype = "auto"  # the fixed corpus on the devices: auto (bfloat16 on GPU/TPU, float32 on
+  # CPU) | float32 | bfloat16 | int8 (one scale per row, approximate); scores are float32 always
   c.negatives.index_factory = "Flat"  # Faiss factory of the fixed index, e.g. "OPQ48,IVF1,PQ48" (LTRe Table 4)
   c.negatives.corpus_encoding = ""  # a jdr.encode directory to use as the fixed index ("" = encode at start)
   # ance: the model's own top-n, re-mined in the background every refresh_every steps
@@ -124,6 +126,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval.metrics = "ndcg@10,mrr@10,recall@100"  # jdr.metrics names, comma-separated
   c.eval.top_k = 100  # documents retrieved per evaluation query
   c.eval.backend = "jax"  # jax (exact top-k on the mesh) | faiss
+  c.eval.corpus_dtype = "float32"  # backend=jax storage: float32 keeps reported metrics exact on every platform
+  # (auto = bfloat16 on GPU/TPU, as negatives.corpus_dtype; int8 approximate)
   c.eval.max_queries = 0  # 0 = every query of the eval split
   c.eval.doc_max_length = 0  # 0 = data.doc_max_length
   c.eval.tokens_per_batch = 0  # 0 = jdr.encode's default for the device (small on CPU, large on GPU/TPU)

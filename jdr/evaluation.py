@@ -150,7 +150,8 @@ class Evaluator:
     if self.doc_tower_frozen and factory in self._fixed:
       return self._fixed[factory]
     if first and self.config.eval.backend == "jax":
-      retriever = corpus_lib.build_index(doc_emb, self.encoder.doc_ids, "jax", mesh=self.mesh)
+      retriever = corpus_lib.build_index(doc_emb, self.encoder.doc_ids, "jax", mesh=self.mesh,
+                                         jax_dtype=self.config.eval.corpus_dtype)
     else:
       retriever = corpus_lib.build_index(doc_emb, self.encoder.doc_ids, "faiss", factory)
     if self.doc_tower_frozen:

@@ -4,8 +4,8 @@
   inner product by default, on the host; on every GPU (sharded) when faiss has GPU support and GPUs
   are present.
 * `JaxRetriever`: exact top-k of queries @ embeddings.T with the embedding matrix sharded by rows over
-  a device mesh; each device takes its local top-k and the k * devices candidates are merged, so no
-  device ever holds the full [queries, documents] score matrix.
+  a device mesh (`jdr.topk`, the same search the ADORE step runs): each device searches its own rows and
+  the k * devices candidates are merged, so no device ever holds another's scores.
 
 Both return (scores float32 [Q, k], ids list[list[str]]) with higher scores first, so the training loop
 and the command lines can swap one for the other through a config value (DESIGN.md, style point 5).
@@ -25,6 +25,7 @@ import numpy as np
 
 from jdr import atomic
 from jdr import paths
+from jdr import topk
 
 _META = "meta.json"
 _IDS = "ids.txt"
@@ -333,31 +334,23 @@ class FaissRetriever:
 # JAX.
 
 
-def local_top_k(scores, k: int, recall_target: float = 1.0):
-  """(values, indices) of the top k of each row of `scores`: exact (`jax.lax.top_k`) at recall_target 1, else
-  `jax.lax.approx_max_k`, which TPUs run as a fast approximate search expected to find at least that
-  fraction of the true top k (other platforms compute it exactly)."""
-  import jax  # pylint: disable=import-outside-toplevel
-  if recall_target >= 1.0:
-    return jax.lax.top_k(scores, k)
-  return jax.lax.approx_max_k(scores, k, recall_target=recall_target)
-
-
 class JaxRetriever:
-  """Exact inner-product top-k with the embedding matrix sharded by rows over a device mesh.
+  """Exact inner-product top-k with the embedding matrix sharded by rows over a device mesh (`jdr.topk`).
 
   Args:
     dim: embedding width.
     mesh: a jax.sharding.Mesh whose devices all hold a slice of the documents (rows are split over
       all of its axes, e.g. the training mesh); default: a 1-D mesh over `devices`.
     devices: default jax.devices().
-    dtype: storage dtype, "float32" (exact) or "bfloat16" (half the memory, scores in float32).
+    dtype: storage, "auto" (bfloat16 on GPUs and TPUs, float32 on CPUs), "float32" (exact), "bfloat16"
+      (half the memory) or "int8" (one scale per row, a quarter; approximate); scores are float32 always.
     query_chunk: queries scored per step; lowered when one chunk's [chunk, docs per device] float32
       scores would exceed score_budget_bytes.
-    precision: matmul precision; "highest" keeps float32 exact on GPUs/TPUs, whose default
+    precision: matmul precision for a float32 matrix; "highest" keeps it exact on GPUs/TPUs, whose default
       precision (TF32/bfloat16 passes) would reorder near-ties.
     recall_target: 1.0 (exact top-k) or less for each device's top-k by `jax.lax.approx_max_k` (fast on
-      TPUs; see local_top_k). The merge of the devices' candidates stays exact.
+      TPUs). The merge of the devices' candidates stays exact.
+    block_rows: rows reduced to one maximum in the first pass of the exact search (`topk.block_top_k`).
 
   Documents added after a search are merged by copying the device matrix back to the host once, which
   needs a single-process job; multi-host jobs should add everything (the same on every host) first.
@@ -365,9 +358,10 @@ class JaxRetriever:
 
   kind = "jax"
 
-  def __init__(self, dim: int, mesh=None, devices=None, dtype: str = "float32",
+  def __init__(self, dim: int, mesh=None, devices=None, dtype: str = "auto",
                query_chunk: int = 256, score_budget_bytes: int = 1 << 30,
-               precision: str = "highest", recall_target: float = 1.0):
+               precision: str = "highest", recall_target: float = 1.0,
+               block_rows: int = topk.DEFAULT_BLOCK_ROWS):
     import jax  # pylint: disable=import-outside-toplevel
     self.dim = int(dim)
     if not 0.0 < recall_target <= 1.0:
@@ -376,20 +370,22 @@ class JaxRetriever:
     if mesh is None:
       mesh = jax.sharding.Mesh(np.array(list(devices or jax.devices())), ("docs",))
     self.mesh = mesh
-    self._axis = tuple(mesh.axis_names)
     self._num_shards = int(mesh.devices.size)
-    if dtype not in ("float32", "bfloat16"):
-      raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
-    self.dtype = dtype
+    self.dtype = topk.resolve_dtype(dtype, mesh.devices.flat[0].platform)
     self.query_chunk = int(query_chunk)
     self.score_budget_bytes = int(score_budget_bytes)
     self.precision = precision
+    self.block_rows = int(block_rows)
     self._pending: list[np.ndarray] = []  # Host arrays added since the device matrix was built.
-    self._emb = None  # [padded docs, dim] sharded over self._axis.
-    self._bias = None  # [padded docs]: 0 for documents, -inf for padding rows.
+    self._corpus: topk.ShardedCorpus | None = None
     self._ids: list[str] = []
     self._id_array: np.ndarray | None = None
-    self._fns: dict[tuple[int, int], Any] = {}
+    self._fns: dict[int, Any] = {}
+
+  @property
+  def _emb(self):
+    """The stored rows on the devices (an array, or topk.QuantizedRows for int8)."""
+    return None if self._corpus is None else self._corpus.rows
 
   def __len__(self) -> int:
     return len(self._ids)
@@ -405,11 +401,15 @@ class JaxRetriever:
 
   def _host_matrix(self) -> np.ndarray:
     parts = []
-    if self._emb is not None:
-      n_built = len(self._ids) - sum(len(p) for p in self._pending)
+    if self._corpus is not None:
+      n_built = self._corpus.num_docs
       # Whole-array transfer, then slice on the host: slicing the sharded array would be a gather,
       # which meshes with Explicit axes refuse without an output sharding.
-      parts.append(np.asarray(self._emb, dtype=np.float32)[:n_built])
+      rows = self._corpus.rows
+      if isinstance(rows, topk.QuantizedRows):
+        parts.append(np.asarray(rows.values, np.float32)[:n_built] * np.asarray(rows.scale)[:n_built])
+      else:
+        parts.append(np.asarray(rows, dtype=np.float32)[:n_built])
     parts.extend(self._pending)
     return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
@@ -417,55 +417,17 @@ class JaxRetriever:
     """Moves pending documents to the devices (rebuilding the sharded matrix once per batch of adds)."""
     if not self._pending:
       return
-    import jax  # pylint: disable=import-outside-toplevel
-    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-    P = jax.sharding.PartitionSpec
     host = self._host_matrix()
-    n = len(host)
-    padded = -(-n // self._num_shards) * self._num_shards
-    dtype = jnp.bfloat16 if self.dtype == "bfloat16" else jnp.float32
-    rows = jax.sharding.NamedSharding(self.mesh, P(self._axis, None))
-    # Each device copies only its own row block (padding rows are zeros), which also works when every
-    # host of a multi-host job passes the same full matrix.
-    def block(index):
-      start = index[0].start or 0
-      stop = padded if index[0].stop is None else index[0].stop
-      part = host[start:min(stop, n)]
-      if stop > n:
-        part = np.concatenate([part, np.zeros((stop - max(start, n), self.dim), np.float32)])
-      return np.asarray(part).astype(dtype)
-
-    host_padded_bias = np.where(np.arange(padded) < n, 0.0, -np.inf).astype(np.float32)
     self._pending = []
-    self._emb = jax.make_array_from_callback((padded, self.dim), rows, block)
-    self._bias = jax.make_array_from_callback(
-        (padded,), jax.sharding.NamedSharding(self.mesh, P(self._axis)),
-        lambda index: host_padded_bias[index])
+    self._corpus = topk.put_corpus(host, self.mesh, self.dtype, self.block_rows)
+    self._fns = {}
 
-  def _search_fn(self, k: int, k_local: int):
-    key = (k, k_local)
-    if key not in self._fns:
+  def _search_fn(self, k: int):
+    if k not in self._fns:
       import jax  # pylint: disable=import-outside-toplevel
-      import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-      P = jax.sharding.PartitionSpec
-      axis = self._axis
       precision = jax.lax.Precision[self.precision.upper()] if self.precision else None
-
-      def local(queries, emb, bias):
-        scores = jnp.dot(queries.astype(emb.dtype), emb.T, precision=precision,
-                         preferred_element_type=jnp.float32) + bias
-        values, rows = local_top_k(scores, k_local, self.recall_target)
-        rows = rows + jax.lax.axis_index(axis) * emb.shape[0]
-        # k_local candidates from each device; the global top k is among them.
-        values = jax.lax.all_gather(values, axis, axis=1, tiled=True)
-        rows = jax.lax.all_gather(rows, axis, axis=1, tiled=True)
-        values, best = jax.lax.top_k(values, k)
-        return values, jnp.take_along_axis(rows, best, axis=1)
-
-      self._fns[key] = jax.jit(jax.shard_map(
-          local, mesh=self.mesh, in_specs=(P(), P(axis, None), P(axis)), out_specs=(P(), P()),
-          check_vma=False))
-    return self._fns[key]
+      self._fns[k] = topk.search_fn(self._corpus, k, self.mesh, self.recall_target, precision)
+    return self._fns[k]
 
   def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, list[list[str]]]:
     if not self._ids:
@@ -473,8 +435,8 @@ class JaxRetriever:
     queries = _as_vectors(queries, self.dim, "queries")
     self._materialize()
     k = min(int(k), len(self._ids))
-    rows_per_device = self._emb.shape[0] // self._num_shards
-    fn = self._search_fn(k, min(k, rows_per_device))
+    rows_per_device = self._corpus.padded_rows // self._num_shards
+    fn = self._search_fn(k)
     # A power-of-two chunk keeps the number of compiled shapes small.
     chunk = min(self.query_chunk, max(1, self.score_budget_bytes // (4 * rows_per_device)))
     chunk = min(1 << (chunk.bit_length() - 1), 1 << max(0, (len(queries) - 1).bit_length()))
@@ -484,7 +446,7 @@ class JaxRetriever:
       real = len(block)
       if real < chunk:
         block = np.concatenate([block, np.zeros((chunk - real, self.dim), np.float32)])
-      values, rows = fn(block, self._emb, self._bias)
+      values, rows = fn(block)
       # Outputs are replicated: any local copy is the whole result, also on multi-host meshes.
       all_scores.append(np.asarray(values.addressable_data(0))[:real])
       all_rows.append(np.asarray(rows.addressable_data(0))[:real])
@@ -494,13 +456,13 @@ class JaxRetriever:
     return np.concatenate(all_scores).astype(np.float32), self._id_array[rows].tolist()
 
   def bytes_per_doc(self) -> float:
-    return float(self.dim * (2 if self.dtype == "bfloat16" else 4))
+    return float(topk.storage_bytes_per_row(self.dim, self.dtype))
 
   def save(self, directory: str | pathlib.Path) -> None:
     path = _write_common(directory, self._ids, {
         "kind": self.kind, "dim": self.dim, "dtype": self.dtype, "query_chunk": self.query_chunk,
         "score_budget_bytes": self.score_budget_bytes, "precision": self.precision,
-        "ntotal": len(self._ids)})
+        "block_rows": self.block_rows, "ntotal": len(self._ids)})
     matrix = self._host_matrix() if self._ids else np.zeros((0, self.dim), np.float32)
     atomic.write_atomic(path / "embeddings.npy", lambda f: np.save(f, matrix.astype(np.float32)))
 
@@ -511,7 +473,7 @@ class JaxRetriever:
       raise ValueError(f"{directory} holds a {meta['kind']!r} index, not {cls.kind!r}")
     self = cls(meta["dim"], mesh=mesh, devices=devices, dtype=meta["dtype"],
                query_chunk=meta["query_chunk"], score_budget_bytes=meta["score_budget_bytes"],
-               precision=meta["precision"])
+               precision=meta["precision"], block_rows=meta.get("block_rows", topk.DEFAULT_BLOCK_ROWS))
     embeddings = paths.load_npy(paths.as_path(directory) / "embeddings.npy", mmap_mode="r")
     ids = _read_ids(directory)
     if len(ids) != len(embeddings):

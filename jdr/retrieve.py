@@ -52,6 +52,9 @@ def main(argv: Iterable[str] | None = None) -> None:
                            "to each")
   parser.add_argument("--gpu-float16", action="store_true",
                       help="--backend faiss on GPUs: float16 vectors / lookup tables (half the memory)")
+  parser.add_argument("--index-dtype", choices=["auto", "float32", "bfloat16", "int8"], default="auto",
+                      help="--backend jax: the matrix on the devices (auto: bfloat16 on GPU/TPU, float32 on "
+                           "CPU; int8 has one scale per row and is approximate); scores are float32")
   parser.add_argument("--recall-target", type=float, default=1.0,
                       help="--backend jax: below 1, each device's top-k is jax.lax.approx_max_k (fast on TPUs)")
   parser.add_argument("--ensemble-gamma", type=float, default=None,
@@ -84,10 +87,12 @@ def main(argv: Iterable[str] | None = None) -> None:
     print(corpus_lib.length_line(runtime, "queries"), file=sys.stderr)
     if args.recall_target != 1.0 and args.backend != "jax":
       parser.error("--recall-target needs --backend jax")
+    if args.index_dtype != "auto" and args.backend != "jax":
+      parser.error("--index-dtype needs --backend jax")
     if (args.gpu_layout != "shard" or args.gpu_float16) and args.backend != "faiss":
       parser.error("--gpu-layout / --gpu-float16 are options of --backend faiss")
     retriever = corpus_lib.load_index(args.index, args.backend, args.factory, save=args.save_index,
-                                      recall_target=args.recall_target,
+                                      recall_target=args.recall_target, jax_dtype=args.index_dtype,
                                       gpu={"gpu_layout": args.gpu_layout, "gpu_float16": args.gpu_float16})
     print(f"index: {args.backend} {args.factory}, {retriever.bytes_per_doc():.1f} bytes/doc",
           file=sys.stderr)

@@ -88,3 +88,21 @@ def test_fgd_ablation_table_means_and_spreads(tmp_path):
   assert "| rerank@10 | 0.8000 | 0.7000 | 12.5 |" in text
   assert "| contrastive | 0 | 0.2000 | 0.3000 | 0.4000 |" in text
   assert "| fgd | 0,1 | 0.4000 ±0.1000 | 0.5000 ±0.1000 | 0.6000 ±0.1000 |" in text
+
+
+def test_device_bench_small_on_the_cpu(scifact):
+  """`python -m jdr.bench device` at its CPU size: every section runs, jdr and the reference agree."""
+  proc = subprocess.run([sys.executable, "-m", "jdr.bench", "device", "--size", "small"],
+                        capture_output=True, text=True, timeout=900, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert out["platform"] == "cpu" and out["reference_device"] == "cpu" and out["size"] == "small"
+  assert out["peak"]["peak_tflops"] > 0 and out["peak"]["bandwidth_gbps"] > 0
+  encode = out["encode"]
+  assert encode["docs"] == 400 and encode["min_cosine_vs_reference"] > 0.999  # the same weights, float32
+  assert set(encode["reference_docs_per_s"]) == {"32", "128"} and encode["ratio"] > 0
+  assert out["train"]["jdr_ms"] > 0 and out["train"]["reference_ms"] > 0
+  [row] = out["topk"]["rows"]
+  assert row["size"] == 100_000 and row["agreement"] == 1.0 and row["bound_ms"] > 0
+  assert row["int8_recall_vs_exact"] > 0.9
+  assert out["adore"]["size"] == 100_000 and out["adore"]["step_in_step_s"] > 0

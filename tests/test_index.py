@@ -92,12 +92,13 @@ _SHARDED_CHECK = textwrap.dedent("""
       retriever.add(docs[:500], doc_ids[:500])
       retriever.search(queries, 10)
       retriever.add(docs[500:], doc_ids[500:])
-      # k = 200 exceeds the 126 rows each device holds: every device's candidates enter the merge.
+      # k = 200 exceeds the 128 rows each device holds: every device's candidates enter the merge.
       for k in (1, 100, 200):
         scores, ids = retriever.search(queries, k)
         assert_exact_topk(scores, ids, queries, docs, doc_ids, k)
       assert len(retriever._emb.sharding.device_set) == 8
-      assert {s.data.shape for s in retriever._emb.addressable_shards} == {(126, 24)}
+      # Rows are padded to a multiple of devices x block rows (8 x 128): 128 a device.
+      assert {s.data.shape for s in retriever._emb.addressable_shards} == {(128, 24)}
     print("sharded ok")
 """)
 

@@ -2,6 +2,7 @@
 
 import argparse
 import importlib
+import os
 import sys
 
 from jdr import host_memory
@@ -10,6 +11,7 @@ BENCHMARKS = {
     "adore-step": "jdr.bench.adore_step",
     "ance-refresh": "jdr.bench.ance_refresh",
     "cross-encoder": "jdr.bench.cross_encoder",
+    "device": "jdr.bench.device",
     "encode": "jdr.bench.encode_speed",
     "fgd-ablation": "jdr.bench.fgd_ablation",
     "fgd-step": "jdr.bench.fgd_step",
@@ -25,6 +27,8 @@ def main() -> None:
   parser.add_argument("name", choices=sorted(BENCHMARKS))
   print(host_memory.status(), file=sys.stderr)
   args, rest = parser.parse_known_args()
+  # jax takes 75% of a GPU's memory at start by default; the PyTorch reference shares the device.
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   importlib.import_module(BENCHMARKS[args.name]).main(rest)
 
 

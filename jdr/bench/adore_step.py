@@ -3,8 +3,8 @@
   python -m jdr.bench adore-step [--sizes 5000,100000,1000000] [--factories "Flat;OPQ48,IVF1,PQ48"]
       [--backends faiss,jax] [--batch-size 32] [--top-n 200] [--steps 10]
 
-The model is the ADORE recipe's: the bundled MiniLM split into a trained query tower and a frozen document
-tower, LambdaRank (M = MRR@10) over the top n, queries of 32 tokens. The corpus is random unit-norm vectors
+The model and its settings are the ADORE recipe's (configs/adore.py): the bundled MiniLM split into a trained
+query tower and a frozen document tower, LambdaRank (M = MRR@10) over the top n, queries of 32 tokens. The corpus is random unit-norm vectors
 of the tower's width (384) at each size, on the mesh as `jdr.negatives.retrieved.put_corpus` puts it, and
 each query's positive is a random row: retrieval costs the same whatever the vectors mean.
 
@@ -27,12 +27,13 @@ import json
 import re
 import sys
 import time
+from typing import NamedTuple
 
 import jax
 import ml_collections
 import numpy as np
 
-from jdr import defaults
+from jdr.bench import recipes
 
 _PREFIX = re.compile(r"(OPQ|PCA|ITQ|RR|IVF|IMI|L2norm)", re.IGNORECASE)
 
@@ -55,36 +56,39 @@ def parse_factories(text: str) -> list[str]:
 
 
 def _config(args) -> ml_collections.ConfigDict:
-  c = defaults.get_config()
+  """The ADORE recipe (configs/adore.py), with the benchmark's model, sizes and in-step retrieval."""
+  c = recipes.load("adore")
   if args.model == "minilm":
     c.model.init_from = "minilm"
-  else:  # a fresh 2x64 tower: only for smoke tests of the benchmark itself
+  elif args.model == "tiny":  # a fresh 2x64 tower: only for smoke tests of the benchmark itself
     c.model.init_from, c.model.fresh, c.model.pooling = "", "tiny", "mean"
-  c.model.shared = False
-  c.model.train_towers = "query"
-  c.negatives.source = "retrieval"
+  else:  # a Hugging Face directory (jdr.bench device writes a random BERT-base there)
+    c.model.init_from, c.model.pooling, c.model.normalize = args.model, "mean", False
+  c.model.dtype = getattr(args, "dtype", c.model.dtype)
   c.negatives.top_n = args.top_n
-  c.negatives.in_batch = False
-  c.loss.name = "lambdarank"
-  c.loss.lambda_metric = "mrr@10"
-  c.loss.temperature = 0.05
   c.data.query_max_length = args.query_length
   c.batch_size = args.batch_size
-  c.optimizer.learning_rate, c.optimizer.warmup_steps = 2e-5, 0
+  c.optimizer.warmup_steps = 0
   c.num_train_steps = 10_000
   return c
 
 
-class _Bench:
+class Placed(NamedTuple):
+  """A corpus already on the mesh: rows (`device`) and padding bias, as the step takes them."""
+  device: object
+  bias: jax.Array
+
+
+class Bench:
   """The model, its state and the two jitted steps, built once and reused for every corpus."""
 
-  def __init__(self, args):
+  def __init__(self, args, mesh=None):
     from jdr import optimizers, parallel, train  # pylint: disable=g-import-not-at-top
     from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
     from jdr.negatives import retrieved  # pylint: disable=g-import-not-at-top
     self.args, self.parallel, self.retrieved = args, parallel, retrieved
     config = _config(args)
-    self.mesh = mesh = parallel.make_mesh(config.mesh.shape)
+    self.mesh = mesh = mesh if mesh is not None else parallel.make_mesh(config.mesh.shape)
     parallel.check_batch_size(config.batch_size, mesh)
     built = build_lib.build(config.model, config.data)
     model = built.model
@@ -137,13 +141,13 @@ class _Bench:
     return {"retrieval_share": a / (a + b), "retrieval_s": a, "step_s": b, "index_build_s": build_s,
             "faiss_gpu": bool(getattr(retriever, "_want_gpu", False))}
 
-  def jax(self, emb: np.ndarray, positives: np.ndarray) -> dict:
-    corpus = self.retrieved.put_corpus(emb, [str(i) for i in range(len(emb))], self.mesh)
+  def jax(self, corpus, num_docs: int, positives: np.ndarray) -> dict:
+    """`corpus`: anything with the step's `device` rows and `bias` (retrieved.put_corpus, or Placed)."""
     rng = np.random.default_rng(1)
     batch = {**self.queries, "positive_rows": positives}
     in_step, given = [], []
     for i in range(2 + self.args.steps):
-      rows = rng.integers(0, len(emb), (len(positives), self.args.top_n)).astype(np.int32)
+      rows = rng.integers(0, num_docs, (len(positives), self.args.top_n)).astype(np.int32)
       t_in = self._run(self.step_in_step, batch, corpus)
       t_given = self._run(self.step_given, {**batch, "cand_rows": rows}, corpus)
       if i >= 2:
@@ -187,7 +191,7 @@ def main(argv=None) -> None:
 
   if "jax" in backends and not any(f.strip().lower() == "flat" for f in factories):
     print("adore-step: the jax back-end is exact top-k, so it runs only with the Flat factory", file=sys.stderr)
-  bench = _Bench(args)
+  bench = Bench(args)
   results = []
   for n in sizes:
     emb = random_corpus(n, bench.dim, seed=n)
@@ -198,7 +202,10 @@ def main(argv=None) -> None:
         if backend == "jax" and not flat:
           continue  # exact top-k: the JAX back-end has no compressed index
         print(f"adore-step: {n} docs, {factory}, {backend}...", file=sys.stderr, flush=True)
-        row = bench.faiss(emb, positives, factory) if backend == "faiss" else bench.jax(emb, positives)
+        if backend == "faiss":
+          row = bench.faiss(emb, positives, factory)
+        else:
+          row = bench.jax(bench.retrieved.put_corpus(emb, [str(i) for i in range(n)], bench.mesh), n, positives)
         results.append({"size": n, "factory": factory, "backend": backend,
                         **{k: round(v, 5) if isinstance(v, float) else v for k, v in row.items()}})
         gc.collect()

@@ -30,29 +30,19 @@ import jax
 import ml_collections
 import numpy as np
 
-from jdr import defaults
+from jdr.bench import recipes
 
 
 def _config(args) -> ml_collections.ConfigDict:
-  c = defaults.get_config()
+  """The ANCE recipe's runlocal variant (configs/ance.py), on this benchmark's schedule."""
+  c = recipes.load("ance", "runlocal")
   if args.model == "minilm":
     c.model.init_from = "minilm"
   else:  # a fresh 2x64 tower: only for smoke tests of the benchmark itself
     c.model.init_from, c.model.fresh, c.model.pooling = "", "tiny", "mean"
-  # configs/ance.py
-  c.model.shared = True
-  c.negatives.source = "ance"
-  c.negatives.top_n = 200
-  c.negatives.per_query = 1
-  c.negatives.in_batch = True
-  c.loss.name = "softmax_nll"
-  # ... its runlocal variant
   c.batch_size = args.batch_size
-  c.optimizer.learning_rate = 2e-5
   c.optimizer.warmup_steps = max(1, args.steps // 10)
-  c.loss.temperature = 0.05
-  c.eval.doc_max_length = 256
-  # ... on this benchmark's schedule, logging every step, without evaluation or checkpoints inside the loop
+  # ... logging every step, without evaluation or checkpoints inside the loop
   c.data.dataset = args.dataset
   c.data.eval_split = ""
   c.num_train_steps = args.steps

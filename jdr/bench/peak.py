@@ -47,3 +47,21 @@ def encoder_flops(num_tokens: np.ndarray, *, layers: int, hidden: int, intermedi
   """
   n = np.asarray(num_tokens, dtype=np.float64)
   return float(layers * (n.sum() * (8 * hidden**2 + 4 * hidden * intermediate) + 4 * hidden * (n**2).sum()))
+
+
+def torch_device() -> str:
+  """Where a benchmark runs its PyTorch reference: the GPU when jax runs on one (a comparison across devices
+  compares nothing), else the CPU (a TPU host's reference has no TPU to run on)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  try:
+    import torch  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return "cpu"
+  return "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
+
+
+def torch_sync(device: str) -> None:
+  """Waits for the device's queued work (CUDA launches return before the kernels finish)."""
+  if device == "cuda":
+    import torch  # pylint: disable=g-import-not-at-top
+    torch.cuda.synchronize()

@@ -36,6 +36,7 @@ import ml_collections
 import numpy as np
 
 from jdr import defaults
+from jdr.bench import peak as peak_lib
 
 
 def _config(batch_size: int, chunk_size: int) -> ml_collections.ConfigDict:
@@ -106,8 +107,9 @@ def sentence_transformers_seconds(hf_dir: str, params, batches, steps: int, chun
     norm.norm.weight.copy_(torch.from_numpy(head["projection_norm"]["scale"].copy()))
     norm.norm.bias.copy_(torch.from_numpy(head["projection_norm"]["bias"].copy()))
     norm.norm.eps = 1e-12
+  device = peak_lib.torch_device()  # where jdr runs: the GPU on a GPU host
   model = SentenceTransformer(modules=[transformer, modules.Pooling(256, pooling_mode="cls"), dense, norm],
-                              device="cpu")
+                              device=device)
   model.train()
   if chunk_size:
     loss_fn = losses.CachedMultipleNegativesRankingLoss(model, scale=1.0, similarity_fct=dot_score,
@@ -117,9 +119,9 @@ def sentence_transformers_seconds(hf_dir: str, params, batches, steps: int, chun
   optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
 
   def features(batch, side):
-    ids = torch.from_numpy(np.asarray(batch[f"{side}_ids"], np.int64))
-    return {"input_ids": ids, "attention_mask": torch.from_numpy(np.asarray(batch[f"{side}_mask"], np.int64)),
-            "token_type_ids": torch.zeros_like(ids)}
+    ids = torch.from_numpy(np.asarray(batch[f"{side}_ids"], np.int64)).to(device)
+    mask = torch.from_numpy(np.asarray(batch[f"{side}_mask"], np.int64)).to(device)
+    return {"input_ids": ids, "attention_mask": mask, "token_type_ids": torch.zeros_like(ids)}
 
   def run_step(s):
     optimizer.zero_grad(set_to_none=True)
@@ -128,6 +130,7 @@ def sentence_transformers_seconds(hf_dir: str, params, batches, steps: int, chun
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
+    peak_lib.torch_sync(device)
 
   return _median_seconds(run_step, steps)
 

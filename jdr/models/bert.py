@@ -257,6 +257,20 @@ class Embeddings(nn.Module):
     return Dropout(cfg.hidden_dropout)(x, deterministic=deterministic)
 
 
+def fused_attention(q, k, v, key_mask, scale: float):
+  """jax.nn.dot_product_attention over [B, L, N, D] (its own layout), keys given by their lengths.
+
+  jdr's key masks are prefixes (texts are padded on the right), so each row's length says what its mask
+  says; lengths are also what cuDNN's fused kernel takes (it refuses a broadcast [B, 1, 1, L] mask), and
+  jax's default implementation never picks cuDNN by itself, so GPUs ask for it by name. A row with no
+  token at all (a padding row, whose output nothing reads) attends to its first key rather than to none.
+  """
+  lengths = jnp.maximum(jnp.sum(key_mask, axis=-1, dtype=jnp.int32), 1)
+  cudnn = parallel.platform() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[-1] <= 128
+  return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths, scale=scale,
+                                      implementation="cudnn" if cudnn else "xla")
+
+
 class Layer(nn.Module):
   """One post-LayerNorm transformer block: self-attention, add & norm, GELU MLP, add & norm.
 
@@ -282,9 +296,7 @@ class Layer(nn.Module):
     fused = no_probs_needed and (cfg.attention == "fused" or (
         cfg.attention == "auto" and parallel.platform() != "cpu"))
     if fused:
-      # [B, L, N, D] is jax.nn.dot_product_attention's own layout; it picks cuDNN's kernel where it can.
-      ctx = jax.nn.dot_product_attention(q, k, v, mask=key_mask[:, None, None, :],
-                                         scale=cfg.head_dim ** -0.5).astype(cfg.compute_dtype)
+      ctx = fused_attention(q, k, v, key_mask, cfg.head_dim ** -0.5).astype(cfg.compute_dtype)
     else:
       # Scaling q ([B, L, N, D]) is cheaper than scaling the [B, N, L, L] logits.
       q = q * jnp.asarray(cfg.head_dim ** -0.5, q.dtype)

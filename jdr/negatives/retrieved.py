@@ -9,8 +9,8 @@ Where the retrieval runs is a config value (`negatives.retrieval_backend`):
   faiss  on the host, between steps: `HostRetrieval` encodes the batch's queries with the current query
          tower (the same dropout rng the step will use, so the ranking is the one the loss sees), searches
          any Faiss index (flat, or OPQ+PQ), and hands the ids to the step as the batch field `cand_rows`;
-  jax    inside the jitted step: `sharded_top_k` over the corpus matrix sharded by rows across the mesh,
-         each device searching its own rows.
+  jax    inside the jitted step: `sharded_top_k` (`jdr.topk`) over the corpus matrix sharded by rows
+         across the mesh, each device searching its own rows.
 Either way the step then runs the same code: `replace_last`, `gather_rows`, scores, loss.
 
 With a compressed index the corpus matrix the step scores against is the index's own reconstruction of the
@@ -31,9 +31,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
-ALL_AXES = ("data", "fsdp", "model")
+from jdr import topk
 
 
 # ------------------------------------------------------------------------------------------------ the corpus
@@ -43,85 +42,45 @@ ALL_AXES = ("data", "fsdp", "model")
 class CorpusMatrix:
   """The fixed document vectors the step scores against, on the devices and on the host.
 
-  `device` is [N_pad, D] float32 sharded by rows over every mesh axis (rows past N are zeros) and `bias`
-  [N_pad] is 0 for documents, -inf for padding rows, so padding never wins a top-k. `host` keeps the
-  numpy copy the host-side paths need (Faiss, positives' vectors).
+  `device` holds the rows sharded over every mesh axis (`jdr.topk`: float32, bfloat16 by default on
+  accelerators, or int8 with a scale per row; padding rows are zeros) and `bias` [N_pad] is 0 for documents,
+  -inf for padding rows, so padding never wins a top-k. `host` keeps the float32 numpy copy the host-side
+  paths need (Faiss, positives' vectors).
   """
   host: np.ndarray
-  device: jax.Array
+  device: object
   bias: jax.Array
   ids: list[str]
+  block_rows: int = topk.DEFAULT_BLOCK_ROWS
 
   @property
   def num_docs(self) -> int:
     return len(self.ids)
 
 
-def put_corpus(matrix: np.ndarray, ids: list[str], mesh) -> CorpusMatrix:
+def put_corpus(matrix: np.ndarray, ids: list[str], mesh, dtype: str = "auto") -> CorpusMatrix:
   matrix = np.ascontiguousarray(matrix, np.float32)
-  n, dim = matrix.shape
-  devices = int(mesh.devices.size)
-  padded = -(-n // devices) * devices
-  rows = NamedSharding(mesh, P(ALL_AXES, None))
-  full = np.zeros((padded, dim), np.float32)
-  full[:n] = matrix
-  bias = np.where(np.arange(padded) < n, 0.0, -np.inf).astype(np.float32)
-  device = jax.make_array_from_callback(full.shape, rows, lambda index: full[index])
-  device_bias = jax.make_array_from_callback(bias.shape, NamedSharding(mesh, P(ALL_AXES)),
-                                             lambda index: bias[index])
-  return CorpusMatrix(matrix, device, device_bias, list(ids))
+  placed = topk.put_corpus(matrix, mesh, dtype)
+  return CorpusMatrix(matrix, placed.rows, placed.bias, list(ids), placed.block_rows)
 
 
 def corpus_shardings(mesh):
-  return NamedSharding(mesh, P(ALL_AXES, None)), NamedSharding(mesh, P(ALL_AXES))
+  return topk.row_shardings(mesh)
 
 
 # ------------------------------------------------------------------------------------------------ in the step
 
 
-def sharded_top_k(queries: jax.Array, corpus: jax.Array, bias: jax.Array, k: int, mesh,
-                  recall_target: float = 1.0) -> jax.Array:
-  """Rows [B, k] of the top-k inner products of queries [B, D] against the row-sharded corpus, best first.
-
-  Each device takes the top k of its own rows; the k * devices candidates are gathered and merged, so no
-  device ever holds the [B, N] score matrix. Exact (ties aside): the global top k is among the local ones.
-  With recall_target < 1 the local top k is `jax.lax.approx_max_k` (negatives.top_k_recall_target; fast on
-  TPUs, exact elsewhere).
-  """
-  from jdr import index as index_lib  # pylint: disable=g-import-not-at-top
-  rows_per_device = corpus.shape[0] // int(mesh.devices.size)
-  k_local = min(k, rows_per_device)
-
-  def local(q, emb, b):
-    scores = jnp.dot(q, emb.T, precision=jax.lax.Precision.HIGHEST,
-                     preferred_element_type=jnp.float32) + b
-    values, rows = index_lib.local_top_k(scores, k_local, recall_target)
-    offset = jax.lax.axis_index(ALL_AXES) * emb.shape[0]
-    values = jax.lax.all_gather(values, ALL_AXES, axis=1, tiled=True)
-    rows = jax.lax.all_gather(rows + offset, ALL_AXES, axis=1, tiled=True)
-    values, best = jax.lax.top_k(values, k)
-    return jnp.take_along_axis(rows, best, axis=1)
-
-  return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(ALL_AXES, None), P(ALL_AXES)), out_specs=P(),
-                       check_vma=False)(queries, corpus, bias)
+def sharded_top_k(queries: jax.Array, corpus, bias: jax.Array, k: int, mesh,
+                  recall_target: float = 1.0, block_rows: int = topk.DEFAULT_BLOCK_ROWS) -> jax.Array:
+  """Rows [B, k] of the top-k inner products of queries [B, D] against the row-sharded corpus, best first:
+  `jdr.topk.sharded_top_k`, the search every JAX caller shares."""
+  return topk.sharded_top_k(queries, corpus, bias, k, mesh, block_rows, recall_target)[1]
 
 
-def gather_rows(corpus: jax.Array, rows: jax.Array, mesh) -> jax.Array:
-  """corpus[rows] for rows of any shape (-1 gives zeros), with the corpus sharded by rows.
-
-  Each device looks up the rows it holds and contributes zeros for the rest; one psum assembles the
-  result. No device gathers the whole matrix, and the sum is exact because one device holds each row.
-  """
-  def local(emb, r):
-    start = jax.lax.axis_index(ALL_AXES) * emb.shape[0]
-    local_rows = r - start
-    mine = (r >= 0) & (local_rows >= 0) & (local_rows < emb.shape[0])
-    picked = jnp.take(emb, jnp.clip(local_rows, 0, emb.shape[0] - 1), axis=0)
-    picked = jnp.where(mine[..., None], picked, 0.0)
-    return jax.lax.psum(picked, ALL_AXES)
-
-  return jax.shard_map(local, mesh=mesh, in_specs=(P(ALL_AXES, None), P()), out_specs=P(),
-                       check_vma=False)(corpus, rows)
+def gather_rows(corpus, rows: jax.Array, mesh) -> jax.Array:
+  """float32 corpus[rows] for rows of any shape (-1 gives zeros), with the corpus sharded by rows."""
+  return topk.gather_rows(corpus, rows, mesh)
 
 
 def replace_last(rows: jax.Array, positive_rows: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -211,11 +170,13 @@ def top_rows(retriever, queries: np.ndarray, n: int) -> np.ndarray:
   return rows
 
 
-def exact_top_rows(doc_emb: np.ndarray, queries: np.ndarray, n: int, backend: str = "faiss") -> np.ndarray:
+def exact_top_rows(doc_emb: np.ndarray, queries: np.ndarray, n: int, backend: str = "faiss",
+                   dtype: str = "auto") -> np.ndarray:
   """[Q, n] rows of each query's exact top n by inner product over `doc_emb` (a Flat index of `backend`:
-  Faiss on the host, or jdr's JAX top-k on the devices)."""
+  Faiss on the host, or jdr's JAX top-k on the devices, storing the matrix as `dtype`)."""
   from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
-  retriever = corpus_lib.build_index(doc_emb, [str(i) for i in range(len(doc_emb))], backend, "Flat")
+  retriever = corpus_lib.build_index(doc_emb, [str(i) for i in range(len(doc_emb))], backend, "Flat",
+                                     jax_dtype=dtype)
   return top_rows(retriever, queries, min(n, len(doc_emb)))
 
 

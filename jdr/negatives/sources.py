@@ -108,7 +108,8 @@ def make(config: ml_collections.ConfigDict, data, workdir: pathlib.Path, encoder
   train_qids = sorted({q for q, docs in data.train_qrels.items() if any(r > 0 for r in docs.values())})
   if name == "dense_static":
     rows = mine_rows(encoder, initial_params, train_qids, neg.top_n,
-                     cache / _cache_name("dense_static", neg.top_n, encoder, train_qids), neg.retrieval_backend)
+                     cache / _cache_name("dense_static", neg.top_n, encoder, train_qids), neg.retrieval_backend,
+                     neg.corpus_dtype)
     pools = rows_to_pools(rows, train_qids, corpus_ids)
     run = {q: {d: float(-rank) for rank, d in enumerate(docs)} for q, docs in pools.items()}
     sampler = sampled.StaticNegatives(run, data.train_qrels, top_k=neg.top_n, corpus_ids=corpus_ids)
@@ -123,7 +124,7 @@ def make(config: ml_collections.ConfigDict, data, workdir: pathlib.Path, encoder
       # Runs in the refresher's worker thread, beside training (jitted calls release the GIL); on several
       # hosts on the trainer's thread (inline), so the gather of the hosts' corpus parts, a collective, is
       # issued in the same order as the step's own on every host.
-      rows = mine_rows(encoder, params, qid_list, neg.top_n, None, neg.retrieval_backend)
+      rows = mine_rows(encoder, params, qid_list, neg.top_n, None, neg.retrieval_backend, neg.corpus_dtype)
       return rows_to_pools(rows, qid_list, corpus_ids)
 
     max_wait = float("inf") if neg.refresh_max_wait_s < 0 else float(neg.refresh_max_wait_s)
@@ -142,7 +143,7 @@ def make(config: ml_collections.ConfigDict, data, workdir: pathlib.Path, encoder
     faiss_retriever, scored = retrieved.reconstruct(emb, neg.index_factory, seed=config.seed)
   else:
     scored = emb
-  corpus = retrieved.put_corpus(scored, corpus_ids, mesh)
+  corpus = retrieved.put_corpus(scored, corpus_ids, mesh, neg.corpus_dtype)
   out = Negatives("corpus", corpus=corpus, top_n=neg.top_n, doc_emb=emb)
   if neg.retrieve_every == 0:
     # Mined once with the starting query tower, then fixed: the ablation that isolates "dynamic".
@@ -222,7 +223,7 @@ def corpus_embeddings(neg, encoder, params, cache: pathlib.Path, corpus_ids: lis
 
 
 def mine_rows(encoder, params, qids: list[str], n: int, path: pathlib.Path | None,
-              backend: str = "faiss") -> np.ndarray:
+              backend: str = "faiss", dtype: str = "auto") -> np.ndarray:
   """[Q, n] corpus rows of each query's top n under `params` (both towers), exact inner product, searched
   where `negatives.retrieval_backend` says (Faiss on the host or JAX on the devices).
 
@@ -231,7 +232,7 @@ def mine_rows(encoder, params, qids: list[str], n: int, path: pathlib.Path | Non
   if path is not None and path.exists():
     return paths.load_npy(path)
   doc_emb = encoder.corpus(params, progress=path is not None)
-  rows = retrieved.exact_top_rows(doc_emb, encoder.queries(params, qids), n, backend)
+  rows = retrieved.exact_top_rows(doc_emb, encoder.queries(params, qids), n, backend, dtype)
   if path is not None:
     atomic.write_atomic(path, lambda f: np.save(f, rows))
   return rows

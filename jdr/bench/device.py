@@ -1,0 +1,422 @@
+"""The whole accelerator picture in one command: peak, bandwidth, encoding, the train step, top-k, ADORE.
+
+  python -m jdr.bench device [--size full|small] [--sections peak,encode,train,topk,adore]
+
+jdr and its PyTorch reference run on the same device in the same process: on a GPU host both on the GPU; on
+a CPU host both on the CPU (on a TPU host the reference has no TPU and runs on the host CPU, which the output
+says). `full` (the default on accelerators) is BERT-base-shaped with random weights built from a config (the
+bundled MiniLM's tokenizer), bf16, SciFact's documents at up to 256 tokens, exact top-200 of 32 queries over
+1M and 8,841,823 x 768 rows, and the ADORE step (BERT-base query tower, batch 32, top-200) over 8.84M rows.
+`small` (the default on CPUs) is a 2 x 64 model, float32, 100k rows, and finishes in a few minutes on 2 cores.
+
+Sections, each printed when it finishes and all together as the last JSON line:
+  peak    the matmul peak (bf16 on accelerators, float32 on CPUs) in jax and torch, and a device-to-device copy
+          bandwidth (read + write bytes per second): the bound of a pass over a matrix is its bytes / that.
+  encode  corpus encoding, jdr against sentence-transformers (batch 32, 128, 512; its best for the ratio),
+          docs/s and the fraction of jax's peak over real (unpadded) tokens.
+  train   the in-batch train step (AdamW, dropout on), jdr against transformers + torch (SDPA attention, fused
+          AdamW and bf16 autocast on a GPU), ms and fraction of peak (3x the forward FLOPs of real tokens).
+  topk    exact top-200 of 32 queries: jdr.topk (bf16 on accelerators, also int8) against torch.mm +
+          torch.topk on the same matrix, with the bound and the two's agreement on the rows.
+  adore   the ADORE recipe's step (configs/adore.py with in-step JAX retrieval) with and without its retrieval;
+          share = (with - without) / with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jdr import topk
+from jdr.bench import peak as peak_lib
+
+SECTIONS = ("peak", "encode", "train", "topk", "adore")
+SIZES = {
+    "full": dict(model="base", dtype="bfloat16", encode_docs=0, encode_length=256, reference_batches=(32, 128, 512),
+                 train_batch=128, train_query_length=32, train_doc_length=256, topk_sizes=(1_000_000, 8_841_823),
+                 topk_dim=768, adore_size=8_841_823, matmul_n=8192, copy_bytes=4 << 30, repeats=20),
+    "small": dict(model="tiny", dtype="float32", encode_docs=400, encode_length=128, reference_batches=(32, 128),
+                  train_batch=8, train_query_length=16, train_doc_length=64, topk_sizes=(100_000,),
+                  topk_dim=768, adore_size=100_000, matmul_n=1024, copy_bytes=256 << 20, repeats=3),
+}
+MSMARCO_DOCS = 8_841_823
+
+
+def median_seconds(run, repeats: int, warmup: int = 2) -> float:
+  """Median wall seconds of `run()`, which must return only once its work is done on the device."""
+  for _ in range(warmup):
+    run()
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    run()
+    times.append(time.perf_counter() - start)
+  return float(np.median(times))
+
+
+def _report(name: str, result: dict) -> dict:
+  print(f"[{name}] " + json.dumps(result), file=sys.stderr, flush=True)
+  return result
+
+
+# ------------------------------------------------------------------------------------------------ peak
+
+
+def section_peak(size: dict, torch_device: str) -> dict:
+  import torch  # pylint: disable=g-import-not-at-top
+  accelerator = jax.default_backend() != "cpu"
+  n, repeats = size["matmul_n"], size["repeats"]
+  jdt = jnp.bfloat16 if accelerator else jnp.float32
+  a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jdt)
+  mm = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32).astype(x.dtype))
+  jax_s = median_seconds(lambda: mm(a, a).block_until_ready(), repeats)
+  tdt = torch.bfloat16 if torch_device == "cuda" else torch.float32
+  ta = torch.randn(n, n, dtype=tdt, device=torch_device)
+  torch_s = median_seconds(lambda: (torch.mm(ta, ta), peak_lib.torch_sync(torch_device)), repeats)
+
+  # bf16 on accelerators; float32 on CPUs, whose bf16 arithmetic converts every element and runs far below
+  # memory speed.
+  elements = size["copy_bytes"] // jnp.dtype(jdt).itemsize
+  buf = jnp.zeros((elements,), jdt)
+  copy = jax.jit(lambda x: x * jnp.asarray(2, x.dtype))  # reads and writes every byte once
+  copy_s = median_seconds(lambda: copy(buf).block_until_ready(), repeats)
+  tbuf = torch.zeros(elements, dtype=tdt, device=torch_device)
+  tout = torch.empty_like(tbuf)
+  tcopy_s = median_seconds(lambda: (tout.copy_(tbuf), peak_lib.torch_sync(torch_device)), repeats)
+  del a, ta, buf, tbuf, tout
+  return {"dtype": "bfloat16" if accelerator else "float32", "matmul_n": n,
+          "jax_tflops": round(2 * n**3 / jax_s / 1e12, 4), "torch_tflops": round(2 * n**3 / torch_s / 1e12, 4),
+          "peak_tflops": round(max(2 * n**3 / jax_s, 2 * n**3 / torch_s) / 1e12, 4),
+          "copy_bytes": size["copy_bytes"], "jax_copy_gbps": round(2 * size["copy_bytes"] / copy_s / 1e9, 1),
+          "torch_copy_gbps": round(2 * size["copy_bytes"] / tcopy_s / 1e9, 1),
+          "bandwidth_gbps": round(max(2 * size["copy_bytes"] / copy_s, 2 * size["copy_bytes"] / tcopy_s) / 1e9, 1)}
+
+
+# ------------------------------------------------------------------------------------------------ models
+
+
+def random_hf_model(directory: str, model: str) -> dict:
+  """Writes a BERT of jdr's `model.fresh` shape with random weights (seed 0) and MiniLM's tokenizer to a
+  Hugging Face directory, so jdr and the reference load the very same weights; returns its shape."""
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  from jdr.models import build, hf  # pylint: disable=g-import-not-at-top
+  shape = build.FRESH[model]
+  tokenizer = transformers.AutoTokenizer.from_pretrained(str(hf.minilm_path()))
+  config = transformers.BertConfig(vocab_size=len(tokenizer), hidden_size=shape["hidden_size"],
+                                   num_hidden_layers=shape["num_layers"], num_attention_heads=shape["num_heads"],
+                                   intermediate_size=shape["intermediate_size"], max_position_embeddings=512)
+  torch.manual_seed(0)
+  transformers.BertModel(config, add_pooling_layer=False).save_pretrained(directory)
+  tokenizer.save_pretrained(directory)
+  return shape
+
+
+def _flops(lengths, shape) -> float:
+  return peak_lib.encoder_flops(lengths, layers=shape["num_layers"], hidden=shape["hidden_size"],
+                                intermediate=shape["intermediate_size"])
+
+
+def _scifact_texts(limit: int) -> list[str]:
+  from jdr.data import formats, shared, text  # pylint: disable=g-import-not-at-top
+  path = shared.shared_dataset("scifact")
+  if path is None:
+    raise SystemExit(f"jdr.bench device reads SciFact from {shared.shared_data_dir() / 'scifact'} "
+                     "(set JDR_SHARED_DATA)")
+  docs = list(formats.read_corpus(path / "corpus.jsonl").values())
+  return [text.doc_text(d) for d in (docs[:limit] if limit else docs)]
+
+
+def section_encode(size: dict, torch_device: str, model_dir: str, shape: dict, peak_flops: float) -> dict:
+  import torch  # pylint: disable=g-import-not-at-top
+  from sentence_transformers import SentenceTransformer, models  # pylint: disable=g-import-not-at-top
+  from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+  from jdr.bench import encode_speed  # pylint: disable=g-import-not-at-top
+  from jdr.data import text as text_lib  # pylint: disable=g-import-not-at-top
+  texts = _scifact_texts(size["encode_docs"])
+  length = size["encode_length"]
+  runtime = corpus_lib.load_runtime(model_dir, pooling="mean", normalize=False, max_length=length,
+                                    dtype=size["dtype"])
+  lengths = [len(t) for t in text_lib.tokenize(runtime.tokenizer, texts, length)]
+  flops = _flops(lengths, shape)
+  tokens_per_batch = corpus_lib.default_tokens_per_batch()
+  compile_s = encode_speed.warm_up(runtime, lengths, tokens_per_batch)
+  start = time.perf_counter()
+  jdr_emb = corpus_lib.encode_texts(runtime, texts, tokens_per_batch=tokens_per_batch)
+  jdr_s = time.perf_counter() - start
+
+  transformer = models.Transformer(model_dir, max_seq_length=length)
+  reference = SentenceTransformer(modules=[transformer, models.Pooling(shape["hidden_size"], "mean")],
+                                  device=torch_device)
+  if size["dtype"] == "bfloat16":
+    reference = reference.to(torch.bfloat16)
+  rates = {}
+  with torch.inference_mode():
+    for batch in size["reference_batches"]:
+      reference.encode(texts[:batch], batch_size=batch)
+      peak_lib.torch_sync(torch_device)
+      start = time.perf_counter()
+      ref_emb = reference.encode(texts, batch_size=batch, convert_to_numpy=True)
+      peak_lib.torch_sync(torch_device)
+      rates[batch] = len(texts) / (time.perf_counter() - start)
+  best = max(rates, key=rates.get)
+  jdr_rate = len(texts) / jdr_s
+  cos = np.sum(jdr_emb * ref_emb, 1) / (np.linalg.norm(jdr_emb, axis=1) * np.linalg.norm(ref_emb, axis=1))
+  return {"docs": len(texts), "max_length": length, "real_tokens": int(sum(lengths)), "dtype": size["dtype"],
+          "jdr_docs_per_s": round(jdr_rate, 1), "jdr_tokens_per_batch": tokens_per_batch,
+          "jdr_compile_s": round(compile_s, 1),
+          "jdr_peak_fraction": round(flops / jdr_s / peak_flops, 3),
+          "reference_docs_per_s": {str(b): round(r, 1) for b, r in rates.items()},
+          "reference_best_batch": best,
+          "reference_peak_fraction": round(flops * rates[best] / len(texts) / peak_flops, 3),
+          "ratio": round(jdr_rate / rates[best], 3), "min_cosine_vs_reference": round(float(np.min(cos)), 4)}
+
+
+# ------------------------------------------------------------------------------------------------ train step
+
+
+def _train_config(size: dict, model_dir: str):
+  from jdr import defaults  # pylint: disable=g-import-not-at-top
+  c = defaults.get_config()
+  c.model.init_from = model_dir
+  c.model.pooling = "mean"
+  c.model.normalize = False
+  c.model.dtype = size["dtype"]
+  c.data.query_max_length, c.data.doc_max_length = size["train_query_length"], size["train_doc_length"]
+  c.batch_size = size["train_batch"]
+  c.optimizer.learning_rate, c.optimizer.warmup_steps = 2e-5, 0
+  c.num_train_steps = 10_000
+  return c
+
+
+def _token_batch(b: int, query_length: int, doc_length: int) -> dict[str, np.ndarray]:
+  rng = np.random.default_rng(0)
+  return {"query_ids": rng.integers(1000, 30000, (b, query_length)).astype(np.int32),
+          "query_mask": np.ones((b, query_length), np.int32),
+          "doc_ids": rng.integers(1000, 30000, (b, doc_length)).astype(np.int32),
+          "doc_mask": np.ones((b, doc_length), np.int32), "valid": np.ones((b, b), bool)}
+
+
+def jdr_train_step_seconds(config, batch: dict, repeats: int) -> float:
+  from jdr import optimizers, train  # pylint: disable=g-import-not-at-top
+  from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
+  built = build_lib.build(config.model, config.data)
+  tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps)
+  params = train.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
+  state = train.TrainState(step=jnp.int32(0), params=params, opt_state=tx.init(params), rng=jax.random.PRNGKey(1))
+  step_fn = jax.jit(train.make_train_step(built.model, tx, config), donate_argnums=(0,))
+  batch = jax.device_put(batch)
+  holder = {"state": state}
+
+  def run():
+    holder["state"], metrics = step_fn(holder["state"], batch)
+    jax.block_until_ready(metrics["loss"])
+
+  return median_seconds(run, repeats)
+
+
+def torch_train_step_seconds(model_dir: str, batch: dict, torch_device: str, bf16: bool, repeats: int) -> float:
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  model = transformers.BertModel.from_pretrained(model_dir, add_pooling_layer=False,
+                                                 attn_implementation="sdpa").to(torch_device)
+  model.train()
+  decay = [p for p in model.parameters() if p.ndim > 1]
+  no_decay = [p for p in model.parameters() if p.ndim <= 1]
+  cuda = torch_device == "cuda"
+  optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+                                lr=2e-5, fused=cuda)
+  t = {k: torch.from_numpy(np.asarray(v)).long().to(torch_device) for k, v in batch.items() if k != "valid"}
+  labels = torch.arange(t["query_ids"].shape[0], device=torch_device)
+
+  def embed(ids, mask):
+    hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    m = mask.unsqueeze(-1).to(hidden.dtype)
+    return (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
+
+  def run():
+    optimizer.zero_grad(set_to_none=True)
+    with torch.autocast(device_type="cuda" if cuda else "cpu", dtype=torch.bfloat16, enabled=bf16 and cuda):
+      q = embed(t["query_ids"], t["query_mask"])
+      d = embed(t["doc_ids"], t["doc_mask"])
+      loss = torch.nn.functional.cross_entropy((q @ d.T).float(), labels)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    peak_lib.torch_sync(torch_device)
+
+  seconds = median_seconds(run, repeats)
+  del model, optimizer
+  return seconds
+
+
+def section_train(size: dict, torch_device: str, model_dir: str, shape: dict, peak_flops: float) -> dict:
+  b, lq, ld = size["train_batch"], size["train_query_length"], size["train_doc_length"]
+  batch = _token_batch(b, lq, ld)
+  flops = 3 * (_flops([lq] * b, shape) + _flops([ld] * b, shape))
+  config = _train_config(size, model_dir)
+  jdr_s = jdr_train_step_seconds(config, batch, size["repeats"])
+  config.model.attention_dropout = 0.0
+  jdr_no_attention_dropout_s = jdr_train_step_seconds(config, batch, size["repeats"])
+  gc.collect()
+  torch_s = torch_train_step_seconds(model_dir, batch, torch_device, size["dtype"] == "bfloat16", size["repeats"])
+  return {"batch": b, "query_length": lq, "doc_length": ld, "dtype": size["dtype"],
+          "jdr_ms": round(1e3 * jdr_s, 2), "jdr_peak_fraction": round(flops / jdr_s / peak_flops, 3),
+          "jdr_attention_dropout_0_ms": round(1e3 * jdr_no_attention_dropout_s, 2),
+          "jdr_attention_dropout_0_peak_fraction": round(flops / jdr_no_attention_dropout_s / peak_flops, 3),
+          "reference_ms": round(1e3 * torch_s, 2), "reference_peak_fraction": round(flops / torch_s / peak_flops, 3),
+          "ratio": round(torch_s / jdr_s, 3)}
+
+
+# ------------------------------------------------------------------------------------------------ top-k
+
+
+def random_corpus_on_mesh(n: int, dim: int, mesh, dtype: str, seed: int) -> topk.ShardedCorpus:
+  """A ShardedCorpus of n random rows (normal, scaled by dim^-1/2) generated on the devices, block by block,
+  so neither the host nor the device ever holds a float32 copy of 8.8M x 768. The same seed gives the same
+  float32 rows whatever the storage, so an int8 corpus is the quantization of the bfloat16 one's source."""
+  block = topk.DEFAULT_BLOCK_ROWS
+  padded = topk.padded_size(n, int(mesh.devices.size), block)
+  rows_sharding, bias_sharding = topk.row_shardings(mesh)
+  key = jax.random.PRNGKey(seed)
+
+  def one_block(index):
+    x = jax.random.normal(jax.random.fold_in(key, index), (block, dim), jnp.float32) * (dim ** -0.5)
+    x = jnp.where((index * block + jnp.arange(block))[:, None] < n, x, 0.0)
+    if dtype == "int8":
+      return topk.quantize_int8(x)
+    return x.astype(jnp.bfloat16 if dtype == "bfloat16" else jnp.float32)
+
+  @jax.jit
+  def make():
+    out = jax.lax.map(one_block, jnp.arange(padded // block), batch_size=8192)
+    return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a.reshape(padded, -1), rows_sharding), out)
+
+  rows = make()
+  if dtype == "int8":
+    rows = topk.QuantizedRows(*rows)
+  bias = jax.device_put(np.where(np.arange(padded) < n, 0.0, -np.inf).astype(np.float32), bias_sharding)
+  return topk.ShardedCorpus(rows, bias, n, dtype, block)
+
+
+def section_topk(size: dict, torch_device: str, bandwidth: float, mesh, k: int = 200, batch: int = 32) -> dict:
+  import torch  # pylint: disable=g-import-not-at-top
+  dim = size["topk_dim"]
+  dtype = topk.resolve_dtype("auto")
+  queries = jax.random.normal(jax.random.PRNGKey(7), (batch, dim), jnp.float32)
+  out = {"k": k, "queries": batch, "dim": dim, "dtype": dtype, "rows": []}
+  for n in size["topk_sizes"]:
+    row = {"size": n}
+    corpus = random_corpus_on_mesh(n, dim, mesh, dtype, seed=n)
+    search = topk.search_fn(corpus, k, mesh)
+    row["jdr_ms"] = round(1e3 * median_seconds(lambda: jax.block_until_ready(search(queries)), size["repeats"]), 3)
+    _, jdr_rows = search(queries)
+    matrix_bytes = n * topk.storage_bytes_per_row(dim, dtype)
+    row["bound_ms"] = round(1e3 * matrix_bytes / bandwidth, 3)
+    row["jdr_over_bound"] = round(row["jdr_ms"] / row["bound_ms"], 2)
+    # The reference searches the very same matrix (a zero-copy view where DLPack allows).
+    try:
+      t_matrix = torch.from_dlpack(corpus.rows)[:n]
+    except Exception:  # pylint: disable=broad-except  (e.g. a sharded array: fall back to a copy)
+      t_matrix = torch.from_numpy(np.asarray(corpus.rows.astype(jnp.float32))[:n]).to(torch_device)
+      if dtype == "bfloat16":
+        t_matrix = t_matrix.to(torch.bfloat16)
+    t_queries = torch.from_numpy(np.array(queries)).to(torch_device).to(t_matrix.dtype)
+
+    def torch_search():
+      scores = torch.mm(t_queries, t_matrix.T).float()
+      result = torch.topk(scores, k, dim=1)
+      peak_lib.torch_sync(torch_device)
+      return result
+
+    row["reference_ms"] = round(1e3 * median_seconds(torch_search, size["repeats"]), 3)
+    ref_rows = torch_search().indices.cpu().numpy()
+    row["ratio"] = round(row["reference_ms"] / row["jdr_ms"], 3)
+    row["agreement"] = round(float(np.mean([len(set(a) & set(b)) / k for a, b in zip(np.asarray(jdr_rows), ref_rows)])), 4)
+    del t_matrix
+    # int8 with one scale per row: a quarter of float32's bytes; recall against jdr's exact search.
+    quantized = random_corpus_on_mesh(n, dim, mesh, "int8", seed=n)
+    search8 = topk.search_fn(quantized, k, mesh)
+    row["int8_ms"] = round(1e3 * median_seconds(lambda: jax.block_until_ready(search8(queries)), size["repeats"]), 3)
+    _, rows8 = search8(queries)
+    row["int8_recall_vs_exact"] = round(float(np.mean(
+        [len(set(a) & set(b)) / k for a, b in zip(np.asarray(rows8), np.asarray(jdr_rows))])), 4)
+    del corpus, quantized, search, search8
+    gc.collect()
+    out["rows"].append(_report(f"topk {n}", row))
+  return out
+
+
+# ------------------------------------------------------------------------------------------------ ADORE
+
+
+def section_adore(size: dict, model_dir: str, mesh) -> dict:
+  from jdr.bench import adore_step  # pylint: disable=g-import-not-at-top
+  args = argparse.Namespace(model=model_dir, top_n=200, batch_size=32, query_length=32, steps=size["repeats"],
+                            train_size=100_000, dtype=size["dtype"])
+  bench = adore_step.Bench(args, mesh)
+  n = size["adore_size"]
+  corpus = random_corpus_on_mesh(n, bench.dim, mesh, topk.resolve_dtype("auto"), seed=11)
+  placed = adore_step.Placed(corpus.rows, corpus.bias)
+  positives = np.random.default_rng(12).integers(0, n, (args.batch_size, 1)).astype(np.int32)
+  row = bench.jax(placed, n, positives)
+  return {"size": n, "dim": bench.dim, "batch": args.batch_size, "top_n": args.top_n,
+          "corpus_dtype": corpus.dtype, **{k: round(v, 5) if isinstance(v, float) else v for k, v in row.items()}}
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(prog="python -m jdr.bench device", description=__doc__.splitlines()[0])
+  parser.add_argument("--size", choices=sorted(SIZES), default=None,
+                      help="full: BERT-base, 8.84M rows (default on accelerators); small: a tiny model, 100k rows "
+                           "(default on CPUs)")
+  parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated: {', '.join(SECTIONS)}")
+  parser.add_argument("--topk-sizes", default=None, help="override the top-k corpus sizes, comma-separated")
+  args = parser.parse_args(argv)
+  sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+  unknown = sorted(set(sections) - set(SECTIONS))
+  if unknown:
+    parser.error(f"--sections: unknown {unknown}; valid: {', '.join(SECTIONS)}")
+  platform = jax.default_backend()
+  size = dict(SIZES[args.size or ("small" if platform == "cpu" else "full")])
+  if args.topk_sizes:
+    size["topk_sizes"] = tuple(int(s) for s in args.topk_sizes.split(","))
+  torch_device = peak_lib.torch_device()
+  import transformers  # pylint: disable=g-import-not-at-top
+  transformers.logging.set_verbosity_error()  # its load reports would bury the sections' lines
+  from jdr import parallel  # pylint: disable=g-import-not-at-top
+  mesh = parallel.make_mesh((-1, 1, 1))
+  result = {"benchmark": "device", "device": jax.devices()[0].device_kind, "platform": platform,
+            "devices": jax.device_count(), "reference_device": torch_device,
+            "size": args.size or ("small" if platform == "cpu" else "full"), "jax": jax.__version__}
+  start = time.perf_counter()
+  result["peak"] = _report("peak", section_peak(size, torch_device))
+  peak_flops = result["peak"]["peak_tflops"] * 1e12  # the better library's: fractions are of the device
+  bandwidth = result["peak"]["bandwidth_gbps"] * 1e9
+  with tempfile.TemporaryDirectory() as model_dir:
+    shape = random_hf_model(model_dir, size["model"])
+    result["model"] = {"shape": size["model"], **shape}
+    if "encode" in sections:
+      result["encode"] = _report("encode", section_encode(size, torch_device, model_dir, shape, peak_flops))
+    if "train" in sections:
+      result["train"] = _report("train", section_train(size, torch_device, model_dir, shape, peak_flops))
+    if "topk" in sections:
+      result["topk"] = section_topk(size, torch_device, bandwidth, mesh)
+    if "adore" in sections:
+      result["adore"] = _report("adore", section_adore(size, model_dir, mesh))
+  result["seconds"] = round(time.perf_counter() - start, 1)
+  print(json.dumps(result))
+
+
+if __name__ == "__main__":
+  main()
