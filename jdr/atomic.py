@@ -2,20 +2,65 @@
 
 A run killed mid-write (preemption, SIGKILL) must never leave half a cache, snapshot or generation file
 that a resumed run would trust. Temp files are hidden (`.NAME.XXXX.tmp`) so a reader can clear strays.
+Outputs that are not regular files (a FIFO, a device, /dev/stdout, `-`) cannot be replaced and are written
+directly.
 On object storage (gs://, s3://) an object only appears once its upload is closed, so it is built in memory and
 uploaded in one piece.
 """
 
 import io
 import os
+import stat
+import sys
 import tempfile
 from typing import Any, Callable
 
 from jdr import paths
 
+STDOUT = "-"  # an output path that means standard output (runs, per-query files)
+
+
+def _read_umask() -> int:
+  mask = os.umask(0)
+  os.umask(mask)
+  return mask
+
+
+# Read once, at import: reading the umask means setting it, which threads writing files at the time would see.
+UMASK = _read_umask()
+
+
+def is_special(path: paths.PathLike) -> bool:
+  """A local path that is not a regular file to replace: a FIFO, a device, /dev/stdout (even one that leads to
+  a file: /dev itself cannot take a temp file). Such an output is written directly."""
+  if not paths.is_local(path):
+    return False
+  given = os.path.abspath(os.fspath(path))
+  if given.startswith(("/dev/", "/proc/")) and not given.startswith("/dev/shm/"):
+    return True
+  try:
+    mode = os.stat(given).st_mode
+  except FileNotFoundError:
+    return False
+  return not stat.S_ISREG(mode) and not stat.S_ISDIR(mode)
+
+
+def naming(e: OSError, path: paths.PathLike) -> OSError:
+  """`e` with `path` as its file name when it has none ("[Errno 28] No space left on device" says where)."""
+  if e.filename is None and e.errno is not None:
+    return OSError(e.errno, e.strerror, os.fspath(path))
+  return e
+
 
 def write_atomic(path: paths.PathLike, write: Callable[[Any], None]) -> None:
-  """Calls `write(binary file)` on a temp file beside `path`, then renames it to `path`."""
+  """Calls `write(binary file)` on a temp file beside `path`, then renames it to `path`, with the mode the
+  umask gives new files. `-` is standard output; a FIFO or a device is written directly. An OSError names
+  `path`, and no partial file is left behind."""
+  if os.fspath(path) == STDOUT:
+    sys.stdout.flush()
+    write(sys.stdout.buffer)
+    sys.stdout.buffer.flush()
+    return
   if not paths.is_local(path):
     # Written to memory first: closing an object-storage file uploads whatever it holds, so a `write` that
     # raises half-way would otherwise leave a truncated object that looks finished.
@@ -25,15 +70,27 @@ def write_atomic(path: paths.PathLike, write: Callable[[Any], None]) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_bytes(buffer.getvalue())
     return
+  if is_special(path):
+    try:
+      with open(path, "ab") as f:  # append: /dev/stdout led to a file keeps what the shell wrote to it
+        write(f)
+    except OSError as e:
+      raise naming(e, path) from None
+    return
   path = paths.local(path)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+  tmp = None
   try:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     with os.fdopen(fd, "wb") as f:
       write(f)
+    os.chmod(tmp, 0o666 & ~UMASK)  # mkstemp makes 0600, readable by its owner alone
     os.replace(tmp, path)
-  except BaseException:
-    paths.local(tmp).unlink(missing_ok=True)
+  except BaseException as e:
+    if tmp is not None:
+      paths.local(tmp).unlink(missing_ok=True)
+    if isinstance(e, OSError):
+      raise naming(e, path) from None
     raise
 
 

@@ -9,6 +9,7 @@ Load order at start-up (train.train_and_evaluate):
 """
 
 import json
+import logging
 from typing import Any
 
 import jax
@@ -50,8 +51,15 @@ def save_params(path: paths.PathLike, params: Any, model_config: dict) -> None:
   """A params-only checkpoint for serving: orbax params plus the model description as JSON."""
   path = paths.absolute(path)
   path.mkdir(parents=True, exist_ok=True)
-  with ocp.StandardCheckpointer() as ckptr:
-    ckptr.save(path / "params", params, force=True)
+  # orbax logs a failed write's traceback from its writer thread before raising it here: the caller reports it.
+  absl_logger = logging.getLogger("absl")
+  level = absl_logger.level
+  absl_logger.setLevel(logging.CRITICAL)
+  try:
+    with ocp.StandardCheckpointer() as ckptr:
+      ckptr.save(path / "params", params, force=True)
+  finally:
+    absl_logger.setLevel(level)
   (path / "jdr_model.json").write_text(json.dumps(model_config, indent=1, sort_keys=True))
 
 

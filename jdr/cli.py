@@ -61,7 +61,9 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                       help="default: the model's own (mean for minilm, cls otherwise)")
   parser.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
                       help="L2-normalize embeddings (default: the model's own)")
-  parser.add_argument("--max-length", type=int, default=None, help="tokens per text (default 256)")
+  parser.add_argument("--max-length", type=int, default=None,
+                      help="tokens per text (default: a jdr export's serving length, a sentence-transformers "
+                           "model's max_seq_length, else what the model supports, up to 512)")
   parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                       help="compute dtype of the encoder")
   parser.add_argument("--tokens-per-batch", type=int, default=None,

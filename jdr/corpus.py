@@ -160,8 +160,9 @@ def load_runtime(model: str, *, pooling: str | None = None, normalize: bool | No
       return two_tower.apply({"params": params}, input_ids, attention_mask, span_mask=span_mask,
                              method=TwoTower.encode_doc)
 
-    info = {"pooling": tower.pooling, "normalize": tower.normalize,
-            "max_length": max_length or description[f"{side}_max_length"]}
+    length, source = (max_length, "--max-length") if max_length else build.serving_length(description, side)
+    info = {"pooling": tower.pooling, "normalize": tower.normalize, "max_length": length, "max_length_from": source,
+            "trained_max_length": description[f"{side}_max_length"]}
     return EncoderRuntime(apply_two_tower, params, tokenizer, int(info["max_length"]), info,
                           spans_two_tower if side == "doc" else None)
 
@@ -177,6 +178,13 @@ def load_runtime(model: str, *, pooling: str | None = None, normalize: bool | No
     return one_tower.apply({"params": params}, input_ids, attention_mask, span_mask=span_mask)
 
   return EncoderRuntime(apply_fn, params, tokenizer, int(info["max_length"]), info, apply_spans)
+
+
+def length_line(runtime: EncoderRuntime, texts: str) -> str:
+  """What a command says of the length it cuts `texts` ("queries", "documents") at, and why."""
+  info = runtime.info
+  trained = f"; trained at {info['trained_max_length']}" if info.get("trained_max_length") else ""
+  return f"{texts}: up to {runtime.max_length} tokens ({info.get('max_length_from', '--max-length')}{trained})"
 
 
 def encode_pieces(runtime: EncoderRuntime, token_ids: Sequence[np.ndarray], levels: Sequence[tuple[str, int]],

@@ -12,7 +12,7 @@ import ml_collections
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   del arg
   c = ml_collections.ConfigDict()
-  c.seed = 0
+  c.seed = 0  # the data order, negatives, dropout and fresh weights all follow from it
 
   # --- data ---
   c.data = ml_collections.ConfigDict()
@@ -20,11 +20,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.data.dataset = "builtin"  # "builtin" (stdlib docstrings) or a BEIR / MS MARCO directory
   c.data.source = "files"  # "files" (read the directory) or "tfds" (the jdr TFDS builder's array_record)
   c.data.tfds_data_dir = ""  # where TFDS keeps prepared data ("" = WORKDIR/tfds)
-  c.data.train_split = "train"
-  c.data.eval_split = "test"
+  c.data.train_split = "train"  # qrels/SPLIT.tsv of the training pairs
+  c.data.eval_split = "test"  # qrels/SPLIT.tsv evaluated before, during and after training ("" = none)
   c.data.train_fraction = 1.0  # < 1 trains on a fixed subset of the training queries (by a hash of the id)
-  c.data.query_max_length = 32
-  c.data.doc_max_length = 128
+  c.data.query_max_length = 32  # training tokens per query (an export serves longer ones)
+  c.data.doc_max_length = 128  # training tokens per document (a cross-encoder: per pair)
   # data.kind="pretrain" (jdr/data/pretrain_batches.py); data.dataset may name the Wikispeedia directory
   c.data.pretrain_source = "wikispeedia"  # "wikispeedia" | "builtin" (stdlib modules) | a Wikipedia XML dump
   c.data.pretrain_task = "mixed"  # ict | bfs | wlp | mixed (ICT+BFS+WLP) | mlm (the masked-LM baseline)
@@ -43,13 +43,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model.shared = True  # one tower for queries and documents
   c.model.train_towers = "both"  # "both" or "query" (ADORE / LTRe keep the document tower fixed)
   c.model.dtype = "auto"  # compute dtype: float32, bfloat16, or auto (bfloat16 on GPU / TPU, float32 on CPU)
-  c.model.remat = False
+  c.model.remat = False  # recompute each layer's activations in the backward pass: less memory, more time
   # > 0: in the train step the towers encode a batch's rows this many at a time (jax.lax.map), their
   # [rows, heads, L, L] attention tensors then fit a CPU's cache (MiniLM at 512 tokens, 32 rows, forward +
   # backward: 13.2 s whole, 10.7 s in chunks of 4 on a 2-core x86 CPU). Same math; each chunk draws its own
   # dropout masks. 0 = all rows at once (accelerators want big batches).
-  c.model.encode_chunk_rows = 0
-  c.model.dropout = 0.1
+  c.model.encode_chunk_rows = 0  # encode this many rows at a time in the step (0 = all; see above)
+  c.model.dropout = 0.1  # hidden and attention dropout of the encoders
 
   # --- negatives and loss: together they are the method ---
   c.negatives = ml_collections.ConfigDict()
@@ -87,8 +87,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.distill.teacher = ""  # a cross-encoder (jdr workdir / export, HF directory); "" = no distillation
   c.distill.document = False  # document-level KD (the "brute-force" baseline, FGD Eq. 5)
   c.distill.granularities = "passage,sentence"  # FGD levels (Eq. 12); "" = none
-  c.distill.passage_tokens = 128
-  c.distill.sentence_tokens = 64
+  c.distill.passage_tokens = 128  # FGD passage windows, in tokens
+  c.distill.sentence_tokens = 64  # FGD sentence windows, in tokens
   c.distill.pooling = "attention"  # student piece vectors: attention (Eq. 7) | mean ("FG pooling")
   c.distill.contrastive_weight = 1.0  # lambda of Eq. 13
   c.distill.negative_pieces = 0  # 0 = every window of the negative documents; m = Eq. 14-15's hierarchy, top m
@@ -96,35 +96,35 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Pairs per teacher batch; 0 = by tokens, as jdr.rerank and jdr.encode batch (about 1,024 padded tokens a
   # batch on a CPU, 16,384 on accelerators): on a 2-core x86 CPU a fixed 32 scored 21.2 pairs/s and token
   # batches 46.3 (`python -m jdr.bench cross-encoder`), and FGD's 64- to 512-token pieces vary in length.
-  c.distill.teacher_batch_size = 0
+  c.distill.teacher_batch_size = 0  # pairs per teacher batch (0 = by tokens; see above)
 
   c.grad_cache = ml_collections.ConfigDict()
-  c.grad_cache.chunk_size = 0
+  c.grad_cache.chunk_size = 0  # rows encoded at a time under exact gradient caching (0 = off)
 
   # --- optimizer (LTRe / STAR: AdamW, warm-up then linear decay, weight decay 0.01) ---
   c.optimizer = ml_collections.ConfigDict()
   c.optimizer.name = "adamw"  # adamw | lamb
-  c.optimizer.learning_rate = 2e-5
-  c.optimizer.warmup_steps = 100
-  c.optimizer.weight_decay = 0.01
-  c.optimizer.b1 = 0.9
-  c.optimizer.b2 = 0.999
-  c.optimizer.eps = 1e-8
+  c.optimizer.learning_rate = 2e-5  # peak, after the warm-up; then linear decay to 0
+  c.optimizer.warmup_steps = 100  # linear warm-up from 0
+  c.optimizer.weight_decay = 0.01  # decoupled, not on biases and LayerNorm
+  c.optimizer.b1 = 0.9  # Adam / LAMB first-moment decay
+  c.optimizer.b2 = 0.999  # second-moment decay
+  c.optimizer.eps = 1e-8  # added to the second moment's square root
   c.optimizer.grad_clip_norm = 1.0  # 0 = no clipping
 
   # --- loop ---
   c.batch_size = 32  # global, over all devices and hosts
-  c.num_train_steps = 1000
-  c.log_every = 10
+  c.num_train_steps = 1000  # optimizer steps
+  c.log_every = 10  # steps between lines of WORKDIR/metrics.jsonl (means over the steps since)
   c.eval_every = 0  # 0 = only before training and at the end
-  c.eval_before_training = True
-  c.checkpoint_every = 500
-  c.keep_checkpoints = 3
+  c.eval_before_training = True  # evaluate the starting model too (step 0)
+  c.checkpoint_every = 500  # steps between checkpoints (also saved at the end and on SIGTERM / SIGINT)
+  c.keep_checkpoints = 3  # the newest N checkpoints are kept
 
   # --- evaluation ---
   c.eval = ml_collections.ConfigDict()
-  c.eval.metrics = "ndcg@10,mrr@10,recall@100"
-  c.eval.top_k = 100
+  c.eval.metrics = "ndcg@10,mrr@10,recall@100"  # jdr.metrics names, comma-separated
+  c.eval.top_k = 100  # documents retrieved per evaluation query
   c.eval.backend = "jax"  # jax (exact top-k on the mesh) | faiss
   c.eval.corpus_dtype = "float32"  # backend=jax storage: float32 keeps reported metrics exact on every platform
   # (auto = bfloat16 on GPU/TPU, as negatives.corpus_dtype; int8 approximate)
@@ -132,8 +132,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval.doc_max_length = 0  # 0 = data.doc_max_length
   c.eval.tokens_per_batch = 0  # 0 = jdr.encode's default for the device (small on CPU, large on GPU/TPU)
   # cross-encoders are evaluated by reranking a first stage (eval.rerank_run, or BM25 when "")
-  c.eval.rerank_run = ""
-  c.eval.rerank_depth = 100
+  c.eval.rerank_run = ""  # cross-encoders: the first-stage TREC run they rerank ("" = BM25)
+  c.eval.rerank_depth = 100  # cross-encoders: documents reranked per query
   c.eval.rerank_batch_size = 0  # 0 = about 1,024 tokens a batch on CPU, 16,384 on accelerators (as jdr.encode)
   c.eval.factories = "Flat"  # Faiss indexes to evaluate on, ';'-separated ("Flat;OPQ48,IVF1,PQ48")
   c.eval.diagnostic_queries = 200  # training queries for the overlap diagnostics (0 = off)
@@ -144,7 +144,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.mesh.rules = "dp"  # dp | fsdp | tp | fsdp_tp (see jdr/parallel.py)
   # A host without accelerators as this many XLA CPU devices (0: JAX's one); 2 on a 2-core CPU made the
   # MiniLM step 13% faster (parallel.use_cpu_devices). The batch must split over them.
-  c.mesh.cpu_devices = 0
+  c.mesh.cpu_devices = 0  # split a CPU-only host into this many XLA devices (0 = one; see above)
   return c
 
 

@@ -55,6 +55,7 @@ def main(argv: Iterable[str] | None = None) -> None:
     parallel.raise_if_any_host_failed(error, f"reading their part of {args.corpus}")
     runtime = corpus_lib.load_runtime(args.model, pooling=args.pooling, normalize=args.normalize,
                                       max_length=args.max_length, dtype=args.dtype)
+    print(corpus_lib.length_line(runtime, "documents"), file=sys.stderr)
     tokens_per_batch = args.tokens_per_batch
     if args.batch_size:
       tokens_per_batch = args.batch_size * runtime.max_length

@@ -31,7 +31,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
   parser.add_argument("--json", action="store_true", help="print one JSON object {metric: mean}")
   parser.add_argument("--missing", choices=["skip", "zero"], default="skip",
                       help="qrels queries absent from the run: skip them (trec_eval, BEIR) or score 0 (trec_eval -c)")
-  parser.add_argument("--per-query", metavar="FILE", help="also write {qid: {metric: value}} as JSON")
+  parser.add_argument("--per-query", metavar="FILE", help="also write {qid: {metric: value}} as JSON (- = standard output; the means then go to stderr)")
   cli.add_skip_invalid_flag(parser)
   args = parser.parse_args(argv)
 
@@ -71,10 +71,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
   if args.per_query:
     with cli.reporting_errors():
       atomic.write_text(args.per_query, json.dumps(per_query, indent=1))
+  summary = sys.stderr if args.per_query == atomic.STDOUT else sys.stdout  # stdout holds the one JSON document
   if args.json:
-    print(json.dumps(results))
+    print(json.dumps(results), file=summary)
   else:
-    print(metrics.format_table(results, num_queries=len(per_query)))
+    print(metrics.format_table(results, num_queries=len(per_query)), file=summary)
   return results
 
 

@@ -1,23 +1,33 @@
 """Export trained towers for serving: `python -m jdr.export --workdir DIR --out OUT`.
 
-Writes, from the latest checkpoint of a training workdir:
+The export is one folder that can be copied anywhere (every path in it is relative to it). From the latest
+checkpoint of a training workdir it writes:
   OUT/jdr_model.json + OUT/params/   a params-only orbax checkpoint (no optimizer state), which
                                      `jdr.encode --model OUT` and `jdr.retrieve --model OUT` load;
-  OUT/hf/ (shared towers) or OUT/hf-query/ + OUT/hf-doc/ (separate towers): Hugging Face directories that
-                                     transformers.AutoModel loads, with the tokenizer and, when the tower is
-                                     an encoder plus pooling (no projection head), the sentence-transformers
-                                     files that declare its pooling, normalization and max_seq_length (the
-                                     document length it was trained for, or the base model's if longer).
+  OUT/ itself, shared towers or a cross-encoder: a Hugging Face directory (config.json, model.safetensors, the
+                                     tokenizer) that transformers.AutoModel (AutoModelForSequenceClassification)
+                                     loads and, for an encoder plus pooling (no projection head), the
+                                     sentence-transformers files that declare its pooling, normalization and
+                                     max_seq_length, so SentenceTransformer(OUT) loads it too;
+  OUT/hf-query/ + OUT/hf-doc/, separate towers: one such directory per tower (OUT holds the tokenizer).
+
+Serving lengths are recorded apart from the training lengths: a model trained on 32-token queries still reads
+a 100-token query whole. By default they are what the encoder supports, up to 512 tokens; --query-max-length
+and --doc-max-length set them.
 """
 
 import argparse
 import json
+import os
 import pathlib
+import re
+import shutil
 import sys
 import tempfile
 
 import jax
 
+from jdr import atomic
 from jdr import checkpoint
 from jdr import cli
 from jdr import paths
@@ -43,68 +53,132 @@ def _sentence_transformers_files(path: pathlib.Path, tower: dict, max_length: in
       "pooling_mode_max_tokens": tower["pooling"] == "max"}, indent=2))
 
 
-def sentence_transformers_max_length(description: dict, side: str) -> int:
-  """The max_seq_length a Hugging Face export declares for one side's tower.
+def serving_lengths(description: dict, query_max_length: int | None = None,
+                    doc_max_length: int | None = None) -> dict:
+  """{"serve_query_max_length", "serve_doc_max_length"} (a cross-encoder: {"serve_max_length"}, its pair
+  length): the lengths asked for, else what each tower supports, up to 512; refused past the positions."""
+  if description.get("architecture") == "cross_encoder":
+    towers = {"": ({"encoder": description["encoder"]}, doc_max_length or query_max_length)}
+  else:
+    towers = {"query_": (description["query"], query_max_length), "doc_": (description["doc"], doc_max_length)}
+  out = {}
+  for prefix, (tower, asked) in towers.items():
+    limit = EncoderConfig(**tower["encoder"]).max_length if tower.get("encoder") else None
+    if asked is not None and (asked < 1 or (limit and asked > limit)):
+      raise ValueError(f"a serving length of {asked} tokens: the {prefix.strip('_') or 'pair'} encoder takes 1 to "
+                       f"{limit} tokens")
+    out[f"serve_{prefix}max_length"] = int(asked or build_lib.supported_length(tower))
+  return out
 
-  A shared tower also embeds documents, so the document length governs it: declaring the query
-  length would make sentence-transformers cut documents at it. The base model's declared length
-  (description["base_max_length"], e.g. 256 for MiniLM) is kept when longer, capped at the positions.
+
+def sentence_transformers_max_length(description: dict, side: str) -> int:
+  """The max_seq_length a Hugging Face export declares for one side's tower: its serving length.
+
+  A shared tower also embeds documents, so the document length governs it: declaring the query length would
+  make sentence-transformers cut documents at it. A description without serving lengths (from before they were
+  recorded) declares the training document length or the base model's (description["base_max_length"], e.g.
+  256 for MiniLM) when longer, capped at the positions.
   """
   length_side = "doc" if description["shared"] else side
+  if f"serve_{length_side}_max_length" in description:
+    return int(description[f"serve_{length_side}_max_length"])
   length = max(int(description[f"{length_side}_max_length"]), int(description.get("base_max_length") or 0))
   return min(length, EncoderConfig(**description[side]["encoder"]).max_length)
 
 
-def export(workdir: paths.PathLike, out: paths.PathLike):
-  """Writes the params-only checkpoint and the Hugging Face directories; returns `out`.
+def export(workdir: paths.PathLike, out: paths.PathLike, *, query_max_length: int | None = None,
+           doc_max_length: int | None = None):
+  """Writes the params-only checkpoint and the Hugging Face files; returns `out`.
 
-  `out` may be on object storage (gs://...): the Hugging Face files are then written locally first (their
-  writers take local paths only) and uploaded; the tokenizer path recorded in jdr_model.json is `out`'s."""
+  The files are written to a temporary folder beside `out` (on object storage: on local disk, then uploaded)
+  and put in place once all are written, so a failure (a full disk) leaves no partial export behind; an
+  existing export at `out` is replaced."""
+  lengths = {"query_max_length": query_max_length, "doc_max_length": doc_max_length}
   if not paths.is_local(out):
     with tempfile.TemporaryDirectory(prefix="jdr-export-") as tmp:
-      _export(workdir, pathlib.Path(tmp), tokenizer_at=paths.as_path(out) / "tokenizer")
+      _export(workdir, pathlib.Path(tmp), **lengths)
       paths.upload_dir(tmp, out)
     return paths.as_path(out)
-  return _export(workdir, pathlib.Path(out))
+  out = pathlib.Path(out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  tmp = pathlib.Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+  try:
+    _export(workdir, tmp, **lengths)
+    os.chmod(tmp, 0o777 & ~atomic.UMASK)  # mkdtemp's 0700 would hide the export from the umask's readers
+    if out.exists():
+      old = out.with_name(f".{out.name}.old.{os.getpid()}")
+      out.rename(old)
+      tmp.rename(out)
+      shutil.rmtree(old)
+    else:
+      tmp.rename(out)
+  except BaseException as e:
+    shutil.rmtree(tmp, ignore_errors=True)
+    errno = _os_error_code(e)
+    if errno is not None:
+      raise OSError(errno, os.strerror(errno), str(out)) from None  # "error: OUT: No space left on device"
+    raise
+  return out
 
 
-def _export(workdir: paths.PathLike, out: pathlib.Path, tokenizer_at=None) -> pathlib.Path:
+def _os_error_code(e: BaseException) -> int | None:
+  """The errno of a failed write, which the Rust and C++ writers (tokenizers, safetensors, orbax's
+  tensorstore) report inside their own exception types' messages."""
+  if isinstance(e, OSError):
+    return e.errno
+  found = re.search(r"os error (\d+)|os_error_code='?(\d+)|Os \{ code: (\d+)", str(e))
+  return int(next(g for g in found.groups() if g)) if found else None
+
+
+def _export(workdir: paths.PathLike, out: pathlib.Path, *, query_max_length: int | None = None,
+            doc_max_length: int | None = None) -> pathlib.Path:
   model, params, tokenizer, description = build_lib.load_jdr_model(workdir)
   out.mkdir(parents=True, exist_ok=True)
-  tokenizer.save_pretrained(str(out / "tokenizer"))
-  description = {**description, "tokenizer": str(tokenizer_at or (out / "tokenizer").absolute())}
+  tokenizer.save_pretrained(str(out))
+  description = {**description, "tokenizer": ".",  # the export's own folder, wherever it is copied
+                 **serving_lengths(description, query_max_length, doc_max_length)}
   params = jax.device_get(params)
   checkpoint.save_params(out, params, description)
   if description.get("architecture") == "cross_encoder":
     from jdr.models import cross  # pylint: disable=g-import-not-at-top
-    cross.export_cross_encoder(model.config, params, out / "hf", tokenizer=tokenizer,
-                               max_length=description.get("max_length"))
+    cross.export_cross_encoder(model.config, params, out, max_length=description["serve_max_length"])
+    print(f"serving length: {description['serve_max_length']} tokens a (query, document) pair (trained at "
+          f"{description.get('max_length')})", file=sys.stderr)
     return out
-  sides = {"hf": ("tower", "query")} if model.shared else {
+  print(f"serving lengths: queries {description['serve_query_max_length']} tokens, documents "
+        f"{description['serve_doc_max_length']} (trained at {description['query_max_length']} and "
+        f"{description['doc_max_length']}; set with --query-max-length / --doc-max-length)", file=sys.stderr)
+  sides = {".": ("tower", "query")} if model.shared else {
       "hf-query": ("query_tower", "query"), "hf-doc": ("doc_tower", "doc")}
   for folder, (param_key, side) in sides.items():
     tower = description[side]
     if tower.get("kind", "transformer") != "transformer":
       print(f"{side} tower is {tower['kind']}: no Hugging Face equivalent, skipped", file=sys.stderr)
       continue
-    path = hf.export_hf(getattr(model, side).encoder, params[param_key]["encoder"], out / folder, tokenizer=tokenizer)
-    max_length = sentence_transformers_max_length(description, side)
+    path = hf.export_hf(getattr(model, side).encoder, params[param_key]["encoder"], out / folder,
+                        tokenizer=None if folder == "." else tokenizer)
     if tower.get("projection_dim"):
-      print(f"{path}: holds the encoder only; the projection head lives in {out}/params", file=sys.stderr)
+      print(f"{folder}: the Hugging Face files hold the encoder only; the projection head is in params/ "
+            "(jdr loads it)", file=sys.stderr)
     else:
-      _sentence_transformers_files(path, tower, max_length)
+      _sentence_transformers_files(path, tower, sentence_transformers_max_length(description, side))
   return out
 
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(prog="python -m jdr.export", description=__doc__.splitlines()[0])
   parser.add_argument("--workdir", required=True, help="a training workdir (its latest checkpoint)")
-  parser.add_argument("--out", required=True, help="output directory")
+  parser.add_argument("--out", required=True, help="output directory (replaced if it exists)")
+  parser.add_argument("--query-max-length", type=int, default=None,
+                      help="tokens per query when serving (default: what the encoder supports, up to 512)")
+  parser.add_argument("--doc-max-length", type=int, default=None,
+                      help="tokens per document when serving (default: what the encoder supports, up to 512)")
   args = parser.parse_args(argv)
   with cli.reporting_errors():
     if not paths.as_path(args.workdir).is_dir():
       raise FileNotFoundError(f"--workdir {args.workdir}: no such directory")
-    out = export(args.workdir, args.out)
+    out = export(args.workdir, args.out, query_max_length=args.query_max_length,
+                 doc_max_length=args.doc_max_length)
   print(f"exported {args.workdir} to {out}", file=sys.stderr)
 
 

@@ -1,5 +1,6 @@
-"""Rerank a first-stage run with a cross-encoder: `python -m jdr.rerank --model M --queries Q --corpus C --run R
---depth 100 --out R2`.
+"""Rerank a first-stage run with a cross-encoder: `python -m jdr.rerank --model M ... --run R --out R2`.
+
+  python -m jdr.rerank --model M --queries Q --corpus C --run R --depth 100 --out R2
 
 The top `--depth` documents of each query in R are scored by the cross-encoder over `[CLS] q [SEP] d [SEP]`
 (the document as `title text`, truncated to fit `--max-length` with the query whole) and reordered; the
@@ -36,7 +37,7 @@ def main(argv: Iterable[str] | None = None) -> None:
   parser.add_argument("--corpus", required=True, help="BEIR directory or corpus.jsonl")
   parser.add_argument("--run", required=True, help="first-stage TREC run")
   parser.add_argument("--depth", type=int, default=100, help="documents reranked per query")
-  parser.add_argument("--out", required=True, help="reranked TREC run")
+  parser.add_argument("--out", required=True, help="reranked TREC run (- = standard output)")
   parser.add_argument("--max-length", type=int, default=256, help="tokens per (query, document) pair")
   parser.add_argument("--batch-size", type=int, default=None,
                       help="pairs per forward pass (default: about 1,024 tokens a batch on CPU, 16,384 on "
@@ -59,6 +60,7 @@ def main(argv: Iterable[str] | None = None) -> None:
       raise ValueError(f"--max-length {args.max_length} exceeds the model's {model.config.max_length} positions")
     score = reranking.make_scorer(model, jax.device_put(params), tokenizer, max_length=args.max_length,
                         batch_size=args.batch_size)
+    print(f"pairs: up to {args.max_length} tokens (--max-length)", file=sys.stderr)
     score.warm_up()
     start = time.perf_counter()
     reranked = reranking.rerank(run, queries, corpus, score, args.depth, run_path=args.run)

@@ -25,7 +25,7 @@ def main(argv: Iterable[str] | None = None) -> None:
   parser.add_argument("--queries", required=True, help="BEIR directory, queries.jsonl or queries TSV")
   parser.add_argument("--split", default=None, help="with a BEIR directory: only queries in qrels/SPLIT")
   parser.add_argument("--top-k", type=int, default=100)
-  parser.add_argument("--run", required=True, help="output TREC run file")
+  parser.add_argument("--run", required=True, help="output TREC run file (- = standard output)")
   parser.add_argument("--backend", choices=["faiss", "jax"], default="faiss")
   parser.add_argument("--factory", default="Flat", help="Faiss index factory string, e.g. OPQ96,IVF1,PQ96")
   parser.add_argument("--save-index", action="store_true", help="keep the built Faiss index in --index")
@@ -63,6 +63,9 @@ def main(argv: Iterable[str] | None = None) -> None:
           model, pooling=args.pooling or meta.get("pooling"),
           normalize=meta.get("normalize") if args.normalize is None else args.normalize,
           max_length=args.max_length or meta.get("max_length"), dtype=args.dtype, side="query")
+      if not args.max_length and meta.get("max_length"):
+        runtime.info["max_length_from"] = f"the length {args.index} was encoded at"
+    print(corpus_lib.length_line(runtime, "queries"), file=sys.stderr)
     if args.recall_target != 1.0 and args.backend != "jax":
       parser.error("--recall-target needs --backend jax")
     if args.index_dtype != "auto" and args.backend != "jax":

@@ -32,6 +32,7 @@ from jdr import metric_writers
 from jdr import optimizers
 from jdr import parallel
 from jdr import paths
+from jdr import preemption
 from jdr import sizing
 from jdr import step as step_lib
 from jdr.data import pairs
@@ -126,7 +127,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     return parallel.global_batch(batch, mesh)
 
   # ---------------------------------------------------------------- evaluation
-  writer = metric_writers.MetricWriter(workdir)
+  start = int(state.step)
+  writer = metric_writers.MetricWriter(workdir, start_step=start)  # a resume drops the lines it logs again
   evaluator = None
   if data.eval_qrels and negatives.candidates == "pairs":  # a cross-encoder reranks a first stage
     evaluator = evaluation.RerankEvaluator(model, built.tokenizer, data, config)
@@ -135,7 +137,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     evaluator = evaluation.Evaluator(encoder, config, mesh, doc_tower_frozen=query_only,
                                      diagnostics=diagnostics, fixed_doc_emb=negatives.doc_emb)
   results = {}
-  start = int(state.step)
   if evaluator and start == 0 and config.eval_before_training:
     results["before"] = evaluator(state.params)
     writer.write(0, {f"eval/{k}": v for k, v in results["before"].items()})
@@ -146,6 +147,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
                   disable=not is_host0, mininterval=1.0 if sys.stderr.isatty() else 30.0)
   window, window_start = [], time.perf_counter()
   next_batch = batch_at(start, state) if start < config.num_train_steps else None
+  stop = preemption.StopRequests().install()  # SIGTERM / SIGINT: stop after this step, saved
   try:
     for step in range(start, config.num_train_steps):
       state, step_metrics = step_fn(state, next_batch)
@@ -176,12 +178,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
         scores = evaluator(state.params)
         writer.write(done, {f"eval/{k}": v for k, v in scores.items()})
         bar.write(f"step {done}: " + ", ".join(f"{k}={v:.4f}" for k, v in scores.items()))
+      if stop.requested():
+        break
   finally:
-    negatives.close()
+    stop.restore()
+    negatives.close(wait=stop.signum is None)
   bar.close()
   if mngr.latest_step() != int(state.step):
     checkpoint.save(mngr, int(state.step), state, _data_position(batches, int(state.step)), force=True)
   mngr.wait_until_finished()
+  if stop.signum is not None:
+    writer.close()
+    raise preemption.Stopped(stop.signum, int(state.step), workdir)
 
   if evaluator:
     results["after"] = evaluator(state.params)
@@ -228,7 +236,12 @@ def main(argv=None) -> None:
   argv = sys.argv[1:] if argv is None else list(argv)
   try:
     rest, overrides = config_files.split_config_args(argv)
-    parser = argparse.ArgumentParser(prog="python -m jdr.train", description=__doc__.splitlines()[0])
+    from jdr import config_help  # pylint: disable=g-import-not-at-top
+    parser = argparse.ArgumentParser(
+        prog="python -m jdr.train", description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="config keys, set with --config.KEY=VALUE (the defaults of jdr/defaults.py; a recipe changes "
+               "some):\n" + config_help.describe())
     parser.add_argument("--config", required=True, help="configs/X.py[:arg]")
     parser.add_argument("--workdir", default=None, help="checkpoints, logs; an existing one resumes")
     parser.add_argument("--compile-only", action="store_true",
@@ -255,7 +268,28 @@ def main(argv=None) -> None:
       parallel.initialize_distributed()
       sizing.report(sizing.size_step(config, topology=args.topology))
       return
-    train_and_evaluate(config, args.workdir)
+    created = not paths.as_path(args.workdir).exists()
+    try:
+      train_and_evaluate(config, args.workdir)
+    except preemption.Stopped as stopped:
+      preemption.exit_stopped(stopped, argv)
+    except BaseException as e:
+      if created:
+        _remove_unstarted(args.workdir)
+      if isinstance(e, KeyboardInterrupt):  # outside the loop, where SIGINT stops after a saved step
+        print(f"jdr: interrupted; checkpoints, if any, are in {args.workdir}/checkpoints", file=sys.stderr)
+        raise SystemExit(130) from None
+      raise
+
+
+def _remove_unstarted(workdir: str) -> None:
+  """A run that failed before it saved or logged anything leaves no workdir behind (when it made it)."""
+  path = paths.as_path(workdir)
+  if jax.process_index() != 0 or not path.exists() or (path / "metrics.jsonl").exists():
+    return
+  if (path / "checkpoints").exists() and any(p.name.isdigit() for p in (path / "checkpoints").iterdir()):
+    return
+  path.rmtree()
 
 if __name__ == "__main__":
   main()

@@ -51,6 +51,36 @@ def test_encode_reports_a_missing_model(tmp_path, tiny_beir, capsys):
                                                           "--out", tmp_path / "emb"])
   _assert_reported(code, err, "", skip_hint=False)
   assert str(tmp_path / "no-model") in err
+  assert "load_hf" not in err and "Hugging Face model directory" in err  # what to give, not where it failed
+
+
+def test_messages_read_as_sentences(tmp_path, capsys):
+  corpus = _write_lines(tmp_path / "corpus.jsonl", ['{"_id": "d1", "text": "never closed'])
+  code, err = _exit_code_and_stderr(capsys, encode.main, ["--model", "minilm", "--corpus", corpus, "--out",
+                                                          tmp_path / "emb"])
+  _assert_reported(code, err, f"{corpus}:1: malformed line: bad JSON (Unterminated string starting at column 23)")
+  assert "at at" not in err
+  # Each command's --help opens with its docstring's whole first sentence, not a line cut mid-sentence.
+  from jdr import rerank, train  # pylint: disable=g-import-not-at-top
+  for module in (demo, encode, evaluate, export, rerank, retrieve, train):
+    first = module.__doc__.splitlines()[0]
+    assert first.endswith("."), (module.__name__, first)
+
+
+def test_bm25_says_nothing_below_warning(tmp_path):
+  """bm25s turns its own logger to DEBUG; a program with a logging handler must not print its debug lines."""
+  import logging  # pylint: disable=g-import-not-at-top
+  from jdr.negatives import sampled  # pylint: disable=g-import-not-at-top
+  records = []
+  handler = logging.Handler()
+  handler.emit = records.append
+  logging.getLogger().addHandler(handler)
+  try:
+    sampled.BM25Negatives({"d1": {"title": "", "text": "alpha beta"}, "d2": {"title": "", "text": "gamma"}},
+                          {"q1": "alpha"}, {"q1": {"d1": 1}}, top_k=1, cache_dir=tmp_path, show_progress=False)
+  finally:
+    logging.getLogger().removeHandler(handler)
+  assert not [r.getMessage() for r in records if r.name.startswith("bm25s") and r.levelno < logging.WARNING]
 
 
 def test_retrieve_reports_bad_queries_and_qrels(tmp_path, tiny_beir, capsys):
@@ -89,7 +119,7 @@ def test_evaluate_reports_bad_lines_and_skips_them_when_asked(tmp_path, capsys):
   capsys.readouterr()
   results = evaluate.main(["--qrels", str(qrels), "--run", str(run), "--metrics", "mrr@10", "--skip-invalid"])
   assert results == {"mrr@10": 1.0}
-  assert f"skipped 1 invalid records in {run}" in capsys.readouterr().err
+  assert f"skipped 1 invalid record in {run}" in capsys.readouterr().err
 
   code, err = _exit_code_and_stderr(capsys, evaluate.main, ["--qrels", tmp_path / "absent.trec", "--run", run])
   _assert_reported(code, err, f"{tmp_path / 'absent.trec'}: No such file", skip_hint=False)

@@ -178,7 +178,7 @@ def test_cross_encoder_trains_evaluates_by_reranking_and_exports(tmp_path):
   model, params, _, description = build.load_jdr_model(tmp_path / "w")
   assert isinstance(model, cross.CrossEncoder) and description["architecture"] == "cross_encoder"
   out = export.export(tmp_path / "w", tmp_path / "x")
-  reference = transformers.AutoModelForSequenceClassification.from_pretrained(str(out / "hf")).eval()
+  reference = transformers.AutoModelForSequenceClassification.from_pretrained(str(out)).eval()
   ids = np.array([[2, 5, 7, 3, 9, 9, 3, 0]])
   mask = (ids > 0).astype(np.int64)
   types = np.array([[0, 0, 0, 0, 1, 1, 1, 0]])

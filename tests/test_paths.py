@@ -76,6 +76,11 @@ def test_metric_log_and_atomic_files_on_gs(fake_gcs):
   again.write(30, {"loss": 1.0})
   assert [(r["step"], r["loss"]) for r in metric_writers.read("gs://bucket/work")] == [(10, 1.5), (20, 1.25),
                                                                                         (30, 1.0)]
+  # A run resumed from step 20 drops what was logged after it (step 30), then logs it again once.
+  resumed = metric_writers.MetricWriter("gs://bucket/work", tensorboard=False, start_step=20)
+  resumed.write(30, {"loss": 0.5})
+  assert [(r["step"], r["loss"]) for r in metric_writers.read("gs://bucket/work")] == [(10, 1.5), (20, 1.25),
+                                                                                        (30, 0.5)]
   atomic.write_text("gs://bucket/work/config.json", "{}")
   assert paths.as_path("gs://bucket/work/config.json").read_text() == "{}"
   arr = np.arange(6, dtype=np.float32).reshape(2, 3)

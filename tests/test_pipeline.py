@@ -149,7 +149,7 @@ def test_train_export_then_encode_with_the_trained_towers(tmp_path):
   subprocess.run([sys.executable, "-m", "jdr.export", "--workdir", str(tmp_path / "w"), "--out",
                   str(tmp_path / "export")], check=True, capture_output=True, cwd=ROOT)
   export = tmp_path / "export"
-  assert (export / "jdr_model.json").exists() and (export / "hf" / "model.safetensors").exists()
+  assert (export / "jdr_model.json").exists() and (export / "model.safetensors").exists()
 
   corpus = formats.read_corpus(data / "corpus.jsonl")
   texts = [text_lib.doc_text(d) for d in corpus.values()][:6]
@@ -157,20 +157,92 @@ def test_train_export_then_encode_with_the_trained_towers(tmp_path):
   from_workdir = corpus_lib.encode_texts(corpus_lib.load_runtime(str(tmp_path / "w")), texts)
   np.testing.assert_array_equal(from_export, from_workdir)
   # The Hugging Face export with its sentence-transformers pooling files gives the same vectors.
-  np.testing.assert_allclose(from_export, _direct_embeddings(export / "hf", texts, 32), atol=1e-5)
+  np.testing.assert_allclose(from_export, _direct_embeddings(export, texts, None), atol=1e-5)  # its serving length
   with logged_warnings("transformers") as records:
-    hf_model = transformers.AutoModel.from_pretrained(str(export / "hf"))
+    hf_model = transformers.AutoModel.from_pretrained(str(export))
   assert hf_model.config.hidden_size == 64
   assert not [r.getMessage() for r in records if "pooler" in r.getMessage()]
 
-  # sentence-transformers loads it with the document length (not the query length, 16), no pooler warning,
-  # and embeds as jdr does.
+  # sentence-transformers loads it with the document serving length (not the query length, 16), no pooler
+  # warning, and embeds as jdr does.
   sentence_transformers = pytest.importorskip("sentence_transformers")
   with logged_warnings("transformers", "sentence_transformers") as records:
-    st_model = sentence_transformers.SentenceTransformer(str(export / "hf"), device="cpu")
+    st_model = sentence_transformers.SentenceTransformer(str(export), device="cpu")
   assert not [r.getMessage() for r in records if "pooler" in r.getMessage()]
-  assert st_model.max_seq_length == 32
+  assert st_model.max_seq_length == json.loads((export / "jdr_model.json").read_text())["serve_doc_max_length"]
   np.testing.assert_allclose(st_model.encode(texts), from_export, atol=1e-5)
+
+
+def _tiny_trained(tmp_path, *overrides):
+  """A tiny random two-tower model trained 2 steps on 16-token queries: its workdir."""
+  from jdr import config_files, train  # pylint: disable=g-import-not-at-top
+  data = write_tiny_beir(tmp_path / "data")
+  config = config_files.load_config_file(str(ROOT / "configs" / "demo.py:tiny"))
+  config_files.apply_overrides(config, [f"data.dataset={data}", "num_train_steps=2", "batch_size=4",
+                                        "data.eval_split=", "data.query_max_length=16", "data.doc_max_length=32",
+                                        *overrides])
+  train.train_and_evaluate(config, tmp_path / "w")
+  return tmp_path / "w"
+
+
+def test_a_copied_export_loads_anywhere_and_serves_past_the_training_length(tmp_path):
+  """Copy an export, delete the original and the workdir: jdr, transformers and sentence-transformers load the
+  copy from its own folder; and a query longer than the 16 training tokens is read whole, not cut at 16."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  from jdr import export  # pylint: disable=g-import-not-at-top
+  workdir = _tiny_trained(tmp_path)
+  original = export.export(workdir, tmp_path / "export")
+  assert json.loads((original / "jdr_model.json").read_text())["tokenizer"] == "."
+  copy = tmp_path / "elsewhere" / "model"
+  shutil.copytree(original, copy)
+  shutil.rmtree(original)
+  shutil.rmtree(workdir)
+
+  query = corpus_lib.load_runtime(str(copy), side="query")
+  assert query.max_length == 512 and query.info["trained_max_length"] == 16
+  long_query = " ".join(["alphaton betalith gammamere deltavox"] * 8)
+  n_tokens = len(query.tokenizer(long_query)["input_ids"])
+  assert n_tokens > 16
+  whole = corpus_lib.encode_texts(query, [long_query])
+  cut = corpus_lib.encode_texts(corpus_lib.load_runtime(str(copy), side="query", max_length=16), [long_query])
+  exact = corpus_lib.encode_texts(corpus_lib.load_runtime(str(copy), side="query", max_length=n_tokens),
+                                  [long_query])
+  np.testing.assert_array_equal(whole, exact)
+  assert np.abs(whole - cut).max() > 1e-3
+
+  texts = ["alphaton zen", long_query]
+  docs = corpus_lib.encode_texts(corpus_lib.load_runtime(str(copy)), texts)
+  hf_model = transformers.AutoModel.from_pretrained(str(copy))
+  assert hf_model.config.hidden_size == 64
+  sentence_transformers = pytest.importorskip("sentence_transformers")
+  st_model = sentence_transformers.SentenceTransformer(str(copy), device="cpu")
+  assert st_model.max_seq_length == 512
+  np.testing.assert_allclose(st_model.encode(texts), docs, atol=1e-5)
+
+
+def test_export_lengths_are_set_at_export_checked_and_a_full_disk_leaves_nothing(tmp_path):
+  from jdr import export  # pylint: disable=g-import-not-at-top
+  workdir = _tiny_trained(tmp_path)
+  out = export.export(workdir, tmp_path / "export", query_max_length=64, doc_max_length=256)
+  described = json.loads((out / "jdr_model.json").read_text())
+  assert (described["serve_query_max_length"], described["serve_doc_max_length"]) == (64, 256)
+  assert (described["query_max_length"], described["doc_max_length"]) == (16, 32)  # training, kept apart
+  assert corpus_lib.load_runtime(str(out), side="query").max_length == 64
+  assert json.loads((out / "sentence_bert_config.json").read_text())["max_seq_length"] == 256
+  with pytest.raises(ValueError, match="1 to 512 tokens"):
+    export.export(workdir, tmp_path / "too-long", doc_max_length=1024)
+  assert not (tmp_path / "too-long").exists() and not list(tmp_path.glob(".too-long*"))
+
+  # A disk that fills up (a file-size limit: writes past 1 MB fail with EFBIG) is one `error:` line naming
+  # the export, status 2, and no partial export.
+  limited = ("import os, resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20)); "
+             "os.execv(sys.executable, [sys.executable, '-m', 'jdr.export', *sys.argv[1:]])")
+  proc = subprocess.run([sys.executable, "-c", limited, "--workdir", str(workdir), "--out", str(tmp_path / "full")],
+                        capture_output=True, text=True, cwd=ROOT, timeout=300)
+  errors = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+  assert proc.returncode == 2 and errors == [f"error: {tmp_path / 'full'}: File too large"], proc.stderr[-2000:]
+  assert "Traceback" not in proc.stderr
+  assert not (tmp_path / "full").exists() and not list(tmp_path.glob(".full*"))
 
 
 def test_export_declares_the_document_length_or_the_base_models():

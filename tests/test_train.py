@@ -177,6 +177,66 @@ def test_resume_after_sigkill_is_exact(tmp_path):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # bitwise
 
 
+ANCE = ["--config.negatives.source=ance", "--config.negatives.per_query=1", "--config.negatives.top_n=5",
+        "--config.negatives.refresh_every=6", "--config.negatives.refresh_delay=3"]
+
+
+@pytest.mark.parametrize("signum,extra", [(signal.SIGINT, []), (signal.SIGTERM, ANCE)], ids=["sigint", "sigterm-ance"])
+def test_signalled_run_saves_its_step_and_resumes_exactly(tmp_path, signum, extra):
+  """SIGINT / SIGTERM mid-run (no periodic checkpoint due): the run finishes its step, saves it, says how to
+  resume and exits 130 / 143 without a traceback; nothing logged before the signal is lost, the resumed run
+  ends bitwise equal to an uninterrupted one, and its metric log holds each step once, in order. With ANCE
+  the background refresh is stopped and its generations re-mined from their snapshots on resume."""
+  data = write_tiny_beir(tmp_path / "data")
+  steps = 80
+  common = [f"--config.num_train_steps={steps}", "--config.checkpoint_every=1000", "--config.data.eval_split=",
+            *extra]
+  subprocess.run(_train_cmd(tmp_path / "straight", data, *common), env=_env(), check=True,
+                 capture_output=True, timeout=600)
+
+  workdir = tmp_path / "stopped"
+  proc = subprocess.Popen(_train_cmd(workdir, data, *common), env=_env(), stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+  log = workdir / "metrics.jsonl"
+  deadline = time.time() + 300
+  while not (log.exists() and log.read_text().count("\n") >= 8) and proc.poll() is None and time.time() < deadline:
+    time.sleep(0.005)
+  logged = max(r["step"] for r in _records(workdir))
+  proc.send_signal(signum)
+  _, stderr = proc.communicate(timeout=300)
+  assert proc.returncode == 128 + signum, stderr[-3000:]
+  assert "Traceback" not in stderr, stderr[-3000:]
+  saved = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+  assert len(saved) == 1 and logged <= saved[0] < steps, (logged, saved)  # the step in flight, not an older one
+  last = stderr.strip().splitlines()[-1]
+  assert f"after step {saved[0]}" in last and "resume with: python -m jdr.train" in last, last
+
+  subprocess.run(_train_cmd(workdir, data, *common), env=_env(), check=True, capture_output=True, timeout=600)
+  from jdr import checkpoint  # pylint: disable=g-import-not-at-top
+  straight = jax.tree.leaves(checkpoint.latest_params(tmp_path / "straight"))
+  resumed = jax.tree.leaves(checkpoint.latest_params(workdir))
+  for a, b in zip(straight, resumed):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # bitwise
+  assert [r["step"] for r in _records(workdir) if "train/loss" in r] == list(range(1, steps + 1))
+
+
+def test_preemption_handler_stops_once_then_leaves_the_default():
+  """The first signal only asks to stop; it puts back the default action, so a second one ends the process."""
+  from jdr import preemption  # pylint: disable=g-import-not-at-top
+  before = signal.getsignal(signal.SIGINT)
+  with preemption.StopRequests() as stop:
+    assert not stop.requested()
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.01)  # Python runs the handler at its next bytecode
+    assert stop.requested() and stop.signum == signal.SIGINT
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+  signal.signal(signal.SIGINT, before)
+  signal.signal(signal.SIGTERM, signal.SIG_DFL)
+  with preemption.StopRequests() as stop:  # no signal: the handlers it replaced come back
+    assert signal.getsignal(signal.SIGINT) is not before
+  assert signal.getsignal(signal.SIGINT) is before and not stop.requested()
+
+
 def _run_train(tmp_path, *args, devices=1):
   return subprocess.run([sys.executable, "-m", "jdr.train", *args], env=_env(devices), capture_output=True,
                         text=True, timeout=600, cwd=tmp_path)
@@ -197,7 +257,7 @@ def test_missing_data_file_is_named(tmp_path):
   proc = _run_train(tmp_path, *_train_cmd(tmp_path / "w", data)[3:])
   assert proc.returncode != 0
   assert "train.tsv" in proc.stderr and "missing" in proc.stderr
-  assert not (tmp_path / "w" / "checkpoints").exists()
+  assert not (tmp_path / "w").exists()  # a failed start removes the workdir it made
 
 
 def test_qrels_without_overlap_with_queries(tmp_path):
@@ -339,3 +399,19 @@ def test_init_from_jdr_model_applies_model_settings(tmp_path):
   config_files.apply_overrides(config, ["model.pooling=cls"])
   with pytest.raises(ValueError, match="pooling"):
     build_lib.build(config.model, config.data)
+
+
+def test_help_lists_every_config_key_with_its_default_and_meaning(capsys):
+  from jdr import config_files, defaults, train  # pylint: disable=g-import-not-at-top
+  with pytest.raises(SystemExit) as e:
+    train.main(["--help"])
+  assert e.value.code == 0
+  listed = {}
+  for line in capsys.readouterr().out.splitlines():
+    found = re.fullmatch(r"  ([\w.]+) = (.+?)  # (.+)", line)
+    if found:
+      listed[found.group(1)] = (found.group(2), found.group(3))
+  config = defaults.get_config()
+  assert set(listed) == set(config_files.all_keys(config))
+  assert listed["num_train_steps"][0] == str(config.num_train_steps)
+  assert all(meaning.strip() for _, meaning in listed.values())

@@ -147,7 +147,8 @@ class _File:
     if self.counts:
       parts = ", ".join(f"{n} {kind} (first on line {self.line(self.first_line[kind])})"
                         for kind, n in sorted(self.counts.items()))
-      print(f"jdr: skipped {sum(self.counts.values())} invalid records in {self.path}: {parts}", file=sys.stderr)
+      total = sum(self.counts.values())
+      print(f"jdr: skipped {total} invalid record{'' if total == 1 else 's'} in {self.path}: {parts}", file=sys.stderr)
 
 
 def _open_bytes(path: PathLike, mode: str = "rb"):
@@ -180,7 +181,8 @@ def _json_record(line: str) -> dict:
   try:
     obj = json.loads(line)
   except json.JSONDecodeError as e:
-    raise _Invalid(MALFORMED, f"bad JSON ({e.msg} at column {e.colno})") from None
+    # json's messages may end in "at" ("Unterminated string starting at"): the column completes them.
+    raise _Invalid(MALFORMED, f"bad JSON ({e.msg}{'' if e.msg.endswith(' at') else ' at'} column {e.colno})") from None
   if not isinstance(obj, dict):
     raise _Invalid(MALFORMED, f"expected a JSON object, got {type(obj).__name__}")
   return obj

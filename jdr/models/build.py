@@ -75,6 +75,25 @@ def load_jdr_model(path: str | pathlib.Path) -> tuple[TwoTower, dict, Any, dict]
   return from_description(description), params, tokenizer, description
 
 
+MAX_SERVING_LENGTH = 512
+
+
+def supported_length(tower: dict | None) -> int:
+  """The longest input a tower's encoder takes, capped at 512 (a BoW-MLP tower has no limit of its own)."""
+  encoder = (tower or {}).get("encoder")
+  limit = EncoderConfig(**encoder).max_length if encoder else MAX_SERVING_LENGTH
+  return min(limit, MAX_SERVING_LENGTH)
+
+
+def serving_length(description: dict, side: str) -> tuple[int, str]:
+  """(tokens, where that comes from) to serve one side ("query" | "doc") of a saved two-tower model with: the
+  length recorded at export, else what the encoder supports (up to 512). Never the training length: a model
+  trained on 32-token queries still reads a longer query whole."""
+  if f"serve_{side}_max_length" in description:
+    return int(description[f"serve_{side}_max_length"]), "the export's serving length"
+  return supported_length(description[side]), "what the encoder supports, up to 512"
+
+
 def build(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collections.ConfigDict) -> Built:
   """The TwoTower (or CrossEncoder) a config asks for, with the pretrained weights it starts from (if any)."""
   init_from = model_cfg.init_from

@@ -193,7 +193,8 @@ def load_hf(path: str | Path, **overrides) -> tuple[EncoderConfig, dict[str, Any
   path = Path(path)
   config_file = path / "config.json"
   if not config_file.exists():
-    raise FileNotFoundError(f"{config_file} not found: load_hf needs a local Hugging Face model directory")
+    raise FileNotFoundError(f"{path}: not a model (no config.json): give a Hugging Face model directory, a jdr "
+                            "export or training workdir, or `minilm`")
   cfg = EncoderConfig.from_hf(json.loads(config_file.read_text()), **overrides)
   return cfg, params_from_state_dict(cfg, read_state_dict(path), str(path))
 
@@ -320,11 +321,13 @@ def load_tower(model: str, pooling: str | None = None, normalize: bool | None = 
   pooling = pooling or declared.get("pooling", "cls")
   normalize = declared.get("normalize", False) if normalize is None else normalize
   tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
+  source = "--max-length"
   if max_length is None:
+    source = "the sentence-transformers config" if declared.get("max_length") else "what the model supports"
     max_length = declared.get("max_length") or min(int(tokenizer.model_max_length), cfg.max_length)
   if max_length > cfg.max_length:
     raise ValueError(f"max_length {max_length} exceeds the model's {cfg.max_length} positions")
   tower_config = TowerConfig(encoder=cfg, pooling=pooling, normalize=normalize)
   info = {"path": str(path), "model_type": cfg.model_type, "pooling": pooling, "normalize": normalize,
-          "max_length": max_length, "dim": tower_config.dim, "dtype": dtype}  # JSON-able; tower.config has the rest
+          "max_length": max_length, "max_length_from": source, "dim": tower_config.dim, "dtype": dtype}  # JSON-able; tower.config has the rest
   return Tower(tower_config), jax.device_put({"encoder": encoder_params}), tokenizer, info

@@ -47,4 +47,18 @@ def load(path: str | pathlib.Path) -> tuple[dict, dict, Any]:
     params = checkpoint.latest_params(path)
   # A masked-LM pretraining run's head is not part of the retrieval model (jdr.models.towers.TwoTower).
   params = {k: v for k, v in params.items() if k != "lm_head"}
+  described = {**described, "tokenizer": tokenizer_path(path, described["tokenizer"])}
   return params, described, tokenizer(described["tokenizer"])
+
+
+def tokenizer_path(model_dir, recorded: str) -> str:
+  """The tokenizer a saved model names: a path relative to the model's own folder (an export's ".", so the
+  export loads wherever it is copied), else as recorded (an absolute path, a gs:// path, a hub name)."""
+  if paths.is_local(recorded) and not pathlib.PurePath(recorded).is_absolute():
+    candidate = paths.as_path(model_dir) / recorded
+    if candidate.exists():
+      return str(candidate)
+  elif not paths.as_path(recorded).exists() and (paths.as_path(model_dir) / "tokenizer").is_dir():
+    return str(paths.as_path(model_dir) / "tokenizer")  # an older export, moved: its tokenizer/ came with it
+  return recorded
+

@@ -249,15 +249,17 @@ class AsyncRefresher:
           "pending": len(self._pending),
       }
 
-  def close(self) -> None:
-    """Stop the worker: a mine in flight finishes (threads cannot be interrupted), queued ones are dropped;
-    their snapshots stay on disk, so a resume re-mines them."""
+  def close(self, wait: bool = True) -> None:
+    """Stop the worker: queued mines are dropped, their snapshots stay on disk, so a resume re-mines them. A
+    mine in flight finishes (threads cannot be interrupted); `wait=False` does not wait for it (a preempted
+    run, which exits next): its generation, if it gets written at all, is written whole (jdr.atomic)."""
     with self._cond:
       self._closing = True
       worker, jobs = self._worker, self._queue
     if worker is not None:
       jobs.put(None)
-      worker.join()
+      if wait:
+        worker.join()
     self._flush()
 
   # ---------------------------------------------------------------- schedule

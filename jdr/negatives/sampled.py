@@ -245,6 +245,8 @@ def _mine_bm25(doc_texts: Sequence[str], query_texts: Sequence[str], k: int, *, 
   0 = this thread, -1 = all cores)."""
   import bm25s  # imported here: only BM25 users need it
   from tqdm.auto import tqdm
+  # bm25s sets its own logger to DEBUG on import, so its debug lines reach any handler a program installs.
+  logging.getLogger("bm25s").setLevel(logging.WARNING)
 
   log.info("BM25Negatives: indexing %d documents, mining top-%d for %d queries", len(doc_texts), k,
            len(query_texts))

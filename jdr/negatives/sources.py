@@ -65,9 +65,9 @@ class Negatives:
       out["negatives/host_retrieval_seconds_total"] = self.host_fields.seconds
     return out
 
-  def close(self) -> None:
+  def close(self, wait: bool = True) -> None:
     if self.refresher is not None:
-      self.refresher.close()
+      self.refresher.close(wait=wait)
 
 
 def check(config: ml_collections.ConfigDict) -> None:

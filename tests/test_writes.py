@@ -1,0 +1,83 @@
+"""Outputs: written whole or not at all, with the umask's mode; a FIFO, a device or `-` written directly; a
+write that fails is one `error:` line naming the output, with nothing partial left behind."""
+
+import errno
+import json
+import os
+import pathlib
+import stat
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from jdr import atomic
+from jdr import cli
+from jdr.data import formats
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RUN = {"q1": {"d1": 2.0, "d2": 1.0}, "q2": {"d2": 0.5}}
+
+
+def test_files_get_the_umasks_mode(tmp_path):
+  atomic.write_text(tmp_path / "a.json", "{}")
+  assert stat.S_IMODE(os.stat(tmp_path / "a.json").st_mode) == 0o666 & ~atomic.UMASK
+
+
+def test_a_fifo_is_written_not_replaced(tmp_path):
+  fifo = tmp_path / "run.fifo"
+  os.mkfifo(fifo)
+  got = []
+  reader = threading.Thread(target=lambda: got.append(fifo.read_text()))
+  reader.start()
+  formats.write_run(fifo, RUN)
+  reader.join(timeout=30)
+  assert got and got[0].splitlines()[0] == "q1 Q0 d1 1 2.0 jdr"
+  assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+  assert [p.name for p in tmp_path.iterdir()] == ["run.fifo"]
+
+
+def test_dash_is_standard_output(capfd):
+  formats.write_run("-", RUN)
+  assert capfd.readouterr().out.splitlines() == ["q1 Q0 d1 1 2.0 jdr", "q1 Q0 d2 2 1.0 jdr", "q2 Q0 d2 1 0.5 jdr"]
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full on this system")
+def test_a_full_device_is_an_error_naming_it_and_stays_a_device(capsys):
+  with pytest.raises(SystemExit) as e, cli.reporting_errors():
+    formats.write_run("/dev/full", RUN)
+  assert e.value.code == 2
+  assert capsys.readouterr().err == "error: /dev/full: No space left on device\n"
+  assert stat.S_ISCHR(os.stat("/dev/full").st_mode)
+
+
+def test_a_failed_write_leaves_no_partial_file(tmp_path):
+  def half_then_full(f):
+    f.write(b"half")
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+  with pytest.raises(OSError) as e:
+    atomic.write_atomic(tmp_path / "out.trec", half_then_full)
+  assert e.value.filename == str(tmp_path / "out.trec") and e.value.errno == errno.ENOSPC
+  assert list(tmp_path.iterdir()) == []
+
+
+def _evaluate(tmp_path, *args):
+  (tmp_path / "qrels.tsv").write_text("query-id\tcorpus-id\tscore\nq1\td1\t1\nq2\td2\t1\n")
+  formats.write_run(tmp_path / "run.trec", RUN)
+  env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  return subprocess.run([sys.executable, "-m", "jdr.evaluate", "--qrels", str(tmp_path / "qrels.tsv"), "--run",
+                         str(tmp_path / "run.trec"), "--metrics", "mrr@10", "--json", *args],
+                        capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_evaluate_per_query_to_stdout_and_to_a_full_device(tmp_path):
+  proc = _evaluate(tmp_path, "--per-query", "-")
+  assert proc.returncode == 0, proc.stderr
+  assert json.loads(proc.stdout) == {"q1": {"mrr@10": 1.0}, "q2": {"mrr@10": 1.0}}  # the means went to stderr
+  assert '{"mrr@10": 1.0}' in proc.stderr
+  if os.path.exists("/dev/full"):
+    proc = _evaluate(tmp_path, "--per-query", "/dev/full")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == "error: /dev/full: No space left on device"
+    assert stat.S_ISCHR(os.stat("/dev/full").st_mode)
