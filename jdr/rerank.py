@@ -24,9 +24,6 @@ from jdr.data import formats
 from jdr.models import cross
 
 
-make_scorer = reranking.make_scorer  # the name jdr.bench.cross_encoder uses
-
-
 def main(argv: Iterable[str] | None = None) -> None:
   parser = argparse.ArgumentParser(prog="python -m jdr.rerank", description=__doc__.splitlines()[0])
   parser.add_argument("--model", required=True,

@@ -50,7 +50,7 @@ def main(argv=None) -> None:
   import torch  # pylint: disable=g-import-not-at-top
   torch.set_num_threads(os.cpu_count() or 1)
   from sentence_transformers import CrossEncoder  # pylint: disable=g-import-not-at-top
-  from jdr import rerank  # pylint: disable=g-import-not-at-top
+  from jdr import reranking  # pylint: disable=g-import-not-at-top
   from jdr.models import build, cross  # pylint: disable=g-import-not-at-top
 
   if build.is_jdr_model(args.model):
@@ -58,7 +58,7 @@ def main(argv=None) -> None:
   else:
     model, params, tokenizer = cross.load_cross_encoder(args.model)
   pairs = _pairs(args.pairs)
-  score = rerank.make_scorer(model, jax.device_put(params), tokenizer, max_length=args.max_length,
+  score = reranking.make_scorer(model, jax.device_put(params), tokenizer, max_length=args.max_length,
                              batch_size=args.batch_size if args.same_batch else None)
   score.warm_up()
   start = time.perf_counter()

@@ -5,7 +5,7 @@
 Both encode the first N SciFact documents (title + " " + text) with the bundled all-MiniLM-L6-v2 at the same
 maximum length. Each side is warmed up first (jdr compiles its length buckets; sentence-transformers runs a
 small batch), then timed on the whole set. Model FLOP/s count only real (unpadded) tokens, so they are
-comparable across implementations, and are reported as a fraction of this machine's float32 matmul peak,
+comparable across implementations, and are reported as a fraction of the host's float32 matmul peak,
 measured in the same run. The embeddings of the two are compared as a correctness check.
 """
 

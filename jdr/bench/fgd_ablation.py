@@ -23,7 +23,7 @@ Steps, each skipped when its output exists (so the driver resumes):
 
 `--jobs N` runs up to N stages at once (a seed's rows wait for its warm-up), each with its own log
 (OUT/NAME.log): on an accelerator, where a stage is mostly process start-up and compilation, this is what
-makes the whole ablation fit a short lease. `--backend jax` retrieves with jdr's exact JAX top-k instead of
+makes the whole ablation fit a short time on the device. `--backend jax` retrieves with jdr's exact JAX top-k instead of
 Faiss (the same ranking, and no Faiss needed). `out/device.json` records where the rows ran.
 """
 
@@ -176,7 +176,7 @@ def table(out: pathlib.Path) -> str:
 
 
 def _device(out: pathlib.Path) -> None:
-  """Records where the rows ran (the figures of a GPU lease and of a CPU run are not comparable)."""
+  """Records where the rows ran (the figures of a GPU run and of a CPU run are not comparable)."""
   path = out / "device.json"
   if not path.exists():
     probe = "import jax, json; d = jax.devices()[0]; print(json.dumps({'platform': d.platform, " \

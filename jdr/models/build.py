@@ -66,7 +66,7 @@ def from_description(description: dict):
                   shared=description["shared"])
 
 
-is_jdr_model = saved.is_jdr_model  # the name jdr.bench's readers use
+is_jdr_model = saved.is_jdr_model  # what the loaders ask before reading a path as a jdr model
 
 
 def load_jdr_model(path: str | pathlib.Path) -> tuple[TwoTower, dict, Any, dict]:
