@@ -2,6 +2,7 @@
 command end to end on a tiny random BERT and the built-in dataset (outputs written, a re-run skips)."""
 
 import csv
+import dataclasses
 import json
 
 import pytest
@@ -106,3 +107,11 @@ def test_tiny_table_end_to_end_and_rerun_skips(tmp_path, monkeypatch, capsys):
   command.main(argv)
   assert "resumed from" in (seed1 / "train.log").read_text()
   assert json.loads((seed1 / "done.json").read_text())["steps"] == 8
+
+
+def test_an_output_directory_keeps_its_plan(tmp_path):
+  plan = rows_lib.tiny_plan()
+  rows_lib.record_plan(plan, tmp_path)
+  rows_lib.record_plan(dataclasses.replace(plan, rates=(1e-2,), seeds=(5,)), tmp_path)  # adds runs only
+  with pytest.raises(ValueError, match="steps 8 -> 16"):
+    rows_lib.record_plan(dataclasses.replace(plan, steps=16), tmp_path)

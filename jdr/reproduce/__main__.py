@@ -73,6 +73,7 @@ def main(argv=None) -> str:
         if source is None or not source.is_dir():
           raise FileNotFoundError(f"SciFact not found at {args.data or shared.shared_data_dir() / 'scifact'}: "
                                   "pass --data DIR (BEIR layout with qrels/train.tsv and qrels/test.tsv)")
+      rows_lib.record_plan(plan, out)
       dataset = devsplit.write_dev_split(source, out, fraction=plan.dev_fraction, seed=plan.split_seed)
       zero_shot = None
       if args.zero_shot != "none":

@@ -13,10 +13,12 @@ the one place that names a recipe argument.
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
 
 import ml_collections
 
+from jdr import atomic
 from jdr import config_files
 
 CONFIGS_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
@@ -37,6 +39,20 @@ class Plan:
   dev_fraction: float = 0.2
   split_seed: int = 0
   tiny: bool = False  # a tiny random BERT instead of MiniLM: the command's own test
+
+
+def record_plan(plan: Plan, out: pathlib.Path) -> None:
+  """Writes OUT/plan.json, or refuses a plan that differs from the one its runs were trained under in
+  anything but the rate grid and the seeds (which only add runs)."""
+  path = pathlib.Path(out) / "plan.json"
+  fixed = {k: v for k, v in dataclasses.asdict(plan).items() if k not in ("rates", "seeds")}
+  if path.exists():
+    old = {k: v for k, v in json.loads(path.read_text()).items() if k not in ("rates", "seeds")}
+    if old != fixed:
+      changed = ", ".join(f"{k} {old.get(k)!r} -> {v!r}" for k, v in fixed.items() if old.get(k) != v)
+      raise ValueError(f"{path}: the runs here were trained under another plan ({changed}); use another "
+                       "output directory")
+  atomic.write_text(path, json.dumps(dataclasses.asdict(plan), indent=1))
 
 
 def tiny_plan() -> Plan:
