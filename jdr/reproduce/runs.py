@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import gc
 import json
+import os
 import pathlib
 import sys
 import time
@@ -135,6 +136,8 @@ class Progress:
   def eta(self) -> str:
     if not self.train_steps and not self.scores:
       return "ETA after the first run"
+    if self.steps_left and not self.train_steps:
+      return "ETA after the first training run"
     per_step = self.train_seconds / self.train_steps if self.train_steps else 0.0
     per_score = self.score_seconds / self.scores if self.scores else 0.0
     return f"ETA {_duration(self.steps_left * per_step + self.scores_left * per_score)}"
@@ -179,10 +182,22 @@ class Context:
 
 @contextlib.contextmanager
 def _output_to(path: pathlib.Path):
-  """The trainer's prints and progress bars go to the run's log; the terminal keeps the progress lines."""
+  """The trainer's prints and progress bars go to the run's log, and so do Faiss' own (C++) warnings, by file
+  descriptor: the terminal keeps the progress lines and the table."""
   path.parent.mkdir(parents=True, exist_ok=True)
-  with open(path, "a", encoding="utf-8") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-    yield
+  sys.stdout.flush(), sys.stderr.flush()
+  saved = [os.dup(1), os.dup(2)]
+  try:
+    with open(path, "a", encoding="utf-8") as log:
+      os.dup2(log.fileno(), 1), os.dup2(log.fileno(), 2)
+      with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        try:
+          yield
+        finally:
+          sys.stdout.flush(), sys.stderr.flush()
+  finally:
+    os.dup2(saved[0], 1), os.dup2(saved[1], 2)
+    os.close(saved[0]), os.close(saved[1])
 
 
 def _release() -> None:
