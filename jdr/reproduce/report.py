@@ -122,7 +122,8 @@ def write_csv(out: pathlib.Path) -> pathlib.Path:
   """runs.csv: one line per finished stage (grid, warm-up and final runs alike), scored ones with test."""
   lines = []
   for r in _records(out):
-    line = {k: r.get(k, "") for k in ("run", "method", "steps", "batch_size", "rate", "seed", "after", "seconds")}
+    line = {k: r.get(k, "") for k in ("run", "method", "steps", "batch_size", "rate", "seed", "after", "seconds",
+                                      "score_seconds")}
     line.update(_flat("dev_", r.get("dev")))
     line.update(_flat("test_", r.get("test")))
     line.update(_flat("zero_shot_", r.get("zero_shot")))

@@ -308,9 +308,10 @@ def score(ctx: Context, run: StageRun) -> dict:
   with _output_to(ctx.workdir(run) / "score.log"):
     model, params, tokenizer, _ = build_lib.load_jdr_model(ctx.workdir(run))
     record = score_model(ctx, model, params, tokenizer)
+  record["score_seconds"] = round(time.perf_counter() - start, 1)
   atomic.write_text(path, json.dumps(record, indent=1))
   _release()
-  ctx.progress.end(0, time.perf_counter() - start)
+  ctx.progress.end(0, record["score_seconds"])
   return record
 
 
@@ -333,9 +334,10 @@ def score_start(ctx: Context) -> dict:
     dev = evaluate_on(built.model, params, built.tokenizer, ctx.dataset, "dev", TEST_METRICS, ["Flat"],
                       query_max_length=ctx.plan.query_max_length, doc_max_length=ctx.plan.eval_doc_length)
     record = {"dev": dev, **score_model(ctx, built.model, params, built.tokenizer)}
+  record["score_seconds"] = round(time.perf_counter() - start, 1)
   atomic.write_text(path, json.dumps(record, indent=1))
   _release()
-  ctx.progress.end(0, time.perf_counter() - start)
+  ctx.progress.end(0, record["score_seconds"])
   return record
 
 
