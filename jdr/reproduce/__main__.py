@@ -43,6 +43,8 @@ def main(argv=None) -> str:
                       "needs are trained for their rate choice too")
   parser.add_argument("--seeds", default="", help="comma-separated seeds of the final runs (default 0,1,2)")
   parser.add_argument("--rates", default="", help="the learning-rate grid (default 2e-5,5e-5,1e-4)")
+  parser.add_argument("--eval-every", type=int, default=0, help="steps between dev evaluations, the curves' "
+                      "points (default 52; each evaluation of a two-tower row encodes the corpus)")
   parser.add_argument("--data", default="", help="the SciFact BEIR directory (default: the shared data's)")
   parser.add_argument("--zero-shot", default="", help="a BEIR dataset with qrels/test.tsv scored zero-shot "
                       "(default: the shared reqa-squad-sample; 'none' to skip)")
@@ -54,6 +56,8 @@ def main(argv=None) -> str:
   plan = rows_lib.tiny_plan() if args.tiny else rows_lib.Plan()
   if args.rates:
     plan = dataclasses.replace(plan, rates=_floats(args.rates))
+  if args.eval_every:
+    plan = dataclasses.replace(plan, eval_every=args.eval_every)
   if args.seeds:
     plan = dataclasses.replace(plan, seeds=tuple(_ints(args.seeds)))
   names = rows_lib.row_names(plan)
