@@ -87,7 +87,8 @@ def table_markdown(plan: rows_lib.Plan, out: pathlib.Path) -> str:
     lines.append(f"| {labels[name]} | {rate} | {dev} | {_stat(col('ndcg@10'))} | {_stat(col('mrr@10'))} | "
                  f"{_stat(col('recall@100'))} | {_stat(col(f'{cq}/ndcg@10'))} | {seeds} |")
   lines += ["", f"The LTRe-style row trains on {cq} and its dev figure is measured there; its test figures are "
-            f"on Flat in the middle columns and on {cq} in the last one. Mean ± sample standard deviation "
+            f"on Flat in the middle columns and on {cq} in the last one, which is filled for the rows that keep "
+            "a fixed document index (the ADORE rows, LTRe) and the start. Mean ± sample standard deviation "
             "over seeds.", ""]
   if any("zero_shot" in r for found in finals.values() for r in found):
     start = finals.get("start", [{}])[0].get("zero_shot", {}) if finals.get("start") else {}
