@@ -6,9 +6,9 @@ Paper: AdamW, learning rate 5e-6, batch 32, top-200, dropout 0.1, a trained mode
 into a trainable query tower and a frozen document tower), 208 steps (about 7 epochs of 919 pairs).
 MiniLM's vectors are L2-normalized, so scores are cosines in [-1, 1]: a temperature of 0.05 gives the
 pairwise losses the same room the unnormalized RoBERTa scores of the paper have, and the learning rate is
-raised to 1e-4 for the short run (2e-5 reached nDCG@10 0.7050, 5e-5 0.7756, 1e-4 0.8053 on SciFact test,
-seed 0; only the query tower moves, so a large rate is safe). Arguments (comma-separated, after the colon;
-another name is an error):
+raised to 1e-4 for the short run (only the query tower moves, so a large rate is safe; `python -m
+jdr.reproduce scifact` chooses it on a dev split of the training queries). Arguments (comma-separated, after
+the colon; another name is an error):
   runlocal    the scaled-down run above
   ranknet     RankNet instead of LambdaRank (the LTRe / ADORE ablation)
   ndcg        LambdaRank with M = NDCG@10

@@ -1,0 +1,12 @@
+"""Rebuilds the SciFact table of the hard-negative methods: `python -m jdr.reproduce scifact --out DIR`.
+
+Every choice is made on a dev split of the training queries, every row trains the same budget, and the
+test queries are scored once, for the final models:
+
+  rows.py      the rows (chains of recipe stages), the shared budget and each stage's ConfigDict
+  devsplit.py  the fixed, seeded dev split of the training queries, written to the output directory
+  runs.py      running the stages (skip finished ones, resume killed ones), choosing rates, scoring
+  report.py    the markdown table, the CSV of every run and the two plots
+
+`__main__.py` is the command line over these.
+"""

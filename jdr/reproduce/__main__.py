@@ -1,0 +1,101 @@
+"""Rebuild the SciFact methods table: `python -m jdr.reproduce scifact --out runs/repro`.
+
+Every row trains the same budget (208 steps x 32 pairs, warm-ups included) at the learning rate its dev
+nDCG@10 chose from {2e-5, 5e-5, 1e-4}, on 80% of SciFact's training queries (the fixed dev split is the
+rest, written to OUT/data). The final models (three seeds a row) are scored once on test, on Flat and on
+OPQ48,IVF1,PQ48, and zero-shot on reqa-squad-sample. Writes OUT/table.md (also printed), OUT/runs.csv,
+OUT/dev_curves.png, OUT/test_ndcg.png. Each run is its own workdir under OUT/runs: run the command again to
+go on after a stop (finished runs are skipped, a killed one resumes from its checkpoint).
+
+  python -m jdr.reproduce scifact --out runs/repro
+  python -m jdr.reproduce scifact --out runs/repro --methods star,ance --seeds 0   # part of the table
+  python -m jdr.reproduce scifact --out runs/repro --report-only                  # the outputs from disk
+  python -m jdr.reproduce scifact --out /tmp/repro-tiny --tiny                    # a tiny random BERT on the
+                                                                                  # built-in dataset (its test)
+"""
+
+import argparse
+import dataclasses
+import pathlib
+import sys
+
+from jdr import cli
+from jdr.data import shared
+from jdr.reproduce import devsplit
+from jdr.reproduce import report
+from jdr.reproduce import rows as rows_lib
+from jdr.reproduce import runs as runs_lib
+
+
+def _ints(text: str) -> list[int]:
+  return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _floats(text: str) -> tuple[float, ...]:
+  return tuple(float(x) for x in text.split(",") if x.strip())
+
+
+def main(argv=None) -> str:
+  parser = argparse.ArgumentParser(prog="python -m jdr.reproduce", description=__doc__.splitlines()[0])
+  parser.add_argument("table", choices=["scifact"], help="the table to rebuild")
+  parser.add_argument("--out", required=True, help="output directory (runs, dev split, table, CSV, plots)")
+  parser.add_argument("--methods", default="", help="comma-separated rows (default: all); rows a warm-up "
+                      "needs are trained for their rate choice too")
+  parser.add_argument("--seeds", default="", help="comma-separated seeds of the final runs (default 0,1,2)")
+  parser.add_argument("--rates", default="", help="the learning-rate grid (default 2e-5,5e-5,1e-4)")
+  parser.add_argument("--eval-every", type=int, default=0, help="steps between dev evaluations, the curves' "
+                      "points (default 52; each evaluation of a two-tower row encodes the corpus)")
+  parser.add_argument("--data", default="", help="the SciFact BEIR directory (default: the shared data's)")
+  parser.add_argument("--zero-shot", default="", help="a BEIR dataset with qrels/test.tsv scored zero-shot "
+                      "(default: the shared reqa-squad-sample; 'none' to skip)")
+  parser.add_argument("--tiny", action="store_true", help="a tiny random BERT, a few steps, on the built-in "
+                      "dataset: checks the whole command in about a minute, measures nothing")
+  parser.add_argument("--report-only", action="store_true", help="write the outputs from the finished runs")
+  args = parser.parse_args(argv)
+
+  plan = rows_lib.tiny_plan() if args.tiny else rows_lib.Plan()
+  if args.rates:
+    plan = dataclasses.replace(plan, rates=_floats(args.rates))
+  if args.eval_every:
+    plan = dataclasses.replace(plan, eval_every=args.eval_every)
+  if args.seeds:
+    plan = dataclasses.replace(plan, seeds=tuple(_ints(args.seeds)))
+  names = rows_lib.row_names(plan)
+  selected = [m.strip() for m in args.methods.split(",") if m.strip()] or names
+  unknown = [m for m in selected if m not in names]
+  if unknown:
+    parser.error(f"--methods: unknown row(s) {', '.join(unknown)}; the rows are {', '.join(names)}")
+  out = pathlib.Path(args.out)
+
+  with cli.reporting_errors():
+    if not args.report_only:
+      if args.tiny:
+        from jdr.data import builtin  # pylint: disable=g-import-not-at-top
+        source = builtin.write_builtin(out / "data" / "stdlib-docstrings")
+      else:
+        source = pathlib.Path(args.data) if args.data else shared.shared_dataset("scifact")
+        if source is None or not source.is_dir():
+          raise FileNotFoundError(f"SciFact not found at {args.data or shared.shared_data_dir() / 'scifact'}: "
+                                  "pass --data DIR (BEIR layout with qrels/train.tsv and qrels/test.tsv)")
+      rows_lib.record_plan(plan, out)
+      dataset = devsplit.write_dev_split(source, out, fraction=plan.dev_fraction, seed=plan.split_seed)
+      zero_shot = None
+      if args.zero_shot != "none":
+        zero_shot = pathlib.Path(args.zero_shot) if args.zero_shot else shared.shared_dataset("reqa-squad-sample")
+        if zero_shot is None:
+          print(f"no zero-shot dataset at {shared.shared_data_dir() / 'reqa-squad-sample'}: the zero-shot "
+                "columns stay empty", file=sys.stderr)
+        elif not (zero_shot / "qrels" / "test.tsv").exists():
+          raise FileNotFoundError(f"{zero_shot / 'qrels' / 'test.tsv'}: the zero-shot dataset needs test qrels")
+      jobs = runs_lib.planned_jobs(plan, selected, list(plan.seeds))
+      progress = runs_lib.Progress(jobs, write=lambda line: print(line, flush=True))
+      ctx = runs_lib.Context(plan=plan, out=out, dataset=dataset, zero_shot=zero_shot, progress=progress)
+      runs_lib.run_table(ctx, selected, list(plan.seeds))
+    text = report.write_report(plan, out)
+  print(text)
+  print(f"wrote {out / 'table.md'}, {out / 'runs.csv'}, {out / 'dev_curves.png'}, {out / 'test_ndcg.png'}")
+  return text
+
+
+if __name__ == "__main__":
+  main()

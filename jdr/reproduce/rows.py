@@ -1,0 +1,178 @@
+"""The rows of the methods table, the budget they share, and the trainer config of each stage.
+
+A row is a chain of stages. Each stage is one run of `jdr.train.train_and_evaluate` on a recipe of
+configs/; a later stage starts from the workdir of the one before it (the papers' warm-ups: BM25
+negatives before STAR and ANCE, STAR before ADORE+STAR). The warm-up steps are part of the row's budget,
+so every row trains `Plan.steps` steps of `Plan.batch_size` in all. A warm-up stage trains at the rate
+chosen on dev for its own row; the last stage's rate is the row's, chosen from `Plan.rates`.
+
+Every row is a recipe's ConfigDict with fields set here, never a trainer of its own: `recipe_config` is
+the one place that names a recipe argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+import ml_collections
+
+from jdr import atomic
+from jdr import config_files
+
+CONFIGS_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """What every row shares. The defaults are ADORE's runlocal budget: 208 steps x 32 pairs (about seven
+  epochs of SciFact's 919 training pairs; the dev split leaves about 730 of them)."""
+  steps: int = 208
+  batch_size: int = 32
+  rates: tuple[float, ...] = (2e-5, 5e-5, 1e-4)
+  seeds: tuple[int, ...] = (0, 1, 2)
+  eval_every: int = 52  # dev evaluations (and checkpoints) per stage: the curve's points
+  query_max_length: int = 32
+  eval_doc_length: int = 256
+  compressed: str = "OPQ48,IVF1,PQ48"  # the LTRe row trains and serves on it; every row is also scored on it
+  dev_fraction: float = 0.2
+  split_seed: int = 0
+  tiny: bool = False  # a tiny random BERT instead of MiniLM: the command's own test
+
+
+def record_plan(plan: Plan, out: pathlib.Path) -> None:
+  """Writes OUT/plan.json, or refuses a plan that differs from the one its runs were trained under in
+  anything but the rate grid and the seeds (which only add runs)."""
+  path = pathlib.Path(out) / "plan.json"
+  fixed = {k: v for k, v in dataclasses.asdict(plan).items() if k not in ("rates", "seeds")}
+  if path.exists():
+    old = {k: v for k, v in json.loads(path.read_text()).items() if k not in ("rates", "seeds")}
+    if old != fixed:
+      changed = ", ".join(f"{k} {old.get(k)!r} -> {v!r}" for k, v in fixed.items() if old.get(k) != v)
+      raise ValueError(f"{path}: the runs here were trained under another plan ({changed}); use another "
+                       "output directory")
+  atomic.write_text(path, json.dumps(dataclasses.asdict(plan), indent=1))
+
+
+# Rows whose last stage trains the query tower only, over a fixed document index: their test is also scored
+# on the compressed index (the LTRe row trains on it; ADORE, RankNet = LTRe on Flat, is what it is compared
+# with). The start has their document tower, so its scores there come with no training of its own; the
+# two-tower rows' indexes would each cost an OPQ training of minutes.
+QUERY_ONLY = ("adore", "adore_ranknet", "adore_static", "adore_star", "ltre_pq")
+
+
+def tiny_plan() -> Plan:
+  """A few steps of a 2x64 random BERT. Its compressed index is a PQ of 16 sub-vectors with 4-bit codes,
+  which 1,200 documents can train, and no OPQ: OPQ's rotation took a minute or more to train on the 2-core
+  CPU, where the rest of a tiny run takes seconds."""
+  return Plan(steps=8, batch_size=8, rates=(1e-3, 3e-3), eval_every=4, query_max_length=16, eval_doc_length=32,
+              compressed="IVF1,PQ16x4", tiny=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+  method: str  # the row whose recipe (and, before the last stage, chosen rate) the stage uses
+  steps: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  name: str
+  label: str
+  stages: tuple[Stage, ...]  # () for the start: the model before any training
+
+  @property
+  def depends_on(self) -> tuple[str, ...]:
+    """Rows whose chosen rate a warm-up stage of this row needs."""
+    return tuple(s.method for s in self.stages[:-1])
+
+
+def rows(plan: Plan) -> list[Row]:
+  """The table's rows, each row after the rows it depends on."""
+  b = plan.steps
+  half, quarter = b // 2, b // 4
+  return [
+      Row("start", "start (no training)", ()),
+      Row("inbatch", "in-batch negatives", (Stage("inbatch", b),)),
+      Row("bm25_neg", "BM25 negatives", (Stage("bm25_neg", b),)),
+      Row("star", "STAR (BM25-neg warm-up)", (Stage("bm25_neg", half), Stage("star", b - half))),
+      Row("ance", "ANCE (BM25-neg warm-up)", (Stage("bm25_neg", half), Stage("ance", b - half))),
+      Row("adore", "ADORE (LambdaRank MRR@10)", (Stage("adore", b),)),
+      Row("adore_ranknet", "ADORE, RankNet", (Stage("adore_ranknet", b),)),
+      Row("adore_static", "ADORE, static negatives", (Stage("adore_static", b),)),
+      Row("adore_star", "ADORE+STAR", (Stage("bm25_neg", quarter), Stage("star", half - quarter),
+                                        Stage("adore_star", b - half))),
+      Row("ltre_pq", f"LTRe-style on {plan.compressed}", (Stage("ltre_pq", b),)),
+  ]
+
+
+def row_names(plan: Plan) -> list[str]:
+  return [r.name for r in rows(plan)]
+
+
+def budget_text(plan: Plan) -> str:
+  """The budget statement the table carries."""
+  lines = [f"Every row trains {plan.steps} steps x {plan.batch_size} (query, positive) pairs in all, warm-ups "
+           "included:"]
+  for row in rows(plan):
+    if len(row.stages) > 1:
+      lines.append(f"- {row.label}: " + " -> ".join(f"{s.method} {s.steps} steps" for s in row.stages))
+  return "\n".join(lines)
+
+
+def recipe_config(method: str, configs_dir: pathlib.Path = CONFIGS_DIR) -> ml_collections.ConfigDict:
+  """The runlocal ConfigDict of the recipe a method runs. The only coupling to recipe argument strings:
+  variants of a recipe (RankNet, static, the compressed index) are set as fields by `stage_config`."""
+  recipe = {"adore_ranknet": "adore", "adore_static": "adore", "ltre_pq": "ltre"}.get(method, method)
+  path = pathlib.Path(configs_dir) / f"{recipe}.py"
+  return config_files.load_config_file(f"{path}:runlocal")
+
+
+def stage_config(plan: Plan, method: str, *, steps: int, rate: float, seed: int, dataset: pathlib.Path,
+                 init_from: str = "", configs_dir: pathlib.Path = CONFIGS_DIR) -> ml_collections.ConfigDict:
+  """One stage's trainer config: the recipe, then what the table fixes for every row."""
+  c = recipe_config(method, configs_dir)
+  if method == "adore_ranknet":
+    c.loss.name = "ranknet"
+  elif method == "adore_static":
+    c.negatives.retrieve_every = 0  # candidates retrieved once before training
+  elif method == "ltre_pq":
+    c.negatives.index_factory = plan.compressed
+    c.eval.factories = f"{plan.compressed};Flat"  # dev is scored on the index the row serves from
+    c.eval.backend = "faiss"
+  c.data.dataset = str(dataset)
+  c.data.train_split, c.data.eval_split = "train", "dev"
+  c.seed = seed
+  c.batch_size = plan.batch_size
+  c.num_train_steps = steps
+  c.optimizer.learning_rate = rate
+  c.optimizer.warmup_steps = max(1, steps // 10)  # the recipes' 10%
+  c.eval_every = plan.eval_every
+  c.eval_before_training = not init_from  # a warm-started stage begins where its warm-up's curve ended
+  c.checkpoint_every = plan.eval_every  # a killed run loses at most one evaluation interval
+  c.keep_checkpoints = 1
+  c.log_every = min(c.log_every, steps)
+  c.data.query_max_length = plan.query_max_length
+  c.eval.doc_max_length = plan.eval_doc_length
+  c.eval.diagnostic_queries = 0
+  if c.negatives.source == "retrieval":
+    c.data.doc_max_length = plan.eval_doc_length  # the fixed index is encoded at the evaluation length
+  if method == "ance":
+    # Three refreshes in the stage, each in force half an interval after its snapshot (runlocal: 30 of 90).
+    c.negatives.refresh_every = max(1, steps // 3)
+    c.negatives.refresh_delay = c.negatives.refresh_every // 2
+  if plan.tiny:
+    c.model.pooling, c.model.normalize = "mean", 1  # like MiniLM, so the recipes' temperature suits it
+    c.data.doc_max_length = plan.eval_doc_length
+    c.negatives.top_n = min(c.negatives.top_n, 50)
+    c.model.init_from, c.model.fresh = "", "tiny"
+  if init_from:
+    c.model.init_from = init_from
+  return c
+
+
+def start_config(plan: Plan, dataset: pathlib.Path, configs_dir: pathlib.Path = CONFIGS_DIR):
+  """The config whose starting model is the start row (the in-batch recipe's: MiniLM, one shared tower)."""
+  return stage_config(plan, "inbatch", steps=plan.steps, rate=plan.rates[0], seed=0, dataset=dataset,
+                      configs_dir=configs_dir)

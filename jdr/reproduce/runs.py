@@ -1,0 +1,380 @@
+"""Running the table: every stage in its own workdir, rates chosen on dev, final models scored once.
+
+OUT/runs/METHOD/NAME is a `jdr.train` workdir; its done.json (dev metrics, dev curve) is written when the
+stage finished, and test.json (test metrics on Flat and the compressed index, zero-shot metrics) when a
+final model was scored. A run with done.json is skipped; a run without it is handed to the trainer, which
+resumes from the workdir's checkpoint. So the table can be built over several sittings, and a selection
+of rows and seeds rebuilds part of it.
+
+Order: a row's rate is chosen from its seed-0 runs over the grid (dev nDCG@10 after the whole budget; ties
+go to the lower rate); then every asked seed trains at that rate and is scored on test and zero-shot. The
+model scored is the last step's: the budget is fixed, no checkpoint is picked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import json
+import os
+import pathlib
+import sys
+import time
+from typing import Callable
+
+from jdr import atomic
+from jdr import metric_writers
+from jdr.reproduce import rows as rows_lib
+
+TEST_METRICS = ("ndcg@10", "mrr@10", "recall@100")
+ZERO_SHOT_METRICS = ("recall@1", "recall@5", "recall@100", "ndcg@10")
+
+
+@dataclasses.dataclass(frozen=True)
+class StageRun:
+  """One trainer run: the (method, steps, rate) of every stage up to and including this one, and the seed."""
+  chain: tuple[tuple[str, int, float], ...]
+  seed: int
+
+  @property
+  def method(self) -> str:
+    return self.chain[-1][0]
+
+  @property
+  def steps(self) -> int:
+    return self.chain[-1][1]
+
+  @property
+  def rate(self) -> float:
+    return self.chain[-1][2]
+
+  @property
+  def parent(self) -> StageRun | None:
+    return StageRun(self.chain[:-1], self.seed) if len(self.chain) > 1 else None
+
+  @property
+  def name(self) -> str:
+    own = f"{self.method}/{self.steps}steps_lr{self.rate:g}_seed{self.seed}"
+    before = "_".join(f"{m}{s}lr{r:g}" for m, s, r in reversed(self.chain[:-1]))
+    return f"{own}_after_{before}" if before else own
+
+
+def chain_for(row: rows_lib.Row, rate: float, seed: int, choices: dict[str, float]) -> StageRun:
+  """The last stage of `row` at `rate`, its warm-ups at the rates chosen for their own rows."""
+  chain = tuple((s.method, s.steps, choices[s.method]) for s in row.stages[:-1])
+  last = row.stages[-1]
+  return StageRun(chain + ((last.method, last.steps, rate),), seed)
+
+
+def needed_rows(plan: rows_lib.Plan, selected: list[str]) -> list[str]:
+  """The selected rows, the start, and every row whose rate a selected row's warm-up needs, in table order."""
+  by_name = {r.name: r for r in rows_lib.rows(plan)}
+  need = {"start"}
+  todo = list(selected)
+  while todo:
+    name = todo.pop()
+    if name not in need:
+      need.add(name)
+      todo.extend(by_name[name].depends_on)
+  return [r.name for r in rows_lib.rows(plan) if r.name in need]
+
+
+def planned_jobs(plan: rows_lib.Plan, selected: list[str], seeds: list[int]) -> dict[tuple, int]:
+  """{job key: training steps (0 for scoring)} of every job a selection runs, counted before any rate is
+  chosen: a warm-up's rate is the symbol ("chosen", row), one run whatever the rate turns out to be."""
+  by_name = {r.name: r for r in rows_lib.rows(plan)}
+  jobs: dict[tuple, int] = {("score", "start"): 0}
+
+  def add_chain(row, last_rate, seed):
+    chain = tuple((s.method, s.steps, ("chosen", s.method)) for s in row.stages[:-1])
+    chain += ((row.stages[-1].method, row.stages[-1].steps, last_rate),)
+    for k in range(len(chain)):
+      jobs[("train", chain[:k + 1], seed)] = chain[k][1]
+
+  for name in needed_rows(plan, selected):
+    if by_name[name].stages:
+      for rate in plan.rates:
+        add_chain(by_name[name], rate, 0)
+  for name in selected:
+    if not by_name[name].stages:
+      continue
+    for seed in seeds:
+      if seed != 0:  # seed 0 at the chosen rate is one of the grid runs
+        add_chain(by_name[name], ("chosen", name), seed)
+      jobs[("score", name, seed)] = 0
+  return jobs
+
+
+def _duration(seconds: float) -> str:
+  seconds = int(round(seconds))
+  if seconds >= 3600:
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+  return f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+class Progress:
+  """Prints "run i of n: WHAT (ETA ...)" before each job; the ETA prices the training steps and scorings left
+  at the seconds per step and per scoring measured so far in this invocation (skipped runs cost nothing)."""
+
+  def __init__(self, jobs: dict[tuple, int], write: Callable[[str], None]):
+    self.total = len(jobs)
+    self.steps_left = sum(jobs.values())
+    self.scores_left = sum(1 for key in jobs if key[0] == "score")
+    self.write = write
+    self.index = 0
+    self.train_seconds = self.train_steps = 0.0
+    self.score_seconds, self.scores = 0.0, 0
+    self._visited: set[tuple] = set()
+
+  def first_visit(self, key: tuple) -> bool:
+    """Whether a job is met for the first time (a warm-up is met by every row and seed that needs it)."""
+    first = key not in self._visited
+    self._visited.add(key)
+    return first
+
+  def eta(self) -> str:
+    if not self.train_steps and not self.scores:
+      return "ETA after the first run"
+    if self.steps_left and not self.train_steps:
+      return "ETA after the first training run"
+    per_step = self.train_seconds / self.train_steps if self.train_steps else 0.0
+    per_score = self.score_seconds / self.scores if self.scores else 0.0
+    return f"ETA {_duration(self.steps_left * per_step + self.scores_left * per_score)}"
+
+  def begin(self, what: str) -> None:
+    self.index += 1
+    self.write(f"run {self.index} of {self.total}: {what} ({self.eta()})")
+
+  def skip(self, what: str, steps: int) -> None:
+    self.index += 1
+    self._passed(steps)
+    self.write(f"run {self.index} of {self.total}: {what}: finished before, skipped")
+
+  def end(self, steps: int, seconds: float) -> None:
+    self._passed(steps)
+    if steps:
+      self.train_seconds += seconds
+      self.train_steps += steps
+    else:
+      self.score_seconds += seconds
+      self.scores += 1
+
+  def _passed(self, steps: int) -> None:
+    if steps:
+      self.steps_left = max(0, self.steps_left - steps)
+    else:
+      self.scores_left = max(0, self.scores_left - 1)
+
+
+@dataclasses.dataclass
+class Context:
+  plan: rows_lib.Plan
+  out: pathlib.Path
+  dataset: pathlib.Path  # the dev-split dataset (devsplit.write_dev_split)
+  zero_shot: pathlib.Path | None  # a BEIR test-only dataset, or None
+  progress: Progress
+  configs_dir: pathlib.Path = rows_lib.CONFIGS_DIR
+
+  def workdir(self, run: StageRun) -> pathlib.Path:
+    return self.out / "runs" / run.name
+
+
+@contextlib.contextmanager
+def _output_to(path: pathlib.Path):
+  """The trainer's prints and progress bars go to the run's log, and so do Faiss' own (C++) warnings, by file
+  descriptor: the terminal keeps the progress lines and the table."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  sys.stdout.flush(), sys.stderr.flush()
+  saved = [os.dup(1), os.dup(2)]
+  try:
+    with open(path, "a", encoding="utf-8") as log:
+      os.dup2(log.fileno(), 1), os.dup2(log.fileno(), 2)
+      with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        try:
+          yield
+        finally:
+          sys.stdout.flush(), sys.stderr.flush()
+  finally:
+    os.dup2(saved[0], 1), os.dup2(saved[1], 2)
+    os.close(saved[0]), os.close(saved[1])
+
+
+def _release() -> None:
+  """Drops the finished run's compiled programs: dozens of runs share one process."""
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.clear_caches()
+  gc.collect()
+
+
+def dev_curve(workdir: pathlib.Path, metric: str = "ndcg@10") -> list[tuple[int, float]]:
+  """(step, dev metric) of a stage; a resumed run's repeated steps keep their last value."""
+  points = {}
+  for record in metric_writers.read(workdir):
+    if f"eval/{metric}" in record:
+      points[record["step"]] = record[f"eval/{metric}"]
+  return sorted(points.items())
+
+
+def read_json(path: pathlib.Path) -> dict | None:
+  return json.loads(path.read_text()) if path.exists() else None
+
+
+def train(ctx: Context, run: StageRun) -> dict:
+  """The stage's done.json record, training it (and its warm-ups first) unless it finished before."""
+  workdir = ctx.workdir(run)
+  first = ctx.progress.first_visit(("train", run.name))
+  init_from = ""
+  if run.parent is not None:  # visited even when this stage finished, so the progress count stays exact
+    train(ctx, run.parent)
+    init_from = str(ctx.workdir(run.parent))
+  done = read_json(workdir / "done.json")
+  if done is not None:
+    if first:
+      ctx.progress.skip(f"train {run.name}", run.steps)
+    return done
+  from jdr import train as train_lib  # pylint: disable=g-import-not-at-top  (JAX starts here, not at import)
+  config = rows_lib.stage_config(ctx.plan, run.method, steps=run.steps, rate=run.rate, seed=run.seed,
+                                 dataset=ctx.dataset, init_from=init_from, configs_dir=ctx.configs_dir)
+  ctx.progress.begin(f"train {run.name}")
+  start = time.perf_counter()
+  with _output_to(workdir / "train.log"):
+    results = train_lib.train_and_evaluate(config, workdir)
+  seconds = time.perf_counter() - start
+  record = {"run": run.name, "method": run.method, "steps": run.steps, "batch_size": ctx.plan.batch_size,
+            "rate": run.rate, "seed": run.seed,
+            "after": " -> ".join(f"{m} {s} steps lr {r:g}" for m, s, r in run.chain[:-1]),
+            "parent": run.parent.name if run.parent else "",
+            "dev": {k: float(v) for k, v in results["after"].items()}, "dev_curve": dev_curve(workdir),
+            "seconds": round(seconds, 1)}
+  atomic.write_text(workdir / "done.json", json.dumps(record, indent=1))
+  del results
+  _release()
+  ctx.progress.end(run.steps, seconds)
+  return record
+
+
+def choose_rate(ctx: Context, row: rows_lib.Row, choices: dict[str, float]) -> dict:
+  """Trains the row's seed-0 grid and records, in `choices`, the rate with the best dev nDCG@10."""
+  dev = {}
+  for rate in ctx.plan.rates:
+    dev[rate] = train(ctx, chain_for(row, rate, 0, choices))["dev"]["ndcg@10"]
+  best = max(ctx.plan.rates, key=lambda r: (dev[r], -r))
+  choices[row.name] = best
+  return {"rate": best, "dev_ndcg@10": {f"{r:g}": v for r, v in dev.items()}}
+
+
+# Trained Faiss indexes by (corpus vectors, factory). The ADORE / LTRe rows keep the starting document tower,
+# so all their models share one corpus encoding: OPQ48,IVF1,PQ48 over SciFact took minutes to train on the
+# 2-core CPU, and is trained once per sitting for them instead of once per model.
+_INDEXES: dict[tuple[str, str], object] = {}
+
+
+def evaluate_on(model, params, tokenizer, dataset: pathlib.Path, split: str, metrics: tuple[str, ...],
+                factories: list[str], *, query_max_length: int, doc_max_length: int) -> dict[str, float]:
+  """A model's metrics on one split of a BEIR dataset, on each Faiss index factory (the first unprefixed,
+  the others "FACTORY/metric"), encoded by the trainer's own TowerEncoder."""
+  import hashlib  # pylint: disable=g-import-not-at-top
+  from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+  from jdr import evaluation  # pylint: disable=g-import-not-at-top
+  from jdr import index as index_lib  # pylint: disable=g-import-not-at-top
+  from jdr import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+  from jdr.data import formats  # pylint: disable=g-import-not-at-top
+  from jdr.data import pairs  # pylint: disable=g-import-not-at-top
+  corpus, queries, qrels = formats.load_beir(dataset, split)
+  data = pairs.RetrievalData(corpus, queries, {}, qrels, pathlib.Path(dataset).name)
+  encoder = evaluation.TowerEncoder(model, tokenizer, data, query_max_length=query_max_length,
+                                    doc_max_length=doc_max_length)
+  doc_emb = encoder.corpus(params, progress=True)
+  qids = sorted(qrels)
+  query_emb = encoder.queries(params, qids)
+  digest = hashlib.sha1(doc_emb.tobytes()).hexdigest()
+  results = {}
+  for i, factory in enumerate(factories):
+    key = (digest, factory)
+    if key not in _INDEXES:
+      _INDEXES[key] = corpus_lib.build_index(doc_emb, encoder.doc_ids, "faiss", factory)
+    scores, ids = _INDEXES[key].search(query_emb, min(100, len(encoder.doc_ids)))
+    scored = metrics_lib.evaluate(qrels, index_lib.to_run(qids, scores, ids), list(metrics))
+    results.update({("" if i == 0 else f"{factory}/") + k: float(v) for k, v in scored.items()})
+  return results
+
+
+def score_model(ctx: Context, model, params, tokenizer, compressed: bool) -> dict:
+  """Test metrics on Flat (and on the compressed index), zero-shot metrics when a dataset is given."""
+  lengths = dict(query_max_length=ctx.plan.query_max_length, doc_max_length=ctx.plan.eval_doc_length)
+  factories = ["Flat", ctx.plan.compressed] if compressed else ["Flat"]
+  record = {"test": evaluate_on(model, params, tokenizer, ctx.dataset, "test", TEST_METRICS, factories, **lengths)}
+  if ctx.zero_shot is not None:
+    record["zero_shot"] = evaluate_on(model, params, tokenizer, ctx.zero_shot, "test", ZERO_SHOT_METRICS,
+                                      ["Flat"], **lengths)
+  return record
+
+
+def score(ctx: Context, run: StageRun) -> dict:
+  """A final model's test.json: scored once, on test and zero-shot."""
+  path = ctx.workdir(run) / "test.json"
+  record = read_json(path)
+  if record is not None:
+    if ctx.progress.first_visit(("score", run.name)):
+      ctx.progress.skip(f"score {run.name}", 0)
+    return record
+  ctx.progress.first_visit(("score", run.name))
+  from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
+  ctx.progress.begin(f"score {run.name} on test" + (" and zero-shot" if ctx.zero_shot else ""))
+  start = time.perf_counter()
+  with _output_to(ctx.workdir(run) / "score.log"):
+    model, params, tokenizer, _ = build_lib.load_jdr_model(ctx.workdir(run))
+    record = score_model(ctx, model, params, tokenizer, run.method in rows_lib.QUERY_ONLY)
+  record["score_seconds"] = round(time.perf_counter() - start, 1)
+  atomic.write_text(path, json.dumps(record, indent=1))
+  _release()
+  ctx.progress.end(0, record["score_seconds"])
+  return record
+
+
+def score_start(ctx: Context) -> dict:
+  """The start row: the model every row starts from, on dev, test and zero-shot."""
+  path = ctx.out / "runs" / "start" / "test.json"
+  record = read_json(path)
+  if record is not None:
+    ctx.progress.skip("score the start model", 0)
+    return record
+  import jax  # pylint: disable=g-import-not-at-top
+  from jdr import train as train_lib  # pylint: disable=g-import-not-at-top
+  from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
+  ctx.progress.begin("score the start model on dev, test" + (" and zero-shot" if ctx.zero_shot else ""))
+  start = time.perf_counter()
+  with _output_to(path.parent / "score.log"):
+    config = rows_lib.start_config(ctx.plan, ctx.dataset, ctx.configs_dir)
+    built = build_lib.build(config.model, config.data)
+    params = train_lib.initial_params(built.model, built, config, jax.random.PRNGKey(config.seed), None)
+    dev = evaluate_on(built.model, params, built.tokenizer, ctx.dataset, "dev", TEST_METRICS, ["Flat"],
+                      query_max_length=ctx.plan.query_max_length, doc_max_length=ctx.plan.eval_doc_length)
+    record = {"dev": dev, **score_model(ctx, built.model, params, built.tokenizer, True)}
+  record["score_seconds"] = round(time.perf_counter() - start, 1)
+  atomic.write_text(path, json.dumps(record, indent=1))
+  _release()
+  ctx.progress.end(0, record["score_seconds"])
+  return record
+
+
+def run_table(ctx: Context, selected: list[str], seeds: list[int]) -> dict:
+  """Runs (or skips) every job of the selection; returns the choices, also written to OUT/choices.json."""
+  by_name = {r.name: r for r in rows_lib.rows(ctx.plan)}
+  choices_file = ctx.out / "choices.json"
+  choices, grid = {}, read_json(choices_file) or {}
+  for name in needed_rows(ctx.plan, selected):
+    row = by_name[name]
+    if not row.stages:
+      score_start(ctx)
+      continue
+    grid[name] = choose_rate(ctx, row, choices)
+    atomic.write_text(choices_file, json.dumps(grid, indent=1))
+    if name in selected:
+      for seed in seeds:
+        run = chain_for(row, choices[name], seed, choices)
+        train(ctx, run)
+        score(ctx, run)
+  print(f"rates chosen on dev: {', '.join(f'{k} {v:g}' for k, v in choices.items())}", file=sys.stderr)
+  return grid

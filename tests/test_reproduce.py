@@ -1,0 +1,117 @@
+"""python -m jdr.reproduce: the dev split, the rows as trainer configs at one budget, the job count, and the
+command end to end on a tiny random BERT and the built-in dataset (outputs written, a re-run skips)."""
+
+import csv
+import dataclasses
+import json
+
+import pytest
+
+from jdr.reproduce import devsplit
+from jdr.reproduce import rows as rows_lib
+from jdr.reproduce import runs as runs_lib
+
+
+def test_dev_split_is_fixed_disjoint_and_a_fifth():
+  qids = [f"q{i}" for i in range(809)]
+  train, dev = devsplit.split_queries(qids, 0.2, seed=0)
+  assert len(dev) == 162 and len(train) == 647
+  assert not set(train) & set(dev) and set(train) | set(dev) == set(qids)
+  assert devsplit.split_queries(list(reversed(qids)), 0.2, seed=0) == (train, dev)  # input order is irrelevant
+  assert devsplit.split_queries(qids, 0.2, seed=1)[1] != dev
+  with pytest.raises(ValueError, match="fraction"):
+    devsplit.split_queries(qids, 1.0, seed=0)
+
+
+def test_every_row_is_a_recipe_config_at_the_same_budget():
+  plan = rows_lib.Plan()
+  expect = {"inbatch": ("none", "softmax_nll"), "bm25_neg": ("bm25", "softmax_nll"),
+            "star": ("dense_static", "ranknet"), "ance": ("ance", "softmax_nll"), "adore": ("retrieval", "lambdarank"),
+            "adore_ranknet": ("retrieval", "ranknet"), "adore_static": ("retrieval", "lambdarank"),
+            "adore_star": ("retrieval", "lambdarank"), "ltre_pq": ("retrieval", "ranknet")}
+  for row in rows_lib.rows(plan):
+    if not row.stages:
+      continue
+    assert sum(s.steps for s in row.stages) == plan.steps, row
+    for i, stage in enumerate(row.stages):
+      c = rows_lib.stage_config(plan, stage.method, steps=stage.steps, rate=5e-5, seed=2, dataset="D",
+                                init_from="W" if i else "")
+      assert (c.negatives.source, c.loss.name) == expect[stage.method], stage
+      assert (c.num_train_steps, c.batch_size, c.optimizer.learning_rate, c.seed) == (stage.steps, 32, 5e-5, 2)
+      assert (c.data.train_split, c.data.eval_split) == ("train", "dev")
+      assert c.model.init_from == ("W" if i else "minilm")
+  static = rows_lib.stage_config(plan, "adore_static", steps=8, rate=1e-4, seed=0, dataset="D")
+  assert static.negatives.retrieve_every == 0
+  ltre = rows_lib.stage_config(plan, "ltre_pq", steps=8, rate=1e-4, seed=0, dataset="D")
+  assert ltre.negatives.index_factory == "OPQ48,IVF1,PQ48"
+  assert ltre.eval.factories.split(";") == ["OPQ48,IVF1,PQ48", "Flat"]
+  assert [s.method for s in {r.name: r for r in rows_lib.rows(plan)}["adore_star"].stages] == \
+      ["bm25_neg", "star", "adore_star"]
+
+
+def test_full_table_job_count():
+  """9 trained rows: a 3-rate grid at seed 0, two more seeds at the chosen rate; the three warm-ups
+  (BM25 104 steps, shared by STAR and ANCE; BM25 52 -> STAR 52 before ADORE+STAR) once per seed."""
+  plan = rows_lib.Plan()
+  jobs = runs_lib.planned_jobs(plan, rows_lib.row_names(plan), [0, 1, 2])
+  trains = {k: v for k, v in jobs.items() if k[0] == "train"}
+  assert len(trains) == 27 + 18 + 3 * 3
+  assert len(jobs) - len(trains) == 9 * 3 + 1
+  assert sum(trains.values()) == 3 * 1560 + 2 * 1560 + 3 * (104 + 52 + 52)
+  # A row alone still trains the grids its warm-ups' rates come from.
+  star = runs_lib.planned_jobs(plan, ["star"], [0])
+  assert {k[1][-1][0] for k in star if k[0] == "train"} == {"bm25_neg", "star"}
+  assert runs_lib.needed_rows(plan, ["adore_star"]) == ["start", "bm25_neg", "star", "adore_star"]
+
+
+def test_tiny_table_end_to_end_and_rerun_skips(tmp_path, monkeypatch, capsys):
+  from jdr import train as train_lib  # pylint: disable=g-import-not-at-top
+  from jdr.reproduce import __main__ as command  # pylint: disable=g-import-not-at-top
+  out = tmp_path / "repro"
+  argv = ["scifact", "--out", str(out), "--tiny", "--methods", "inbatch", "--seeds", "0,1", "--rates", "3e-3"]
+  command.main(argv)
+  first = capsys.readouterr().out
+  assert "run 5 of 5: score inbatch/8steps_lr0.003_seed1" in first and "ETA" in first
+
+  split = out / "data" / "stdlib-docstrings-dev"
+  record = json.loads((split / "split.json").read_text())
+  train_q = {l.split("\t")[0] for l in (split / "qrels" / "train.tsv").read_text().splitlines()[1:]}
+  dev_q = {l.split("\t")[0] for l in (split / "qrels" / "dev.tsv").read_text().splitlines()[1:]}
+  assert dev_q == set(record["dev_queries"]) and not train_q & dev_q
+  assert len(dev_q) == round(0.2 * (len(dev_q) + len(train_q)))
+
+  table = (out / "table.md").read_text()
+  assert "| in-batch negatives | 0.003 |" in table and "| start (no training) |" in table
+  with open(out / "runs.csv") as f:
+    lines = list(csv.DictReader(f))
+  assert [l["run"] for l in lines] == ["start", "inbatch/8steps_lr0.003_seed0", "inbatch/8steps_lr0.003_seed1"]
+  assert all(0.0 <= float(l["test_ndcg@10"]) <= 1.0 for l in lines)
+  for png in ("dev_curves.png", "test_ndcg.png"):
+    assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  curve = json.loads((out / "runs" / "inbatch" / "8steps_lr0.003_seed0" / "done.json").read_text())["dev_curve"]
+  assert [step for step, _ in curve] == [0, 4, 8]
+
+  # A second call trains and scores nothing...
+  def refuse(*args, **kwargs):
+    raise AssertionError("a finished run was run again")
+  with monkeypatch.context() as m:
+    m.setattr(train_lib, "train_and_evaluate", refuse)
+    m.setattr(runs_lib, "score_model", refuse)
+    command.main(argv)
+  second = capsys.readouterr().out
+  assert second.count("finished before, skipped") == 5 and "ETA" not in second
+  assert (out / "table.md").read_text() == table
+  # ...and a run that did not finish goes back to the trainer, which resumes from its checkpoint.
+  seed1 = out / "runs" / "inbatch" / "8steps_lr0.003_seed1"
+  (seed1 / "done.json").unlink()
+  command.main(argv)
+  assert "resumed from" in (seed1 / "train.log").read_text()
+  assert json.loads((seed1 / "done.json").read_text())["steps"] == 8
+
+
+def test_an_output_directory_keeps_its_plan(tmp_path):
+  plan = rows_lib.tiny_plan()
+  rows_lib.record_plan(plan, tmp_path)
+  rows_lib.record_plan(dataclasses.replace(plan, rates=(1e-2,), seeds=(5,)), tmp_path)  # adds runs only
+  with pytest.raises(ValueError, match="steps 8 -> 16"):
+    rows_lib.record_plan(dataclasses.replace(plan, steps=16), tmp_path)
