@@ -174,11 +174,21 @@ def main(argv=None) -> None:
   parser.add_argument("--doc-max-length", type=int, default=None,
                       help="tokens per document when serving (default: what the encoder supports, up to 512)")
   args = parser.parse_args(argv)
-  with cli.reporting_errors():
-    if not paths.as_path(args.workdir).is_dir():
-      raise FileNotFoundError(f"--workdir {args.workdir}: no such directory")
-    out = export(args.workdir, args.out, query_max_length=args.query_max_length,
-                 doc_max_length=args.doc_max_length)
+  try:
+    with cli.reporting_errors():
+      if not paths.as_path(args.workdir).is_dir():
+        raise FileNotFoundError(f"--workdir {args.workdir}: no such directory")
+      out = export(args.workdir, args.out, query_max_length=args.query_max_length,
+                   doc_max_length=args.doc_max_length)
+  except SystemExit as stop:
+    if __name__ != "__main__":
+      raise
+    # A failed orbax write can leave its writer threads scheduling on an event loop that interpreter
+    # shutdown closes, and they print a traceback after the one error line; the partial export is already
+    # gone, so the process ends here.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(stop.code if isinstance(stop.code, int) else 2)
   print(f"exported {args.workdir} to {out}", file=sys.stderr)
 
 
