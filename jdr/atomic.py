@@ -10,6 +10,7 @@ uploaded in one piece.
 
 import io
 import os
+import re
 import stat
 import sys
 import tempfile
@@ -50,6 +51,15 @@ def naming(e: OSError, path: paths.PathLike) -> OSError:
   if e.filename is None and e.errno is not None:
     return OSError(e.errno, e.strerror, os.fspath(path))
   return e
+
+
+def os_error_code(e: BaseException) -> int | None:
+  """The errno of a failed write, which the Rust and C++ writers (tokenizers, safetensors, orbax's
+  tensorstore) report inside their own exception types' messages."""
+  if isinstance(e, OSError):
+    return e.errno
+  found = re.search(r"os error (\d+)|os_error_code='?(\d+)|Os \{ code: (\d+)", str(e))
+  return int(next(g for g in found.groups() if g)) if found else None
 
 
 def write_atomic(path: paths.PathLike, write: Callable[[Any], None]) -> None:

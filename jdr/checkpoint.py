@@ -8,23 +8,32 @@ Load order at start-up (train.train_and_evaluate):
   3. else fresh random weights.
 """
 
+import contextlib
 import json
 import logging
-from typing import Any
+import os
+import sys
+from typing import Any, Iterator
 
 import jax
 import orbax.checkpoint as ocp
 
+from jdr import atomic
 from jdr import paths
 
 STATE = "state"
 META = "meta"
 
 
+def directory(workdir: paths.PathLike):
+  """Where a workdir's checkpoints live."""
+  return paths.absolute(workdir) / "checkpoints"
+
+
 def manager(workdir: paths.PathLike, *, keep: int = 3) -> ocp.CheckpointManager:
   """The workdir's CheckpointManager, keeping the last `keep` checkpoints; the trainer decides when to save."""
   options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
-  return ocp.CheckpointManager(paths.absolute(workdir) / "checkpoints", options=options,
+  return ocp.CheckpointManager(directory(workdir), options=options,
                                item_names=(STATE, META))
 
 
@@ -32,6 +41,60 @@ def save(mngr: ocp.CheckpointManager, step: int, state: Any, meta: dict, *, forc
   """Saves state and JSON metadata at `step`; returns whether a checkpoint was written."""
   return mngr.save(step, args=ocp.args.Composite(**{STATE: ocp.args.StandardSave(state),
                                                       META: ocp.args.JsonSave(meta)}), force=force)
+
+
+class WriteError(OSError):
+  """A checkpoint that could not be written (a full disk, a file-size limit): names the checkpoints folder."""
+
+
+class _DropFailedWriteTracebacks(logging.Filter):
+  """Drops the records of a failed write (those whose exception carries an OS error code); others pass."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not (record.exc_info and atomic.os_error_code(record.exc_info[1]) is not None)
+
+
+@contextlib.contextmanager
+def failed_writes_quiet() -> Iterator[None]:
+  """Inside, a failed write prints nothing by itself, so its caller reports it once: orbax logs its
+  traceback from each writer thread, and tensorstore's completion callbacks report, as unraisable, that
+  orbax already closed the event loop of the write that failed."""
+  absl_logger = logging.getLogger("absl")
+  quiet = _DropFailedWriteTracebacks()
+  absl_logger.addFilter(quiet)
+  unraisablehook = sys.unraisablehook
+
+  def hook(unraisable):
+    value = unraisable.exc_value
+    if not (isinstance(value, RuntimeError) and str(value) == "Event loop is closed"):
+      unraisablehook(unraisable)
+
+  sys.unraisablehook = hook
+  try:
+    yield
+  finally:
+    absl_logger.removeFilter(quiet)
+    sys.unraisablehook = unraisablehook
+
+
+@contextlib.contextmanager
+def writes_reported(workdir: paths.PathLike) -> Iterator[None]:
+  """Inside: a checkpoint write that fails with an OS error (raised by a later save or wait, as orbax writes
+  in the background) becomes one WriteError naming the checkpoints folder, and its partial step folder is
+  removed; earlier checkpoints stay."""
+  folder = str(directory(workdir))
+  try:
+    with failed_writes_quiet():
+      yield
+  except Exception as e:  # pylint: disable=broad-except
+    code = atomic.os_error_code(e)
+    if code is None or isinstance(e, WriteError) or folder not in str(e):
+      raise
+    if jax.process_index() == 0:
+      for partial in paths.as_path(folder).glob("*.orbax-checkpoint-tmp*"):
+        with contextlib.suppress(OSError):
+          partial.rmtree()
+    raise WriteError(code, os.strerror(code), folder) from None
 
 
 def restore(mngr: ocp.CheckpointManager, abstract_state: Any, step: int | None = None) -> tuple[Any, dict]:
@@ -51,15 +114,8 @@ def save_params(path: paths.PathLike, params: Any, model_config: dict) -> None:
   """A params-only checkpoint for serving: orbax params plus the model description as JSON."""
   path = paths.absolute(path)
   path.mkdir(parents=True, exist_ok=True)
-  # orbax logs a failed write's traceback from its writer thread before raising it here: the caller reports it.
-  absl_logger = logging.getLogger("absl")
-  level = absl_logger.level
-  absl_logger.setLevel(logging.CRITICAL)
-  try:
-    with ocp.StandardCheckpointer() as ckptr:
-      ckptr.save(path / "params", params, force=True)
-  finally:
-    absl_logger.setLevel(level)
+  with failed_writes_quiet(), ocp.StandardCheckpointer() as ckptr:  # the caller reports a failed write
+    ckptr.save(path / "params", params, force=True)
   (path / "jdr_model.json").write_text(json.dumps(model_config, indent=1, sort_keys=True))
 
 

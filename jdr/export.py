@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import pathlib
-import re
 import shutil
 import sys
 import tempfile
@@ -114,20 +113,11 @@ def export(workdir: paths.PathLike, out: paths.PathLike, *, query_max_length: in
       tmp.rename(out)
   except BaseException as e:
     shutil.rmtree(tmp, ignore_errors=True)
-    errno = _os_error_code(e)
+    errno = atomic.os_error_code(e)
     if errno is not None:
       raise OSError(errno, os.strerror(errno), str(out)) from None  # "error: OUT: No space left on device"
     raise
   return out
-
-
-def _os_error_code(e: BaseException) -> int | None:
-  """The errno of a failed write, which the Rust and C++ writers (tokenizers, safetensors, orbax's
-  tensorstore) report inside their own exception types' messages."""
-  if isinstance(e, OSError):
-    return e.errno
-  found = re.search(r"os error (\d+)|os_error_code='?(\d+)|Os \{ code: (\d+)", str(e))
-  return int(next(g for g in found.groups() if g)) if found else None
 
 
 def _export(workdir: paths.PathLike, out: pathlib.Path, *, query_max_length: int | None = None,

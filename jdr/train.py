@@ -9,6 +9,7 @@ loop, evaluation.
 import argparse
 import json
 import math
+import os
 import pathlib
 import sys
 import time
@@ -183,7 +184,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   finally:
     stop.restore()
     negatives.close(wait=stop.signum is None)
-  bar.close()
+    bar.close()  # also on an error, whose line then starts a line of its own
   if mngr.latest_step() != int(state.step):
     checkpoint.save(mngr, int(state.step), state, _data_position(batches, int(state.step)), force=True)
   mngr.wait_until_finished()
@@ -270,7 +271,8 @@ def main(argv=None) -> None:
       return
     created = not paths.as_path(args.workdir).exists()
     try:
-      train_and_evaluate(config, args.workdir)
+      with checkpoint.writes_reported(args.workdir):
+        train_and_evaluate(config, args.workdir)
     except preemption.Stopped as stopped:
       preemption.exit_stopped(stopped, argv)
     except BaseException as e:
@@ -279,7 +281,18 @@ def main(argv=None) -> None:
       if isinstance(e, KeyboardInterrupt):  # outside the loop, where SIGINT stops after a saved step
         print(f"jdr: interrupted; checkpoints, if any, are in {args.workdir}/checkpoints", file=sys.stderr)
         raise SystemExit(130) from None
+      if isinstance(e, checkpoint.WriteError) and __name__ == "__main__":
+        _exit_after_failed_write(e)
       raise
+
+
+def _exit_after_failed_write(e: checkpoint.WriteError) -> None:
+  """One error line, status 2, and the process ends here: orbax's writer threads can otherwise print a
+  traceback on an event loop that interpreter shutdown closes. Earlier checkpoints stay as they were."""
+  print(f"error: {e.filename}: {e.strerror}", file=sys.stderr)
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(2)
 
 
 def _remove_unstarted(workdir: str) -> None:

@@ -415,3 +415,23 @@ def test_help_lists_every_config_key_with_its_default_and_meaning(capsys):
   assert set(listed) == set(config_files.all_keys(config))
   assert listed["num_train_steps"][0] == str(config.num_train_steps)
   assert all(meaning.strip() for _, meaning in listed.values())
+
+
+def test_a_full_disk_is_one_error_line_and_keeps_earlier_checkpoints(tmp_path):
+  """A checkpoint that cannot be written (a file-size limit stands in for a full disk: orbax's writes past
+  1 MB fail with EFBIG, in its background threads) ends the run with one `error:` line naming the
+  checkpoints folder and status 2, no traceback; the partial checkpoint is removed, the earlier one stays."""
+  data = write_tiny_beir(tmp_path / "data")
+  workdir = tmp_path / "w"
+  first = _run_train(tmp_path, *_train_cmd(workdir, data, "--config.num_train_steps=2",
+                                           "--config.checkpoint_every=2")[3:])
+  assert first.returncode == 0, first.stderr[-2000:]
+  limited = ("import os, resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20)); "
+             "os.execv(sys.executable, [sys.executable, '-m', 'jdr.train', *sys.argv[1:]])")
+  proc = subprocess.run([sys.executable, "-c", limited,
+                         *_train_cmd(workdir, data, "--config.num_train_steps=4", "--config.checkpoint_every=2")[3:]],
+                        env=_env(), capture_output=True, text=True, timeout=600, cwd=tmp_path)
+  errors = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+  assert proc.returncode == 2 and errors == [f"error: {workdir / 'checkpoints'}: File too large"], proc.stderr[-3000:]
+  assert "Traceback" not in proc.stderr and "ERROR:absl" not in proc.stderr, proc.stderr[-3000:]
+  assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["2"]
