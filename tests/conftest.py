@@ -1,6 +1,26 @@
-import pytest
+import os
+import shutil
+import tempfile
 
-from jdr.data.shared import shared_data_dir, shared_dataset
+# One XLA compilation cache for the whole run, set before jax is imported: the tests' in-process models and
+# the many `python -m jdr...` subprocesses (and pytest-xdist's workers, which inherit the environment)
+# compile the same tiny programs again and again. A fresh folder each run, removed at its end, so a run
+# never depends on an earlier one. A cache the caller set is left alone.
+_CACHE_MADE_HERE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _CACHE_MADE_HERE = tempfile.mkdtemp(prefix="jdr-tests-xla-cache-")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE_MADE_HERE
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+
+import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+from jdr.data.shared import shared_data_dir, shared_dataset  # pylint: disable=wrong-import-position
+
+
+def pytest_unconfigure(config):
+  del config
+  if _CACHE_MADE_HERE:
+    shutil.rmtree(_CACHE_MADE_HERE, ignore_errors=True)
 
 
 @pytest.fixture
