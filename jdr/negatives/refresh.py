@@ -149,8 +149,13 @@ class AsyncRefresher:
     self.max_wait_s = float(max_wait_s)
     self._log = log
     self.directory.mkdir(parents=True, exist_ok=True)
-    for tmp in self.directory.glob(".*.tmp"):
-      tmp.unlink(missing_ok=True)  # half-written by a killed run (see jdr.atomic)
+    # On several hosts sharing the workdir, the first clears what a killed run half-wrote and writes the
+    # schedule; another host clearing too could delete a file the first is writing at this moment. Hosts
+    # write nothing else before the first step, whose collectives wait for every host to be past here.
+    self._first_host = jax.process_index() == 0
+    if self._first_host:
+      for tmp in self.directory.glob(".*.tmp"):
+        tmp.unlink(missing_ok=True)  # half-written by a killed run (see jdr.atomic)
     self._check_schedule_file()
 
     self._cond = threading.Condition()
@@ -324,7 +329,7 @@ class AsyncRefresher:
       if theirs != mine:
         raise ValueError(f"{self.directory} holds a refresh run with schedule {theirs}, not {mine}: its generations "
                          "would land on the wrong steps; use another directory")
-    else:
+    elif self._first_host:
       atomic.write_atomic(path, lambda f: f.write(json.dumps(mine).encode()))
 
   def _read_generation(self, k: int) -> _Generation:
