@@ -29,10 +29,19 @@ def add_skip_invalid_flag(parser: argparse.ArgumentParser) -> None:
                       help="drop malformed records of the input files (counted on stderr) instead of stopping")
 
 
-def _describe(e: Exception) -> str:
+def describe(e: Exception) -> str:
+  """An expected error as its `error:` line reads."""
   if isinstance(e, OSError) and e.filename is not None and e.strerror:
     return f"{e.filename}: {e.strerror}"  # not "[Errno 2] No such file or directory: '...'"
   return str(e)
+
+
+def exit_now(code: int) -> None:
+  """Flushes and ends the process without interpreter shutdown, after a failed orbax write (whose line is
+  printed): its writer threads can otherwise print a traceback on an event loop that shutdown closes."""
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(code)
 
 
 @contextlib.contextmanager
@@ -47,7 +56,7 @@ def reporting_errors(skip_flag: str | None = None) -> Iterator[None]:
   except EXPECTED_ERRORS as e:
     if os.environ.get("JDR_TRACEBACK"):
       raise
-    print(f"error: {_describe(e)}", file=sys.stderr)
+    print(f"error: {describe(e)}", file=sys.stderr)
     if isinstance(e, formats.DataFormatError) and skip_flag and e.line is not None:
       print(f"(rerun with {skip_flag} to drop the invalid records and go on; each is counted on stderr)",
             file=sys.stderr)

@@ -173,12 +173,7 @@ def main(argv=None) -> None:
   except SystemExit as stop:
     if __name__ != "__main__":
       raise
-    # A failed orbax write can leave its writer threads scheduling on an event loop that interpreter
-    # shutdown closes, and they print a traceback after the one error line; the partial export is already
-    # gone, so the process ends here.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(stop.code if isinstance(stop.code, int) else 2)
+    cli.exit_now(stop.code if isinstance(stop.code, int) else 2)  # the partial export is already gone
   print(f"exported {args.workdir} to {out}", file=sys.stderr)
 
 

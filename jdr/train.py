@@ -9,7 +9,6 @@ loop, evaluation.
 import argparse
 import json
 import math
-import os
 import pathlib
 import sys
 import time
@@ -282,17 +281,9 @@ def main(argv=None) -> None:
         print(f"jdr: interrupted; checkpoints, if any, are in {args.workdir}/checkpoints", file=sys.stderr)
         raise SystemExit(130) from None
       if isinstance(e, checkpoint.WriteError) and __name__ == "__main__":
-        _exit_after_failed_write(e)
+        print(f"error: {cli.describe(e)}", file=sys.stderr)  # earlier checkpoints stay as they were
+        cli.exit_now(2)
       raise
-
-
-def _exit_after_failed_write(e: checkpoint.WriteError) -> None:
-  """One error line, status 2, and the process ends here: orbax's writer threads can otherwise print a
-  traceback on an event loop that interpreter shutdown closes. Earlier checkpoints stay as they were."""
-  print(f"error: {e.filename}: {e.strerror}", file=sys.stderr)
-  sys.stdout.flush()
-  sys.stderr.flush()
-  os._exit(2)
 
 
 def _remove_unstarted(workdir: str) -> None:

@@ -10,7 +10,7 @@ go on after a stop (finished runs are skipped, a killed one resumes from its che
   python -m jdr.reproduce scifact --out runs/repro
   python -m jdr.reproduce scifact --out runs/repro --methods star,ance --seeds 0   # part of the table
   python -m jdr.reproduce scifact --out runs/repro --report-only                  # the outputs from disk
-  python -m jdr.reproduce scifact --out /tmp/repro-tiny --tiny                    # a tiny random BERT on the
+  python -m jdr.reproduce scifact --out runs/repro-tiny --tiny                    # a tiny random BERT on the
                                                                                   # built-in dataset (its test)
 """
 
