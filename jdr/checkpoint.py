@@ -58,7 +58,9 @@ class _DropFailedWriteTracebacks(logging.Filter):
 def failed_writes_quiet() -> Iterator[None]:
   """Inside, a failed write prints nothing by itself, so its caller reports it once: orbax logs its
   traceback from each writer thread, and tensorstore's completion callbacks report, as unraisable, that
-  orbax already closed the event loop of the write that failed."""
+  orbax already closed the event loop of the write that failed. After a failed write both filters stay
+  for the rest of the process (which then reports the error and ends): the writer threads' callbacks keep
+  arriving after the exception has left this block."""
   absl_logger = logging.getLogger("absl")
   quiet = _DropFailedWriteTracebacks()
   absl_logger.addFilter(quiet)
@@ -70,11 +72,9 @@ def failed_writes_quiet() -> Iterator[None]:
       unraisablehook(unraisable)
 
   sys.unraisablehook = hook
-  try:
-    yield
-  finally:
-    absl_logger.removeFilter(quiet)
-    sys.unraisablehook = unraisablehook
+  yield  # an exception leaves both filters installed: tensorstore's callbacks go on firing after it
+  absl_logger.removeFilter(quiet)
+  sys.unraisablehook = unraisablehook
 
 
 @contextlib.contextmanager
