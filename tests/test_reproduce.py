@@ -82,6 +82,7 @@ def test_tiny_table_end_to_end_and_rerun_skips(tmp_path, monkeypatch, capsys):
 
   table = (out / "table.md").read_text()
   assert "| in-batch negatives | 0.003 |" in table and "| start (no training) |" in table
+  assert "- STAR beats BM25 negatives at the same budget: not yet scored" in table  # its rows were not run
   with open(out / "runs.csv") as f:
     lines = list(csv.DictReader(f))
   assert [l["run"] for l in lines] == ["start", "inbatch/8steps_lr0.003_seed0", "inbatch/8steps_lr0.003_seed1"]
@@ -115,3 +116,39 @@ def test_an_output_directory_keeps_its_plan(tmp_path):
   rows_lib.record_plan(dataclasses.replace(plan, rates=(1e-2,), seeds=(5,)), tmp_path)  # adds runs only
   with pytest.raises(ValueError, match="steps 8 -> 16"):
     rows_lib.record_plan(dataclasses.replace(plan, steps=16), tmp_path)
+
+
+def _finals(**rows):
+  """{row: final-run records} from {row: [(seed, {metric: value}), ...]}."""
+  return {name: [{"seed": seed, "test": test} for seed, test in runs] for name, runs in rows.items()}
+
+
+def test_claims_are_judged_on_gains_paired_by_seed():
+  from jdr.reproduce import claims  # pylint: disable=g-import-not-at-top
+  star = claims.CLAIMS[0]
+  assert (star.row, star.baseline) == ("star", "bm25_neg")
+  # Paired gains 0.02, 0.03, 0.04: mean 0.03 > std 0.01.
+  finals = _finals(star=[(0, {"ndcg@10": 0.72}), (1, {"ndcg@10": 0.70}), (2, {"ndcg@10": 0.75})],
+                   bm25_neg=[(0, {"ndcg@10": 0.70}), (1, {"ndcg@10": 0.67}), (2, {"ndcg@10": 0.71}),
+                             (3, {"ndcg@10": 0.10})])  # a seed the other row lacks is not paired
+  v = claims.judge(star, finals, "PQ")
+  assert v.seeds == (0, 1, 2) and v.gain == pytest.approx(0.03) and v.spread == pytest.approx(0.01)
+  assert v.holds and "**holds** (ndcg@10 +0.0300 ± 0.0100" in v.line()
+  # A gain inside its spread does not hold; nor does a loss.
+  finals["star"][2]["test"]["ndcg@10"] = 0.66  # gains 0.02, 0.03, -0.05
+  assert claims.judge(star, finals, "PQ").holds is False
+  # "At least": a small loss inside the spread still holds, a clear one does not.
+  at_least = next(c for c in claims.CLAIMS if c.at_least)
+  near = _finals(adore_star=[(0, {"ndcg@10": 0.80}), (1, {"ndcg@10": 0.81})],
+                 adore=[(0, {"ndcg@10": 0.81}), (1, {"ndcg@10": 0.80})])
+  assert claims.judge(at_least, near, "PQ").holds is True
+  worse = _finals(adore_star=[(0, {"ndcg@10": 0.70}), (1, {"ndcg@10": 0.71})],
+                  adore=[(0, {"ndcg@10": 0.81}), (1, {"ndcg@10": 0.80})])
+  assert claims.judge(at_least, worse, "PQ").holds is False
+  # The compressed-index claim reads the metric on the plan's index; a missing row or one seed is no verdict.
+  pq = next(c for c in claims.CLAIMS if "compressed" in c.metric)
+  one = _finals(ltre_pq=[(0, {"PQ/ndcg@10": 0.8})], adore_ranknet=[(0, {"PQ/ndcg@10": 0.7, "ndcg@10": 0.9})])
+  v = claims.judge(pq, one, "PQ")
+  assert v.metric == "PQ/ndcg@10" and v.holds is None and "one seed" in v.line()
+  assert "not yet scored" in claims.judge(pq, {}, "PQ").line()
+  assert len(claims.judge_all({}, "PQ")) == len(claims.CLAIMS) == 7

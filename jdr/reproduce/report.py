@@ -13,6 +13,7 @@ import pathlib
 import statistics
 
 from jdr import atomic
+from jdr.reproduce import claims as claims_lib
 from jdr.reproduce import rows as rows_lib
 from jdr.reproduce import runs as runs_lib
 
@@ -103,6 +104,10 @@ def table_markdown(plan: rows_lib.Plan, out: pathlib.Path) -> str:
       lines.append(f"| {labels[name]} | {_stat(col('recall@1'))} | {_stat(col('recall@5'))} | "
                    f"{_stat(col('recall@100'))} | {_stat(col('ndcg@10'))} | {_stat(delta)} |")
     lines.append("")
+  lines += ["## Claims (test, paired by seed)", ""]
+  lines += [v.line() for v in claims_lib.judge_all(finals, cq)]
+  lines += ["", "A claim that X beats Y holds when the mean paired gain is larger than the sample std of the paired "
+            "gains; \"at least\" holds unless X is worse by more than that std.", ""]
   if grid:
     rates = [f"{r:g}" for r in plan.rates]
     lines += ["## Dev nDCG@10 of each rate (seed 0)", "", "| row | " + " | ".join(rates) + " | chosen |",
