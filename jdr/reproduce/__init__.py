@@ -7,6 +7,7 @@ test queries are scored once, for the final models:
   devsplit.py  the fixed, seeded dev split of the training queries, written to the output directory
   runs.py      running the stages (skip finished ones, resume killed ones), choosing rates, scoring
   report.py    the markdown table, the CSV of every run and the two plots
+  claims.py    the papers' claims, each judged from two rows' test figures paired by seed
 
 `__main__.py` is the command line over these.
 """
