@@ -152,3 +152,31 @@ def test_claims_are_judged_on_gains_paired_by_seed():
   assert v.metric == "PQ/ndcg@10" and v.holds is None and "one seed" in v.line()
   assert "not yet scored" in claims.judge(pq, {}, "PQ").line()
   assert len(claims.judge_all({}, "PQ")) == len(claims.CLAIMS) == 7
+
+
+def test_scoring_encodes_a_corpus_once_per_document_side(monkeypatch):
+  import types  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(runs_lib, "_CORPUS_VECTORS", {})
+  calls = []
+
+  class Encoder:
+    doc_max_length = 256
+
+    def corpus(self, params, progress=False):
+      calls.append(params)
+      return np.zeros((3, 2))
+
+  model = types.SimpleNamespace(doc="TowerConfig(pooling='mean')")
+  doc = {"encoder": {"w": np.arange(6.0)}}
+  first = {"query_tower": {"encoder": {"w": np.ones(6)}}, "doc_tower": doc}
+  second = {"query_tower": {"encoder": {"w": np.zeros(6)}}, "doc_tower": {"encoder": {"w": np.arange(6.0)}}}
+  runs_lib.corpus_vectors(model, Encoder(), first, "D")
+  runs_lib.corpus_vectors(model, Encoder(), second, "D")  # another query tower, the same document side
+  assert len(calls) == 1
+  moved = {"query_tower": first["query_tower"], "doc_tower": {"encoder": {"w": np.arange(6.0) + 1e-7}}}
+  runs_lib.corpus_vectors(model, Encoder(), moved, "D")  # a document tower that moved at all
+  runs_lib.corpus_vectors(types.SimpleNamespace(doc="TowerConfig(pooling='cls')"), Encoder(), first, "D")
+  runs_lib.corpus_vectors(model, Encoder(), first, "other dataset")
+  runs_lib.corpus_vectors(model, Encoder(), {"tower": doc}, "D")  # a shared tower with those weights: no new one
+  assert len(calls) == 4

@@ -269,6 +269,36 @@ def choose_rate(ctx: Context, row: rows_lib.Row, choices: dict[str, float]) -> d
 # 2-core CPU, and is trained once per sitting for them instead of once per model.
 _INDEXES: dict[tuple[str, str], object] = {}
 
+# Corpus vectors by (dataset, document length, document tower settings, digest of its weights): the query-only rows'
+# models all carry the starting document tower, so scoring them re-encoded the same corpora (minutes each on
+# the 2-core CPU). A model whose document side differs gets its own entry; the oldest entries are dropped.
+_CORPUS_VECTORS: dict[tuple[str, int, str, str], object] = {}
+_CORPUS_VECTORS_KEPT = 4
+
+
+def _doc_side_digest(params) -> str:
+  """A digest of the weights that encode documents: the shared tower, or the document tower."""
+  import hashlib  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  side = params["tower"] if "tower" in params else params["doc_tower"]
+  digest = hashlib.sha1()
+  for path, leaf in jax.tree_util.tree_leaves_with_path(side):
+    digest.update(jax.tree_util.keystr(path).encode())
+    digest.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
+  return digest.hexdigest()
+
+
+def corpus_vectors(model, encoder, params, dataset: pathlib.Path):
+  """The encoder's corpus vectors under `params`, encoded once per document side (see _CORPUS_VECTORS):
+  its weights and its tower's settings (pooling, normalization) both name it."""
+  key = (str(dataset), encoder.doc_max_length, repr(model.doc), _doc_side_digest(params))
+  if key not in _CORPUS_VECTORS:
+    while len(_CORPUS_VECTORS) >= _CORPUS_VECTORS_KEPT:
+      del _CORPUS_VECTORS[next(iter(_CORPUS_VECTORS))]
+    _CORPUS_VECTORS[key] = encoder.corpus(params, progress=True)
+  return _CORPUS_VECTORS[key]
+
 
 def evaluate_on(model, params, tokenizer, dataset: pathlib.Path, split: str, metrics: tuple[str, ...],
                 factories: list[str], *, query_max_length: int, doc_max_length: int) -> dict[str, float]:
@@ -285,7 +315,7 @@ def evaluate_on(model, params, tokenizer, dataset: pathlib.Path, split: str, met
   data = pairs.RetrievalData(corpus, queries, {}, qrels, pathlib.Path(dataset).name)
   encoder = evaluation.TowerEncoder(model, tokenizer, data, query_max_length=query_max_length,
                                     doc_max_length=doc_max_length)
-  doc_emb = encoder.corpus(params, progress=True)
+  doc_emb = corpus_vectors(model, encoder, params, dataset)
   qids = sorted(qrels)
   query_emb = encoder.queries(params, qids)
   digest = hashlib.sha1(doc_emb.tobytes()).hexdigest()
