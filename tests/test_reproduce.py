@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from conftest import write_tiny_beir
 from jdr.reproduce import devsplit
 from jdr.reproduce import rows as rows_lib
 from jdr.reproduce import runs as runs_lib
@@ -180,3 +181,41 @@ def test_scoring_encodes_a_corpus_once_per_document_side(monkeypatch):
   runs_lib.corpus_vectors(model, Encoder(), first, "other dataset")
   runs_lib.corpus_vectors(model, Encoder(), {"tower": doc}, "D")  # a shared tower with those weights: no new one
   assert len(calls) == 4
+
+
+def test_query_only_stages_share_a_fixed_index_equal_to_the_trainers(tmp_path):
+  """The fixed document index the ADORE / LTRe stages are given is bitwise the one the trainer would encode
+  from the same starting tower, written once; a starting document side that depends on the seed is not
+  shared."""
+  import types  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+  from jdr import evaluation  # pylint: disable=g-import-not-at-top
+  from jdr import train as train_lib  # pylint: disable=g-import-not-at-top
+  from jdr.data import formats, pairs  # pylint: disable=g-import-not-at-top
+  from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
+  dataset = write_tiny_beir(tmp_path / "tiny")
+  ctx = types.SimpleNamespace(out=tmp_path / "out", dataset=dataset)
+  plan = rows_lib.tiny_plan()
+  tiny = rows_lib.stage_config(plan, "adore", steps=8, rate=1e-3, seed=0, dataset=dataset)
+  assert runs_lib.shared_fixed_index(ctx, tiny) is None  # fresh random towers: each seed's own
+
+  config = rows_lib.stage_config(plan, "adore", steps=8, rate=1e-3, seed=0, dataset=dataset)
+  config.model.fresh, config.model.init_from = "", "minilm"  # loaded weights: the same for every seed
+  path = runs_lib.shared_fixed_index(ctx, config)
+  assert path is not None
+  emb, ids, _ = corpus_lib.load_embeddings(path)
+  built = build_lib.build(config.model, config.data)
+  params = train_lib.initial_params(built.model, built, config, jax.random.PRNGKey(3), None)
+  corpus, _, _ = formats.load_beir(dataset)
+  encoder = evaluation.TowerEncoder(built.model, built.tokenizer, pairs.RetrievalData(corpus, {}, {}, {}, "d"),
+                                    query_max_length=config.data.query_max_length,
+                                    doc_max_length=config.eval.doc_max_length or config.data.doc_max_length,
+                                    tokens_per_batch=config.eval.tokens_per_batch)
+  assert ids == list(corpus)
+  np.testing.assert_array_equal(emb, encoder.corpus(params))
+  seed2 = rows_lib.stage_config(plan, "adore", steps=8, rate=1e-3, seed=2, dataset=dataset)
+  seed2.model.fresh, seed2.model.init_from = "", "minilm"
+  assert runs_lib.shared_fixed_index(ctx, seed2) == path
+  assert len(list((ctx.out / "data" / "fixed-index").iterdir())) == 1

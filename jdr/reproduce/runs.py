@@ -238,6 +238,9 @@ def train(ctx: Context, run: StageRun) -> dict:
                                  dataset=ctx.dataset, init_from=init_from, configs_dir=ctx.configs_dir)
   ctx.progress.begin(f"train {run.name}")
   start = time.perf_counter()
+  if not init_from and config.negatives.source == "retrieval" and not config.negatives.corpus_encoding:
+    with _output_to(workdir / "train.log"):
+      config.negatives.corpus_encoding = shared_fixed_index(ctx, config) or ""
   with _output_to(workdir / "train.log"):
     results = train_lib.train_and_evaluate(config, workdir)
   seconds = time.perf_counter() - start
@@ -252,6 +255,42 @@ def train(ctx: Context, run: StageRun) -> dict:
   _release()
   ctx.progress.end(run.steps, seconds)
   return record
+
+
+def shared_fixed_index(ctx: Context, config) -> str | None:
+  """A `jdr.encode` directory of the corpus under a query-only stage's starting document tower, written once
+  (under OUT/data/fixed-index/) and given to every such stage as `negatives.corpus_encoding`: the ADORE and
+  LTRe rows all start from the same tower, and each run encoded the corpus again (minutes on the 2-core CPU).
+  The vectors are the trainer's own: its TowerEncoder's function, tokenization and batches. None when the
+  starting document side depends on the seed (a fresh head), which no other run would share."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+  from jdr import evaluation  # pylint: disable=g-import-not-at-top
+  from jdr import train as train_lib  # pylint: disable=g-import-not-at-top
+  from jdr.data import formats  # pylint: disable=g-import-not-at-top
+  from jdr.data import pairs  # pylint: disable=g-import-not-at-top
+  from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
+  built = build_lib.build(config.model, config.data)
+  params = train_lib.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
+  digest = _doc_side_digest(params)
+  if _doc_side_digest(train_lib.initial_params(built.model, built, config, jax.random.PRNGKey(1), None)) != digest:
+    return None
+  doc_length = config.eval.doc_max_length or config.data.doc_max_length
+  key = f"{digest[:16]}-{doc_length}-{config.eval.tokens_per_batch or 'default'}"
+  out = ctx.out / "data" / "fixed-index" / key
+  if (read_json(out / "meta.json") or {}).get("complete"):
+    return str(out)
+  corpus, _, _ = formats.load_beir(ctx.dataset)
+  data = pairs.RetrievalData(corpus, {}, {}, {}, pathlib.Path(ctx.dataset).name)
+  encoder = evaluation.TowerEncoder(built.model, built.tokenizer, data, query_max_length=1,
+                                    doc_max_length=doc_length, tokens_per_batch=config.eval.tokens_per_batch)
+  runtime = corpus_lib.EncoderRuntime(encoder.encode_doc, params, built.tokenizer, doc_length, {})
+  # One shard holds the whole corpus, so its batches are the ones TowerEncoder.corpus plans.
+  corpus_lib.encode_corpus(runtime, corpus, out, shard_size=max(1, len(corpus)),
+                           settings={"model": config.model.init_from, "doc_side_sha1": digest,
+                                     "max_length": doc_length},
+                           tokens_per_batch=config.eval.tokens_per_batch or None)
+  return str(out)
 
 
 def choose_rate(ctx: Context, row: rows_lib.Row, choices: dict[str, float]) -> dict:
