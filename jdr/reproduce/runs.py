@@ -238,10 +238,9 @@ def train(ctx: Context, run: StageRun) -> dict:
                                  dataset=ctx.dataset, init_from=init_from, configs_dir=ctx.configs_dir)
   ctx.progress.begin(f"train {run.name}")
   start = time.perf_counter()
-  if not init_from and config.negatives.source == "retrieval" and not config.negatives.corpus_encoding:
-    with _output_to(workdir / "train.log"):
-      config.negatives.corpus_encoding = shared_fixed_index(ctx, config) or ""
   with _output_to(workdir / "train.log"):
+    if not init_from and config.negatives.source == "retrieval" and not config.negatives.corpus_encoding:
+      config.negatives.corpus_encoding = shared_fixed_index(ctx, config) or ""
     results = train_lib.train_and_evaluate(config, workdir)
   seconds = time.perf_counter() - start
   record = {"run": run.name, "method": run.method, "steps": run.steps, "batch_size": ctx.plan.batch_size,
