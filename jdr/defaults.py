@@ -131,6 +131,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval.max_queries = 0  # 0 = every query of the eval split
   c.eval.doc_max_length = 0  # 0 = data.doc_max_length
   c.eval.tokens_per_batch = 0  # 0 = jdr.encode's default for the device (small on CPU, large on GPU/TPU)
+  c.eval.corpus_cache = ""  # a folder of corpus vectors by document side: a run encoding one again reads them
   # cross-encoders are evaluated by reranking a first stage (eval.rerank_run, or BM25 when "")
   c.eval.rerank_run = ""  # cross-encoders: the first-stage TREC run they rerank ("" = BM25)
   c.eval.rerank_depth = 100  # cross-encoders: documents reranked per query

@@ -19,6 +19,7 @@ import numpy as np
 import tqdm
 
 from jdr import corpus as corpus_lib
+from jdr import corpus_cache
 from jdr import index as index_lib
 from jdr import metrics as metrics_lib
 from jdr import parallel
@@ -36,11 +37,15 @@ class TowerEncoder:
   With a `mesh` of more than one device (the trainer's), each batch's rows are split over its batch axes
   (`jdr.corpus.rows_on_mesh`): no device encodes what another does. On several hosts each host tokenizes
   and encodes only its own contiguous part of the corpus on its own devices (`jdr.corpus.rows_on_mesh` over them), and
-  the parts' vectors are gathered to every host."""
+  the parts' vectors are gathered to every host.
+
+  With `cache_dir` (one host), corpus vectors are kept there and read back for a document side, settings and
+  corpus encoded before (`jdr.corpus_cache`)."""
 
   def __init__(self, model: TwoTower, tokenizer, data, *, query_max_length: int, doc_max_length: int,
-               tokens_per_batch: int | None = None, mesh=None):
+               tokens_per_batch: int | None = None, mesh=None, cache_dir: str = ""):
     self.data, self.tokenizer = data, tokenizer
+    self._tower = repr(model.doc)
     self.query_max_length, self.doc_max_length = query_max_length, doc_max_length
     self.tokens_per_batch = tokens_per_batch or None
     self.doc_ids = list(data.corpus)
@@ -65,6 +70,9 @@ class TowerEncoder:
     if self.hosts > 1:
       self._host_mesh = parallel.make_mesh((-1, 1, 1), devices=jax.local_devices())
       self._encode_part = corpus_lib.rows_on_mesh(doc, self._host_mesh)
+    # Hosts encode parts of the corpus; one host's cache could not name the others' vectors.
+    self.cache = corpus_cache.CorpusCache(cache_dir) if cache_dir and self.hosts == 1 else None
+    self._tokens_digest = None
 
   @property
   def doc_tokens(self):
@@ -78,6 +86,26 @@ class TowerEncoder:
 
   def corpus(self, params, progress: bool = False) -> np.ndarray:
     """float32 [N, D], rows in `self.doc_ids` order, on every host."""
+    if self.cache is None:
+      return self._encode_corpus(params, progress)
+    name = corpus_cache.entry_name(
+        doc_weights=corpus_cache.weights_digest(corpus_cache.doc_side(params)), tower=self._tower,
+        tokens=self._doc_tokens_digest(),
+        batching=f"{self.doc_max_length} {self.tokens_per_batch} {self.rows_multiple}")
+    emb = self.cache.get(name)
+    if emb is None:
+      emb = self._encode_corpus(params, progress)
+      self.cache.put(name, emb)
+    else:
+      print(f"corpus vectors of this document side read from {self.cache.folder}/{name}.npy", file=sys.stderr)
+    return emb
+
+  def _doc_tokens_digest(self) -> str:
+    if self._tokens_digest is None:
+      self._tokens_digest = corpus_cache.tokens_digest(self.doc_tokens)
+    return self._tokens_digest
+
+  def _encode_corpus(self, params, progress: bool) -> np.ndarray:
     if self.hosts == 1:
       runtime = corpus_lib.EncoderRuntime(self.encode_doc, params, self.tokenizer, self.doc_max_length, {},
                                           rows_multiple=self.rows_multiple)

@@ -97,7 +97,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   encoder = evaluation.TowerEncoder(
       model, built.tokenizer, data, query_max_length=config.data.query_max_length,
       doc_max_length=config.eval.doc_max_length or config.data.doc_max_length,
-      tokens_per_batch=config.eval.tokens_per_batch, mesh=mesh)
+      tokens_per_batch=config.eval.tokens_per_batch, mesh=mesh, cache_dir=config.eval.corpus_cache)
 
   negatives = sources.make(config, data, workdir, encoder, state.params, mesh,
                            step_lib.make_step_query_vectors(model, config.model.encode_chunk_rows))

@@ -4,6 +4,7 @@ command end to end on a tiny random BERT and the built-in dataset (outputs writt
 import csv
 import dataclasses
 import json
+import types
 
 import pytest
 
@@ -67,6 +68,7 @@ def test_full_table_job_count():
 
 def test_tiny_table_end_to_end_and_rerun_skips(tmp_path, monkeypatch, capsys):
   from jdr import train as train_lib  # pylint: disable=g-import-not-at-top
+  from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
   from jdr.reproduce import __main__ as command  # pylint: disable=g-import-not-at-top
   out = tmp_path / "repro"
   argv = ["scifact", "--out", str(out), "--tiny", "--methods", "inbatch", "--seeds", "0,1", "--rates", "3e-3"]
@@ -92,6 +94,14 @@ def test_tiny_table_end_to_end_and_rerun_skips(tmp_path, monkeypatch, capsys):
     assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   curve = json.loads((out / "runs" / "inbatch" / "8steps_lr0.003_seed0" / "done.json").read_text())["dev_curve"]
   assert [step for step, _ in curve] == [0, 4, 8]
+  # Scoring read the corpus vectors the run's last evaluation wrote, and scored what a fresh encode scores.
+  seed0 = out / "runs" / "inbatch" / "8steps_lr0.003_seed0"
+  assert "corpus vectors of this document side read from" in (seed0 / "score.log").read_text()
+  model, params, tokenizer, _ = build_lib.load_jdr_model(seed0)
+  fresh = types.SimpleNamespace(plan=rows_lib.tiny_plan(), dataset=split, zero_shot=None,
+                                vector_cache=tmp_path / "empty-cache")
+  rescored = runs_lib.score_model(fresh, model, params, tokenizer, compressed=False)
+  assert rescored["test"] == json.loads((seed0 / "test.json").read_text())["test"]
 
   # A second call trains and scores nothing...
   def refuse(*args, **kwargs):
@@ -153,69 +163,3 @@ def test_claims_are_judged_on_gains_paired_by_seed():
   assert v.metric == "PQ/ndcg@10" and v.holds is None and "one seed" in v.line()
   assert "not yet scored" in claims.judge(pq, {}, "PQ").line()
   assert len(claims.judge_all({}, "PQ")) == len(claims.CLAIMS) == 7
-
-
-def test_scoring_encodes_a_corpus_once_per_document_side(monkeypatch):
-  import types  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(runs_lib, "_CORPUS_VECTORS", {})
-  calls = []
-
-  class Encoder:
-    doc_max_length = 256
-
-    def corpus(self, params, progress=False):
-      calls.append(params)
-      return np.zeros((3, 2))
-
-  model = types.SimpleNamespace(doc="TowerConfig(pooling='mean')")
-  doc = {"encoder": {"w": np.arange(6.0)}}
-  first = {"query_tower": {"encoder": {"w": np.ones(6)}}, "doc_tower": doc}
-  second = {"query_tower": {"encoder": {"w": np.zeros(6)}}, "doc_tower": {"encoder": {"w": np.arange(6.0)}}}
-  runs_lib.corpus_vectors(model, Encoder(), first, "D")
-  runs_lib.corpus_vectors(model, Encoder(), second, "D")  # another query tower, the same document side
-  assert len(calls) == 1
-  moved = {"query_tower": first["query_tower"], "doc_tower": {"encoder": {"w": np.arange(6.0) + 1e-7}}}
-  runs_lib.corpus_vectors(model, Encoder(), moved, "D")  # a document tower that moved at all
-  runs_lib.corpus_vectors(types.SimpleNamespace(doc="TowerConfig(pooling='cls')"), Encoder(), first, "D")
-  runs_lib.corpus_vectors(model, Encoder(), first, "other dataset")
-  runs_lib.corpus_vectors(model, Encoder(), {"tower": doc}, "D")  # a shared tower with those weights: no new one
-  assert len(calls) == 4
-
-
-def test_query_only_stages_share_a_fixed_index_equal_to_the_trainers(tmp_path):
-  """The fixed document index the ADORE / LTRe stages are given is bitwise the one the trainer would encode
-  from the same starting tower, written once; a starting document side that depends on the seed is not
-  shared."""
-  import types  # pylint: disable=g-import-not-at-top
-  import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
-  from jdr import evaluation  # pylint: disable=g-import-not-at-top
-  from jdr import train as train_lib  # pylint: disable=g-import-not-at-top
-  from jdr.data import formats, pairs  # pylint: disable=g-import-not-at-top
-  from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
-  dataset = write_tiny_beir(tmp_path / "tiny")
-  ctx = types.SimpleNamespace(out=tmp_path / "out", dataset=dataset)
-  plan = rows_lib.tiny_plan()
-  tiny = rows_lib.stage_config(plan, "adore", steps=8, rate=1e-3, seed=0, dataset=dataset)
-  assert runs_lib.shared_fixed_index(ctx, tiny) is None  # fresh random towers: each seed's own
-
-  config = rows_lib.stage_config(plan, "adore", steps=8, rate=1e-3, seed=0, dataset=dataset)
-  config.model.fresh, config.model.init_from = "", "minilm"  # loaded weights: the same for every seed
-  path = runs_lib.shared_fixed_index(ctx, config)
-  assert path is not None
-  emb, ids, _ = corpus_lib.load_embeddings(path)
-  built = build_lib.build(config.model, config.data)
-  params = train_lib.initial_params(built.model, built, config, jax.random.PRNGKey(3), None)
-  corpus, _, _ = formats.load_beir(dataset)
-  encoder = evaluation.TowerEncoder(built.model, built.tokenizer, pairs.RetrievalData(corpus, {}, {}, {}, "d"),
-                                    query_max_length=config.data.query_max_length,
-                                    doc_max_length=config.eval.doc_max_length or config.data.doc_max_length,
-                                    tokens_per_batch=config.eval.tokens_per_batch)
-  assert ids == list(corpus)
-  np.testing.assert_array_equal(emb, encoder.corpus(params))
-  seed2 = rows_lib.stage_config(plan, "adore", steps=8, rate=1e-3, seed=2, dataset=dataset)
-  seed2.model.fresh, seed2.model.init_from = "", "minilm"
-  assert runs_lib.shared_fixed_index(ctx, seed2) == path
-  assert len(list((ctx.out / "data" / "fixed-index").iterdir())) == 1

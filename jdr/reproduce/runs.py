@@ -179,6 +179,13 @@ class Context:
   def workdir(self, run: StageRun) -> pathlib.Path:
     return self.out / "runs" / run.name
 
+  @property
+  def vector_cache(self) -> pathlib.Path:
+    """Corpus vectors by document side (`jdr.corpus_cache`), shared by every run and scoring: a model's last
+    evaluation, its scoring, its successor's mining and fixed index, and every start from MiniLM encode the
+    same corpus with the same tower (minutes each on the 2-core CPU)."""
+    return self.out / "data" / "corpus-vectors"
+
 
 @contextlib.contextmanager
 def _output_to(path: pathlib.Path):
@@ -238,9 +245,8 @@ def train(ctx: Context, run: StageRun) -> dict:
                                  dataset=ctx.dataset, init_from=init_from, configs_dir=ctx.configs_dir)
   ctx.progress.begin(f"train {run.name}")
   start = time.perf_counter()
+  config.eval.corpus_cache = str(ctx.vector_cache)
   with _output_to(workdir / "train.log"):
-    if not init_from and config.negatives.source == "retrieval" and not config.negatives.corpus_encoding:
-      config.negatives.corpus_encoding = shared_fixed_index(ctx, config) or ""
     results = train_lib.train_and_evaluate(config, workdir)
   seconds = time.perf_counter() - start
   record = {"run": run.name, "method": run.method, "steps": run.steps, "batch_size": ctx.plan.batch_size,
@@ -254,42 +260,6 @@ def train(ctx: Context, run: StageRun) -> dict:
   _release()
   ctx.progress.end(run.steps, seconds)
   return record
-
-
-def shared_fixed_index(ctx: Context, config) -> str | None:
-  """A `jdr.encode` directory of the corpus under a query-only stage's starting document tower, written once
-  (under OUT/data/fixed-index/) and given to every such stage as `negatives.corpus_encoding`: the ADORE and
-  LTRe rows all start from the same tower, and each run encoded the corpus again (minutes on the 2-core CPU).
-  The vectors are the trainer's own: its TowerEncoder's function, tokenization and batches. None when the
-  starting document side depends on the seed (a fresh head), which no other run would share."""
-  import jax  # pylint: disable=g-import-not-at-top
-  from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
-  from jdr import evaluation  # pylint: disable=g-import-not-at-top
-  from jdr import train as train_lib  # pylint: disable=g-import-not-at-top
-  from jdr.data import formats  # pylint: disable=g-import-not-at-top
-  from jdr.data import pairs  # pylint: disable=g-import-not-at-top
-  from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
-  built = build_lib.build(config.model, config.data)
-  params = train_lib.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
-  digest = _doc_side_digest(params)
-  if _doc_side_digest(train_lib.initial_params(built.model, built, config, jax.random.PRNGKey(1), None)) != digest:
-    return None
-  doc_length = config.eval.doc_max_length or config.data.doc_max_length
-  key = f"{digest[:16]}-{doc_length}-{config.eval.tokens_per_batch or 'default'}"
-  out = ctx.out / "data" / "fixed-index" / key
-  if (read_json(out / "meta.json") or {}).get("complete"):
-    return str(out)
-  corpus, _, _ = formats.load_beir(ctx.dataset)
-  data = pairs.RetrievalData(corpus, {}, {}, {}, pathlib.Path(ctx.dataset).name)
-  encoder = evaluation.TowerEncoder(built.model, built.tokenizer, data, query_max_length=1,
-                                    doc_max_length=doc_length, tokens_per_batch=config.eval.tokens_per_batch)
-  runtime = corpus_lib.EncoderRuntime(encoder.encode_doc, params, built.tokenizer, doc_length, {})
-  # One shard holds the whole corpus, so its batches are the ones TowerEncoder.corpus plans.
-  corpus_lib.encode_corpus(runtime, corpus, out, shard_size=max(1, len(corpus)),
-                           settings={"model": config.model.init_from, "doc_side_sha1": digest,
-                                     "max_length": doc_length},
-                           tokens_per_batch=config.eval.tokens_per_batch or None)
-  return str(out)
 
 
 def choose_rate(ctx: Context, row: rows_lib.Row, choices: dict[str, float]) -> dict:
@@ -307,41 +277,13 @@ def choose_rate(ctx: Context, row: rows_lib.Row, choices: dict[str, float]) -> d
 # 2-core CPU, and is trained once per sitting for them instead of once per model.
 _INDEXES: dict[tuple[str, str], object] = {}
 
-# Corpus vectors by (dataset, document length, document tower settings, digest of its weights): the query-only rows'
-# models all carry the starting document tower, so scoring them re-encoded the same corpora (minutes each on
-# the 2-core CPU). A model whose document side differs gets its own entry; the oldest entries are dropped.
-_CORPUS_VECTORS: dict[tuple[str, int, str, str], object] = {}
-_CORPUS_VECTORS_KEPT = 4
-
-
-def _doc_side_digest(params) -> str:
-  """A digest of the weights that encode documents: the shared tower, or the document tower."""
-  import hashlib  # pylint: disable=g-import-not-at-top
-  import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  side = params["tower"] if "tower" in params else params["doc_tower"]
-  digest = hashlib.sha1()
-  for path, leaf in jax.tree_util.tree_leaves_with_path(side):
-    digest.update(jax.tree_util.keystr(path).encode())
-    digest.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
-  return digest.hexdigest()
-
-
-def corpus_vectors(model, encoder, params, dataset: pathlib.Path):
-  """The encoder's corpus vectors under `params`, encoded once per document side (see _CORPUS_VECTORS):
-  its weights and its tower's settings (pooling, normalization) both name it."""
-  key = (str(dataset), encoder.doc_max_length, repr(model.doc), _doc_side_digest(params))
-  if key not in _CORPUS_VECTORS:
-    while len(_CORPUS_VECTORS) >= _CORPUS_VECTORS_KEPT:
-      del _CORPUS_VECTORS[next(iter(_CORPUS_VECTORS))]
-    _CORPUS_VECTORS[key] = encoder.corpus(params, progress=True)
-  return _CORPUS_VECTORS[key]
-
 
 def evaluate_on(model, params, tokenizer, dataset: pathlib.Path, split: str, metrics: tuple[str, ...],
-                factories: list[str], *, query_max_length: int, doc_max_length: int) -> dict[str, float]:
+                factories: list[str], *, query_max_length: int, doc_max_length: int,
+                vector_cache: pathlib.Path) -> dict[str, float]:
   """A model's metrics on one split of a BEIR dataset, on each Faiss index factory (the first unprefixed,
-  the others "FACTORY/metric"), encoded by the trainer's own TowerEncoder."""
+  the others "FACTORY/metric"), encoded by the trainer's own TowerEncoder and read from the trainer's cache
+  where a run encoded the corpus with this document side before (its last evaluation, or the start's)."""
   import hashlib  # pylint: disable=g-import-not-at-top
   from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
   from jdr import evaluation  # pylint: disable=g-import-not-at-top
@@ -352,8 +294,8 @@ def evaluate_on(model, params, tokenizer, dataset: pathlib.Path, split: str, met
   corpus, queries, qrels = formats.load_beir(dataset, split)
   data = pairs.RetrievalData(corpus, queries, {}, qrels, pathlib.Path(dataset).name)
   encoder = evaluation.TowerEncoder(model, tokenizer, data, query_max_length=query_max_length,
-                                    doc_max_length=doc_max_length)
-  doc_emb = corpus_vectors(model, encoder, params, dataset)
+                                    doc_max_length=doc_max_length, cache_dir=str(vector_cache))
+  doc_emb = encoder.corpus(params, progress=True)
   qids = sorted(qrels)
   query_emb = encoder.queries(params, qids)
   digest = hashlib.sha1(doc_emb.tobytes()).hexdigest()
@@ -370,7 +312,8 @@ def evaluate_on(model, params, tokenizer, dataset: pathlib.Path, split: str, met
 
 def score_model(ctx: Context, model, params, tokenizer, compressed: bool) -> dict:
   """Test metrics on Flat (and on the compressed index), zero-shot metrics when a dataset is given."""
-  lengths = dict(query_max_length=ctx.plan.query_max_length, doc_max_length=ctx.plan.eval_doc_length)
+  lengths = dict(query_max_length=ctx.plan.query_max_length, doc_max_length=ctx.plan.eval_doc_length,
+                 vector_cache=ctx.vector_cache)
   factories = ["Flat", ctx.plan.compressed] if compressed else ["Flat"]
   record = {"test": evaluate_on(model, params, tokenizer, ctx.dataset, "test", TEST_METRICS, factories, **lengths)}
   if ctx.zero_shot is not None:
@@ -418,7 +361,8 @@ def score_start(ctx: Context) -> dict:
     built = build_lib.build(config.model, config.data)
     params = train_lib.initial_params(built.model, built, config, jax.random.PRNGKey(config.seed), None)
     dev = evaluate_on(built.model, params, built.tokenizer, ctx.dataset, "dev", TEST_METRICS, ["Flat"],
-                      query_max_length=ctx.plan.query_max_length, doc_max_length=ctx.plan.eval_doc_length)
+                      query_max_length=ctx.plan.query_max_length, doc_max_length=ctx.plan.eval_doc_length,
+                      vector_cache=ctx.vector_cache)
     record = {"dev": dev, **score_model(ctx, built.model, params, built.tokenizer, True)}
   record["score_seconds"] = round(time.perf_counter() - start, 1)
   atomic.write_text(path, json.dumps(record, indent=1))

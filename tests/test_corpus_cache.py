@@ -1,0 +1,80 @@
+"""Corpus vectors kept by document side: a hit is bitwise a fresh encode, and anything that changes the vectors
+(the document tower's weights, the length, the batching, the corpus) is a new entry."""
+
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import write_tiny_beir
+from jdr import config_files
+from jdr import corpus_cache
+from jdr import defaults
+from jdr import evaluation
+from jdr import train
+from jdr.data import pairs
+from jdr.models import build
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+  """Separate query and document towers, so one can move without the other."""
+  directory = tmp_path_factory.mktemp("cache")
+  config = defaults.get_config()
+  config_files.apply_overrides(config, ["model.init_from=", "model.fresh=tiny", "model.pooling=mean",
+                                        "model.shared=False", f"data.dataset={write_tiny_beir(directory / 'd')}"])
+  built = build.build(config.model, config.data)
+  data = pairs.load(config.data, directory / "w")
+  params = jax.device_get(train.initial_params(built.model, built, config, jax.random.PRNGKey(0), None))
+  return built, data, params
+
+
+def _encoder(tiny, cache_dir, **kwargs):
+  built, data, _ = tiny
+  settings = dict(query_max_length=16, doc_max_length=32, tokens_per_batch=96) | kwargs
+  return evaluation.TowerEncoder(built.model, built.tokenizer, data, cache_dir=str(cache_dir), **settings)
+
+
+def _no_encoding(*args, **kwargs):
+  raise AssertionError("encoded, where the cache holds these vectors")
+
+
+def test_a_cached_corpus_is_a_fresh_encode_and_follows_the_document_side(tiny, tmp_path, monkeypatch, capsys):
+  _, _, params = tiny
+  reference = _encoder(tiny, "").corpus(params)  # no cache
+  cache = tmp_path / "vectors"
+  np.testing.assert_array_equal(_encoder(tiny, cache).corpus(params), reference)
+  assert len(list(cache.glob("*.npy"))) == 1
+
+  again = _encoder(tiny, cache)  # another run: a new encoder, the same document side
+  monkeypatch.setattr(again, "_encode_corpus", _no_encoding)
+  np.testing.assert_array_equal(again.corpus(params), reference)
+  assert f"read from {cache}/" in capsys.readouterr().err
+  query_moved = dict(params, query_tower=jax.tree.map(lambda w: w + 1.0, params["query_tower"]))
+  np.testing.assert_array_equal(again.corpus(query_moved), reference)  # the query tower is not in the name
+
+  # One ulp on one document weight, another length, another batching: each its own entry.
+  leaves, treedef = jax.tree.flatten(params["doc_tower"])
+  leaves[0] = np.nextafter(leaves[0], np.inf, dtype=leaves[0].dtype)
+  doc_moved = dict(params, doc_tower=jax.tree.unflatten(treedef, leaves))
+  _encoder(tiny, cache).corpus(doc_moved)
+  _encoder(tiny, cache, doc_max_length=24).corpus(params)
+  batched = _encoder(tiny, cache, tokens_per_batch=64)
+  np.testing.assert_allclose(batched.corpus(params), reference, rtol=1e-5, atol=1e-6)
+  assert len(list(cache.glob("*.npy"))) == 4
+
+
+def test_the_cache_keeps_the_entries_used_last(tmp_path):
+  cache = corpus_cache.CorpusCache(tmp_path, kept=2)
+  a, b, c = (np.full((2, 3), i, np.float32) for i in range(3))
+  cache.put("a", a)
+  time.sleep(0.02)  # mtimes in order on any file system's clock
+  cache.put("b", b)
+  time.sleep(0.02)
+  np.testing.assert_array_equal(cache.get("a"), a)  # read: now the last to go
+  time.sleep(0.02)
+  cache.put("c", c)
+  assert cache.get("b") is None and sorted(p.stem for p in tmp_path.glob("*.npy")) == ["a", "c"]
+  (tmp_path / "c.npy").write_bytes(b"\x93NUMPY")  # cut short: a miss, not an error
+  assert cache.get("c") is None
