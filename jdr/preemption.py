@@ -82,16 +82,16 @@ class StopRequests:
     return self.signum is not None
 
 
-def resume_line(stopped: Stopped, argv: list[str]) -> str:
-  """The one line a stopped `python -m jdr.train` prints: where it stopped and the command that resumes."""
-  return f"{stopped}; resume with: python -m jdr.train {shlex.join(argv)}"
+def resume_line(stopped: Stopped, argv: list[str], command: str = "jdr.train") -> str:
+  """The one line a stopped `python -m COMMAND` prints: where it stopped and the command that resumes."""
+  return f"{stopped}; resume with: python -m {command} {shlex.join(argv)}"
 
 
-def exit_stopped(stopped: Stopped, argv: list[str]) -> None:
+def exit_stopped(stopped: Stopped, argv: list[str], command: str = "jdr.train") -> None:
   """Prints the resume line and ends the process with the signal's status. os._exit: a background mine that
   a resume redoes from its saved snapshot may still be inside XLA, where tearing the interpreter down under it
   could crash the process after the checkpoint was saved."""
-  print(resume_line(stopped, argv), file=sys.stderr)
+  print(resume_line(stopped, argv, command), file=sys.stderr)
   sys.stdout.flush()
   sys.stderr.flush()
   os._exit(stopped.exit_status)  # pylint: disable=protected-access

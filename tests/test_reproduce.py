@@ -163,3 +163,33 @@ def test_claims_are_judged_on_gains_paired_by_seed():
   assert v.metric == "PQ/ndcg@10" and v.holds is None and "one seed" in v.line()
   assert "not yet scored" in claims.judge(pq, {}, "PQ").line()
   assert len(claims.judge_all({}, "PQ")) == len(claims.CLAIMS) == 7
+
+
+def test_a_signal_in_a_run_ends_the_table_with_one_resume_line(tmp_path, monkeypatch, capsys):
+  """SIGTERM in a run: the trainer saved its step; the table says where, and that the same command resumes
+  it, with the signal's status and no traceback. Ctrl-C while scoring: one line, status 130."""
+  from jdr import preemption  # pylint: disable=g-import-not-at-top
+  from jdr.reproduce import __main__ as command  # pylint: disable=g-import-not-at-top
+  argv = ["scifact", "--out", str(tmp_path / "repro"), "--tiny", "--methods", "inbatch", "--seeds", "0"]
+  workdir = tmp_path / "repro" / "runs" / "inbatch" / "w"
+
+  def stopped(*args, **kwargs):
+    raise preemption.Stopped(15, 3, workdir)
+
+  def exits(status):
+    raise SystemExit(status)
+  monkeypatch.setattr(runs_lib, "run_table", stopped)
+  monkeypatch.setattr(preemption.os, "_exit", exits)
+  with pytest.raises(SystemExit) as ended:
+    command.main(argv)
+  err = capsys.readouterr().err
+  assert ended.value.code == 143 and "Traceback" not in err
+  assert f"after step 3; its checkpoint is in {workdir}/checkpoints; resume with: python -m jdr.reproduce " \
+         f"scifact --out {tmp_path / 'repro'} --tiny" in err
+
+  def interrupted(*args, **kwargs):
+    raise KeyboardInterrupt
+  monkeypatch.setattr(runs_lib, "run_table", interrupted)
+  with pytest.raises(SystemExit) as ended:
+    command.main(argv)
+  assert ended.value.code == 130 and "the same command goes on" in capsys.readouterr().err

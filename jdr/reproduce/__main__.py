@@ -90,7 +90,15 @@ def main(argv=None) -> str:
       jobs = runs_lib.planned_jobs(plan, selected, list(plan.seeds))
       progress = runs_lib.Progress(jobs, write=lambda line: print(line, flush=True))
       ctx = runs_lib.Context(plan=plan, out=out, dataset=dataset, zero_shot=zero_shot, progress=progress)
-      runs_lib.run_table(ctx, selected, list(plan.seeds))
+      from jdr import preemption  # pylint: disable=g-import-not-at-top  (JAX starts with the runs)
+      try:
+        runs_lib.run_table(ctx, selected, list(plan.seeds))
+      except preemption.Stopped as stopped:  # SIGTERM / SIGINT in a run: its step is saved, the rest resumes
+        preemption.exit_stopped(stopped, sys.argv[1:] if argv is None else list(argv), "jdr.reproduce")
+      except KeyboardInterrupt:  # outside a run's steps (scoring, a run's start): nothing half-written stays
+        print("jdr.reproduce: interrupted; finished runs are kept, and the same command goes on from there",
+              file=sys.stderr)
+        raise SystemExit(130) from None
     text = report.write_report(plan, out)
   print(text)
   print(f"wrote {out / 'table.md'}, {out / 'runs.csv'}, {out / 'dev_curves.png'}, {out / 'test_ndcg.png'}")
