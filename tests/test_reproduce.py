@@ -193,3 +193,31 @@ def test_a_signal_in_a_run_ends_the_table_with_one_resume_line(tmp_path, monkeyp
   with pytest.raises(SystemExit) as ended:
     command.main(argv)
   assert ended.value.code == 130 and "the same command goes on" in capsys.readouterr().err
+
+
+def test_the_eta_prices_only_unfinished_runs_by_their_kind(tmp_path):
+  """Runs finished in an earlier sitting cost nothing wherever they come in the order (the ADORE rows come
+  after STAR and ANCE); query-only steps are priced apart from two-tower steps."""
+  plan = rows_lib.Plan()
+  jobs = runs_lib.planned_jobs(plan, rows_lib.row_names(plan), [0, 1, 2])
+  out = tmp_path / "repro"
+  for name in ("inbatch/208steps_lr2e-05_seed0", "inbatch/208steps_lr0.0001_seed1", "adore/208steps_lr2e-05_seed0",
+               "star/104steps_lr5e-05_seed0_after_bm25_neg104lr2e-05"):
+    (out / "runs" / name).mkdir(parents=True)
+    (out / "runs" / name / "done.json").write_text("{}")
+  (out / "runs" / "inbatch" / "208steps_lr0.0001_seed1" / "test.json").write_text("{}")
+  (out / "choices.json").write_text(json.dumps({"inbatch": {"rate": 1e-4}}))
+  finished = runs_lib.finished_jobs(out, plan, jobs)
+  # The STAR run's warm-up rate is not chosen: it cannot have been this one.
+  assert finished == {("train", (("inbatch", 208, 2e-5),), 0), ("train", (("adore", 208, 2e-5),), 0),
+                      ("train", (("inbatch", 208, ("chosen", "inbatch")),), 1), ("score", "inbatch", 1)}
+  progress = runs_lib.Progress(jobs, write=lambda line: None, finished=finished)
+  two_tower = sum(s for k, s in jobs.items() if runs_lib.job_kind(k) == "two-tower step") - 2 * 208
+  query_only = sum(s for k, s in jobs.items() if runs_lib.job_kind(k) == "query-only step") - 208
+  assert dict(progress.left) == {"two-tower step": two_tower, "query-only step": query_only, "score": 28 - 1}
+  assert progress.eta() == "ETA after the first run"
+  progress.end("two-tower step", 100, 1000.0)  # 10 s a step; query-only steps not timed: at most that
+  assert progress.eta() == f"ETA {runs_lib._duration(10 * (two_tower - 100 + query_only))} + 27 scorings (not timed yet)"
+  progress.end("query-only step", 100, 100.0)
+  progress.end("score", 1, 60.0)
+  assert progress.eta() == f"ETA {runs_lib._duration(10 * (two_tower - 100) + query_only - 100 + 26 * 60)}"

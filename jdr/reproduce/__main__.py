@@ -88,7 +88,8 @@ def main(argv=None) -> str:
         elif not (zero_shot / "qrels" / "test.tsv").exists():
           raise FileNotFoundError(f"{zero_shot / 'qrels' / 'test.tsv'}: the zero-shot dataset needs test qrels")
       jobs = runs_lib.planned_jobs(plan, selected, list(plan.seeds))
-      progress = runs_lib.Progress(jobs, write=lambda line: print(line, flush=True))
+      progress = runs_lib.Progress(jobs, write=lambda line: print(line, flush=True),
+                                   finished=runs_lib.finished_jobs(out, plan, jobs))
       ctx = runs_lib.Context(plan=plan, out=out, dataset=dataset, zero_shot=zero_shot, progress=progress)
       from jdr import preemption  # pylint: disable=g-import-not-at-top  (JAX starts with the runs)
       try:

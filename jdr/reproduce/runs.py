@@ -13,6 +13,7 @@ model scored is the last step's: the budget is fixed, no checkpoint is picked.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import gc
@@ -106,6 +107,34 @@ def planned_jobs(plan: rows_lib.Plan, selected: list[str], seeds: list[int]) -> 
   return jobs
 
 
+def finished_jobs(out: pathlib.Path, plan: rows_lib.Plan, jobs: dict[tuple, int]) -> set[tuple]:
+  """The jobs of `planned_jobs` whose done.json / test.json is there, warm-ups' rates read from the choices
+  OUT/choices.json recorded (a job whose rates are not chosen yet cannot have run)."""
+  chosen = {row: grid["rate"] for row, grid in (read_json(out / "choices.json") or {}).items()}
+  by_name = {r.name: r for r in rows_lib.rows(plan)}
+
+  def rate(value):
+    return chosen.get(value[1]) if isinstance(value, tuple) else value
+
+  finished = set()
+  for key in jobs:
+    if key == ("score", "start"):
+      path = out / "runs" / "start" / "test.json"
+    elif key[0] == "score":
+      row, seed = by_name[key[1]], key[2]
+      if any(s.method not in chosen for s in row.stages):
+        continue
+      path = out / "runs" / chain_for(row, chosen[row.name], seed, chosen).name / "test.json"
+    else:
+      chain = tuple((m, steps, rate(r)) for m, steps, r in key[1])
+      if any(r is None for _, _, r in chain):
+        continue
+      path = out / "runs" / StageRun(chain, key[2]).name / "done.json"
+    if path.exists():
+      finished.add(key)
+  return finished
+
+
 def _duration(seconds: float) -> str:
   seconds = int(round(seconds))
   if seconds >= 3600:
@@ -113,18 +142,29 @@ def _duration(seconds: float) -> str:
   return f"{seconds // 60}m{seconds % 60:02d}s"
 
 
-class Progress:
-  """Prints "run i of n: WHAT (ETA ...)" before each job; the ETA prices the training steps and scorings left
-  at the seconds per step and per scoring measured so far in this invocation (skipped runs cost nothing)."""
+def job_kind(key: tuple) -> str:
+  """What a job's time is priced by: a scoring, or a step of a two-tower or a query-only stage (the ADORE /
+  LTRe steps train one tower over a fixed index: on the 2-core CPU a tenth of a two-tower step)."""
+  if key[0] == "score":
+    return "score"
+  return "query-only step" if key[1][-1][0] in rows_lib.QUERY_ONLY else "two-tower step"
 
-  def __init__(self, jobs: dict[tuple, int], write: Callable[[str], None]):
+
+class Progress:
+  """Prints "run i of n: WHAT (ETA ...)" before each job; the ETA prices what is left of each kind of work
+  (`job_kind`) at the seconds per unit measured so far in this invocation; a step kind not measured yet at
+  the other's rate, scorings not measured yet are named apart. The `finished` jobs (done in an earlier
+  sitting) cost nothing."""
+
+  def __init__(self, jobs: dict[tuple, int], write: Callable[[str], None], finished: set[tuple] = frozenset()):
     self.total = len(jobs)
-    self.steps_left = sum(jobs.values())
-    self.scores_left = sum(1 for key in jobs if key[0] == "score")
+    self.left = collections.Counter()
+    for key, steps in jobs.items():
+      if key not in finished:
+        self.left[job_kind(key)] += steps if key[0] == "train" else 1
     self.write = write
     self.index = 0
-    self.train_seconds = self.train_steps = 0.0
-    self.score_seconds, self.scores = 0.0, 0
+    self.seconds, self.units = collections.Counter(), collections.Counter()
     self._visited: set[tuple] = set()
 
   def first_visit(self, key: tuple) -> bool:
@@ -134,37 +174,30 @@ class Progress:
     return first
 
   def eta(self) -> str:
-    if not self.train_steps and not self.scores:
+    if not self.units:
       return "ETA after the first run"
-    if self.steps_left and not self.train_steps:
-      return "ETA after the first training run"
-    per_step = self.train_seconds / self.train_steps if self.train_steps else 0.0
-    per_score = self.score_seconds / self.scores if self.scores else 0.0
-    return f"ETA {_duration(self.steps_left * per_step + self.scores_left * per_score)}"
+    rates = {kind: self.seconds[kind] / self.units[kind] for kind in self.units}
+    steps = [rate for kind, rate in rates.items() if kind != "score"]
+    if steps:  # a step kind not timed yet is priced at the other's rate: an upper bound for query-only steps
+      rates = {"two-tower step": max(steps), "query-only step": min(steps)} | rates
+    untimed = [f"{n} {'scorings' if kind == 'score' else kind + 's'}" for kind, n in sorted(self.left.items())
+               if n and kind not in rates]
+    timed = sum(n * rates[kind] for kind, n in self.left.items() if kind in rates)
+    return f"ETA {_duration(timed)}" + "".join(f" + {what} (not timed yet)" for what in untimed)
 
   def begin(self, what: str) -> None:
     self.index += 1
     self.write(f"run {self.index} of {self.total}: {what} ({self.eta()})")
 
-  def skip(self, what: str, steps: int) -> None:
+  def skip(self, what: str) -> None:
     self.index += 1
-    self._passed(steps)
     self.write(f"run {self.index} of {self.total}: {what}: finished before, skipped")
 
-  def end(self, steps: int, seconds: float) -> None:
-    self._passed(steps)
-    if steps:
-      self.train_seconds += seconds
-      self.train_steps += steps
-    else:
-      self.score_seconds += seconds
-      self.scores += 1
-
-  def _passed(self, steps: int) -> None:
-    if steps:
-      self.steps_left = max(0, self.steps_left - steps)
-    else:
-      self.scores_left = max(0, self.scores_left - 1)
+  def end(self, kind: str, units: int, seconds: float) -> None:
+    """A job of `kind` finished: `units` steps (1 for a scoring) in `seconds`."""
+    self.left[kind] = max(0, self.left[kind] - units)
+    self.seconds[kind] += seconds
+    self.units[kind] += units
 
 
 @dataclasses.dataclass
@@ -238,7 +271,7 @@ def train(ctx: Context, run: StageRun) -> dict:
   done = read_json(workdir / "done.json")
   if done is not None:
     if first:
-      ctx.progress.skip(f"train {run.name}", run.steps)
+      ctx.progress.skip(f"train {run.name}")
     return done
   from jdr import train as train_lib  # pylint: disable=g-import-not-at-top  (JAX starts here, not at import)
   config = rows_lib.stage_config(ctx.plan, run.method, steps=run.steps, rate=run.rate, seed=run.seed,
@@ -258,7 +291,7 @@ def train(ctx: Context, run: StageRun) -> dict:
   atomic.write_text(workdir / "done.json", json.dumps(record, indent=1))
   del results
   _release()
-  ctx.progress.end(run.steps, seconds)
+  ctx.progress.end(job_kind(("train", run.chain)), run.steps, seconds)
   return record
 
 
@@ -328,7 +361,7 @@ def score(ctx: Context, run: StageRun) -> dict:
   record = read_json(path)
   if record is not None:
     if ctx.progress.first_visit(("score", run.name)):
-      ctx.progress.skip(f"score {run.name}", 0)
+      ctx.progress.skip(f"score {run.name}")
     return record
   ctx.progress.first_visit(("score", run.name))
   from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
@@ -340,7 +373,7 @@ def score(ctx: Context, run: StageRun) -> dict:
   record["score_seconds"] = round(time.perf_counter() - start, 1)
   atomic.write_text(path, json.dumps(record, indent=1))
   _release()
-  ctx.progress.end(0, record["score_seconds"])
+  ctx.progress.end("score", 1, record["score_seconds"])
   return record
 
 
@@ -349,7 +382,7 @@ def score_start(ctx: Context) -> dict:
   path = ctx.out / "runs" / "start" / "test.json"
   record = read_json(path)
   if record is not None:
-    ctx.progress.skip("score the start model", 0)
+    ctx.progress.skip("score the start model")
     return record
   import jax  # pylint: disable=g-import-not-at-top
   from jdr import train as train_lib  # pylint: disable=g-import-not-at-top
@@ -367,7 +400,7 @@ def score_start(ctx: Context) -> dict:
   record["score_seconds"] = round(time.perf_counter() - start, 1)
   atomic.write_text(path, json.dumps(record, indent=1))
   _release()
-  ctx.progress.end(0, record["score_seconds"])
+  ctx.progress.end("score", 1, record["score_seconds"])
   return record
 
 
