@@ -217,7 +217,8 @@ def test_the_eta_prices_only_unfinished_runs_by_their_kind(tmp_path):
   assert dict(progress.left) == {"two-tower step": two_tower, "query-only step": query_only, "score": 28 - 1}
   assert progress.eta() == "ETA after the first run"
   progress.end("two-tower step", 100, 1000.0)  # 10 s a step; query-only steps not timed: at most that
-  assert progress.eta() == f"ETA {runs_lib._duration(10 * (two_tower - 100 + query_only))} + 27 scorings (not timed yet)"
+  left = runs_lib._duration(10 * (two_tower - 100 + query_only))
+  assert progress.eta() == f"ETA {left} + 27 scorings (not timed yet)"
   progress.end("query-only step", 100, 100.0)
   progress.end("score", 1, 60.0)
   assert progress.eta() == f"ETA {runs_lib._duration(10 * (two_tower - 100) + query_only - 100 + 26 * 60)}"
