@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from jdr import atomic
+from jdr import paths
 
 # Entries the folder keeps (the least recently used go first): enough for a fine-tuning run's evaluations
 # (one an interval) to leave its starting model's and its last ones in place until the next run reads them.
@@ -62,7 +63,10 @@ class CorpusCache:
   """A folder of corpus encodings by entry name (see the module docstring)."""
 
   def __init__(self, folder: str | os.PathLike, kept: int = KEPT):
-    self.folder, self.kept = pathlib.Path(folder), kept
+    if not paths.is_local(folder):
+      raise ValueError(f"eval.corpus_cache={folder}: the corpus cache is a local folder (it is read and "
+                       "pruned by file times)")
+    self.folder, self.kept = paths.local(folder), kept
 
   def _path(self, name: str) -> pathlib.Path:
     return self.folder / f"{name}.npy"
@@ -71,13 +75,18 @@ class CorpusCache:
     path = self._path(name)
     try:
       array = np.load(path)
-    except (FileNotFoundError, ValueError, EOFError):  # absent, or cut short by a crash of its own writer
+      os.utime(path)  # used now: the last to be dropped
+    except (FileNotFoundError, ValueError, EOFError):  # absent, pruned meanwhile, or cut short by a crash
       return None
-    os.utime(path)  # used now: the last to be dropped
     return array
 
   def put(self, name: str, array: np.ndarray) -> None:
     atomic.write_atomic(self._path(name), lambda f: np.save(f, np.asarray(array, np.float32)))
-    entries = sorted(self.folder.glob("*.npy"), key=lambda p: p.stat().st_mtime)
-    for old in entries[:max(0, len(entries) - self.kept)]:
+    used = {}
+    for entry in self.folder.glob("*.npy"):
+      try:
+        used[entry] = entry.stat().st_mtime
+      except FileNotFoundError:  # pruned by another writer meanwhile (ANCE's refresh encodes in a thread)
+        pass
+    for old in sorted(used, key=used.get)[:max(0, len(used) - self.kept)]:
       old.unlink(missing_ok=True)

@@ -78,3 +78,8 @@ def test_the_cache_keeps_the_entries_used_last(tmp_path):
   assert cache.get("b") is None and sorted(p.stem for p in tmp_path.glob("*.npy")) == ["a", "c"]
   (tmp_path / "c.npy").write_bytes(b"\x93NUMPY")  # cut short: a miss, not an error
   assert cache.get("c") is None
+
+
+def test_the_cache_is_a_local_folder():
+  with pytest.raises(ValueError, match="eval.corpus_cache=gs://bucket/vectors: the corpus cache is a local folder"):
+    corpus_cache.CorpusCache("gs://bucket/vectors")
