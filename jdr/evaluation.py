@@ -45,7 +45,7 @@ class TowerEncoder:
   def __init__(self, model: TwoTower, tokenizer, data, *, query_max_length: int, doc_max_length: int,
                tokens_per_batch: int | None = None, mesh=None, cache_dir: str = ""):
     self.data, self.tokenizer = data, tokenizer
-    self._tower = repr(model.doc)
+    self._model = model
     self.query_max_length, self.doc_max_length = query_max_length, doc_max_length
     self.tokens_per_batch = tokens_per_batch or None
     self.doc_ids = list(data.corpus)
@@ -89,7 +89,7 @@ class TowerEncoder:
     if self.cache is None:
       return self._encode_corpus(params, progress)
     name = corpus_cache.entry_name(
-        doc_weights=corpus_cache.weights_digest(corpus_cache.doc_side(params)), tower=self._tower,
+        doc_weights=corpus_cache.weights_digest(corpus_cache.doc_side(params)), tower=repr(self._model.doc),
         tokens=self._doc_tokens_digest(),
         batching=f"{self.doc_max_length} {self.tokens_per_batch} {self.rows_multiple}")
     emb = self.cache.get(name)
