@@ -83,3 +83,19 @@ def test_the_cache_keeps_the_entries_used_last(tmp_path):
 def test_the_cache_is_a_local_folder():
   with pytest.raises(ValueError, match="eval.corpus_cache=gs://bucket/vectors: the corpus cache is a local folder"):
     corpus_cache.CorpusCache("gs://bucket/vectors")
+
+
+def test_an_entry_is_named_by_the_document_side_and_everything_else_that_made_it():
+  """Names alone: the same document weights under a shared tower or a document tower are one side; another
+  tower setting (pooling) or another corpus is another entry."""
+  doc = {"encoder": {"w": np.arange(6.0)}}
+  separate = {"query_tower": {"encoder": {"w": np.ones(6)}}, "doc_tower": doc}
+  shared = {"tower": {"encoder": {"w": np.arange(6.0)}}}
+  weights = corpus_cache.weights_digest(corpus_cache.doc_side(separate))
+  assert corpus_cache.weights_digest(corpus_cache.doc_side(shared)) == weights
+  tokens = corpus_cache.tokens_digest([np.array([101, 7, 102]), np.array([101, 102])])
+  name = dict(doc_weights=weights, tower="TowerConfig(pooling='mean')", tokens=tokens, batching="256 None 1")
+  assert corpus_cache.entry_name(**name) == corpus_cache.entry_name(**dict(name))
+  assert corpus_cache.entry_name(**name | {"tower": "TowerConfig(pooling='cls')"}) != corpus_cache.entry_name(**name)
+  other_corpus = corpus_cache.tokens_digest([np.array([101, 7]), np.array([102, 101, 102])])  # same ids, cut apart
+  assert corpus_cache.entry_name(**name | {"tokens": other_corpus}) != corpus_cache.entry_name(**name)

@@ -142,12 +142,14 @@ def _duration(seconds: float) -> str:
   return f"{seconds // 60}m{seconds % 60:02d}s"
 
 
+def step_kind(method: str) -> str:
+  """The ADORE / LTRe steps train one tower over a fixed index: on the 2-core CPU a tenth of a two-tower step."""
+  return "query-only step" if method in rows_lib.QUERY_ONLY else "two-tower step"
+
+
 def job_kind(key: tuple) -> str:
-  """What a job's time is priced by: a scoring, or a step of a two-tower or a query-only stage (the ADORE /
-  LTRe steps train one tower over a fixed index: on the 2-core CPU a tenth of a two-tower step)."""
-  if key[0] == "score":
-    return "score"
-  return "query-only step" if key[1][-1][0] in rows_lib.QUERY_ONLY else "two-tower step"
+  """What a `planned_jobs` job's time is priced by: a scoring, or a step of its last stage's kind."""
+  return "score" if key[0] == "score" else step_kind(key[1][-1][0])
 
 
 class Progress:
@@ -291,7 +293,7 @@ def train(ctx: Context, run: StageRun) -> dict:
   atomic.write_text(workdir / "done.json", json.dumps(record, indent=1))
   del results
   _release()
-  ctx.progress.end(job_kind(("train", run.chain)), run.steps, seconds)
+  ctx.progress.end(step_kind(run.method), run.steps, seconds)
   return record
 
 
