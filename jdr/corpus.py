@@ -73,7 +73,8 @@ class EncoderRuntime:
 
 def rows_on_mesh(fn, mesh):
   """`fn(params, ids, mask)` with the rows of each batch split over the mesh's batch axes: every device
-  encodes its own rows, on all hosts; the vectors come back whole to every host as numpy.
+  encodes its own rows, on all hosts; the vectors come back whole to every host (a jax array still being
+  computed when this host's devices hold all of it, so the caller can queue the next batch; numpy otherwise).
 
   Rows must be a multiple of the batch devices: an EncoderRuntime with `rows_multiple` set to
   `parallel.data_parallel_size(mesh)` plans its batches so (with filler rows). Each host passes the same
@@ -89,7 +90,7 @@ def rows_on_mesh(fn, mesh):
                        f"rows_multiple={split}")
     put = lambda x: jax.make_array_from_callback(x.shape, rows_sharding, lambda index: np.asarray(x)[index])
     out = jitted(params, put(ids), put(mask))
-    return np.asarray(out) if out.is_fully_addressable else multihost_utils.process_allgather(out, tiled=True)
+    return out if out.is_fully_addressable else multihost_utils.process_allgather(out, tiled=True)
 
   return apply
 
@@ -242,16 +243,29 @@ def encode_tokens(runtime: EncoderRuntime, token_ids: Sequence[np.ndarray], *,
     raise ValueError("no texts to encode")
   tokens_per_batch = tokens_per_batch or default_tokens_per_batch()
   out = None
-  for indices, input_ids, mask in text_lib.bucketed_batches(
-      token_ids, pad_id=runtime.tokenizer.pad_token_id or 0,
-      **batch_plan_args(runtime.max_length, tokens_per_batch, runtime.rows_multiple)):
-    emb = np.asarray(runtime.apply_fn(runtime.params, input_ids, mask), dtype=np.float32)
+
+  def store(indices, emb):
+    nonlocal out
+    emb = np.asarray(emb, dtype=np.float32)  # waits for this batch only: the next one is already queued
     if out is None:
       out = np.empty((len(token_ids), emb.shape[-1]), np.float32)
     # Filler rows past len(indices) only round the batch up to a compiled shape.
     out[indices] = emb[:len(indices)]
     if progress is not None:
       progress.update(len(indices))
+
+  # One batch in flight: the device encodes batch i while the host pads batch i+1 and copies it over, so an
+  # accelerator does not idle between batches (fetching each result before building the next left it idle
+  # for the host's share of every batch).
+  in_flight = None
+  for indices, input_ids, mask in text_lib.bucketed_batches(
+      token_ids, pad_id=runtime.tokenizer.pad_token_id or 0,
+      **batch_plan_args(runtime.max_length, tokens_per_batch, runtime.rows_multiple)):
+    emb = runtime.apply_fn(runtime.params, input_ids, mask)
+    if in_flight is not None:
+      store(*in_flight)
+    in_flight = (indices, emb)
+  store(*in_flight)
   return out
 
 
