@@ -293,6 +293,20 @@ def test_model_dtype_auto_is_float32_on_cpu_and_bad_names_are_refused():
     build.compute_dtype("float16")
 
 
+def test_attention_dropout_follows_model_dropout_unless_set():
+  """model.attention_dropout (-1: model.dropout) reaches the encoders; hidden dropout stays model.dropout."""
+  from jdr import defaults  # pylint: disable=g-import-not-at-top
+  from jdr.models import build  # pylint: disable=g-import-not-at-top
+  config = defaults.get_config()
+  config.model.init_from, config.model.fresh, config.model.pooling = "", "tiny", "mean"
+  encoder = lambda: build.build(config.model, config.data).model.query.encoder
+  assert (encoder().hidden_dropout, encoder().attention_dropout) == (0.1, 0.1)
+  config.model.attention_dropout = 0.0
+  assert (encoder().hidden_dropout, encoder().attention_dropout) == (0.1, 0.0)
+  config.model.dropout = 0.2
+  assert (encoder().hidden_dropout, encoder().attention_dropout) == (0.2, 0.0)
+
+
 @pytest.mark.parametrize("model_type", ["bert", "roberta"])
 def test_fused_attention_equals_the_einsum_attention(model_type):
   """jax.nn.dot_product_attention (what model.attention=auto takes on accelerators, here forced on the CPU)

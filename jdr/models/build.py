@@ -152,7 +152,13 @@ def compute_dtype(name: str) -> str:
 def _encoder_overrides(model_cfg: ml_collections.ConfigDict) -> dict:
   """What a run's model.* settings change in any encoder it starts from."""
   return dict(dtype=compute_dtype(model_cfg.dtype), remat=model_cfg.remat, hidden_dropout=model_cfg.dropout,
-              attention_dropout=model_cfg.dropout)
+              attention_dropout=attention_dropout(model_cfg))
+
+
+def attention_dropout(model_cfg: ml_collections.ConfigDict) -> float:
+  """model.attention_dropout, where -1 (the default) means model.dropout."""
+  value = model_cfg.get("attention_dropout", -1.0)
+  return model_cfg.dropout if value < 0 else value
 
 
 def _fresh_encoder_config(model_cfg: ml_collections.ConfigDict, tokenizer_path: str) -> EncoderConfig:
@@ -239,7 +245,7 @@ def _from_jdr_model(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collectio
     if tower.encoder is not None:
       tower = tower.replace(encoder=dataclasses.replace(
           tower.encoder, dtype=compute_dtype(model_cfg.dtype), remat=model_cfg.remat, hidden_dropout=model_cfg.dropout,
-          attention_dropout=model_cfg.dropout))
+          attention_dropout=attention_dropout(model_cfg)))
     towers[side] = tower
   if model.shared and not model_cfg.shared:
     # Two owned copies: one buffer in both towers would be donated twice by the train step.
