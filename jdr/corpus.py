@@ -228,11 +228,17 @@ def batch_plan_args(max_length: int, tokens_per_batch: int, rows_multiple: int =
 def encode_texts(runtime: EncoderRuntime, texts: Sequence[str], *,
                  tokens_per_batch: int | None = None,
                  progress: tqdm.tqdm | None = None) -> np.ndarray:
-  """Embeds texts in their given order; returns float32 [len(texts), D]."""
+  """Embeds texts in their given order; returns float32 [len(texts), D].
+
+  The texts are tokenized by a background thread while the first batches encode (`tokenize_in_background`,
+  `streamed_batches`): on an accelerator tokenizing is a large share of the whole otherwise."""
   if not texts:
     raise ValueError("no texts to encode")
-  token_ids = text_lib.tokenize(runtime.tokenizer, list(texts), runtime.max_length)
-  return encode_tokens(runtime, token_ids, tokens_per_batch=tokens_per_batch, progress=progress)
+  tokens_per_batch = tokens_per_batch or default_tokens_per_batch()
+  chunks = text_lib.tokenize_in_background(runtime.tokenizer, list(texts), runtime.max_length)
+  batches = text_lib.streamed_batches(chunks, pad_id=runtime.tokenizer.pad_token_id or 0,
+                                      **batch_plan_args(runtime.max_length, tokens_per_batch, runtime.rows_multiple))
+  return _encode_batches(runtime, len(texts), batches, progress)
 
 
 def encode_tokens(runtime: EncoderRuntime, token_ids: Sequence[np.ndarray], *,
@@ -242,13 +248,20 @@ def encode_tokens(runtime: EncoderRuntime, token_ids: Sequence[np.ndarray], *,
   if not len(token_ids):
     raise ValueError("no texts to encode")
   tokens_per_batch = tokens_per_batch or default_tokens_per_batch()
+  batches = text_lib.bucketed_batches(token_ids, pad_id=runtime.tokenizer.pad_token_id or 0,
+                                      **batch_plan_args(runtime.max_length, tokens_per_batch, runtime.rows_multiple))
+  return _encode_batches(runtime, len(token_ids), batches, progress)
+
+
+def _encode_batches(runtime: EncoderRuntime, count: int, batches, progress: tqdm.tqdm | None) -> np.ndarray:
+  """The vectors of `count` texts from (indices, input_ids, mask) batches that cover each index once."""
   out = None
 
   def store(indices, emb):
     nonlocal out
     emb = np.asarray(emb, dtype=np.float32)  # waits for this batch only: the next one is already queued
     if out is None:
-      out = np.empty((len(token_ids), emb.shape[-1]), np.float32)
+      out = np.empty((count, emb.shape[-1]), np.float32)
     # Filler rows past len(indices) only round the batch up to a compiled shape.
     out[indices] = emb[:len(indices)]
     if progress is not None:
@@ -258,9 +271,7 @@ def encode_tokens(runtime: EncoderRuntime, token_ids: Sequence[np.ndarray], *,
   # accelerator does not idle between batches (fetching each result before building the next left it idle
   # for the host's share of every batch).
   in_flight = None
-  for indices, input_ids, mask in text_lib.bucketed_batches(
-      token_ids, pad_id=runtime.tokenizer.pad_token_id or 0,
-      **batch_plan_args(runtime.max_length, tokens_per_batch, runtime.rows_multiple)):
+  for indices, input_ids, mask in batches:
     emb = runtime.apply_fn(runtime.params, input_ids, mask)
     if in_flight is not None:
       store(*in_flight)

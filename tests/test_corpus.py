@@ -29,6 +29,41 @@ def test_encode_tokens_keeps_the_input_order_across_length_buckets():
     corpus_lib.encode_tokens(_fake_runtime(), [])
 
 
+def test_encode_texts_tokenizes_while_encoding_and_keeps_the_input_order():
+  """Texts tokenized in chunks by a background thread, batches sent as buckets fill: each text's own vector,
+  in order, whatever batch it shared."""
+  class Tokenizer:  # a text of n words is the ids 1..n (capped at truncation), like a fast tokenizer's call
+    pad_token_id = 0
+
+    def __call__(self, texts, truncation, max_length, **kwargs):
+      return {"input_ids": [list(range(1, min(len(t.split()), max_length) + 1)) for t in texts]}
+
+  runtime = _fake_runtime(max_length=64)
+  runtime.tokenizer = Tokenizer()
+  rng = np.random.default_rng(1)
+  texts = [" ".join(["w"] * n) for n in rng.integers(1, 80, size=700)]  # over two chunks, some truncated
+  emb = corpus_lib.encode_texts(runtime, texts, tokens_per_batch=256)
+  lengths = np.minimum([len(t.split()) for t in texts], 64)
+  expected = np.array([[n, n * (n + 1) // 2, 1] for n in lengths], np.float32)
+  np.testing.assert_array_equal(emb, expected)
+  with pytest.raises(ValueError, match="no texts"):
+    corpus_lib.encode_texts(runtime, [])
+  # The speed benchmarks compile ahead of timing every shape encode_texts and encode_tokens then use.
+  from jdr.bench import encode_speed  # pylint: disable=g-import-not-at-top
+  shapes, apply_fn = [], runtime.apply_fn
+  runtime.apply_fn = lambda params, ids, mask: (shapes.append(ids.shape), apply_fn(params, ids, mask))[1]
+  encode_speed.warm_up(runtime, list(lengths), 256)
+  warmed = set(shapes)
+  shapes.clear()
+  corpus_lib.encode_texts(runtime, texts, tokens_per_batch=256)
+  streamed = set(shapes)
+  shapes.clear()
+  corpus_lib.encode_tokens(runtime, [np.arange(1, n + 1) for n in lengths], tokens_per_batch=256)
+  from_ids = set(shapes)
+  assert streamed | from_ids <= warmed
+  assert streamed - from_ids  # streaming uses a shape that planning all at once does not
+
+
 def _write_encoding(enc_dir, ids, dim=4, seed=0):
   """What encode_corpus writes, with random vectors: two shards."""
   emb = np.random.default_rng(seed).standard_normal((len(ids), dim)).astype(np.float32)

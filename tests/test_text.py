@@ -102,3 +102,74 @@ def test_short_rows_round_up_to_a_power_of_two():
   assert shapes([30] * 13) == [(8, 8, 32), (5, 8, 32)]  # 5 -> 8 rows, a full batch
   assert shapes([30] * 11) == [(8, 8, 32), (3, 4, 32)]  # 3 -> 4
   assert shapes([100] * 5) == [(2, 2, 128), (2, 2, 128), (1, 1, 128)]  # never above a full batch
+
+
+def _chunks(token_ids, sizes):
+  start = 0
+  for size in sizes:
+    yield start, token_ids[start:start + size]
+    start += size
+
+
+@pytest.mark.parametrize("kwargs", [dict(max_tokens=4096, multiple_of=4, short_rows_to_power_of_two=True),
+                                    dict(batch_size=24, multiple_of=8)])
+def test_streamed_batches_cover_every_index_with_the_planned_shapes(kwargs):
+  """Chunks of any size: every sequence once with its own ids, full batches as soon as a bucket fills, and no
+  shape or padding that planning all sequences at once would not also give (within one short batch a bucket)."""
+  lengths = _lengths()
+  token_ids = [np.arange(1, n + 1, dtype=np.int32) for n in lengths]
+  buckets = T.default_bucket_lengths(256)
+  whole = list(T.bucketed_batches(token_ids, bucket_lengths=buckets, pad_id=-1, **kwargs))
+  for sizes in ([1000], [1] * 10 + [990], [7] * 142 + [6], [256, 2048]):
+    batches = list(T.streamed_batches(_chunks(token_ids, sizes), bucket_lengths=buckets, pad_id=-1, **kwargs))
+    _check_cover_and_content(token_ids, batches, buckets, pad_id=-1)
+    assert {ids.shape for _, ids, _ in batches} <= {ids.shape for _, ids, _ in whole} | {
+        (r, b) for b in buckets for r in (1, 2, 4, 8, 16, 24, 32, 64, 128, 256)}
+    assert all(ids.shape[0] % kwargs["multiple_of"] == 0 for _, ids, _ in batches)
+    assert len(batches) <= len(whole) + len(buckets)
+    cells = lambda bs: sum(ids.size for _, ids, _ in bs)
+    assert cells(batches) <= 1.1 * cells(whole)
+
+
+def test_streamed_batches_send_a_full_bucket_before_the_rest_arrives():
+  token_ids = [np.ones(n, np.int32) for n in [30, 30, 100, 30, 30, 30]]
+  seen = []
+
+  def chunks():
+    for i, ids in enumerate(token_ids):
+      seen.append(i)
+      yield i, [ids]
+
+  batches = T.streamed_batches(chunks(), bucket_lengths=[32, 128], batch_size=4)
+  indices, ids, _ = next(batches)
+  assert indices.tolist() == [0, 1, 3, 4] and ids.shape == (4, 32) and seen == [0, 1, 2, 3, 4]
+  assert [(i.tolist(), x.shape) for i, x, _ in batches] == [([2, 5], (2, 128))]
+  with pytest.raises(ValueError, match="sequence 2 has 100 tokens"):
+    list(T.streamed_batches(chunks(), bucket_lengths=[32, 64], batch_size=4))
+
+
+def test_tokenize_in_background_equals_tokenize(minilm_tokenizer):
+  texts = [f"text number {i} " + "word " * (i % 40) for i in range(300)]
+  want = T.tokenize(minilm_tokenizer, texts, 32)
+  chunks = list(T.tokenize_in_background(minilm_tokenizer, texts, 32, first_chunk=7, chunk_size=50, ahead=2))
+  assert [start for start, _ in chunks] == [0] + list(range(7, 300, 50))
+  got = [ids for _, part in chunks for ids in part]
+  assert len(got) == 300 and all(np.array_equal(a, b) for a, b in zip(got, want))
+
+
+def test_tokenize_in_background_raises_the_tokenizers_error_and_stops_when_dropped():
+  import threading  # pylint: disable=g-import-not-at-top
+
+  class Failing:
+    def __call__(self, texts, **kwargs):
+      if "bad" in texts:
+        raise RuntimeError("cannot tokenize this")
+      return {"input_ids": [[1, 2]] * len(texts)}
+
+  texts = ["ok"] * 10 + ["bad"]
+  with pytest.raises(RuntimeError, match="cannot tokenize this"):
+    list(T.tokenize_in_background(Failing(), texts, 8, first_chunk=4, chunk_size=4))
+  stream = T.tokenize_in_background(Failing(), ["ok"] * 1000, 8, first_chunk=1, chunk_size=1, ahead=1)
+  assert next(stream)[0] == 0
+  stream.close()  # a consumer that stops early ends the thread
+  assert not any(t.name == "jdr-tokenize" for t in threading.enumerate())

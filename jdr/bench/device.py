@@ -6,20 +6,24 @@ jdr and its PyTorch reference run on the same device in the same process: on a G
 a CPU host both on the CPU (on a TPU host the reference has no TPU and runs on the host CPU, which the output
 says). `full` (the default on accelerators) is BERT-base-shaped with random weights built from a config (the
 bundled MiniLM's tokenizer), bf16, SciFact's documents at up to 256 tokens, exact top-200 of 32 queries over
-1M and 8,841,823 x 768 rows, and the ADORE step (BERT-base query tower, batch 32, top-200) over 8.84M rows.
+1M and 8,841,823 x 768 rows, and the ADORE step (BERT-base query tower, batch 32, top-200) over 1M and 8.84M
+rows.
 `small` (the default on CPUs) is a 2 x 64 model, float32, 100k rows, and finishes in a few minutes on 2 cores.
 
-Sections, each printed when it finishes and all together as the last JSON line:
+Sections run in the order --sections gives, each printed when it finishes (with its seconds in the last line),
+all together as the last JSON line; a section that fails is reported as its error and the rest still run:
   peak    the matmul peak (bf16 on accelerators, float32 on CPUs) in jax and torch, and a device-to-device copy
           bandwidth (read + write bytes per second): the bound of a pass over a matrix is its bytes / that.
   encode  corpus encoding, jdr against sentence-transformers (batch 32, 128, 512; its best for the ratio),
-          docs/s and the fraction of jax's peak over real (unpadded) tokens.
+          docs/s and the fraction of peak over real (unpadded) tokens; where jdr's time goes: the tokenizer
+          alone, encoding from token ids, and the model alone on one full batch already on the device.
   train   the in-batch train step (AdamW, dropout on), jdr against transformers + torch (SDPA attention, fused
-          AdamW and bf16 autocast on a GPU), ms and fraction of peak (3x the forward FLOPs of real tokens).
+          AdamW and bf16 autocast on a GPU), ms and fraction of peak (3x the forward FLOPs of real tokens);
+          jdr again with model.attention_dropout=0 (fused attention): what attention dropout costs.
   topk    exact top-200 of 32 queries: jdr.topk (bf16 on accelerators, also int8) against torch.mm +
           torch.topk on the same matrix, with the bound and the two's agreement on the rows.
-  adore   the ADORE recipe's step (configs/adore.py with in-step JAX retrieval) with and without its retrieval;
-          share = (with - without) / with.
+  adore   the ADORE recipe's step (configs/adore.py with in-step JAX retrieval) with and without its retrieval,
+          at each size; share = (with - without) / with.
   int8-scifact  real vectors: SciFact encoded by MiniLM, top-200 of its test queries from float32, bfloat16
           and int8 storage: Recall@200 against float32 and nDCG@10 of each.
 """
@@ -458,6 +462,13 @@ def main(argv=None) -> None:
   if args.topk_sizes:
     size["topk_sizes"] = tuple(int(s) for s in args.topk_sizes.split(","))
   torch_device = peak_lib.torch_device()
+  if platform != "cpu":
+    # Compiling dominates the command's time on a GPU (BERT-base steps at 12 unrolled layers, each matmul
+    # fusion autotuned). With a compilation cache directory XLA also keeps its per-fusion autotuning results
+    # there, so the sections' later compiles (the step without attention dropout, ADORE's four) reuse what
+    # earlier ones tuned. A fresh directory: nothing from another run is trusted.
+    cache = tempfile.TemporaryDirectory(prefix="jdr-bench-xla-")
+    jax.config.update("jax_compilation_cache_dir", cache.name)
   import transformers  # pylint: disable=g-import-not-at-top
   transformers.logging.set_verbosity_error()  # its load reports would bury the sections' lines
   from jdr import parallel  # pylint: disable=g-import-not-at-top

@@ -34,10 +34,16 @@ def _texts(num_docs: int) -> list[str]:
 
 
 def warm_up(runtime: corpus_lib.EncoderRuntime, lengths: list[int], tokens_per_batch: int) -> float:
-  """Compiles every batch shape `encode_texts` will use for texts of these token lengths; returns seconds."""
+  """Compiles every batch shape `encode_texts` and `encode_tokens` will use for texts of these token lengths;
+  returns seconds."""
   start = time.perf_counter()
-  plans = text_lib.plan_batches(lengths, **corpus_lib.batch_plan_args(runtime.max_length, tokens_per_batch))
-  for rows, length in sorted({(p.rows, p.length) for p in plans}):
+  plan_args = corpus_lib.batch_plan_args(runtime.max_length, tokens_per_batch)
+  shapes = {(p.rows, p.length) for p in text_lib.plan_batches(lengths, **plan_args)}  # encode_tokens'
+  # encode_texts' own: it batches as the background tokenizer's chunks arrive.
+  stand_ins = [np.zeros(n, np.int32) for n in lengths]
+  chunks = ((a, stand_ins[a:b]) for a, b in text_lib.chunk_bounds(len(lengths)))
+  shapes |= {ids.shape for _, ids, _ in text_lib.streamed_batches(chunks, **plan_args)}
+  for rows, length in sorted(shapes):
     ids = np.zeros((rows, length), np.int32)
     np.asarray(runtime.apply_fn(runtime.params, ids, np.ones_like(ids)))
   return time.perf_counter() - start

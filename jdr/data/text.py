@@ -8,7 +8,9 @@ costs about the same.
 """
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+import queue
+import threading
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -39,6 +41,66 @@ def tokenize(tokenizer, texts: Sequence[str], max_length: int, *, chunk_size: in
                     return_attention_mask=False, return_token_type_ids=False)
     out.extend(np.asarray(ids, dtype=np.int32) for ids in enc["input_ids"])
   return out
+
+
+FIRST_CHUNK, CHUNK_SIZE = 256, 2048  # tokenize_in_background's chunks: a small first one, then large ones
+
+
+def chunk_bounds(count: int, first_chunk: int = FIRST_CHUNK, chunk_size: int = CHUNK_SIZE) -> list[tuple[int, int]]:
+  """[start, end) of each chunk `tokenize_in_background` cuts `count` texts into."""
+  bounds, start, size = [], 0, max(1, first_chunk)
+  while start < count:
+    bounds.append((start, min(count, start + size)))
+    start, size = start + size, max(1, chunk_size)
+  return bounds
+
+
+def tokenize_in_background(tokenizer, texts: Sequence[str], max_length: int, *, first_chunk: int = FIRST_CHUNK,
+                           chunk_size: int = CHUNK_SIZE, ahead: int = 4) -> Iterator[tuple[int, list[np.ndarray]]]:
+  """`tokenize`'s ids in chunks, (index of the chunk's first text, its ids), made by a background thread up to
+  `ahead` chunks before they are taken.
+
+  An accelerator encodes faster than one host tokenizes (an NVIDIA H200 encodes SciFact with a BERT-base in
+  0.77 s; its tokenizing took 0.51 s more before a batch could start), and the fast tokenizer's batch call
+  runs outside the GIL, so the two overlap. The first chunk is small so the device starts early. Stopping
+  the iteration early stops the thread; a tokenizer error is raised here, in the caller's thread.
+  """
+  done = object()
+  chunks: queue.Queue = queue.Queue(maxsize=ahead)
+  stop = threading.Event()
+
+  def put(item) -> bool:
+    while not stop.is_set():
+      try:
+        chunks.put(item, timeout=0.1)
+        return True
+      except queue.Full:
+        continue
+    return False
+
+  def work():
+    try:
+      for start, end in chunk_bounds(len(texts), first_chunk, chunk_size):
+        ids = tokenize(tokenizer, texts[start:end], max_length, chunk_size=end - start)
+        if not put((start, ids)):
+          return
+      put(done)
+    except BaseException as error:  # pylint: disable=broad-except  (handed to the consumer)
+      put(error)
+
+  thread = threading.Thread(target=work, name="jdr-tokenize", daemon=True)
+  thread.start()
+  try:
+    while True:
+      item = chunks.get()
+      if item is done:
+        return
+      if isinstance(item, BaseException):
+        raise item
+      yield item
+  finally:
+    stop.set()
+    thread.join()
 
 
 def passage_tokens(tokenizer, texts: Sequence[str], max_length: int, passages: int,
@@ -100,6 +162,14 @@ class BatchPlan(NamedTuple):
   length: int  # padded sequence length, one of the bucket lengths
 
 
+def _full_rows(bucket_len: int, *, batch_size: int | None, max_tokens: int | None, multiple_of: int) -> int:
+  """Sequences in a full batch of this bucket length (before rounding rows up to `multiple_of`)."""
+  if max_tokens is None:
+    return batch_size
+  rows = max(multiple_of, max_tokens // bucket_len // multiple_of * multiple_of)
+  return rows if batch_size is None else max(1, min(rows, batch_size))
+
+
 def plan_batches(lengths: Sequence[int], *, batch_size: int | None = None, max_tokens: int | None = None,
                  bucket_lengths: Sequence[int] | None = None, multiple_of: int = 1,
                  short_rows_to_power_of_two: bool = False) -> list[BatchPlan]:
@@ -131,10 +201,7 @@ def plan_batches(lengths: Sequence[int], *, batch_size: int | None = None, max_t
     raise ValueError(f"sequence {i} has {longest} tokens, more than the largest bucket length {buckets[-1]}")
 
   def rows_for(bucket_len: int) -> int:
-    if max_tokens is None:
-      return batch_size
-    rows = max(multiple_of, max_tokens // bucket_len // multiple_of * multiple_of)
-    return rows if batch_size is None else max(1, min(rows, batch_size))
+    return _full_rows(bucket_len, batch_size=batch_size, max_tokens=max_tokens, multiple_of=multiple_of)
 
   order = np.argsort(-lengths, kind="stable")
   plans, start = [], 0
@@ -162,13 +229,50 @@ def bucketed_batches(token_ids: Sequence[np.ndarray], *, batch_size: int | None 
   lengths = [len(ids) for ids in token_ids]
   for plan in plan_batches(lengths, batch_size=batch_size, max_tokens=max_tokens, bucket_lengths=bucket_lengths,
                            multiple_of=multiple_of, short_rows_to_power_of_two=short_rows_to_power_of_two):
-    input_ids = np.full((plan.rows, plan.length), pad_id, dtype=np.int32)
-    mask = np.zeros((plan.rows, plan.length), dtype=np.int32)
-    for row, i in enumerate(plan.indices):
-      n = lengths[i]
-      input_ids[row, :n] = token_ids[i]
-      mask[row, :n] = 1
-    yield plan.indices, input_ids, mask
+    yield plan.indices, *_padded([token_ids[i] for i in plan.indices], plan.rows, plan.length, pad_id)
+
+
+def _padded(token_ids: Sequence[np.ndarray], rows: int, length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+  """(input_ids, attention_mask) int32 [rows, length]: sequence i in row i, filler rows all padding."""
+  input_ids = np.full((rows, length), pad_id, dtype=np.int32)
+  mask = np.zeros((rows, length), dtype=np.int32)
+  for row, ids in enumerate(token_ids):
+    input_ids[row, :len(ids)] = ids
+    mask[row, :len(ids)] = 1
+  return input_ids, mask
+
+
+def streamed_batches(chunks: Iterable[tuple[int, Sequence[np.ndarray]]], *, bucket_lengths: Sequence[int],
+                     batch_size: int | None = None, max_tokens: int | None = None, pad_id: int = 0,
+                     multiple_of: int = 1,
+                     short_rows_to_power_of_two: bool = False) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+  """`bucketed_batches` over sequences that arrive in chunks ((index of the chunk's first, its ids), in
+  order, e.g. from `tokenize_in_background`): a bucket's full batch goes out as soon as that many of its
+  sequences have arrived, and what is left at the end is planned as `bucketed_batches` plans it. Full batches
+  have the shapes `plan_batches` gives them; only which sequences share a batch differs. The bucket lengths
+  are fixed up front (the longest sequence is not known until the end)."""
+  buckets = np.array(sorted(set(bucket_lengths)), dtype=np.int64)
+  pending: dict[int, list[tuple[int, np.ndarray]]] = {int(b): [] for b in buckets}
+  for first, token_ids in chunks:
+    for offset, ids in enumerate(token_ids):
+      if len(ids) > buckets[-1]:
+        raise ValueError(f"sequence {first + offset} has {len(ids)} tokens, more than the largest bucket length "
+                         f"{buckets[-1]}")
+      length = int(buckets[np.searchsorted(buckets, len(ids))])
+      waiting = pending[length]
+      waiting.append((first + offset, ids))
+      full = _full_rows(length, batch_size=batch_size, max_tokens=max_tokens, multiple_of=multiple_of)
+      if len(waiting) == full:
+        rows = -(-full // multiple_of) * multiple_of
+        yield np.array([i for i, _ in waiting]), *_padded([x for _, x in waiting], rows, length, pad_id)
+        waiting.clear()
+  rest = [item for b in buckets[::-1] for item in pending[int(b)]]
+  if rest:
+    where = np.array([i for i, _ in rest])
+    for indices, input_ids, mask in bucketed_batches(
+        [x for _, x in rest], batch_size=batch_size, max_tokens=max_tokens, bucket_lengths=bucket_lengths,
+        pad_id=pad_id, multiple_of=multiple_of, short_rows_to_power_of_two=short_rows_to_power_of_two):
+      yield where[indices], input_ids, mask
 
 
 def padding_fraction(plans: Sequence[BatchPlan], lengths: Sequence[int]) -> float:
