@@ -50,9 +50,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # dropout masks. 0 = all rows at once (accelerators want big batches).
   c.model.encode_chunk_rows = 0  # encode this many rows at a time in the step (0 = all; see above)
   c.model.dropout = 0.1  # hidden and attention dropout of the encoders
-  # Attention-probability dropout alone (-1 = model.dropout): at 0 the attention runs fused (cuDNN on GPUs),
-  # whose kernel draws no dropout mask.
-  c.model.attention_dropout = -1.0
+  # At 0 the attention runs fused (cuDNN on GPUs), whose kernel draws no dropout mask.
+  c.model.attention_dropout = -1.0  # dropout of the attention probabilities alone; -1 = model.dropout
 
   # --- negatives and loss: together they are the method ---
   c.negatives = ml_collections.ConfigDict()

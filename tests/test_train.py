@@ -107,11 +107,15 @@ def _two_processes_and_one(tmp_path, data, common):
 
 def test_two_processes_equal_one(tmp_path):
   """The multi-host path through the local launcher: 2 processes x 4 CPU devices (jax.distributed) train
-  like 1 process x 8 devices, and their final evaluation (each device encoding its own rows of the corpus,
-  gathered across the hosts) scores the same."""
+  like 1 process x 8 devices, ANCE's refresh included (each host mines on the trainer's thread: the gather of
+  the corpus parts is a collective, so the negatives, hence the losses, must match), and their final
+  evaluation (each device encoding its own rows of the corpus, gathered across the hosts) scores the same."""
   data = write_tiny_beir(tmp_path / "data")
-  common = ["--config.num_train_steps=6", "--config.checkpoint_every=3", "--config.eval_before_training=False"]
+  common = ["--config.num_train_steps=6", "--config.checkpoint_every=3", "--config.eval_before_training=False",
+            "--config.negatives.source=ance", "--config.negatives.per_query=1", "--config.negatives.top_n=5",
+            "--config.negatives.refresh_every=2", "--config.negatives.refresh_delay=1"]
   launched = _two_processes_and_one(tmp_path, data, common)
+  assert "refresh: generation 2 (snapshot step 4, mined in" in launched.stderr
   assert len(_losses(tmp_path / "multi")) == 6  # host 0 alone writes the log
   np.testing.assert_allclose(_losses(tmp_path / "multi"), _losses(tmp_path / "single"), rtol=3e-5)
   evals = [[r for r in _records(tmp_path / w) if "eval/ndcg@10" in r] for w in ("multi", "single")]
@@ -133,18 +137,6 @@ def test_two_processes_equal_one(tmp_path):
   assert [p.name for p in exchange] == ["part-00000-of-00002.npz", "part-00001-of-00002.npz"]
   ids = [i for p in exchange for i in np.load(p)["ids"].tolist()]
   assert len(ids) == n == len(set(ids)) and all(len(np.load(p)["ids"]) for p in exchange)
-
-
-def test_two_processes_equal_one_with_ance_refresh(tmp_path):
-  """ANCE on 2 processes x 4 devices: each host mines on the trainer's thread (the gather of the corpus
-  parts is a collective), and the negatives, hence the losses, equal 1 process x 8 devices."""
-  data = write_tiny_beir(tmp_path / "data")
-  common = ["--config.num_train_steps=6", "--config.checkpoint_every=6", "--config.data.eval_split=",
-            "--config.negatives.source=ance", "--config.negatives.per_query=1", "--config.negatives.top_n=5",
-            "--config.negatives.refresh_every=2", "--config.negatives.refresh_delay=1"]
-  launched = _two_processes_and_one(tmp_path, data, common)
-  assert "refresh: generation 2 (snapshot step 4, mined in" in launched.stderr
-  np.testing.assert_allclose(_losses(tmp_path / "multi"), _losses(tmp_path / "single"), rtol=3e-5)
 
 
 def test_resume_after_sigkill_is_exact(tmp_path):

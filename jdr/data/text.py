@@ -81,7 +81,7 @@ def tokenize_in_background(tokenizer, texts: Sequence[str], max_length: int, *, 
   def work():
     try:
       for start, end in chunk_bounds(len(texts), first_chunk, chunk_size):
-        ids = tokenize(tokenizer, texts[start:end], max_length, chunk_size=end - start)
+        ids = tokenize(tokenizer, texts[start:end], max_length)
         if not put((start, ids)):
           return
       put(done)
