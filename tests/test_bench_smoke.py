@@ -104,6 +104,7 @@ def test_device_bench_small_on_the_cpu(scifact):
   assert out["train"]["jdr_ms"] > 0 and out["train"]["reference_ms"] > 0
   [row] = out["topk"]["rows"]
   assert row["size"] == 100_000 and row["agreement"] == 1.0 and row["bound_ms"] > 0
+  assert row["same_rows_as_single_top_k"] is True and row["single_top_k_ms"] > 0
   assert row["int8_recall_vs_exact"] > 0.9
   [adore] = out["adore"]["rows"]
   assert adore["size"] == 100_000 and adore["step_in_step_s"] > 0

@@ -21,7 +21,8 @@ all together as the last JSON line; a section that fails is reported as its erro
           AdamW and bf16 autocast on a GPU), ms and fraction of peak (3x the forward FLOPs of real tokens);
           jdr again with model.attention_dropout=0 (fused attention): what attention dropout costs.
   topk    exact top-200 of 32 queries: jdr.topk (bf16 on accelerators, also int8) against torch.mm +
-          torch.topk on the same matrix, with the bound and the two's agreement on the rows.
+          torch.topk on the same matrix, with the bound and the two's agreement on the rows; whether jdr's
+          rows are those of one lax.top_k over all the scores, and that plain search's time.
   adore   the ADORE recipe's step (configs/adore.py with in-step JAX retrieval) with and without its retrieval,
           at each size; share = (with - without) / with.
   int8-scifact  real vectors: SciFact encoded by MiniLM, top-200 of its test queries from float32, bfloat16
@@ -360,6 +361,12 @@ def _topk_row(row: dict, n: int, dim: int, k: int, queries, size: dict, torch_de
   search = topk.search_fn(corpus, k, mesh)
   row["jdr_ms"] = round(1e3 * median_seconds(lambda: jax.block_until_ready(search(queries)), size["repeats"]), 3)
   _, jdr_rows = search(queries)
+  # Exactness at full size: the same rows as one lax.top_k over all the scores (the plain way, timed too).
+  single = jax.jit(lambda q, rows, bias: jax.lax.top_k(topk.scores(q, rows) + bias[None, :], k)[1])
+  row["single_top_k_ms"] = round(1e3 * median_seconds(
+      lambda: jax.block_until_ready(single(queries, corpus.rows, corpus.bias)), size["repeats"]), 3)
+  row["same_rows_as_single_top_k"] = bool(np.array_equal(
+      np.asarray(jdr_rows), np.asarray(single(queries, corpus.rows, corpus.bias))))
   matrix_bytes = n * topk.storage_bytes_per_row(dim, dtype)
   row["bound_ms"] = round(1e3 * matrix_bytes / bandwidth, 3)
   row["jdr_over_bound"] = round(row["jdr_ms"] / row["bound_ms"], 2)
