@@ -17,6 +17,13 @@ import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
 from jdr.data.shared import shared_data_dir, shared_dataset  # pylint: disable=wrong-import-position
 
 
+def pytest_collection_modifyitems(config, items):
+  """The `long` tests first: pytest-xdist hands out tests in this order (an idle worker steals from the end of
+  another's queue), and one of them begun last kept a worker busy for minutes after the other ran out."""
+  del config
+  items.sort(key=lambda item: item.get_closest_marker("long") is None)  # stable: the rest keep their order
+
+
 def pytest_unconfigure(config):
   del config
   if _CACHE_MADE_HERE:

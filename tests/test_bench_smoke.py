@@ -90,6 +90,7 @@ def test_fgd_ablation_table_means_and_spreads(tmp_path):
   assert "| fgd | 0,1 | 0.4000 ±0.1000 | 0.5000 ±0.1000 | 0.6000 ±0.1000 |" in text
 
 
+@pytest.mark.long
 def test_device_bench_small_on_the_cpu(scifact):
   """`python -m jdr.bench device` at its CPU size: every section runs, jdr and the reference agree."""
   proc = subprocess.run([sys.executable, "-m", "jdr.bench", "device", "--size", "small"],

@@ -160,6 +160,7 @@ def test_largest_batch_search(monkeypatch):
   assert gradcache.largest_batch(None, 700, query_len=1, doc_len=1, start=8) == (0, None)
 
 
+@pytest.mark.long
 def test_sharded_over_eight_devices_equals_one_device():
   """A batch sharded over a ("data",) mesh of 8 CPU devices gives the single-device result, with and
   without `mesh=` (shard_map); with it, no all-reduce runs inside a chunk loop."""

@@ -173,6 +173,7 @@ def _cmd(recipe, workdir, data, extra):
           str(workdir), *[f"--config.{o}" for o in TINY + [f"data.dataset={data}", *extra]]]
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("recipe,extra", [
     ("adore.py:runlocal", []),
     ("ance.py:runlocal", ["negatives.refresh_every=6", "negatives.refresh_delay=3", "negatives.per_query=1"]),
@@ -248,6 +249,7 @@ def test_failing_refresh_keeps_training_on_previous_negatives(tmp_path, monkeypa
   assert "disk full while re-encoding" in capsys.readouterr().err
 
 
+@pytest.mark.long
 def test_adore_on_8_devices_equals_one(tmp_path):
   """ADORE with the corpus sharded over 8 simulated devices (in-step JAX retrieval, and host Faiss) trains
   like the single-device run: one code path from one CPU to a pod."""

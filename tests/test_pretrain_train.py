@@ -328,6 +328,7 @@ def test_grad_cache_refuses_corpus_candidates():
     step.check_grad_cache(config, "corpus")
 
 
+@pytest.mark.long
 def test_sharded_grad_cache_equals_one_device(tmp_path):
   """On 2 simulated devices the chunk loops run under shard_map (one all-reduce): same as on one device."""
   import os  # pylint: disable=g-import-not-at-top

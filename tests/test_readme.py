@@ -96,6 +96,7 @@ def test_readme_lists_its_commands_and_skips_only_known_ones():
     assert skip_reason(words) or words[:2] == ["python", "-m"], f"neither run nor skipped: {shlex.join(words)}"
 
 
+@pytest.mark.long
 def test_readme_commands_run_in_order_from_an_empty_directory(tmp_path, monkeypatch, tiny_model, capsys):
   data = write_tiny_beir(tmp_path / "data")
   work = tmp_path / "checkout"

@@ -66,6 +66,7 @@ def test_full_table_job_count():
   assert runs_lib.needed_rows(plan, ["adore_star"]) == ["start", "bm25_neg", "star", "adore_star"]
 
 
+@pytest.mark.long
 def test_tiny_table_end_to_end_and_rerun_skips(tmp_path, monkeypatch, capsys):
   from jdr import train as train_lib  # pylint: disable=g-import-not-at-top
   from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top

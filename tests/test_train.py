@@ -47,6 +47,7 @@ def _losses(workdir) -> list[float]:
   return [r["train/loss"] for r in _records(workdir) if "train/loss" in r]
 
 
+@pytest.mark.long
 def test_sharded_runs_equal_one_device(tmp_path):
   """20 steps on 8 simulated CPU devices (data parallel; fully sharded) match the 1-device run."""
   data = write_tiny_beir(tmp_path / "data")
@@ -105,6 +106,7 @@ def _two_processes_and_one(tmp_path, data, common):
   return launched
 
 
+@pytest.mark.long
 def test_two_processes_equal_one(tmp_path):
   """The multi-host path through the local launcher: 2 processes x 4 CPU devices (jax.distributed) train
   like 1 process x 8 devices, ANCE's refresh included (each host mines on the trainer's thread: the gather of
@@ -143,6 +145,7 @@ ANCE = ["--config.negatives.source=ance", "--config.negatives.per_query=1", "--c
         "--config.negatives.refresh_every=6", "--config.negatives.refresh_delay=3"]
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("signum,extra", [(signal.SIGINT, []), (signal.SIGTERM, ANCE)], ids=["sigint", "sigterm-ance"])
 def test_signalled_run_saves_its_step_and_resumes_exactly(tmp_path, signum, extra):
   """SIGINT / SIGTERM mid-run (no periodic checkpoint due): the run finishes its step, saves it, says how to
