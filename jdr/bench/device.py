@@ -343,7 +343,7 @@ def section_topk(size: dict, torch_device: str, bandwidth: float, mesh, k: int =
   for n in size["topk_sizes"]:
     row = {"size": n}
     try:
-      _topk_row(row, n, dim, k, queries, size, torch_device, bandwidth, mesh)
+      _topk_row(row, n, dim, dtype, k, queries, size, torch_device, bandwidth, mesh)
     except Exception as error:  # pylint: disable=broad-except  (keep this size's figures so far, try the next)
       traceback.print_exc()
       row["error"] = f"{type(error).__name__}: {error}"
@@ -352,11 +352,10 @@ def section_topk(size: dict, torch_device: str, bandwidth: float, mesh, k: int =
   return out
 
 
-def _topk_row(row: dict, n: int, dim: int, k: int, queries, size: dict, torch_device: str, bandwidth: float,
-              mesh) -> None:
+def _topk_row(row: dict, n: int, dim: int, dtype: str, k: int, queries, size: dict, torch_device: str,
+              bandwidth: float, mesh) -> None:
   """Fills `row` as each figure is measured, so a failure late in the row keeps the ones before it."""
   import torch  # pylint: disable=g-import-not-at-top
-  dtype = topk.resolve_dtype("auto")
   corpus = random_corpus_on_mesh(n, dim, mesh, dtype, seed=n)
   search = topk.search_fn(corpus, k, mesh)
   row["jdr_ms"] = round(1e3 * median_seconds(lambda: jax.block_until_ready(search(queries)), size["repeats"]), 3)

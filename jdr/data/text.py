@@ -253,6 +253,7 @@ def streamed_batches(chunks: Iterable[tuple[int, Sequence[np.ndarray]]], *, buck
   are fixed up front (the longest sequence is not known until the end)."""
   buckets = np.array(sorted(set(bucket_lengths)), dtype=np.int64)
   pending: dict[int, list[tuple[int, np.ndarray]]] = {int(b): [] for b in buckets}
+  full = {b: _full_rows(b, batch_size=batch_size, max_tokens=max_tokens, multiple_of=multiple_of) for b in pending}
   for first, token_ids in chunks:
     for offset, ids in enumerate(token_ids):
       if len(ids) > buckets[-1]:
@@ -261,9 +262,8 @@ def streamed_batches(chunks: Iterable[tuple[int, Sequence[np.ndarray]]], *, buck
       length = int(buckets[np.searchsorted(buckets, len(ids))])
       waiting = pending[length]
       waiting.append((first + offset, ids))
-      full = _full_rows(length, batch_size=batch_size, max_tokens=max_tokens, multiple_of=multiple_of)
-      if len(waiting) == full:
-        rows = -(-full // multiple_of) * multiple_of
+      if len(waiting) == full[length]:
+        rows = -(-full[length] // multiple_of) * multiple_of
         yield np.array([i for i, _ in waiting]), *_padded([x for _, x in waiting], rows, length, pad_id)
         waiting.clear()
   rest = [item for b in buckets[::-1] for item in pending[int(b)]]
