@@ -14,6 +14,23 @@ from jdr import atomic
 from jdr import paths
 
 
+def _summary_writer_class():
+  """tensorboardX's SummaryWriter, imported with torch kept out.
+
+  tensorboardX imports torch, when it is installed, only to accept torch tensors as values; jdr writes Python
+  floats, and that import costs seconds in every training process. A torch imported before is used as it is.
+  """
+  blocked = "torch" not in sys.modules
+  if blocked:
+    sys.modules["torch"] = None  # `import torch` raises ImportError, which tensorboardX expects without torch
+  try:
+    from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+  finally:
+    if blocked:
+      del sys.modules["torch"]  # a later `import torch` (a benchmark's reference) finds the real one
+  return SummaryWriter
+
+
 class MetricWriter:
   """Appends {"step", "time", **scalars} to WORKDIR/metrics.jsonl and writes TensorBoard scalars.
 
@@ -36,7 +53,7 @@ class MetricWriter:
     self._tb = None
     if self.active and tensorboard:
       try:
-        from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+        SummaryWriter = _summary_writer_class()  # pylint: disable=invalid-name
         # tensorboardX writes gs:// and s3:// itself (with google-cloud-storage / boto3 installed).
         # purge_step hides the events past the resumed step that the earlier run wrote.
         self._tb = SummaryWriter(str(paths.as_path(workdir) / "tensorboard"),

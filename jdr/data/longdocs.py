@@ -28,6 +28,7 @@ import numpy as np
 from jdr import cli
 from jdr import paths
 from jdr.data import formats
+from jdr.data import text as text_lib
 
 
 def abstract_text(doc: formats.Doc) -> str:
@@ -58,8 +59,7 @@ def build(source: str | pathlib.Path, out: str | pathlib.Path, *, seed: int = 0,
   corpus = formats.read_corpus(source / "corpus.jsonl")
   queries = formats.read_queries(source / "queries.jsonl")
   if tokenizer is None:
-    import transformers  # pylint: disable=g-import-not-at-top  (a heavy import only this branch needs)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(paths.minilm_path()))
+    tokenizer = text_lib.load_tokenizer(paths.minilm_path())
   texts = {d: abstract_text(doc) for d, doc in corpus.items()}
   ids = sorted(texts)
   counts = tokenizer([texts[d] for d in ids], add_special_tokens=False, return_attention_mask=False)["input_ids"]

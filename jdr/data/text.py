@@ -7,13 +7,36 @@ little padding. The token-budget mode (`max_tokens`) picks a larger batch for sh
 costs about the same.
 """
 
+import json
 import math
+import pathlib
 import queue
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
+
+from jdr import paths
+
+
+def load_tokenizer(path: str | pathlib.Path):
+  """The Hugging Face tokenizer saved in directory `path` (local or remote), as AutoTokenizer would load it.
+
+  The class tokenizer_config.json names is the one AutoTokenizer picks; imported by itself it leaves torch
+  unloaded, where AutoTokenizer's import pulls torch in through transformers' model configs: about 4 s in
+  every process that only needs to tokenize. A directory that names no class, or one this transformers lacks,
+  goes through AutoTokenizer.
+  """
+  import transformers  # pylint: disable=g-import-not-at-top  (slow to import; only loaders need it)
+  with paths.local_copy(path) as local_path:  # transformers reads local directories only
+    config = pathlib.Path(local_path) / "tokenizer_config.json"
+    name = json.loads(config.read_text()).get("tokenizer_class") if config.exists() else None
+    try:
+      named = getattr(transformers, name) if name else None
+    except (AttributeError, ImportError):  # not in this transformers, or its backend is not installed
+      named = None
+    return (named or transformers.AutoTokenizer).from_pretrained(str(local_path))
 
 
 def doc_text(doc) -> str:

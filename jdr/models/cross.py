@@ -91,7 +91,6 @@ def load_cross_encoder(model: str | pathlib.Path, *, with_tokenizer: bool = True
                        **overrides) -> tuple[CrossEncoder, dict, Any]:
   """(CrossEncoder, params, tokenizer or None) from a jdr cross-encoder workdir or export, a Hugging Face
   directory or "minilm"."""
-  import transformers  # pylint: disable=g-import-not-at-top
   if str(model) != "minilm" and saved.is_jdr_model(model):
     params, description, tokenizer = saved.load(model)
     if description.get("architecture") != "cross_encoder":
@@ -110,7 +109,7 @@ def load_cross_encoder(model: str | pathlib.Path, *, with_tokenizer: bool = True
     print(f"{path}: no sequence-classification head; the cross-encoder's head starts from random weights",
           file=sys.stderr)
     head = {k: v for k, v in init_params(cfg).items() if k != "encoder"}
-  tokenizer = transformers.AutoTokenizer.from_pretrained(str(path)) if with_tokenizer else None
+  tokenizer = saved.tokenizer(path) if with_tokenizer else None
   return CrossEncoder(cfg), {"encoder": encoder_params, **head}, tokenizer
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from jdr import checkpoint
 from jdr import paths
+from jdr.data import text
 
 
 def is_jdr_model(path: str | pathlib.Path) -> bool:
@@ -28,10 +29,9 @@ def description(path: str | pathlib.Path) -> dict:
   return {}
 
 
-def tokenizer(path: str):
-  import transformers  # pylint: disable=g-import-not-at-top  (slow to import; only loaders need it)
-  with paths.local_copy(path) as local_path:  # transformers reads local directories only
-    return transformers.AutoTokenizer.from_pretrained(str(local_path))
+def tokenizer(path: str | pathlib.Path):
+  """The Hugging Face tokenizer saved in directory `path` (local or remote): jdr.data.text.load_tokenizer."""
+  return text.load_tokenizer(path)
 
 
 def load(path: str | pathlib.Path) -> tuple[dict, dict, Any]:
