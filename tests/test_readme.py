@@ -9,6 +9,8 @@ in SKIPPED with the reason; a README command that is neither run nor listed fail
 """
 
 import importlib
+import json
+import math
 import pathlib
 import re
 import shlex
@@ -117,6 +119,10 @@ def test_readme_commands_run_in_order_from_an_empty_directory(tmp_path, monkeypa
     assert status in (None, 0) or not isinstance(status, int), \
         f"{shlex.join(words)} exited {status}:\n{capsys.readouterr().err[-3000:]}"
     ran.append((words[2], time.perf_counter() - start))
+    if words[2] == "jdr.train":  # each recipe trained its 2 steps to finite losses
+      log = pathlib.Path(words[words.index("--workdir") + 1]) / "metrics.jsonl"
+      losses = [r["train/loss"] for r in map(json.loads, log.read_text().splitlines()) if "train/loss" in r]
+      assert len(losses) == 2 and all(math.isfinite(x) for x in losses), (shlex.join(words), losses)
   print("\n".join(f"{seconds:6.1f} s  {name}" for name, seconds in ran))
   ran = [name for name, _ in ran]
   assert ran.count("jdr.train") >= 9 and {"jdr.encode", "jdr.retrieve", "jdr.evaluate", "jdr.export",
