@@ -328,3 +328,25 @@ def test_fused_attention_equals_the_einsum_attention(model_type):
   np.testing.assert_array_equal(train(fused), train(einsum))
   with pytest.raises(ValueError, match="attention"):
     cfg.replace(attention="flash")
+
+
+def test_exact_gelu_in_half_precision_is_the_rounded_float64_gelu():
+  """bfloat16 GELU (erf in float32, rounded once): within one bfloat16 step of the float64 GELU (plus 1e-6 in
+  the far negative tail, where 1 + erf cancels in float32, as in PyTorch), equal to PyTorch's bfloat16 GELU
+  above -3 (below, float32 erfs a ulp apart can round to neighbouring bfloat16 values), and the float32 path is
+  jax's own exact GELU."""
+  import math  # pylint: disable=g-import-not-at-top
+  import torch  # pylint: disable=g-import-not-at-top
+  from jdr.models.bert import _exact_gelu  # pylint: disable=g-import-not-at-top
+  x = np.concatenate([np.linspace(-12, 12, 20001), np.random.default_rng(0).normal(0, 3, 20000)])
+  x16 = jnp.asarray(x, jnp.bfloat16)
+  ours = np.asarray(_exact_gelu(x16).astype(jnp.float32), np.float64)
+  xs = np.asarray(x16.astype(jnp.float32), np.float64)
+  exact = np.array([0.5 * v * math.erfc(-v / math.sqrt(2)) for v in xs])
+  step = np.abs(np.asarray(jnp.asarray(exact, jnp.bfloat16).astype(jnp.float32), np.float64)) * 2.0 ** -7
+  assert np.all(np.abs(ours - exact) <= step + 1e-6), np.max(np.abs(ours - exact) - step)
+  theirs = torch.nn.functional.gelu(torch.tensor(xs, dtype=torch.bfloat16)).float().numpy()
+  body = xs > -3
+  np.testing.assert_array_equal(ours[body], theirs[body])
+  x32 = jnp.asarray(x, jnp.float32)
+  np.testing.assert_array_equal(np.asarray(_exact_gelu(x32)), np.asarray(jax.nn.gelu(x32, approximate=False)))

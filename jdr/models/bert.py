@@ -157,9 +157,23 @@ def _layer_norm(cfg: EncoderConfig, name: str, dtype=None) -> nn.LayerNorm:
       bias_init=_init(("embed",), nn.initializers.zeros_init()), name=name)
 
 
+def _exact_gelu(x: jax.Array) -> jax.Array:
+  """GELU with the Gaussian CDF from erf; half-precision inputs are computed in float32 and rounded once.
+
+  jax.nn.gelu's exact form goes through erfc, whose float32 kernel computes two branches and an exp: on an
+  NVIDIA H200 its fusion over BERT-base's [tokens, 3072] MLP activations ran at 3x the time of reading and
+  writing them, the largest non-matmul kernel of the forward. The erf form is what PyTorch computes (in float32
+  for bfloat16 tensors), so Hugging Face parity holds as before. float32 inputs keep jax's form, bit for bit.
+  """
+  if x.dtype == jnp.float32:
+    return jax.nn.gelu(x, approximate=False)
+  x32 = x.astype(jnp.float32)
+  return (0.5 * x32 * (1.0 + jax.lax.erf(x32 * 0.7071067811865476))).astype(x.dtype)  # 1 / sqrt(2)
+
+
 def _activation(name: str):
   if name == "gelu":
-    return lambda x: jax.nn.gelu(x, approximate=False)
+    return _exact_gelu
   if name in ("gelu_new", "gelu_pytorch_tanh"):
     return lambda x: jax.nn.gelu(x, approximate=True)
   return jax.nn.relu
