@@ -24,8 +24,9 @@ def load_tokenizer(path: str | pathlib.Path):
   """The Hugging Face tokenizer saved in directory `path` (local or remote), as AutoTokenizer would load it.
 
   The class tokenizer_config.json names is the one AutoTokenizer picks; imported by itself it leaves torch
-  unloaded, where AutoTokenizer's import pulls torch in through transformers' model configs: about 4 s in
-  every process that only needs to tokenize. A directory that names no class, or one this transformers lacks,
+  unloaded, where AutoTokenizer's import pulls torch in through transformers' model configs: about 2 s in
+  every process that only needs to tokenize (2-core CPU). A directory that names no class, or one this
+  transformers lacks,
   goes through AutoTokenizer.
   """
   import transformers  # pylint: disable=g-import-not-at-top  (slow to import; only loaders need it)
