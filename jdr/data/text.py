@@ -26,8 +26,7 @@ def load_tokenizer(path: str | pathlib.Path):
   The class tokenizer_config.json names is the one AutoTokenizer picks; imported by itself it leaves torch
   unloaded, where AutoTokenizer's import pulls torch in through transformers' model configs: about 2 s in
   every process that only needs to tokenize (2-core CPU). A directory that names no class, or one this
-  transformers lacks,
-  goes through AutoTokenizer.
+  transformers lacks, goes through AutoTokenizer.
   """
   import transformers  # pylint: disable=g-import-not-at-top  (slow to import; only loaders need it)
   with paths.local_copy(path) as local_path:  # transformers reads local directories only
