@@ -3,9 +3,10 @@
 Each runs as `python -m jdr.X` would (its main() with sys.argv set, in this process: one import of jax for
 all of them), scaled down:
 SciFact becomes a tiny generated BEIR dataset, `minilm` a tiny random BERT, and every training run takes 2
-steps of a tiny batch and evaluates nothing (evaluation during training has tests of its own). The rest of each command (its recipe, its paths, which run feeds which) is the README's,
-so a command that needs a file no earlier command wrote fails here. The commands that are not run are listed
-in SKIPPED with the reason; a README command that is neither run nor listed fails the test.
+steps of a tiny batch and evaluates nothing (evaluation during training has tests of its own). The rest of
+each command (its recipe, its paths, which run feeds which) is the README's, so a command that needs a file no
+earlier command wrote fails here. The commands that are not run are listed in SKIPPED with the reason; a README
+command that is neither run nor listed fails the test.
 """
 
 import importlib

@@ -15,6 +15,7 @@ import numpy as np
 
 from jdr import parallel
 from jdr import paths
+from jdr.data import text
 from jdr.models import cross
 from jdr.models import hf
 from jdr.models import saved
@@ -135,7 +136,7 @@ def build(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collections.ConfigD
   model = TwoTower(query=tower, doc=tower, shared=model_cfg.shared)
   description = describe(model, tokenizer_path, data_cfg.query_max_length, data_cfg.doc_max_length,
                          declared.get("max_length"))
-  return Built(model, saved.tokenizer(tokenizer_path), description, encoder_params, None)
+  return Built(model, text.load_tokenizer(tokenizer_path), description, encoder_params, None)
 
 
 def compute_dtype(name: str) -> str:
@@ -165,7 +166,7 @@ def _fresh_encoder_config(model_cfg: ml_collections.ConfigDict, tokenizer_path: 
   """model.fresh's architecture over the tokenizer's vocabulary, with the run's settings."""
   if model_cfg.fresh not in FRESH:
     raise ValueError(f"model.fresh must be one of {sorted(FRESH)}, got {model_cfg.fresh!r}")
-  vocab = saved.tokenizer(model_cfg.tokenizer or tokenizer_path).vocab_size
+  vocab = text.load_tokenizer(model_cfg.tokenizer or tokenizer_path).vocab_size
   return EncoderConfig(vocab_size=vocab, **FRESH[model_cfg.fresh], **_encoder_overrides(model_cfg))
 
 
@@ -195,7 +196,7 @@ def _cross_encoder(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collection
                      f"exceeds the model's {encoder_config.max_length} positions")
   description = {"architecture": "cross_encoder", "encoder": dataclasses.asdict(encoder_config),
                  "tokenizer": tokenizer_path, "max_length": data_cfg.doc_max_length}
-  return Built(cross.CrossEncoder(encoder_config), saved.tokenizer(tokenizer_path), description, None, params)
+  return Built(cross.CrossEncoder(encoder_config), text.load_tokenizer(tokenizer_path), description, None, params)
 
 
 def _bow_mlp(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collections.ConfigDict) -> Built:
@@ -204,7 +205,7 @@ def _bow_mlp(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collections.Conf
     raise ValueError(f"model.tower=bow_mlp starts from fresh weights or a jdr workdir, not "
                      f"model.init_from={model_cfg.init_from!r}")
   tokenizer_path = model_cfg.tokenizer or str(hf.minilm_path())
-  tokenizer = saved.tokenizer(tokenizer_path)
+  tokenizer = text.load_tokenizer(tokenizer_path)
   normalize = bool(model_cfg.normalize) if model_cfg.normalize >= 0 else False
   tower = TowerConfig(kind="bow_mlp", vocab_size=len(tokenizer), pooling=model_cfg.pooling or "mean",
                       projection_dim=model_cfg.projection_dim or None, normalize=normalize)

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jdr.data import text
 from jdr.models import hf
 from jdr.models import saved
 from jdr.models.bert import Dropout, Encoder, EncoderConfig
@@ -109,7 +110,7 @@ def load_cross_encoder(model: str | pathlib.Path, *, with_tokenizer: bool = True
     print(f"{path}: no sequence-classification head; the cross-encoder's head starts from random weights",
           file=sys.stderr)
     head = {k: v for k, v in init_params(cfg).items() if k != "encoder"}
-  tokenizer = saved.tokenizer(path) if with_tokenizer else None
+  tokenizer = text.load_tokenizer(path) if with_tokenizer else None
   return CrossEncoder(cfg), {"encoder": encoder_params, **head}, tokenizer
 
 

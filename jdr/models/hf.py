@@ -19,6 +19,7 @@ from typing import Any, Callable
 import numpy as np
 
 from jdr import paths
+from jdr.data import text
 from jdr.models.bert import EncoderConfig
 from jdr.models.towers import Tower, TowerConfig
 
@@ -311,7 +312,6 @@ def load_tower(model: str, pooling: str | None = None, normalize: bool | None = 
   Tower's param tree ({"encoder": ...}) as device arrays: `tower.apply({"params": params}, ids, mask)`.
   """
   import jax
-  from jdr.models import saved  # pylint: disable=g-import-not-at-top  (orbax, which only loaders need)
   path = minilm_path() if model == "minilm" else Path(model)
   cfg, encoder_params = load_hf(path, dtype=dtype)
   declared = sentence_transformers_settings(path)
@@ -320,7 +320,7 @@ def load_tower(model: str, pooling: str | None = None, normalize: bool | None = 
                      "pass pooling='cls' | 'mean' | 'max' explicitly")
   pooling = pooling or declared.get("pooling", "cls")
   normalize = declared.get("normalize", False) if normalize is None else normalize
-  tokenizer = saved.tokenizer(path)
+  tokenizer = text.load_tokenizer(path)
   source = "--max-length"
   if max_length is None:
     source = "the sentence-transformers config" if declared.get("max_length") else "what the model supports"

@@ -29,11 +29,6 @@ def description(path: str | pathlib.Path) -> dict:
   return {}
 
 
-def tokenizer(path: str | pathlib.Path):
-  """The Hugging Face tokenizer saved in directory `path` (local or remote): jdr.data.text.load_tokenizer."""
-  return text.load_tokenizer(path)
-
-
 def load(path: str | pathlib.Path) -> tuple[dict, dict, Any]:
   """(params, description, tokenizer) from a jdr export or the latest checkpoint of a workdir."""
   path = paths.as_path(path)
@@ -48,7 +43,7 @@ def load(path: str | pathlib.Path) -> tuple[dict, dict, Any]:
   # A masked-LM pretraining run's head is not part of the retrieval model (jdr.models.towers.TwoTower).
   params = {k: v for k, v in params.items() if k != "lm_head"}
   described = {**described, "tokenizer": tokenizer_path(path, described["tokenizer"])}
-  return params, described, tokenizer(described["tokenizer"])
+  return params, described, text.load_tokenizer(described["tokenizer"])
 
 
 def tokenizer_path(model_dir, recorded: str) -> str:
