@@ -69,6 +69,11 @@ def activations_on(mesh: Mesh):
   return _scoped(_ACTIVATIONS, mesh)
 
 
+def activation_mesh() -> Mesh | None:
+  """The mesh set by `activations_on` while a step is traced, else None."""
+  return getattr(_ACTIVATIONS, "value", None)
+
+
 def constrain_rows(x: jax.Array) -> jax.Array:
   """x [rows, ...] with the batch sharding inside `activations_on` (a no-op elsewhere, and for row counts
   the batch axes do not divide, such as gradient caching's single rows)."""

@@ -241,7 +241,7 @@ def test_dropout_keeps_the_rate_and_the_expectation():
   same mask and deterministic mode is the identity."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from jdr.models.bert import Dropout  # pylint: disable=g-import-not-at-top
+  from jdr.models.dropout import Dropout  # pylint: disable=g-import-not-at-top
   x = jnp.ones((1024, 4099), jnp.float32)
   layer = Dropout(0.1)
   y = np.asarray(layer.apply({}, x, deterministic=False, rngs={"dropout": jax.random.PRNGKey(0)}))
@@ -260,7 +260,7 @@ def test_dropout_bits_look_independent_and_follow_each_rows_key():
   would be), each 4-bit nibble is uniform, and under vmap a row's mask is the one its own key gives alone."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from jdr.models.bert import dropout_bits  # pylint: disable=g-import-not-at-top
+  from jdr.models.dropout import dropout_bits  # pylint: disable=g-import-not-at-top
   bits = np.asarray(dropout_bits(jax.random.key(7), (64, 12, 64, 64)))
   dropped = bits < np.uint32(round(0.1 * 2**32))
   n = dropped.size
@@ -327,7 +327,7 @@ def test_fused_attention_equals_the_einsum_attention(model_type):
                                        rngs={"dropout": jax.random.PRNGKey(3)}))
   np.testing.assert_array_equal(train(fused), train(einsum))
   with pytest.raises(ValueError, match="attention"):
-    cfg.replace(attention="flash")
+    cfg.replace(attention="cudnn")
 
 
 def test_exact_gelu_in_half_precision_is_the_rounded_float64_gelu():

@@ -19,7 +19,8 @@ all together as the last JSON line; a section that fails is reported as its erro
           alone, encoding from token ids, and the model alone on one full batch already on the device.
   train   the in-batch train step (AdamW, dropout on), jdr against transformers + torch (SDPA attention, fused
           AdamW and bf16 autocast on a GPU), ms and fraction of peak (3x the forward FLOPs of real tokens);
-          jdr again with model.attention_dropout=0 (fused attention): what attention dropout costs.
+          on GPUs jdr with model.attention=flash (its Pallas kernel, attention dropout drawn inside); jdr again
+          with model.attention_dropout=0 (cuDNN's fused attention): what attention dropout costs.
   topk    exact top-200 of 32 queries: jdr.topk (bf16 on accelerators, also int8) against torch.mm +
           torch.topk on the same matrix, with the bound and the two's agreement on the rows; whether jdr's
           rows are those of one lax.top_k over all the scores, and that plain search's time.
@@ -292,12 +293,22 @@ def section_train(size: dict, torch_device: str, model_dir: str, shape: dict, pe
   flops = 3 * (_flops([lq] * b, shape) + _flops([ld] * b, shape))
   config = _train_config(size, model_dir)
   jdr_s = jdr_train_step_seconds(config, batch, size["repeats"])
+  flash = {}
+  if jax.default_backend() == "gpu":  # elsewhere the Pallas kernels only run interpreted
+    config.model.attention = "flash"
+    try:
+      flash_s = jdr_train_step_seconds(config, batch, size["repeats"])
+      flash = {"jdr_flash_attention_ms": round(1e3 * flash_s, 2),
+               "jdr_flash_attention_peak_fraction": round(flops / flash_s / peak_flops, 3)}
+    except Exception as e:  # pylint: disable=broad-except
+      flash = {"jdr_flash_attention_error": f"{type(e).__name__}: {e}"[:2000]}
+    config.model.attention = "auto"
   config.model.attention_dropout = 0.0
   jdr_no_attention_dropout_s = jdr_train_step_seconds(config, batch, size["repeats"])
   gc.collect()
   torch_s = torch_train_step_seconds(model_dir, batch, torch_device, size["dtype"] == "bfloat16", size["repeats"])
   return {"batch": b, "query_length": lq, "doc_length": ld, "dtype": size["dtype"],
-          "jdr_ms": round(1e3 * jdr_s, 2), "jdr_peak_fraction": round(flops / jdr_s / peak_flops, 3),
+          "jdr_ms": round(1e3 * jdr_s, 2), "jdr_peak_fraction": round(flops / jdr_s / peak_flops, 3), **flash,
           "jdr_attention_dropout_0_ms": round(1e3 * jdr_no_attention_dropout_s, 2),
           "jdr_attention_dropout_0_peak_fraction": round(flops / jdr_no_attention_dropout_s / peak_flops, 3),
           "reference_ms": round(1e3 * torch_s, 2), "reference_peak_fraction": round(flops / torch_s / peak_flops, 3),

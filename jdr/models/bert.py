@@ -20,11 +20,14 @@ import jax
 import jax.numpy as jnp
 
 from jdr import parallel
+from jdr.models import flash_attention as flash_kernel
+from jdr.models.dropout import Dropout
 
 # Hugging Face model_type values whose checkpoints use RoBERTa's embeddings (padding-offset positions).
 _ROBERTA_TYPES = ("roberta", "xlm-roberta", "camembert")
 _ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+ATTENTION_KINDS = ("auto", "einsum", "fused", "flash")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +49,8 @@ class EncoderConfig:
   dtype: str = "float32"  # compute dtype: "float32" | "bfloat16"; params are float32 regardless.
   remat: bool = False  # recompute each layer's activations in the backward pass (saves memory).
   # "auto": jax.nn.dot_product_attention (cuDNN's fused kernel where the platform has one) on accelerators
-  # when no attention dropout is drawn, else jdr's own einsum attention; "einsum" / "fused" force one.
+  # when no attention dropout is drawn, else jdr's own einsum attention; "einsum" / "fused" force one;
+  # "flash": jdr's Pallas kernel (jdr.models.flash_attention), dropout included (interpreted off GPUs).
   attention: str = "auto"
 
   def __post_init__(self):
@@ -58,8 +62,8 @@ class EncoderConfig:
       raise ValueError(f"hidden_act {self.hidden_act!r} unsupported; expected one of {_ACTIVATIONS}")
     if self.dtype not in _DTYPES:
       raise ValueError(f"dtype must be one of {tuple(_DTYPES)}, got {self.dtype!r}")
-    if self.attention not in ("auto", "einsum", "fused"):
-      raise ValueError(f"attention must be auto, einsum or fused, got {self.attention!r}")
+    if self.attention not in ATTENTION_KINDS:
+      raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
 
   @property
   def head_dim(self) -> int:
@@ -179,60 +183,6 @@ def _activation(name: str):
   return jax.nn.relu
 
 
-def _mix32(h: jax.Array) -> jax.Array:
-  # A 32-bit bijective finalizer with full avalanche (the "lowbias32" constants of Wellons' hash-prospector).
-  h = h ^ (h >> 16)
-  h = h * jnp.uint32(0x7FEB352D)
-  h = h ^ (h >> 15)
-  h = h * jnp.uint32(0x846CA68B)
-  return h ^ (h >> 16)
-
-
-def dropout_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-  """32 random bits per element of `shape`: a counter-based hash of the element's flat index under the key.
-
-  Each element's bits depend only on (key, its index in the whole array), so a sharded array draws the same
-  mask as one device (the index comes from per-axis iotas, which XLA partitions), and under vmap each row's
-  key gives that row its own mask. Two rounds of a full-avalanche mixer with the key's two words folded in
-  between cost ~12 integer ops an element, where threefry's 20 rounds gave 16 bits for ~40: on a 2-core
-  x86 CPU the masks of one [32, 12, 128, 128] attention took 16.6 ms with threefry and ~2 ms with this.
-  """
-  data = jax.random.key_data(key) if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) else key
-  data = data.astype(jnp.uint32).reshape(-1)
-  index = jnp.zeros(shape, jnp.uint32)
-  stride = 1
-  for axis in reversed(range(len(shape))):
-    index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(stride % 2**32)
-    stride *= shape[axis]
-  h = _mix32(index * jnp.uint32(0x9E3779B9) ^ data[0])
-  return _mix32(h ^ data[1 % data.size])
-
-
-class Dropout(nn.Module):
-  """Inverted dropout whose masks come from `dropout_bits` (a keyed hash, not threefry).
-
-  flax's nn.Dropout draws a float32 uniform per element, one threefry evaluation each; on a CPU those masks
-  were 0.39 s of a 1.71 s MiniLM training step (0.15 s of 1.37 s after packing two 16-bit draws per threefry
-  word). The hash keeps the rate exact to 2^-32. Same rng stream ("dropout") and the same per-call key as
-  nn.Dropout, so gradient caching's per-row keys still hold. Arrays of 2^32 elements or more (where a 32-bit
-  index would repeat) draw from threefry instead.
-  """
-  rate: float
-
-  @nn.compact
-  def __call__(self, x, deterministic: bool):
-    if deterministic or self.rate == 0.0:
-      return x
-    if self.rate >= 1.0:
-      return jnp.zeros_like(x)
-    key = self.make_rng("dropout")
-    if x.size < 2**32:
-      keep = dropout_bits(key, x.shape) >= jnp.uint32(round(self.rate * 2**32))
-    else:
-      keep = jax.random.bernoulli(key, 1.0 - self.rate, x.shape)
-    return jnp.where(keep, x / jnp.asarray(1.0 - self.rate, x.dtype), jnp.zeros((), x.dtype))
-
-
 def roberta_position_ids(input_ids: jax.Array, pad_token_id: int) -> jax.Array:
   """RoBERTa (fairseq) positions: pad tokens get pad_token_id, real tokens pad_token_id + 1, + 2, ..."""
   not_pad = (input_ids != pad_token_id).astype(jnp.int32)
@@ -285,6 +235,22 @@ def fused_attention(q, k, v, key_mask, scale: float):
                                       implementation="cudnn" if cudnn else "xla")
 
 
+def flash_attention(q, k, v, key_mask, scale: float, rate: float, key):
+  """jdr's Pallas attention over [B, L, N, D], split over the mesh the step traces under (if any)."""
+  if parallel.platform() == "tpu":
+    raise ValueError("model.attention=flash is a Triton kernel (GPUs; interpreted on CPUs): TPUs take auto")
+  interpret = parallel.platform() != "gpu"
+  mesh = parallel.activation_mesh()
+  if mesh is not None:
+    rows = parallel.data_parallel_size(mesh)
+    heads = mesh.shape["model"] if q.shape[2] % mesh.shape["model"] == 0 else 1
+    if (rows > 1 or heads > 1) and q.shape[0] % rows == 0:
+      return flash_kernel.flash_attention_on_mesh(mesh, parallel.BATCH_AXES, "model" if heads > 1 else None,
+                                                  q, k, v, key_mask, scale=scale, rate=rate, key=key,
+                                                  interpret=interpret)
+  return flash_kernel.flash_attention(q, k, v, key_mask, scale=scale, rate=rate, key=key, interpret=interpret)
+
+
 class Layer(nn.Module):
   """One post-LayerNorm transformer block: self-attention, add & norm, GELU MLP, add & norm.
 
@@ -305,11 +271,18 @@ class Layer(nn.Module):
     q = _dense(cfg, heads, ("embed", "heads", "kv"), name="query")(x)
     k = _dense(cfg, heads, ("embed", "heads", "kv"), name="key")(x)
     v = _dense(cfg, heads, ("embed", "heads", "kv"), name="value")(x)
-    # FGD's spans need the [CLS] probabilities and attention dropout needs them too: both stay on einsums.
+    # FGD's spans need the [CLS] probabilities: they stay on einsums. Attention dropout needs a kernel that
+    # draws it (jdr's flash kernel), else the einsums too.
     no_probs_needed = span_mask is None and (deterministic or cfg.attention_dropout == 0.0)
     fused = no_probs_needed and (cfg.attention == "fused" or (
         cfg.attention == "auto" and parallel.platform() != "cpu"))
-    if fused:
+    if span_mask is None and cfg.attention == "flash":
+      # Created even when it draws nothing, so the layer's later Dropouts keep the einsum path's names and keys.
+      attention_dropout = Dropout(cfg.attention_dropout)
+      drop = not deterministic and cfg.attention_dropout > 0.0
+      ctx = flash_attention(q, k, v, key_mask, cfg.head_dim ** -0.5, cfg.attention_dropout if drop else 0.0,
+                            attention_dropout.rng_key() if drop else None).astype(cfg.compute_dtype)
+    elif fused:
       ctx = fused_attention(q, k, v, key_mask, cfg.head_dim ** -0.5).astype(cfg.compute_dtype)
     else:
       # Scaling q ([B, L, N, D]) is cheaper than scaling the [B, N, L, L] logits.

@@ -153,7 +153,7 @@ def compute_dtype(name: str) -> str:
 def _encoder_overrides(model_cfg: ml_collections.ConfigDict) -> dict:
   """What a run's model.* settings change in any encoder it starts from."""
   return dict(dtype=compute_dtype(model_cfg.dtype), remat=model_cfg.remat, hidden_dropout=model_cfg.dropout,
-              attention_dropout=attention_dropout(model_cfg))
+              attention_dropout=attention_dropout(model_cfg), attention=model_cfg.get("attention", "auto"))
 
 
 def attention_dropout(model_cfg: ml_collections.ConfigDict) -> float:

@@ -27,7 +27,8 @@ import numpy as np
 from jdr.data import text
 from jdr.models import hf
 from jdr.models import saved
-from jdr.models.bert import Dropout, Encoder, EncoderConfig
+from jdr.models.bert import Encoder, EncoderConfig
+from jdr.models.dropout import Dropout
 
 # HF name -> (jdr path, transpose) of each head tensor, per model type.
 _HEAD = {

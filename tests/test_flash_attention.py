@@ -1,0 +1,149 @@
+"""jdr's Pallas attention (run in Pallas' interpreter on the CPU) against plain dense attention and the einsum
+path: same outputs and gradients, the same dropout mask, padding, vmapped rows and a sharded mesh."""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jdr.models.bert import Encoder, EncoderConfig
+from jdr.models.dropout import dropout_bits, drop_threshold
+from jdr.models.flash_attention import flash_attention
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY = EncoderConfig(vocab_size=50, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
+                     max_position_embeddings=24, attention_dropout=0.3)
+
+
+def dense_attention(q, k, v, key_mask, scale, rate, key):
+  """Softmax over masked logits, the [B, N, L, L] probabilities dropped by `dropout_bits`, written out whole."""
+  logits = jnp.einsum("bqnd,bknd->bnqk", q, k) * scale
+  logits = jnp.where(key_mask[:, None, None, :], logits, -jnp.inf)
+  probs = jax.nn.softmax(logits, axis=-1)
+  if rate:
+    keep = dropout_bits(key, probs.shape) >= jnp.uint32(drop_threshold(rate))
+    probs = jnp.where(keep, probs / (1.0 - rate), 0.0)
+  return jnp.einsum("bnqk,bknd->bqnd", probs, v)
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.3])
+def test_outputs_and_gradients_equal_dense_attention(rate):
+  """40 tokens (not a whole 64-token block, so padded inside), heads of 24 (padded to 32), rows of 40, 17 and
+  1 real tokens: outputs and the gradients of q, k and v equal the dense computation with the same mask."""
+  batch, length, heads, dim = 3, 40, 2, 24
+  rng = np.random.default_rng(0)
+  q, k, v = (jnp.asarray(rng.normal(size=(batch, length, heads, dim)), jnp.float32) for _ in range(3))
+  key_mask = jnp.asarray(np.arange(length)[None] < np.array([40, 17, 1])[:, None])
+  key = jax.random.key(3)
+  ours = lambda q, k, v: flash_attention(q, k, v, key_mask, scale=dim ** -0.5, rate=rate, key=key)
+  dense = lambda q, k, v: dense_attention(q, k, v, key_mask, dim ** -0.5, rate, key)
+  np.testing.assert_allclose(ours(q, k, v), dense(q, k, v), rtol=1e-5, atol=2e-6)
+  loss = lambda f: lambda *qkv: jnp.sum(jnp.sin(f(*qkv)) * jnp.arange(dim))
+  for got, want in zip(jax.grad(loss(ours), (0, 1, 2))(q, k, v), jax.grad(loss(dense), (0, 1, 2))(q, k, v)):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-5)
+  if rate:  # the mask matters: another key gives other outputs
+    other = flash_attention(q, k, v, key_mask, scale=dim ** -0.5, rate=rate, key=jax.random.key(4))
+    assert float(jnp.max(jnp.abs(other - ours(q, k, v)))) > 0.1
+
+
+def test_bad_rates_and_missing_keys_are_refused():
+  q = jnp.zeros((1, 4, 1, 16))
+  mask = jnp.ones((1, 4), bool)
+  with pytest.raises(ValueError, match="needs a key"):
+    flash_attention(q, q, q, mask, scale=1.0, rate=0.1)
+  with pytest.raises(ValueError, match=r"\[0, 1\)"):
+    flash_attention(q, q, q, mask, scale=1.0, rate=1.0, key=jax.random.key(0))
+
+
+def _inputs():
+  rng = np.random.default_rng(0)
+  ids = rng.integers(3, 50, (4, 9)).astype(np.int32)
+  mask = (np.arange(9)[None, :] < np.array([[9], [5], [2], [7]])).astype(np.int32)
+  return np.where(mask > 0, ids, 0).astype(np.int32), mask
+
+
+def test_encoder_with_flash_attention_equals_the_einsum_encoder():
+  """model.attention=flash: the same token vectors and parameter gradients as the einsum path, in evaluation
+  and in training with attention dropout (the same probabilities dropped, and the hidden dropouts keep their
+  keys), and per row under vmap with each row's key, as gradient caching runs the towers."""
+  ids, mask = _inputs()
+  einsum, flash = Encoder(TINY.replace(attention="einsum")), Encoder(TINY.replace(attention="flash"))
+  params = einsum.init(jax.random.key(0), ids, mask)
+  for deterministic in (True, False):
+    apply = lambda model, p: model.apply(p, ids, mask, deterministic=deterministic,
+                                         rngs={"dropout": jax.random.key(3)})
+    np.testing.assert_allclose(apply(flash, params), apply(einsum, params), rtol=1e-5, atol=1e-5)
+    grads = [jax.grad(lambda p, m=m: jnp.sum(jnp.sin(apply(m, p))))(params) for m in (flash, einsum)]
+    for got, want in zip(*(jax.tree.leaves(g) for g in grads)):
+      np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+  keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(5), i))(jnp.arange(4, dtype=jnp.uint32))
+  rows = lambda m: jax.vmap(lambda i, s, r: m.apply(params, i[None], s[None], deterministic=False,
+                                                    rngs={"dropout": r})[0])(ids, mask, keys)
+  np.testing.assert_allclose(rows(flash), rows(einsum), rtol=1e-5, atol=1e-5)
+
+
+def test_kernels_lower_to_triton_for_gpus():
+  """The forward and both backward kernels lower to Triton for CUDA from this CPU host (bfloat16, BERT-base's
+  64-wide heads, 256 and 100 tokens), so the GPU path is not first compiled on a GPU."""
+  def loss(q, k, v, mask, key):
+    out = flash_attention(q, k, v, mask, scale=0.125, rate=0.1, key=key, interpret=False)
+    return jnp.sum(out.astype(jnp.float32) ** 2)
+
+  for length in (256, 100):
+    args = [jax.ShapeDtypeStruct((2, length, 12, 64), jnp.bfloat16)] * 3 + [
+        jax.ShapeDtypeStruct((2, length), jnp.bool_), jax.ShapeDtypeStruct((2,), jnp.uint32)]
+    exported = jax.export.export(
+        jax.jit(jax.grad(loss, (0, 1, 2))), platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+    names = re.findall(r'name = "(\w+)"', exported.mlir_module())
+    assert sorted(set(names)) == ["_dkdv_kernel", "_dq_kernel", "_forward_kernel"], names
+
+
+@pytest.mark.long
+def test_sharded_flash_attention_equals_one_device():
+  """On 8 CPU devices as a (data 4, model 2) mesh, the towers traced under the step's mesh run the kernel per
+  shard (rows and heads): token vectors and gradients equal one device's, dropout included."""
+  script = textwrap.dedent(f"""
+      import sys
+      import jax, jax.numpy as jnp, numpy as np
+      sys.path.insert(0, {str(ROOT / 'tests')!r})
+      from test_flash_attention import TINY, _inputs
+      from jdr import parallel
+      from jdr.models.bert import Encoder
+      assert jax.device_count() == 8, jax.devices()
+      ids, mask = _inputs()
+      model = Encoder(TINY.replace(attention="flash"))
+      params = model.init(jax.random.key(0), ids, mask)
+      def loss(p, ids, mask):
+        out = model.apply(p, ids, mask, deterministic=False, rngs={{"dropout": jax.random.key(3)}})
+        return jnp.sum(jnp.sin(out)), out
+      single = jax.jit(jax.value_and_grad(loss, has_aux=True))(params, ids, mask)
+      mesh = parallel.make_mesh((4, 1, 2))
+      rows = parallel.batch_sharding(mesh)
+      def traced(p, ids, mask):
+        with parallel.activations_on(mesh):
+          return jax.value_and_grad(loss, has_aux=True)(p, ids, mask)
+      from jdr.models import flash_attention as kernel
+      head_axes, on_mesh = [], kernel.flash_attention_on_mesh
+      def counted(mesh, batch_axes, head_axis, *args, **kwargs):
+        head_axes.append(head_axis)
+        return on_mesh(mesh, batch_axes, head_axis, *args, **kwargs)
+      kernel.flash_attention_on_mesh = counted
+      sharded = jax.jit(traced)(params, jax.device_put(ids, rows), jax.device_put(mask, rows))
+      assert head_axes == ["model", "model"], head_axes  # each layer split by rows and heads
+      for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(single)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+      print("OK")
+  """)
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+  env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+  out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr
