@@ -20,8 +20,9 @@ all together as the last JSON line; a section that fails is reported as its erro
   train   the in-batch train step (AdamW, dropout on), jdr against transformers + torch (SDPA attention, fused
           AdamW and bf16 autocast on a GPU), ms and fraction of peak (3x the forward FLOPs of real tokens);
           jdr again with model.attention_dropout=0 (fused attention): what attention dropout costs.
-  flash   (GPUs, not in the default list) the train section's step with model.attention=flash, jdr's Pallas
-          kernel that draws attention dropout itself; its speed-up over the default step and its ratio to the
+  flash   (GPUs, not in the default list) jdr's Pallas attention (model.attention=flash): the encode section's
+          one-batch forward with it and with the default (cuDNN's kernel), then the train section's step with
+          it (attention dropout drawn inside), its speed-up over the default step and its ratio to the
           reference when the train section ran first in the same command.
   topk    exact top-200 of 32 queries: jdr.topk (bf16 on accelerators, also int8) against torch.mm +
           torch.topk on the same matrix, with the bound and the two's agreement on the rows; whether jdr's
@@ -313,12 +314,33 @@ def section_flash(size: dict, model_dir: str, shape: dict, peak_flops: float, tr
   against the train section's default step when it ran in this command."""
   if jax.default_backend() != "gpu":
     raise RuntimeError("the flash section times a Triton kernel: GPUs only (elsewhere it runs interpreted)")
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+  from jdr.models import hf  # pylint: disable=g-import-not-at-top
+  # Inference first (no dropout, where the default is cuDNN's kernel and the transposes jax puts around it):
+  # the encode section's forward of one full batch, the tower with each attention.
+  length = size["encode_length"]
+  rows = max(1, corpus_lib.default_tokens_per_batch() // length)
+  ids = jax.device_put(np.full((rows, length), 1000, np.int32))
+  mask = jax.device_put(np.ones((rows, length), np.int32))
+  tower, params, _, _ = hf.load_tower(model_dir, pooling="mean", normalize=False, max_length=length,
+                                      dtype=size["dtype"])
+  forward = {}
+  for attention in ("auto", "flash"):
+    cfg = dataclasses.replace(tower.config, encoder=tower.config.encoder.replace(attention=attention))
+    apply = jax.jit(tower.clone(config=cfg).apply)
+    forward[attention] = median_seconds(lambda: jax.block_until_ready(apply({"params": params}, ids, mask)),
+                                        size["repeats"])
+  forward_flops = _flops([length] * rows, shape)
   b, lq, ld = size["train_batch"], size["train_query_length"], size["train_doc_length"]
   flops = 3 * (_flops([lq] * b, shape) + _flops([ld] * b, shape))
   config = _train_config(size, model_dir)
   config.model.attention = "flash"
   flash_s = jdr_train_step_seconds(config, _token_batch(b, lq, ld), size["repeats"])
-  out = {"jdr_flash_attention_ms": round(1e3 * flash_s, 2),
+  out = {"forward": {"rows": rows, "length": length,
+                     **{f"{a}_ms": round(1e3 * t, 2) for a, t in forward.items()},
+                     **{f"{a}_peak_fraction": round(forward_flops / t / peak_flops, 3) for a, t in forward.items()}},
+         "jdr_flash_attention_ms": round(1e3 * flash_s, 2),
          "jdr_flash_attention_peak_fraction": round(flops / flash_s / peak_flops, 3)}
   if train and "jdr_ms" in train:
     out["speedup_over_default"] = round(train["jdr_ms"] / out["jdr_flash_attention_ms"], 3)
