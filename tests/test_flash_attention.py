@@ -109,7 +109,8 @@ def test_kernels_lower_to_triton_for_gpus():
 @pytest.mark.long
 def test_sharded_flash_attention_equals_one_device():
   """On 8 CPU devices as a (data 4, model 2) mesh, the towers traced under the step's mesh run the kernel per
-  shard (rows and heads): token vectors and gradients equal one device's, dropout included."""
+  shard (rows and heads): token vectors and gradients equal one device's, dropout included. Inside a
+  shard_map of the caller's, the layer runs the einsums."""
   script = textwrap.dedent(f"""
       import sys
       import jax, jax.numpy as jnp, numpy as np
@@ -140,6 +141,16 @@ def test_sharded_flash_attention_equals_one_device():
       assert head_axes == ["model", "model"], head_axes  # each layer split by rows and heads
       for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(single)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+      # Inside a shard_map of its own (gradient caching's loops over a mesh) the layer takes the einsums.
+      from jax.sharding import PartitionSpec as P
+      einsum = Encoder(TINY.replace(attention="einsum"))
+      def per_device(m):
+        body = lambda ids, mask: m.apply(params, ids, mask, deterministic=False,
+                                          rngs={{"dropout": jax.random.key(3)}})
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(parallel.BATCH_AXES),) * 2,
+                                     out_specs=P(parallel.BATCH_AXES), axis_names=set(parallel.BATCH_AXES)))(
+            jax.device_put(ids, rows), jax.device_put(mask, rows))
+      np.testing.assert_array_equal(np.asarray(per_device(model)), np.asarray(per_device(einsum)))
       print("OK")
   """)
   env = dict(os.environ)

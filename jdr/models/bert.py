@@ -276,7 +276,10 @@ class Layer(nn.Module):
     no_probs_needed = span_mask is None and (deterministic or cfg.attention_dropout == 0.0)
     fused = no_probs_needed and (cfg.attention == "fused" or (
         cfg.attention == "auto" and parallel.platform() != "cpu"))
-    if span_mask is None and cfg.attention == "flash":
+    # Inside a shard_map that checks each value's manual axes (gradient caching's chunk loops over a mesh)
+    # a Pallas call's operands would all have to vary alike, which its interpreter cannot do: the einsums
+    # run there, with the same masks.
+    if span_mask is None and cfg.attention == "flash" and not jax.sharding.get_abstract_mesh().manual_axes:
       # Created even when it draws nothing, so the layer's later Dropouts keep the einsum path's names and keys.
       attention_dropout = Dropout(cfg.attention_dropout)
       drop = not deterministic and cfg.attention_dropout > 0.0

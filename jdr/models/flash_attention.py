@@ -155,9 +155,11 @@ def _specs(st: _Static, shape):
   return whole, block, sequence, row_block, row_all
 
 
-def _call(kernel, st: _Static, grid, in_specs, out_specs, out_shape, *args):
+def _call(kernel, st: _Static, grid, in_specs, out_specs, outs, *args):
+  """One pallas_call; `outs` are (shape, dtype) pairs."""
   return pl.pallas_call(
-      functools.partial(kernel, st=st), grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+      functools.partial(kernel, st=st), grid=grid, in_specs=in_specs, out_specs=out_specs,
+      out_shape=[jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in outs],
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2), interpret=st.interpret)(*args)
 
 
@@ -167,8 +169,7 @@ def _forward(st: _Static, q, k, v, lengths, meta):
   grid = (batch, heads, padded_len // st.block)
   return _call(_forward_kernel, st, grid, [whole(meta), whole(lengths), block, sequence, sequence],
                [block, row_block],
-               [jax.ShapeDtypeStruct(q.shape, q.dtype),
-                jax.ShapeDtypeStruct((batch, heads, padded_len), jnp.float32)], meta, lengths, q, k, v)
+               [(q.shape, q.dtype), ((batch, heads, padded_len), jnp.float32)], meta, lengths, q, k, v)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -190,10 +191,10 @@ def _attention_bwd(st: _Static, residuals, do):
   grid = (batch, heads, padded_len // st.block)
   head = [whole(meta), whole(lengths)]
   dk, dv = _call(_dkdv_kernel, st, grid, head + [sequence, block, block, sequence, row_all, row_all],
-                 [block, block], [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+                 [block, block], [(k.shape, k.dtype), (v.shape, v.dtype)],
                  meta, lengths, q, k, v, do, lse, delta)
-  dq = _call(_dq_kernel, st, grid, head + [block, sequence, sequence, block, row_block, row_block], block,
-             jax.ShapeDtypeStruct(q.shape, q.dtype), meta, lengths, q, k, v, do, lse, delta)
+  (dq,) = _call(_dq_kernel, st, grid, head + [block, sequence, sequence, block, row_block, row_block], [block],
+                [(q.shape, q.dtype)], meta, lengths, q, k, v, do, lse, delta)
   return dq, dk, dv, None, None
 
 
