@@ -20,7 +20,6 @@ import jax
 import jax.numpy as jnp
 
 from jdr import parallel
-from jdr.models import flash_attention as flash_kernel
 from jdr.models.dropout import Dropout
 
 # Hugging Face model_type values whose checkpoints use RoBERTa's embeddings (padding-offset positions).
@@ -237,6 +236,8 @@ def fused_attention(q, k, v, key_mask, scale: float):
 
 def flash_attention(q, k, v, key_mask, scale: float, rate: float, key):
   """jdr's Pallas attention over [B, L, N, D], split over the mesh the step traces under (if any)."""
+  # Imported here: Pallas' Triton module is needed only by the runs that ask for this kernel.
+  from jdr.models import flash_attention as flash_kernel  # pylint: disable=g-import-not-at-top
   if parallel.platform() == "tpu":
     raise ValueError("model.attention=flash is a Triton kernel (GPUs; interpreted on CPUs): TPUs take auto")
   interpret = parallel.platform() != "gpu"
