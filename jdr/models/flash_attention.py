@@ -6,7 +6,8 @@ backward pass, while cuDNN's fused kernel, which keeps them on chip, draws its d
 compile time plus a counter kept in the process: a resumed run, gradient caching's second forward and a
 sharded step would each see other masks. These kernels draw the mask from `jdr.models.dropout`'s keyed hash of
 each probability's index in [B, N, L, L], the same bits the einsum path's Dropout draws from the same key: the
-two paths drop the same probabilities, so resuming, gradient caching and sharding keep working bit for bit.
+two paths drop the same probabilities, and a resumed run, gradient caching's second forward and each shard of a
+sharded step redraw exactly the masks of the run, the forward and the one device they stand for.
 
 The forward is FlashAttention's online softmax (Dao et al. 2022) over blocks of keys, skipping the blocks past
 each row's length (texts are padded on the right, so a key mask is a length); it keeps each query's
