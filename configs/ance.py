@@ -30,6 +30,9 @@ def get_config(arg=None):
   c.negatives.in_batch = True
   c.loss.name = "softmax_nll"
   if a.runlocal:
+    c.num_train_steps = 90
+    c.optimizer.learning_rate = 2e-5
+    c.optimizer.warmup_steps = 9
     c.negatives.refresh_every = 30
     c.negatives.refresh_delay = 15
     c.eval.doc_max_length = 256
