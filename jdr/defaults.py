@@ -52,9 +52,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model.dropout = 0.1  # hidden and attention dropout of the encoders
   # At 0 the attention runs fused (cuDNN on GPUs), whose kernel draws no dropout mask.
   c.model.attention_dropout = -1.0  # dropout of the attention probabilities alone; -1 = model.dropout
-  # auto: cuDNN's fused kernel on GPUs when no attention dropout is drawn, else einsums | einsum | fused |
-  # flash: jdr's Pallas kernel, which draws attention dropout itself (GPUs; interpreted, slowly, elsewhere).
-  c.model.attention = "auto"
+  # auto: cuDNN's fused kernel on GPUs when no attention dropout is drawn, else einsums. flash: jdr's Pallas
+  # kernel, which draws attention dropout itself (GPUs; interpreted, slowly, elsewhere).
+  c.model.attention = "auto"  # auto | einsum | fused | flash (jdr's GPU kernel, draws attention dropout itself)
 
   # --- negatives and loss: together they are the method ---
   c.negatives = ml_collections.ConfigDict()
