@@ -198,7 +198,8 @@ def test_a_signal_in_a_run_ends_the_table_with_one_resume_line(tmp_path, monkeyp
 
 def test_the_eta_prices_only_unfinished_runs_by_their_kind(tmp_path):
   """Runs finished in an earlier sitting cost nothing wherever they come in the order (the ADORE rows come
-  after STAR and ANCE); query-only steps are priced apart from two-tower steps."""
+  after STAR and ANCE); query-only steps are priced apart from two-tower steps, and ANCE's (with their corpus
+  re-encodings) by their own rate, named apart until measured."""
   plan = rows_lib.Plan()
   jobs = runs_lib.planned_jobs(plan, rows_lib.row_names(plan), [0, 1, 2])
   out = tmp_path / "repro"
@@ -215,11 +216,17 @@ def test_the_eta_prices_only_unfinished_runs_by_their_kind(tmp_path):
   progress = runs_lib.Progress(jobs, write=lambda line: None, finished=finished)
   two_tower = sum(s for k, s in jobs.items() if runs_lib.job_kind(k) == "two-tower step") - 2 * 208
   query_only = sum(s for k, s in jobs.items() if runs_lib.job_kind(k) == "query-only step") - 208
-  assert dict(progress.left) == {"two-tower step": two_tower, "query-only step": query_only, "score": 28 - 1}
+  ance = sum(s for k, s in jobs.items() if runs_lib.job_kind(k) == "ANCE step")
+  assert ance == 5 * 104  # its rate grid and two more seeds, each after its warm-up
+  assert dict(progress.left) == {"two-tower step": two_tower, "query-only step": query_only, "ANCE step": ance,
+                                 "score": 28 - 1}
   assert progress.eta() == "ETA after the first run"
   progress.end("two-tower step", 100, 1000.0)  # 10 s a step; query-only steps not timed: at most that
   left = runs_lib._duration(10 * (two_tower - 100 + query_only))
-  assert progress.eta() == f"ETA {left} + 27 scorings (not timed yet)"
+  assert progress.eta() == f"ETA {left} + {ance} ANCE steps (not timed yet) + 27 scorings (not timed yet)"
   progress.end("query-only step", 100, 100.0)
   progress.end("score", 1, 60.0)
-  assert progress.eta() == f"ETA {runs_lib._duration(10 * (two_tower - 100) + query_only - 100 + 26 * 60)}"
+  left = 10 * (two_tower - 100) + query_only - 100 + 26 * 60
+  assert progress.eta() == f"ETA {runs_lib._duration(left)} + {ance} ANCE steps (not timed yet)"
+  progress.end("ANCE step", 104, 2080.0)
+  assert progress.eta() == f"ETA {runs_lib._duration(left + 20 * (ance - 104))}"

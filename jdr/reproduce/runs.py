@@ -143,8 +143,12 @@ def _duration(seconds: float) -> str:
 
 
 def step_kind(method: str) -> str:
-  """The ADORE / LTRe steps train one tower over a fixed index: on the 2-core CPU a tenth of a two-tower step."""
-  return "query-only step" if method in rows_lib.QUERY_ONLY else "two-tower step"
+  """The ADORE / LTRe steps train one tower over a fixed index: on the 2-core CPU a tenth of a two-tower step.
+  ANCE's steps carry its refreshes' corpus re-encodings: about twice a two-tower step there (17.7 s against
+  8.7 s a step over 104 steps), so they are priced by their own measurements."""
+  if method in rows_lib.QUERY_ONLY:
+    return "query-only step"
+  return "ANCE step" if method == "ance" else "two-tower step"
 
 
 def job_kind(key: tuple) -> str:
@@ -154,9 +158,9 @@ def job_kind(key: tuple) -> str:
 
 class Progress:
   """Prints "run i of n: WHAT (ETA ...)" before each job; the ETA prices what is left of each kind of work
-  (`job_kind`) at the seconds per unit measured so far in this invocation; a step kind not measured yet at
-  the other's rate, scorings not measured yet are named apart. The `finished` jobs (done in an earlier
-  sitting) cost nothing."""
+  (`job_kind`) at the seconds per unit measured so far in this invocation; a two-tower or query-only step not
+  measured yet at the other's rate, ANCE steps and scorings not measured yet are named apart. The `finished`
+  jobs (done in an earlier sitting) cost nothing."""
 
   def __init__(self, jobs: dict[tuple, int], write: Callable[[str], None], finished: set[tuple] = frozenset()):
     self.total = len(jobs)
@@ -179,8 +183,8 @@ class Progress:
     if not self.units:
       return "ETA after the first run"
     rates = {kind: self.seconds[kind] / self.units[kind] for kind in self.units}
-    steps = [rate for kind, rate in rates.items() if kind != "score"]
-    if steps:  # a step kind not timed yet is priced at the other's rate: an upper bound for query-only steps
+    steps = [rates[kind] for kind in ("two-tower step", "query-only step") if kind in rates]
+    if steps:  # one of these not timed yet is priced at the other's rate: an upper bound for query-only steps
       rates = {"two-tower step": max(steps), "query-only step": min(steps)} | rates
     untimed = [f"{n} {'scorings' if kind == 'score' else kind + 's'}" for kind, n in sorted(self.left.items())
                if n and kind not in rates]
