@@ -158,3 +158,20 @@ def test_sharded_flash_attention_equals_one_device():
   env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
   out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
   assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr
+
+
+def test_a_saved_model_loads_with_the_platforms_attention():
+  """How the saving run computed attention is not part of the model: a description that says flash (a model
+  trained with it) loads with auto, two towers and cross-encoders alike."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  import json  # pylint: disable=g-import-not-at-top
+  from jdr.models import build  # pylint: disable=g-import-not-at-top
+  from jdr.models.towers import TowerConfig, TwoTower  # pylint: disable=g-import-not-at-top
+  tower = TowerConfig(encoder=TINY.replace(attention="flash"), pooling="mean")
+  description = json.loads(json.dumps(build.describe(TwoTower(query=tower, doc=tower, shared=True), "tok", 8, 8)))
+  assert description["query"]["encoder"]["attention"] == "flash"
+  loaded = build.from_description(description)
+  assert loaded.query.encoder.attention == loaded.doc.encoder.attention == "auto"
+  cross = build.from_description({"architecture": "cross_encoder",
+                                  "encoder": dataclasses.asdict(TINY.replace(attention="flash"))})
+  assert cross.config.attention == "auto"
