@@ -34,13 +34,17 @@ def dense_attention(q, k, v, key_mask, scale, rate, key):
 
 
 @pytest.mark.parametrize("rate", [0.0, 0.3])
-def test_outputs_and_gradients_equal_dense_attention(rate):
-  """40 tokens (not a whole 64-token block, so padded inside), heads of 24 (padded to 32), rows of 40, 17 and
-  1 real tokens: outputs and the gradients of q, k and v equal the dense computation with the same mask."""
-  batch, length, heads, dim = 3, 40, 2, 24
+@pytest.mark.parametrize("length, heads, dim, lengths", [
+    (40, 2, 24, (40, 17, 1)),  # one 64-token block, padded inside; heads of 24 padded to 32
+    (150, 1, 16, (150, 70, 64, 1)),  # three blocks: the softmax rescaled across them, blocks past a length skipped
+])
+def test_outputs_and_gradients_equal_dense_attention(rate, length, heads, dim, lengths):
+  """Rows of several real lengths: outputs and the gradients of q, k and v equal the dense computation with
+  the same mask."""
+  batch = len(lengths)
   rng = np.random.default_rng(0)
   q, k, v = (jnp.asarray(rng.normal(size=(batch, length, heads, dim)), jnp.float32) for _ in range(3))
-  key_mask = jnp.asarray(np.arange(length)[None] < np.array([40, 17, 1])[:, None])
+  key_mask = jnp.asarray(np.arange(length)[None] < np.array(lengths)[:, None])
   key = jax.random.key(3)
   ours = lambda q, k, v: flash_attention(q, k, v, key_mask, scale=dim ** -0.5, rate=rate, key=key)
   dense = lambda q, k, v: dense_attention(q, k, v, key_mask, dim ** -0.5, rate, key)
