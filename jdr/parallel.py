@@ -77,7 +77,7 @@ def activation_mesh() -> Mesh | None:
 def constrain_rows(x: jax.Array) -> jax.Array:
   """x [rows, ...] with the batch sharding inside `activations_on` (a no-op elsewhere, and for row counts
   the batch axes do not divide, such as gradient caching's single rows)."""
-  mesh = getattr(_ACTIVATIONS, "value", None)
+  mesh = activation_mesh()
   if mesh is None or x.shape[0] % data_parallel_size(mesh):
     return x
   return jax.lax.with_sharding_constraint(x, batch_sharding(mesh))

@@ -38,6 +38,19 @@ def scifact():
   return path
 
 
+def run_on_cpu_devices(script: str, devices: int = 8) -> None:
+  """Runs a Python script in a process of its own whose CPU is split into `devices` XLA devices (the count is
+  fixed when jax starts), with the checkout and tests/ importable; it must print OK."""
+  import pathlib
+  import subprocess
+  import sys
+  root = pathlib.Path(__file__).resolve().parents[1]
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+  env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "tests"), env.get("PYTHONPATH", "")])
+  out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr
+
+
 def write_tiny_beir(directory, num_docs: int = 40, seed: int = 0):
   """A tiny generated BEIR dataset with train and test splits: each query shares rare words with its doc."""
   import json

@@ -1,23 +1,19 @@
 """jdr's Pallas attention (run in Pallas' interpreter on the CPU) against plain dense attention and the einsum
 path: same outputs and gradients, the same dropout mask, padding, vmapped rows and a sharded mesh."""
 
-import os
-import pathlib
 import re
-import subprocess
-import sys
 import textwrap
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import run_on_cpu_devices
 
 from jdr.models.bert import Encoder, EncoderConfig
 from jdr.models.dropout import dropout_bits, drop_threshold
 from jdr.models.flash_attention import flash_attention
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = EncoderConfig(vocab_size=50, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
                      max_position_embeddings=24, attention_dropout=0.3)
 
@@ -115,10 +111,8 @@ def test_sharded_flash_attention_equals_one_device():
   """On 8 CPU devices as a (data 4, model 2) mesh, the towers traced under the step's mesh run the kernel per
   shard (rows and heads): token vectors and gradients equal one device's, dropout included. Inside a
   shard_map of the caller's, the layer runs the einsums."""
-  script = textwrap.dedent(f"""
-      import sys
+  script = textwrap.dedent("""
       import jax, jax.numpy as jnp, numpy as np
-      sys.path.insert(0, {str(ROOT / 'tests')!r})
       from test_flash_attention import TINY, _inputs
       from jdr import parallel
       from jdr.models.bert import Encoder
@@ -127,7 +121,7 @@ def test_sharded_flash_attention_equals_one_device():
       model = Encoder(TINY.replace(attention="flash"))
       params = model.init(jax.random.key(0), ids, mask)
       def loss(p, ids, mask):
-        out = model.apply(p, ids, mask, deterministic=False, rngs={{"dropout": jax.random.key(3)}})
+        out = model.apply(p, ids, mask, deterministic=False, rngs={"dropout": jax.random.key(3)})
         return jnp.sum(jnp.sin(out)), out
       single = jax.jit(jax.value_and_grad(loss, has_aux=True))(params, ids, mask)
       mesh = parallel.make_mesh((4, 1, 2))
@@ -150,18 +144,14 @@ def test_sharded_flash_attention_equals_one_device():
       einsum = Encoder(TINY.replace(attention="einsum"))
       def per_device(m):
         body = lambda ids, mask: m.apply(params, ids, mask, deterministic=False,
-                                          rngs={{"dropout": jax.random.key(3)}})
+                                          rngs={"dropout": jax.random.key(3)})
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(parallel.BATCH_AXES),) * 2,
                                      out_specs=P(parallel.BATCH_AXES), axis_names=set(parallel.BATCH_AXES)))(
             jax.device_put(ids, rows), jax.device_put(mask, rows))
       np.testing.assert_array_equal(np.asarray(per_device(model)), np.asarray(per_device(einsum)))
       print("OK")
   """)
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-  env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-  out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-  assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr
+  run_on_cpu_devices(script)
 
 
 def test_a_saved_model_loads_with_the_platforms_attention():

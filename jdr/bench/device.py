@@ -151,6 +151,13 @@ def _scifact_texts(limit: int) -> list[str]:
   return [text.doc_text(d) for d in (docs[:limit] if limit else docs)]
 
 
+def _full_batch(length: int, tokens_per_batch: int) -> tuple[int, jax.Array, jax.Array]:
+  """(rows, ids, mask) of one full batch at `length` already on the device: the model's own rate, no padding."""
+  rows = max(1, tokens_per_batch // length)
+  return (rows, jax.device_put(np.full((rows, length), 1000, np.int32)),
+          jax.device_put(np.ones((rows, length), np.int32)))
+
+
 def section_encode(size: dict, torch_device: str, model_dir: str, shape: dict, peak_flops: float) -> dict:
   import torch  # pylint: disable=g-import-not-at-top
   from sentence_transformers import SentenceTransformer, models  # pylint: disable=g-import-not-at-top
@@ -176,9 +183,7 @@ def section_encode(size: dict, torch_device: str, model_dir: str, shape: dict, p
   start = time.perf_counter()
   corpus_lib.encode_tokens(runtime, token_ids, tokens_per_batch=tokens_per_batch)
   from_ids_s = time.perf_counter() - start
-  rows = max(1, tokens_per_batch // length)
-  ids = jax.device_put(np.full((rows, length), 1000, np.int32))
-  mask = jax.device_put(np.ones((rows, length), np.int32))
+  rows, ids, mask = _full_batch(length, tokens_per_batch)
   forward_s = median_seconds(lambda: jax.block_until_ready(runtime.apply_fn(runtime.params, ids, mask)),
                              size["repeats"])
 
@@ -320,9 +325,7 @@ def section_flash(size: dict, model_dir: str, shape: dict, peak_flops: float, tr
   # Inference first (no dropout, where the default is cuDNN's kernel and the transposes jax puts around it):
   # the encode section's forward of one full batch, the tower with each attention.
   length = size["encode_length"]
-  rows = max(1, corpus_lib.default_tokens_per_batch() // length)
-  ids = jax.device_put(np.full((rows, length), 1000, np.int32))
-  mask = jax.device_put(np.ones((rows, length), np.int32))
+  rows, ids, mask = _full_batch(length, corpus_lib.default_tokens_per_batch())
   tower, params, _, _ = hf.load_tower(model_dir, pooling="mean", normalize=False, max_length=length,
                                       dtype=size["dtype"])
   forward = {}

@@ -79,6 +79,12 @@ class EncoderConfig:
       return self.max_position_embeddings - self.pad_token_id - 1
     return self.max_position_embeddings
 
+  @classmethod
+  def from_saved(cls, d: dict[str, Any]) -> EncoderConfig:
+    """The encoder a saved model's description names. How the saving run computed attention is not part of
+    the model: a loaded model takes the platform's default (a run that trains it sets its own)."""
+    return cls(**{**d, "attention": "auto"})
+
   def replace(self, **changes) -> EncoderConfig:
     return dataclasses.replace(self, **changes)
 

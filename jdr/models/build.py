@@ -52,23 +52,17 @@ def describe(model: TwoTower, tokenizer_path: str, query_max_length: int, doc_ma
   return description
 
 
-def _encoder_config(d: dict) -> EncoderConfig:
-  # How the run that saved it computed attention is not part of the model: a loaded model takes the
-  # platform's default (a run that trains it sets its own through _from_jdr_model).
-  return EncoderConfig(**{**d, "attention": "auto"})
-
-
 def _tower_config(d: dict) -> TowerConfig:
   d = dict(d)
   if d.get("encoder") is not None:
-    d["encoder"] = _encoder_config(d["encoder"])
+    d["encoder"] = EncoderConfig.from_saved(d["encoder"])
   return TowerConfig(**d)
 
 
 def from_description(description: dict):
   """The model a description names: a TwoTower, or a CrossEncoder when architecture is cross_encoder."""
   if description.get("architecture") == "cross_encoder":
-    return cross.CrossEncoder(_encoder_config(description["encoder"]))
+    return cross.CrossEncoder(EncoderConfig.from_saved(description["encoder"]))
   return TwoTower(query=_tower_config(description["query"]), doc=_tower_config(description["doc"]),
                   shared=description["shared"])
 
@@ -250,9 +244,7 @@ def _from_jdr_model(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collectio
                          f"{key}={trained!r}, but model.{key}={asked!r}; drop the override or start from "
                          "another checkpoint")
     if tower.encoder is not None:
-      tower = tower.replace(encoder=dataclasses.replace(
-          tower.encoder, dtype=compute_dtype(model_cfg.dtype), remat=model_cfg.remat, hidden_dropout=model_cfg.dropout,
-          attention_dropout=attention_dropout(model_cfg), attention=model_cfg.get("attention", "auto")))
+      tower = tower.replace(encoder=dataclasses.replace(tower.encoder, **_encoder_overrides(model_cfg)))
     towers[side] = tower
   if model.shared and not model_cfg.shared:
     # Two owned copies: one buffer in both towers would be donated twice by the train step.

@@ -97,8 +97,7 @@ def load_cross_encoder(model: str | pathlib.Path, *, with_tokenizer: bool = True
     params, description, tokenizer = saved.load(model)
     if description.get("architecture") != "cross_encoder":
       raise ValueError(f"{model} holds two towers, not a cross-encoder")
-    # The attention the saving run computed with is not part of the model (see build._encoder_config).
-    config = EncoderConfig(**{**description["encoder"], "attention": "auto"})
+    config = EncoderConfig.from_saved(description["encoder"])
     return CrossEncoder(dataclasses.replace(config, **overrides)), params, tokenizer
   path = hf.minilm_path() if str(model) == "minilm" else pathlib.Path(model)
   config_file = path / "config.json"
