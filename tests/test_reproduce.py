@@ -230,3 +230,39 @@ def test_the_eta_prices_only_unfinished_runs_by_their_kind(tmp_path):
   assert progress.eta() == f"ETA {runs_lib._duration(left)} + {ance} ANCE steps (not timed yet)"
   progress.end("ANCE step", 104, 2080.0)
   assert progress.eta() == f"ETA {runs_lib._duration(left + 20 * (ance - 104))}"
+
+
+def test_given_warm_up_rates_train_no_grid_and_are_marked(tmp_path, monkeypatch):
+  """A row rebuilt on its own takes its warm-ups' rates as given: only its own grid and seeds are trained,
+  choices.json and the dev-grid table say the rates were given, a selected row cannot be given one, and a
+  rate this directory chose on dev is not overridden by a different given one."""
+  plan = rows_lib.Plan()
+  given = {"bm25_neg": 1e-4, "star": 5e-5}
+  jobs = runs_lib.planned_jobs(plan, ["adore_star"], [0, 1, 2], given)
+  trains = [k for k in jobs if k[0] == "train"]
+  assert len(trains) == 2 + 3 + 2 * 3  # seed 0's warm-ups once, the grid of 3, two seeds' chains
+  assert {k[1][-1][0] for k in trains} == {"bm25_neg", "star", "adore_star"}
+  assert sum(jobs[k] for k in trains) == 3 * (52 + 52) + 5 * 104
+
+  out = tmp_path / "repro"
+  with pytest.raises(ValueError, match="star is also in --methods"):
+    runs_lib.record_given_rates(out, given, ["star", "adore_star"])
+  runs_lib.record_given_rates(out, given, ["adore_star"])
+  choices = json.loads((out / "choices.json").read_text())
+  assert choices["star"] == {"rate": 5e-5, "given": True, "dev_ndcg@10": {}}
+
+  trained = []
+  monkeypatch.setattr(runs_lib, "score_start", lambda ctx: {})
+  monkeypatch.setattr(runs_lib, "score", lambda ctx, run: {})
+  monkeypatch.setattr(runs_lib, "train", lambda ctx, run: trained.append(run) or {"dev": {"ndcg@10": run.rate}})
+  ctx = types.SimpleNamespace(plan=plan, out=out)
+  grid = runs_lib.run_table(ctx, ["adore_star"], [0, 1])
+  assert {run.method for run in trained} == {"adore_star"}  # no BM25 or STAR grid
+  assert [run.chain[:-1] for run in trained][0] == (("bm25_neg", 52, 1e-4), ("star", 52, 5e-5))
+  assert grid["adore_star"]["rate"] == 1e-4 and grid["star"]["given"]
+  from jdr.reproduce import report  # pylint: disable=g-import-not-at-top
+  assert "| STAR (BM25-neg warm-up) | — | — | — | 5e-05 (given) |" in report.table_markdown(plan, out)
+
+  (out / "choices.json").write_text(json.dumps({"star": {"rate": 2e-5, "dev_ndcg@10": {"2e-05": 0.7}}}))
+  with pytest.raises(ValueError, match="chosen on dev here as 2e-05, not 5e-05"):
+    runs_lib.record_given_rates(out, given, ["adore_star"])

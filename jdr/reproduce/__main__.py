@@ -9,6 +9,9 @@ go on after a stop (finished runs are skipped, a killed one resumes from its che
 
   python -m jdr.reproduce scifact --out runs/repro
   python -m jdr.reproduce scifact --out runs/repro --methods star,ance --seeds 0   # part of the table
+  python -m jdr.reproduce scifact --out runs/repro --methods adore_star \\
+      --given-rates bm25_neg=1e-4,star=5e-5                                      # warm-ups' rates from an
+                                                                                  # earlier build
   python -m jdr.reproduce scifact --out runs/repro --report-only                  # the outputs from disk
   python -m jdr.reproduce scifact --out runs/repro-tiny --tiny                    # a tiny random BERT on the
                                                                                   # built-in dataset (its test)
@@ -43,6 +46,9 @@ def main(argv=None) -> str:
                       "needs are trained for their rate choice too")
   parser.add_argument("--seeds", default="", help="comma-separated seeds of the final runs (default 0,1,2)")
   parser.add_argument("--rates", default="", help="the learning-rate grid (default 2e-5,5e-5,1e-4)")
+  parser.add_argument("--given-rates", default="", help="ROW=RATE,...: rates chosen on dev in an earlier "
+                      "build, for rows this one does not select (a selected row's warm-ups): their grids are "
+                      "not retrained, and choices.json and the table mark them as given")
   parser.add_argument("--eval-every", type=int, default=0, help="steps between dev evaluations, the curves' "
                       "points (default 52; each evaluation of a two-tower row encodes the corpus)")
   parser.add_argument("--data", default="", help="the SciFact BEIR directory (default: the shared data's)")
@@ -65,6 +71,12 @@ def main(argv=None) -> str:
   unknown = [m for m in selected if m not in names]
   if unknown:
     parser.error(f"--methods: unknown row(s) {', '.join(unknown)}; the rows are {', '.join(names)}")
+  given = {}
+  for item in (x.strip() for x in args.given_rates.split(",") if x.strip()):
+    name, _, rate = item.partition("=")
+    if name not in names or not rate:
+      parser.error(f"--given-rates: {item!r} is not ROW=RATE with a row of {', '.join(names)}")
+    given[name] = float(rate)
   out = pathlib.Path(args.out)
 
   with cli.reporting_errors():
@@ -78,6 +90,7 @@ def main(argv=None) -> str:
           raise FileNotFoundError(f"SciFact not found at {args.data or shared.shared_data_dir() / 'scifact'}: "
                                   "pass --data DIR (BEIR layout with qrels/train.tsv and qrels/test.tsv)")
       rows_lib.record_plan(plan, out)
+      runs_lib.record_given_rates(out, given, selected)
       dataset = devsplit.write_dev_split(source, out, fraction=plan.dev_fraction, seed=plan.split_seed)
       zero_shot = None
       if args.zero_shot != "none":
@@ -87,7 +100,9 @@ def main(argv=None) -> str:
                 "columns stay empty", file=sys.stderr)
         elif not (zero_shot / "qrels" / "test.tsv").exists():
           raise FileNotFoundError(f"{zero_shot / 'qrels' / 'test.tsv'}: the zero-shot dataset needs test qrels")
-      jobs = runs_lib.planned_jobs(plan, selected, list(plan.seeds))
+      chosen = runs_lib.read_json(out / "choices.json") or {}
+      jobs = runs_lib.planned_jobs(plan, selected, list(plan.seeds),
+                                   {name: g["rate"] for name, g in chosen.items() if g.get("given")})
       progress = runs_lib.Progress(jobs, write=lambda line: print(line, flush=True),
                                    finished=runs_lib.finished_jobs(out, plan, jobs))
       ctx = runs_lib.Context(plan=plan, out=out, dataset=dataset, zero_shot=zero_shot, progress=progress)

@@ -116,7 +116,7 @@ def table_markdown(plan: rows_lib.Plan, out: pathlib.Path) -> str:
       if name in grid:
         values = grid[name]["dev_ndcg@10"]
         lines.append(f"| {labels[name]} | " + " | ".join(f"{values[r]:.4f}" if r in values else "—" for r in rates)
-                     + f" | {float(grid[name]['rate']):g} |")
+                     + f" | {float(grid[name]['rate']):g}{' (given)' if grid[name].get('given') else ''} |")
   return "\n".join(lines) + "\n"
 
 

@@ -81,9 +81,12 @@ def needed_rows(plan: rows_lib.Plan, selected: list[str]) -> list[str]:
   return [r.name for r in rows_lib.rows(plan) if r.name in need]
 
 
-def planned_jobs(plan: rows_lib.Plan, selected: list[str], seeds: list[int]) -> dict[tuple, int]:
+def planned_jobs(plan: rows_lib.Plan, selected: list[str], seeds: list[int],
+                 given: dict[str, float] | None = None) -> dict[tuple, int]:
   """{job key: training steps (0 for scoring)} of every job a selection runs, counted before any rate is
-  chosen: a warm-up's rate is the symbol ("chosen", row), one run whatever the rate turns out to be."""
+  chosen: a warm-up's rate is the symbol ("chosen", row), one run whatever the rate turns out to be. A row
+  whose rate is `given` trains no grid."""
+  given = given or {}
   by_name = {r.name: r for r in rows_lib.rows(plan)}
   jobs: dict[tuple, int] = {("score", "start"): 0}
 
@@ -94,7 +97,7 @@ def planned_jobs(plan: rows_lib.Plan, selected: list[str], seeds: list[int]) -> 
       jobs[("train", chain[:k + 1], seed)] = chain[k][1]
 
   for name in needed_rows(plan, selected):
-    if by_name[name].stages:
+    if by_name[name].stages and name not in given:
       for rate in plan.rates:
         add_chain(by_name[name], rate, 0)
   for name in selected:
@@ -410,8 +413,30 @@ def score_start(ctx: Context) -> dict:
   return record
 
 
+def record_given_rates(out: pathlib.Path, given: dict[str, float], selected: list[str]) -> None:
+  """Writes rates chosen on dev in an earlier build into OUT/choices.json, marked as given, so the rows
+  whose warm-ups they are can be rebuilt without retraining the grids that chose them. A selected row's
+  rate is chosen here, never given; a rate this directory chose already is kept (and must agree)."""
+  if not given:
+    return
+  selected_given = sorted(set(given) & set(selected))
+  if selected_given:
+    raise ValueError(f"--given-rates: {', '.join(selected_given)} is also in --methods; a row built here "
+                     "chooses its own rate on dev")
+  path = out / "choices.json"
+  grid = read_json(path) or {}
+  for name, rate in given.items():
+    if name in grid and not grid[name].get("given") and float(grid[name]["rate"]) != rate:
+      raise ValueError(f"{path}: {name}'s rate was chosen on dev here as {float(grid[name]['rate']):g}, "
+                       f"not {rate:g}")
+    grid.setdefault(name, {"rate": rate, "given": True, "dev_ndcg@10": {}})
+  path.parent.mkdir(parents=True, exist_ok=True)
+  atomic.write_text(path, json.dumps(grid, indent=1))
+
+
 def run_table(ctx: Context, selected: list[str], seeds: list[int]) -> dict:
-  """Runs (or skips) every job of the selection; returns the choices, also written to OUT/choices.json."""
+  """Runs (or skips) every job of the selection; returns the choices, also written to OUT/choices.json.
+  A row that OUT/choices.json marks as given (`record_given_rates`) keeps that rate and trains no grid."""
   by_name = {r.name: r for r in rows_lib.rows(ctx.plan)}
   choices_file = ctx.out / "choices.json"
   choices, grid = {}, read_json(choices_file) or {}
@@ -419,6 +444,9 @@ def run_table(ctx: Context, selected: list[str], seeds: list[int]) -> dict:
     row = by_name[name]
     if not row.stages:
       score_start(ctx)
+      continue
+    if grid.get(name, {}).get("given"):
+      choices[name] = float(grid[name]["rate"])
       continue
     grid[name] = choose_rate(ctx, row, choices)
     atomic.write_text(choices_file, json.dumps(grid, indent=1))
