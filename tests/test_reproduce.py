@@ -4,6 +4,7 @@ command end to end on a tiny random BERT and the built-in dataset (outputs writt
 import csv
 import dataclasses
 import json
+import pathlib
 import types
 
 import pytest
@@ -266,3 +267,64 @@ def test_given_warm_up_rates_train_no_grid_and_are_marked(tmp_path, monkeypatch)
   (out / "choices.json").write_text(json.dumps({"star": {"rate": 2e-5, "dev_ndcg@10": {"2e-05": 0.7}}}))
   with pytest.raises(ValueError, match="chosen on dev here as 2e-05, not 5e-05"):
     runs_lib.record_given_rates(out, given, ["adore_star"])
+
+
+def test_run_records_round_trip_through_runs_csv_and_imported_warm_ups_are_retrained(tmp_path, monkeypatch):
+  """A runs.csv restores the done.json / test.json it was written from (another output directory, such as a
+  fresh checkout's, takes its runs as finished); a warm-up imported without its weights is trained again when
+  a new stage starts from it; a malformed line is refused by file, line and run."""
+  from jdr import train as train_lib  # pylint: disable=g-import-not-at-top
+  from jdr.reproduce import report  # pylint: disable=g-import-not-at-top
+  plan = rows_lib.tiny_plan()
+  bm25 = runs_lib.StageRun((("bm25_neg", 4, 1e-3),), 0)
+  star = runs_lib.StageRun(bm25.chain + (("star", 4, 3e-3),), 0)
+  first = tmp_path / "first"
+  records = {
+      "start/test.json": {"dev": {"ndcg@10": 0.5}, "test": {"ndcg@10": 0.4, "mrr@10": 0.3},
+                          "zero_shot": {"recall@1": 0.2}, "score_seconds": 1.5},
+      f"{bm25.name}/done.json": {"run": bm25.name, "method": "bm25_neg", "steps": 4, "batch_size": 8, "rate": 1e-3,
+                                 "seed": 0, "after": "", "parent": "", "dev": {"ndcg@10": 0.6},
+                                 "dev_curve": [[0, 0.5], [4, 0.6]], "seconds": 3.0},
+      f"{star.name}/done.json": {"run": star.name, "method": "star", "steps": 4, "batch_size": 8, "rate": 3e-3,
+                                 "seed": 0, "after": "bm25_neg 4 steps lr 0.001", "parent": bm25.name,
+                                 "dev": {"ndcg@10": 0.7, "mrr@10": 0.65}, "dev_curve": [[4, 0.7]], "seconds": 4.0},
+      f"{star.name}/test.json": {"test": {"ndcg@10": 0.66, "OPQ/ndcg@10": 0.61}, "zero_shot": {"ndcg@10": 0.5},
+                                 "score_seconds": 2.0},
+  }
+  for name, record in records.items():
+    (first / "runs" / name).parent.mkdir(parents=True, exist_ok=True)
+    (first / "runs" / name).write_text(json.dumps(record))
+  csv_path = report.write_csv(first)
+  second = tmp_path / "second"
+  assert runs_lib.import_records(csv_path, second) == 4
+  for name, record in records.items():
+    restored = json.loads((second / "runs" / name).read_text())
+    assert restored.pop("imported", False) == name.endswith("done.json")
+    assert restored == record
+  assert runs_lib.import_records(csv_path, second) == 0  # what is there is kept
+
+  bad = tmp_path / "bad.csv"
+  bad.write_text(csv_path.read_text().replace(",4,8,", ",four,8,", 1))
+  with pytest.raises(ValueError, match=rf"bad.csv:3: run '{bm25.name}'"):
+    runs_lib.import_records(bad, tmp_path / "third")
+
+  trained = []
+
+  def fake_train(config, workdir):
+    trained.append(pathlib.Path(workdir).relative_to(second / "runs").as_posix())
+    (pathlib.Path(workdir) / "checkpoints").mkdir(parents=True)
+    return {"after": {"ndcg@10": 0.8}}
+
+  monkeypatch.setattr(train_lib, "train_and_evaluate", fake_train)
+  monkeypatch.setattr(runs_lib, "_release", lambda: None)
+  lines = []
+  progress = runs_lib.Progress({("train", star.chain, 0): 4}, write=lines.append,
+                               finished={("train", star.chain, 0)})
+  ctx = runs_lib.Context(plan=plan, out=second, dataset=tmp_path / "data", zero_shot=None, progress=progress)
+  runs_lib.train(ctx, star)  # finished (imported): nothing trains
+  assert trained == []
+  adore_star = runs_lib.StageRun(star.chain + (("adore_star", 4, 1e-3),), 0)
+  runs_lib.train(ctx, adore_star)
+  assert trained == [bm25.name, star.name, adore_star.name]
+  assert not json.loads((second / "runs" / star.name / "done.json").read_text()).get("imported")
+  assert not (second / "runs" / star.name / "test.json").exists()  # scored again if it is a final run

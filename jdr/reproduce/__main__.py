@@ -12,6 +12,8 @@ go on after a stop (finished runs are skipped, a killed one resumes from its che
   python -m jdr.reproduce scifact --out runs/repro --methods adore_star \\
       --given-rates bm25_neg=1e-4,star=5e-5                                      # warm-ups' rates from an
                                                                                   # earlier build
+  python -m jdr.reproduce scifact --out runs/repro --records-from docs/scifact-table/runs.csv  # go on from
+                                                                                  # the committed records
   python -m jdr.reproduce scifact --out runs/repro --report-only                  # the outputs from disk
   python -m jdr.reproduce scifact --out runs/repro-tiny --tiny                    # a tiny random BERT on the
                                                                                   # built-in dataset (its test)
@@ -49,6 +51,9 @@ def main(argv=None) -> str:
   parser.add_argument("--given-rates", default="", help="ROW=RATE,...: rates chosen on dev in an earlier "
                       "build, for rows this one does not select (a selected row's warm-ups): their grids are "
                       "not retrained, and choices.json and the table mark them as given")
+  parser.add_argument("--records-from", default="", help="a runs.csv an earlier build wrote (such as the "
+                      "one docs/ keeps): its runs count as finished here, and a warm-up a new stage needs is "
+                      "retrained for its weights")
   parser.add_argument("--eval-every", type=int, default=0, help="steps between dev evaluations, the curves' "
                       "points (default 52; each evaluation of a two-tower row encodes the corpus)")
   parser.add_argument("--data", default="", help="the SciFact BEIR directory (default: the shared data's)")
@@ -91,6 +96,9 @@ def main(argv=None) -> str:
                                   "pass --data DIR (BEIR layout with qrels/train.tsv and qrels/test.tsv)")
       rows_lib.record_plan(plan, out)
       runs_lib.record_given_rates(out, given, selected)
+      if args.records_from:
+        print(f"{runs_lib.import_records(pathlib.Path(args.records_from), out)} run records restored from "
+              f"{args.records_from}", flush=True)
       dataset = devsplit.write_dev_split(source, out, fraction=plan.dev_fraction, seed=plan.split_seed)
       zero_shot = None
       if args.zero_shot != "none":

@@ -125,11 +125,14 @@ def _flat(prefix: str, values: dict) -> dict:
 
 
 def write_csv(out: pathlib.Path) -> pathlib.Path:
-  """runs.csv: one line per finished stage (grid, warm-up and final runs alike), scored ones with test."""
+  """runs.csv: one line per finished stage (grid, warm-up and final runs alike), scored ones with test. It
+  holds all that done.json and test.json hold (the dev curve as JSON), so `runs.import_records` can restore a
+  table's records from it in another output directory."""
   lines = []
   for r in _records(out):
-    line = {k: r.get(k, "") for k in ("run", "method", "steps", "batch_size", "rate", "seed", "after", "seconds",
-                                      "score_seconds")}
+    line = {k: r.get(k, "") for k in ("run", "method", "steps", "batch_size", "rate", "seed", "after", "parent",
+                                      "seconds", "score_seconds")}
+    line["dev_curve"] = json.dumps(r["dev_curve"]) if "dev_curve" in r else ""
     line.update(_flat("dev_", r.get("dev")))
     line.update(_flat("test_", r.get("test")))
     line.update(_flat("zero_shot_", r.get("zero_shot")))
