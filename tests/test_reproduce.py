@@ -296,17 +296,17 @@ def test_run_records_round_trip_through_runs_csv_and_imported_warm_ups_are_retra
     (first / "runs" / name).write_text(json.dumps(record))
   csv_path = report.write_csv(first)
   second = tmp_path / "second"
-  assert runs_lib.import_records(csv_path, second) == 4
+  assert report.import_records(csv_path, second) == 4
   for name, record in records.items():
     restored = json.loads((second / "runs" / name).read_text())
     assert restored.pop("imported", False) == name.endswith("done.json")
     assert restored == record
-  assert runs_lib.import_records(csv_path, second) == 0  # what is there is kept
+  assert report.import_records(csv_path, second) == 0  # what is there is kept
 
   bad = tmp_path / "bad.csv"
   bad.write_text(csv_path.read_text().replace(",4,8,", ",four,8,", 1))
   with pytest.raises(ValueError, match=rf"bad.csv:3: run '{bm25.name}'"):
-    runs_lib.import_records(bad, tmp_path / "third")
+    report.import_records(bad, tmp_path / "third")
 
   trained = []
 

@@ -97,7 +97,7 @@ def main(argv=None) -> str:
       rows_lib.record_plan(plan, out)
       runs_lib.record_given_rates(out, given, selected)
       if args.records_from:
-        print(f"{runs_lib.import_records(pathlib.Path(args.records_from), out)} run records restored from "
+        print(f"{report.import_records(pathlib.Path(args.records_from), out)} run records restored from "
               f"{args.records_from}", flush=True)
       dataset = devsplit.write_dev_split(source, out, fraction=plan.dev_fraction, seed=plan.split_seed)
       zero_shot = None

@@ -126,7 +126,7 @@ def _flat(prefix: str, values: dict) -> dict:
 
 def write_csv(out: pathlib.Path) -> pathlib.Path:
   """runs.csv: one line per finished stage (grid, warm-up and final runs alike), scored ones with test. It
-  holds all that done.json and test.json hold (the dev curve as JSON), so `runs.import_records` can restore a
+  holds all that done.json and test.json hold (the dev curve as JSON), so `import_records` can restore a
   table's records from it in another output directory."""
   lines = []
   for r in _records(out):
@@ -152,6 +152,51 @@ def write_csv(out: pathlib.Path) -> pathlib.Path:
 
   atomic.write_atomic(path, write)
   return path
+
+
+def import_records(csv_path: pathlib.Path, out: pathlib.Path) -> int:
+  """Restores the done.json / test.json of every run in a runs.csv that an earlier build wrote (the table's
+  committed record) into OUT/runs, so those runs count as finished here; a record already in OUT is kept.
+  Imported stages have no weights here: a stage that needs one as its warm-up retrains it (`runs.train`).
+  The inverse of `write_csv`.
+  Returns how many records were written."""
+  written = 0
+  with open(csv_path, newline="", encoding="utf-8") as f:
+    reader = csv.DictReader(f)
+    missing = {"run", "method", "steps"} - set(reader.fieldnames or ())
+    if missing:
+      raise ValueError(f"{csv_path}: not a jdr.reproduce runs.csv (no {', '.join(sorted(missing))} column)")
+    for line_no, line in enumerate(reader, start=2):
+      try:
+        parts = {"dev": {}, "test": {}, "zero_shot": {}}
+        for key, value in line.items():
+          prefix = next((p for p in ("zero_shot_", "dev_", "test_") if key.startswith(p)), None)
+          if prefix and key != "dev_curve" and value != "":
+            parts[prefix[:-1]][key[len(prefix):]] = float(value)
+        if line["run"] == "start":
+          done, scored = None, {"dev": parts["dev"], "test": parts["test"]}
+          workdir = out / "runs" / "start"
+        else:
+          done = {"run": line["run"], "method": line["method"], "after": line.get("after", ""),
+                  "parent": line.get("parent", ""), "dev": parts["dev"],
+                  "dev_curve": [tuple(p) for p in json.loads(line.get("dev_curve") or "[]")], "imported": True}
+          done.update({k: int(line[k]) for k in ("steps", "batch_size", "seed") if line.get(k, "") != ""})
+          done.update({k: float(line[k]) for k in ("rate", "seconds") if line.get(k, "") != ""})
+          scored = {"test": parts["test"]} if parts["test"] else None
+          workdir = out / "runs" / line["run"]
+        if scored is not None:
+          if parts["zero_shot"]:
+            scored["zero_shot"] = parts["zero_shot"]
+          if line.get("score_seconds"):
+            scored["score_seconds"] = float(line["score_seconds"])
+      except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{csv_path}:{line_no}: run {line.get('run')!r}: {e}") from None
+      for name, record in (("done.json", done), ("test.json", scored)):
+        if record is not None and not (workdir / name).exists():
+          workdir.mkdir(parents=True, exist_ok=True)
+          atomic.write_text(workdir / name, json.dumps(record, indent=1))
+          written += 1
+  return written
 
 
 def chain_curve(records: dict[str, dict], record: dict) -> list[tuple[int, float]]:

@@ -283,7 +283,8 @@ def train(ctx: Context, run: StageRun) -> dict:
   if run.parent is not None:  # visited even when this stage finished, so the progress count stays exact
     parent_dir = ctx.workdir(run.parent)
     parent = read_json(parent_dir / "done.json")
-    if done is None and parent is not None and parent.get("imported") and not (parent_dir / "checkpoints").is_dir():
+    from jdr.models import saved  # pylint: disable=g-import-not-at-top  (it loads the checkpoint library)
+    if done is None and parent is not None and parent.get("imported") and not saved.is_jdr_model(parent_dir):
       # Its record came from another build's runs.csv, its weights did not: train it again here.
       (parent_dir / "done.json").unlink()
       (parent_dir / "test.json").unlink(missing_ok=True)
@@ -444,55 +445,6 @@ def record_given_rates(out: pathlib.Path, given: dict[str, float], selected: lis
     grid.setdefault(name, {"rate": rate, "given": True, "dev_ndcg@10": {}})
   path.parent.mkdir(parents=True, exist_ok=True)
   atomic.write_text(path, json.dumps(grid, indent=1))
-
-
-_INT_FIELDS = ("steps", "batch_size", "seed")
-_FLOAT_FIELDS = ("rate", "seconds", "score_seconds")
-
-
-def import_records(csv_path: pathlib.Path, out: pathlib.Path) -> int:
-  """Restores the done.json / test.json of every run in a runs.csv that an earlier build wrote (the table's
-  committed record) into OUT/runs, so those runs count as finished here; a record already in OUT is kept.
-  Imported stages have no weights here: a stage that needs one as its warm-up retrains it (`train`).
-  Returns how many records were written."""
-  import csv  # pylint: disable=g-import-not-at-top
-  written = 0
-  with open(csv_path, newline="", encoding="utf-8") as f:
-    reader = csv.DictReader(f)
-    missing = {"run", "method", "steps"} - set(reader.fieldnames or ())
-    if missing:
-      raise ValueError(f"{csv_path}: not a jdr.reproduce runs.csv (no {', '.join(sorted(missing))} column)")
-    for line_no, line in enumerate(reader, start=2):
-      try:
-        parts = {"dev": {}, "test": {}, "zero_shot": {}}
-        for key, value in line.items():
-          prefix = next((p for p in ("zero_shot_", "dev_", "test_") if key.startswith(p)), None)
-          if prefix and key != "dev_curve" and value != "":
-            parts[prefix[:-1]][key[len(prefix):]] = float(value)
-        if line["run"] == "start":
-          done, scored = None, {"dev": parts["dev"], "test": parts["test"]}
-          workdir = out / "runs" / "start"
-        else:
-          done = {"run": line["run"], "method": line["method"], "after": line.get("after", ""),
-                  "parent": line.get("parent", ""), "dev": parts["dev"],
-                  "dev_curve": [tuple(p) for p in json.loads(line.get("dev_curve") or "[]")], "imported": True}
-          done.update({k: int(line[k]) for k in _INT_FIELDS if line.get(k, "") != ""})
-          done.update({k: float(line[k]) for k in ("rate", "seconds") if line.get(k, "") != ""})
-          scored = {"test": parts["test"]} if parts["test"] else None
-          workdir = out / "runs" / line["run"]
-        if scored is not None:
-          if parts["zero_shot"]:
-            scored["zero_shot"] = parts["zero_shot"]
-          if line.get("score_seconds"):
-            scored["score_seconds"] = float(line["score_seconds"])
-      except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{csv_path}:{line_no}: run {line.get('run')!r}: {e}") from None
-      for name, record in (("done.json", done), ("test.json", scored)):
-        if record is not None and not (workdir / name).exists():
-          workdir.mkdir(parents=True, exist_ok=True)
-          atomic.write_text(workdir / name, json.dumps(record, indent=1))
-          written += 1
-  return written
 
 
 def run_table(ctx: Context, selected: list[str], seeds: list[int]) -> dict:
