@@ -102,6 +102,7 @@ def test_device_bench_small_on_the_cpu(scifact):
   encode = out["encode"]
   assert encode["docs"] == 400 and encode["min_cosine_vs_reference"] > 0.999  # the same weights, float32
   assert set(encode["reference_docs_per_s"]) == {"32", "128"} and encode["ratio"] > 0
+  assert 0 <= encode["jdr_padding_fraction"] < 0.5  # length buckets keep padding small
   assert out["train"]["jdr_ms"] > 0 and out["train"]["reference_ms"] > 0
   [row] = out["topk"]["rows"]
   assert row["size"] == 100_000 and row["agreement"] == 1.0 and row["bound_ms"] > 0
