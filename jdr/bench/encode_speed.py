@@ -33,16 +33,22 @@ def _texts(num_docs: int) -> list[str]:
   return [text_lib.doc_text(doc) for doc in list(corpus.values())[:num_docs]]
 
 
+def streamed_masks(runtime: corpus_lib.EncoderRuntime, lengths: list[int], tokens_per_batch: int) -> list[np.ndarray]:
+  """The attention mask of each batch `encode_texts` builds for texts of these token lengths: it batches as
+  the background tokenizer's chunks arrive (`streamed_batches`), so its batches are not `plan_batches`'."""
+  plan_args = corpus_lib.batch_plan_args(runtime.max_length, tokens_per_batch, runtime.rows_multiple)
+  stand_ins = [np.zeros(n, np.int32) for n in lengths]
+  chunks = ((a, stand_ins[a:b]) for a, b in text_lib.chunk_bounds(len(lengths)))
+  return [mask for _, _, mask in text_lib.streamed_batches(chunks, **plan_args)]
+
+
 def warm_up(runtime: corpus_lib.EncoderRuntime, lengths: list[int], tokens_per_batch: int) -> float:
   """Compiles every batch shape `encode_texts` and `encode_tokens` will use for texts of these token lengths;
   returns seconds."""
   start = time.perf_counter()
-  plan_args = corpus_lib.batch_plan_args(runtime.max_length, tokens_per_batch)
+  plan_args = corpus_lib.batch_plan_args(runtime.max_length, tokens_per_batch, runtime.rows_multiple)
   shapes = {(p.rows, p.length) for p in text_lib.plan_batches(lengths, **plan_args)}  # encode_tokens'
-  # encode_texts' own: it batches as the background tokenizer's chunks arrive.
-  stand_ins = [np.zeros(n, np.int32) for n in lengths]
-  chunks = ((a, stand_ins[a:b]) for a, b in text_lib.chunk_bounds(len(lengths)))
-  shapes |= {ids.shape for _, ids, _ in text_lib.streamed_batches(chunks, **plan_args)}
+  shapes |= {mask.shape for mask in streamed_masks(runtime, lengths, tokens_per_batch)}  # encode_texts'
   for rows, length in sorted(shapes):
     ids = np.zeros((rows, length), np.int32)
     np.asarray(runtime.apply_fn(runtime.params, ids, np.ones_like(ids)))
