@@ -92,8 +92,9 @@ def test_fgd_ablation_table_means_and_spreads(tmp_path):
 
 @pytest.mark.long
 def test_device_bench_small_on_the_cpu(scifact):
-  """`python -m jdr.bench device` at its CPU size: every section runs, jdr and the reference agree."""
-  proc = subprocess.run([sys.executable, "-m", "jdr.bench", "device", "--size", "small"],
+  """`python -m jdr.bench device` at its CPU size: every section runs, jdr and the reference agree, and
+  --profile says where the encoder's forward and the train step spend their kernel time."""
+  proc = subprocess.run([sys.executable, "-m", "jdr.bench", "device", "--size", "small", "--profile"],
                         capture_output=True, text=True, timeout=900, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
   out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -104,6 +105,10 @@ def test_device_bench_small_on_the_cpu(scifact):
   assert set(encode["reference_docs_per_s"]) == {"32", "128"} and encode["ratio"] > 0
   assert 0 <= encode["jdr_padding_fraction"] < 0.5  # length buckets keep padding small
   assert out["train"]["jdr_ms"] > 0 and out["train"]["reference_ms"] > 0
+  for kernels in (encode["forward_only"]["kernels"], out["train"]["jdr_kernels"],
+                  out["train"]["jdr_attention_dropout_0_kernels"]):
+    assert kernels["kernel_ms"] > 0 and "matmul" in kernels["by_category"], kernels
+  assert out["train"]["jdr_kernels"]["module"] == "jit_train_step"
   [row] = out["topk"]["rows"]
   assert row["size"] == 100_000 and row["agreement"] == 1.0 and row["bound_ms"] > 0
   assert row["same_rows_as_single_top_k"] is True and row["single_top_k_ms"] > 0

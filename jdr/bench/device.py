@@ -1,6 +1,6 @@
 """The whole accelerator picture in one command: peak, bandwidth, encoding, the train step, top-k, ADORE.
 
-  python -m jdr.bench device [--size full|small] [--sections peak,encode,train,topk,adore]
+  python -m jdr.bench device [--size full|small] [--sections peak,encode,train,topk,adore] [--profile]
 
 jdr and its PyTorch reference run on the same device in the same process: on a GPU host both on the GPU; on
 a CPU host both on the CPU (on a TPU host the reference has no TPU and runs on the host CPU, which the output
@@ -9,6 +9,10 @@ bundled MiniLM's tokenizer), bf16, SciFact's documents at up to 256 tokens, exac
 1M and 8,841,823 x 768 rows, and the ADORE step (BERT-base query tower, batch 32, top-200) over 1M and 8.84M
 rows.
 `small` (the default on CPUs) is a 2 x 64 model, float32, 100k rows, and finishes in a few minutes on 2 cores.
+
+--profile also traces jdr's encoder forward (encode, flash) and train steps (train, flash) a few calls each,
+after they are timed, and reports where their device time goes (`jdr.bench.kernel_profile`: kernel ms a call by
+kind of work, and the largest HLO instructions with the jax operation each came from).
 
 Sections run in the order --sections gives, each printed when it finishes (with its seconds in the last line),
 all together as the last JSON line; a section that fails is reported as its error and the rest still run:
@@ -76,6 +80,24 @@ def median_seconds(run, repeats: int, warmup: int = 2) -> float:
     run()
     times.append(time.perf_counter() - start)
   return float(np.median(times))
+
+
+def _kernels(size: dict, jitted, args: tuple, run) -> dict | None:
+  """Where the device time of `jitted(*args)` goes (`jdr.bench.kernel_profile`) when --profile asked for it;
+  `run()` makes one call and waits for it. The compiled text comes from the executable already built."""
+  if not size.get("profile"):
+    return None
+  from jdr.bench import kernel_profile  # pylint: disable=g-import-not-at-top
+  profile = kernel_profile.profile_calls(run, jitted.lower(*args).compile().as_text())
+  print(kernel_profile.table(profile, f"kernels of {getattr(jitted, '__name__', 'a jitted call')}"),
+        file=sys.stderr, flush=True)
+  return profile
+
+
+def _with_profile(row: dict, key: str, profile: dict | None) -> dict:
+  if profile is not None:
+    row[key] = profile
+  return row
 
 
 def _report(name: str, result: dict) -> dict:
@@ -188,8 +210,9 @@ def section_encode(size: dict, torch_device: str, model_dir: str, shape: dict, p
   corpus_lib.encode_tokens(runtime, token_ids, tokens_per_batch=tokens_per_batch)
   from_ids_s = time.perf_counter() - start
   rows, ids, mask = _full_batch(length, tokens_per_batch)
-  forward_s = median_seconds(lambda: jax.block_until_ready(runtime.apply_fn(runtime.params, ids, mask)),
-                             size["repeats"])
+  forward = lambda: jax.block_until_ready(runtime.apply_fn(runtime.params, ids, mask))  # pylint: disable=unnecessary-lambda-assignment
+  forward_s = median_seconds(forward, size["repeats"])
+  forward_kernels = _kernels(size, runtime.apply_fn, (runtime.params, ids, mask), forward)
 
   transformer = models.Transformer(model_dir, max_seq_length=length)
   reference = SentenceTransformer(modules=[transformer, models.Pooling(shape["hidden_size"], "mean")],
@@ -215,8 +238,10 @@ def section_encode(size: dict, torch_device: str, model_dir: str, shape: dict, p
           "jdr_peak_fraction": round(flops / jdr_s / peak_flops, 3),
           "jdr_s": round(jdr_s, 3), "tokenize_s": round(tokenize_s, 3), "from_ids_s": round(from_ids_s, 3),
           "from_ids_peak_fraction": round(flops / from_ids_s / peak_flops, 3),
-          "forward_only": {"rows": rows, "length": length, "ms": round(1e3 * forward_s, 2),
-                           "peak_fraction": round(_flops([length] * rows, shape) / forward_s / peak_flops, 3)},
+          "forward_only": _with_profile(
+              {"rows": rows, "length": length, "ms": round(1e3 * forward_s, 2),
+               "peak_fraction": round(_flops([length] * rows, shape) / forward_s / peak_flops, 3)},
+              "kernels", forward_kernels),
           "reference_docs_per_s": {str(b): round(r, 1) for b, r in rates.items()},
           "reference_best_batch": best,
           "reference_peak_fraction": round(flops * rates[best] / len(texts) / peak_flops, 3),
@@ -248,7 +273,8 @@ def _token_batch(b: int, query_length: int, doc_length: int) -> dict[str, np.nda
           "doc_mask": np.ones((b, doc_length), np.int32), "valid": np.ones((b, b), bool)}
 
 
-def jdr_train_step_seconds(config, batch: dict, repeats: int) -> float:
+def jdr_train_step_seconds(config, batch: dict, size: dict) -> tuple[float, dict | None]:
+  """(median seconds of jdr's jitted train step, its kernel breakdown when --profile asked for it)."""
   from jdr import optimizers, train  # pylint: disable=g-import-not-at-top
   from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
   built = build_lib.build(config.model, config.data)
@@ -263,7 +289,8 @@ def jdr_train_step_seconds(config, batch: dict, repeats: int) -> float:
     holder["state"], metrics = step_fn(holder["state"], batch)
     jax.block_until_ready(metrics["loss"])
 
-  return median_seconds(run, repeats)
+  seconds = median_seconds(run, size["repeats"])
+  return seconds, _kernels(size, step_fn, (holder["state"], batch), run)
 
 
 def torch_train_step_seconds(model_dir: str, batch: dict, torch_device: str, bf16: bool, repeats: int) -> float:
@@ -306,17 +333,19 @@ def section_train(size: dict, torch_device: str, model_dir: str, shape: dict, pe
   batch = _token_batch(b, lq, ld)
   flops = 3 * (_flops([lq] * b, shape) + _flops([ld] * b, shape))
   config = _train_config(size, model_dir)
-  jdr_s = jdr_train_step_seconds(config, batch, size["repeats"])
+  jdr_s, jdr_kernels = jdr_train_step_seconds(config, batch, size)
   config.model.attention_dropout = 0.0
-  jdr_no_attention_dropout_s = jdr_train_step_seconds(config, batch, size["repeats"])
+  jdr_no_attention_dropout_s, no_attention_dropout_kernels = jdr_train_step_seconds(config, batch, size)
   gc.collect()
   torch_s = torch_train_step_seconds(model_dir, batch, torch_device, size["dtype"] == "bfloat16", size["repeats"])
-  return {"batch": b, "query_length": lq, "doc_length": ld, "dtype": size["dtype"],
-          "jdr_ms": round(1e3 * jdr_s, 2), "jdr_peak_fraction": round(flops / jdr_s / peak_flops, 3),
-          "jdr_attention_dropout_0_ms": round(1e3 * jdr_no_attention_dropout_s, 2),
-          "jdr_attention_dropout_0_peak_fraction": round(flops / jdr_no_attention_dropout_s / peak_flops, 3),
-          "reference_ms": round(1e3 * torch_s, 2), "reference_peak_fraction": round(flops / torch_s / peak_flops, 3),
-          "ratio": round(torch_s / jdr_s, 3)}
+  out = {"batch": b, "query_length": lq, "doc_length": ld, "dtype": size["dtype"],
+         "jdr_ms": round(1e3 * jdr_s, 2), "jdr_peak_fraction": round(flops / jdr_s / peak_flops, 3),
+         "jdr_attention_dropout_0_ms": round(1e3 * jdr_no_attention_dropout_s, 2),
+         "jdr_attention_dropout_0_peak_fraction": round(flops / jdr_no_attention_dropout_s / peak_flops, 3),
+         "reference_ms": round(1e3 * torch_s, 2), "reference_peak_fraction": round(flops / torch_s / peak_flops, 3),
+         "ratio": round(torch_s / jdr_s, 3)}
+  _with_profile(out, "jdr_kernels", jdr_kernels)
+  return _with_profile(out, "jdr_attention_dropout_0_kernels", no_attention_dropout_kernels)
 
 
 def section_flash(size: dict, model_dir: str, shape: dict, peak_flops: float, train: dict | None) -> dict:
@@ -333,23 +362,26 @@ def section_flash(size: dict, model_dir: str, shape: dict, peak_flops: float, tr
   rows, ids, mask = _full_batch(length, corpus_lib.default_tokens_per_batch())
   tower, params, _, _ = hf.load_tower(model_dir, pooling="mean", normalize=False, max_length=length,
                                       dtype=size["dtype"])
-  forward = {}
+  forward, forward_kernels = {}, {}
   for attention in ("auto", "flash"):
     cfg = dataclasses.replace(tower.config, encoder=tower.config.encoder.replace(attention=attention))
     apply = jax.jit(tower.clone(config=cfg).apply)
-    forward[attention] = median_seconds(lambda: jax.block_until_ready(apply({"params": params}, ids, mask)),
-                                        size["repeats"])
+    run = lambda: jax.block_until_ready(apply({"params": params}, ids, mask))  # pylint: disable=unnecessary-lambda-assignment,cell-var-from-loop
+    forward[attention] = median_seconds(run, size["repeats"])
+    forward_kernels[attention] = _kernels(size, apply, ({"params": params}, ids, mask), run)
   forward_flops = _flops([length] * rows, shape)
   b, lq, ld = size["train_batch"], size["train_query_length"], size["train_doc_length"]
   flops = 3 * (_flops([lq] * b, shape) + _flops([ld] * b, shape))
   config = _train_config(size, model_dir)
   config.model.attention = "flash"
-  flash_s = jdr_train_step_seconds(config, _token_batch(b, lq, ld), size["repeats"])
+  flash_s, flash_kernels = jdr_train_step_seconds(config, _token_batch(b, lq, ld), size)
   out = {"forward": {"rows": rows, "length": length,
                      **{f"{a}_ms": round(1e3 * t, 2) for a, t in forward.items()},
-                     **{f"{a}_peak_fraction": round(forward_flops / t / peak_flops, 3) for a, t in forward.items()}},
+                     **{f"{a}_peak_fraction": round(forward_flops / t / peak_flops, 3) for a, t in forward.items()},
+                     **{f"{a}_kernels": k for a, k in forward_kernels.items() if k is not None}},
          "jdr_flash_attention_ms": round(1e3 * flash_s, 2),
          "jdr_flash_attention_peak_fraction": round(flops / flash_s / peak_flops, 3)}
+  _with_profile(out, "jdr_flash_attention_kernels", flash_kernels)
   if train and "jdr_ms" in train:
     out["speedup_over_default"] = round(train["jdr_ms"] / out["jdr_flash_attention_ms"], 3)
     if "reference_ms" in train:
@@ -509,6 +541,10 @@ def main(argv=None) -> None:
                            "(default on CPUs)")
   parser.add_argument("--sections", default=None,
                       help=f"comma-separated: {', '.join(SECTIONS)} (default all; on a CPU all but int8-scifact)")
+  parser.add_argument("--profile", action="store_true",
+                      help="also trace jdr's encoder forward and train steps (a few calls each, after timing) and "
+                           "report where their device time goes: kernel ms by kind of work and the largest HLO "
+                           "instructions")
   parser.add_argument("--topk-sizes", default=None, help="override the top-k corpus sizes, comma-separated")
   args = parser.parse_args(argv)
   platform = jax.default_backend()
@@ -518,6 +554,7 @@ def main(argv=None) -> None:
   unknown = sorted(set(sections) - set(SECTIONS))
   if unknown:
     parser.error(f"--sections: unknown {unknown}; valid: {', '.join(SECTIONS)}")
+  size["profile"] = args.profile
   if args.topk_sizes:
     size["topk_sizes"] = tuple(int(s) for s in args.topk_sizes.split(","))
   torch_device = peak_lib.torch_device()

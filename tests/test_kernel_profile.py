@@ -1,0 +1,105 @@
+"""The kernel breakdown of `jdr.bench.kernel_profile`: own times of nested events, the kinds of work read
+from GPU-style HLO text, and a real trace of a jitted call on the CPU."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jdr.bench import kernel_profile as kp
+
+# Optimized HLO as XLA's GPU backend prints it (shapes, layouts, custom-call targets and fusion kinds as
+# its compiled text has them; operands with and without their shapes).
+GPU_HLO = """HloModule jit_train_step, is_scheduled=true, entry_computation_layout={(bf16[4,256,768]{2,1,0})->f32[]}
+
+%fused_transpose (param_0: bf16[4,12,256,64]) -> bf16[4,256,12,64] {
+  %param_0 = bf16[4,12,256,64]{3,2,1,0} parameter(0)
+  ROOT %transpose.3 = bf16[4,256,12,64]{3,2,1,0} transpose(%param_0), dimensions={0,2,1,3}
+}
+
+%fused_gelu (param_0.1: bf16[1024,3072]) -> bf16[1024,3072] {
+  %param_0.1 = bf16[1024,3072]{1,0} parameter(0)
+  %convert.1 = f32[1024,3072]{1,0} convert(%param_0.1)
+  %erf.1 = f32[1024,3072]{1,0} erf(%convert.1)
+  ROOT %convert.2 = bf16[1024,3072]{1,0} convert(%erf.1), metadata={op_name="jit(train_step)/jvp(Tower)/encoder/layer_0/erf"}
+}
+
+%triton_gemm_computation (p0: bf16[1024,768], p1: bf16[768,768]) -> bf16[1024,768] {
+  %p0 = bf16[1024,768]{1,0} parameter(0)
+  %p1 = bf16[768,768]{1,0} parameter(1)
+  ROOT %dot.5 = bf16[1024,768]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main.9 (x.1: bf16[4,256,768]) -> f32[] {
+  %x.1 = bf16[4,256,768]{2,1,0} parameter(0)
+  %custom-call.12 = (bf16[1024,3072]{1,0}, s8[4194304]{0}) custom-call(bf16[1024,768]{1,0} %bitcast.1, bf16[768,3072]{1,0} %w), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{}}
+  %fmha-bmm-softmax-bmm = (bf16[4,12,256,64]{3,1,2,0}, u8[0]{0}) custom-call(q, k, v), custom_call_target="__cudnn$fmhaSoftmax", operand_layout_constraints={bf16[4,256,12,64]{3,2,1,0}}
+  %custom-call.13 = bf16[4,256,12,64]{3,2,1,0} custom-call(q, k, v), custom_call_target="__gpu$xla.gpu.triton", backend_config={"name":"flash_forward"}
+  %loop_transpose_fusion = bf16[4,256,12,64]{3,2,1,0} fusion(%get-tuple-element.1), kind=kLoop, calls=%fused_transpose
+  %loop_convert_fusion.2 = bf16[1024,3072]{1,0} fusion(%get-tuple-element.2), kind=kLoop, calls=%fused_gelu
+  %gemm_fusion = bf16[1024,768]{1,0} fusion(a, b), kind=kCustom, calls=%triton_gemm_computation, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+  %all-reduce-start = f32[768]{0} all-reduce-start(%g), replica_groups={{0,1}}, to_apply=%add
+  ROOT %copy.4 = f32[] copy(%r)
+}
+"""
+
+
+def test_gpu_hlo_instructions_fall_into_their_kinds_of_work():
+  module, computations = kp.parse_hlo(GPU_HLO)
+  assert module == "jit_train_step"
+  entry = {i.name: i for i in computations["main.9"]}
+  kinds = {name: kp.categorize(i, computations) for name, i in entry.items()}
+  assert kinds == {"x.1": "other fusion (elementwise, reductions)", "custom-call.12": "matmul",
+                   "fmha-bmm-softmax-bmm": "fused attention", "custom-call.13": "pallas kernel",
+                   "loop_transpose_fusion": "transpose / copy",
+                   "loop_convert_fusion.2": "other fusion (elementwise, reductions)", "gemm_fusion": "matmul",
+                   "all-reduce-start": "collective", "copy.4": "transpose / copy"}
+  assert set(kinds.values()) <= set(kp.CATEGORIES)
+  assert entry["custom-call.12"].shape == "(bf16[1024,3072], s8[4194304])"
+  # A fusion is described by its root and the jax operation that root came from.
+  assert kp.describe(entry["loop_convert_fusion.2"], computations) == \
+      "convert bf16[1024,3072] jvp(Tower)/encoder/layer_0/erf"
+
+
+def test_own_time_leaves_out_nested_events_on_the_same_line():
+  event = lambda op, start, duration, line="t": kp.KernelEvent("m", op, start, duration, line)
+  events = [event("while", 0, 100), event("body_a", 10, 30), event("inner", 15, 5), event("body_b", 50, 10),
+            event("next", 200, 10), event("other_thread", 20, 50, line="u")]
+  own = {e.op: t for e, t in kp.self_times(events)}
+  assert own == {"while": 60, "body_a": 25, "inner": 5, "body_b": 10, "next": 10, "other_thread": 50}
+
+
+def test_summary_counts_the_module_own_kernels_per_call():
+  events = [kp.KernelEvent("jit_train_step", "custom-call.12", 0, 4e6, "s"),
+            kp.KernelEvent("jit_train_step", "custom-call.12", 10e6, 4e6, "s"),
+            kp.KernelEvent("jit_train_step", "loop_convert_fusion.2", 5e6, 2e6, "s"),
+            kp.KernelEvent("", "loop_transpose_fusion", 20e6, 2e6, "s"),   # no module stat, op of this one
+            kp.KernelEvent("jit_other", "custom-call.12", 30e6, 50e6, "s")]  # another module: not counted
+  summary = kp.summarize(events, GPU_HLO, calls=2)
+  assert summary["kernel_ms"] == 6.0  # (4 + 4 + 2 + 2) ms over 2 calls
+  assert summary["by_category"] == {"matmul": {"ms": 4.0, "share": 0.667},
+                                    "other fusion (elementwise, reductions)": {"ms": 1.0, "share": 0.167},
+                                    "transpose / copy": {"ms": 1.0, "share": 0.167}}
+  assert summary["top"][0]["op"] == "custom-call.12" and summary["top"][0]["events"] == 1
+  assert "error" in kp.summarize(events[-1:], GPU_HLO, calls=1)
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_a_traced_jitted_call_on_the_cpu_reports_its_own_instructions():
+  f = jax.jit(lambda a, b: jnp.tanh(a @ b).T + 1.0)
+  g = jax.jit(lambda a: jnp.sort(a, axis=0))  # runs in the same calls, belongs to another module
+  a = jnp.ones((256, 256))
+  text = f.lower(a, a).compile().as_text()
+  module, computations = kp.parse_hlo(text)
+  names = {i.name for body in computations.values() for i in body}
+
+  def run():
+    jax.block_until_ready(g(a))
+    jax.block_until_ready(f(a, a))
+
+  summary = kp.profile_calls(run, text, calls=2)
+  assert summary["module"] == module and summary["calls"] == 2
+  assert summary["kernel_ms"] > 0
+  assert {r["op"] for r in summary["top"]} <= names
+  assert "matmul" in summary["by_category"]
+  assert sum(c["ms"] for c in summary["by_category"].values()) == pytest.approx(summary["kernel_ms"], abs=0.01)
+  assert kp.table(summary, "f").startswith(f"f: {summary['kernel_ms']} ms")
