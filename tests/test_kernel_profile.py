@@ -31,9 +31,12 @@ GPU_HLO = """HloModule jit_train_step, is_scheduled=true, entry_computation_layo
 
 ENTRY %main.9 (x.1: bf16[4,256,768]) -> f32[] {
   %x.1 = bf16[4,256,768]{2,1,0} parameter(0)
+  %w = bf16[768,3072]{1,0} parameter(1)
+  %bitcast.1 = bf16[1024,768]{1,0} bitcast(%x.1)
   %custom-call.12 = (bf16[1024,3072]{1,0}, s8[4194304]{0}) custom-call(bf16[1024,768]{1,0} %bitcast.1, bf16[768,3072]{1,0} %w), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{}}
   %fmha-bmm-softmax-bmm = (bf16[4,12,256,64]{3,1,2,0}, u8[0]{0}) custom-call(q, k, v), custom_call_target="__cudnn$fmhaSoftmax", operand_layout_constraints={bf16[4,256,12,64]{3,2,1,0}}
   %custom-call.13 = bf16[4,256,12,64]{3,2,1,0} custom-call(q, k, v), custom_call_target="__gpu$xla.gpu.triton", backend_config={"name":"flash_forward"}
+  %get-tuple-element.2 = bf16[1024,3072]{1,0} get-tuple-element(%custom-call.12), index=0
   %loop_transpose_fusion = bf16[4,256,12,64]{3,2,1,0} fusion(%get-tuple-element.1), kind=kLoop, calls=%fused_transpose
   %loop_convert_fusion.2 = bf16[1024,3072]{1,0} fusion(%get-tuple-element.2), kind=kLoop, calls=%fused_gelu
   %gemm_fusion = bf16[1024,768]{1,0} fusion(a, b), kind=kCustom, calls=%triton_gemm_computation, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
@@ -43,18 +46,27 @@ ENTRY %main.9 (x.1: bf16[4,256,768]) -> f32[] {
 """
 
 
+KERNELS = ("custom-call.12", "fmha-bmm-softmax-bmm", "custom-call.13", "loop_transpose_fusion",
+           "loop_convert_fusion.2", "gemm_fusion", "all-reduce-start", "copy.4")
+
+
 def test_gpu_hlo_instructions_fall_into_their_kinds_of_work():
   module, computations = kp.parse_hlo(GPU_HLO)
   assert module == "jit_train_step"
   entry = {i.name: i for i in computations["main.9"]}
-  kinds = {name: kp.categorize(i, computations) for name, i in entry.items()}
-  assert kinds == {"x.1": "other fusion (elementwise, reductions)", "custom-call.12": "matmul",
+  kinds = {name: kp.categorize(i, computations) for name, i in entry.items() if name in KERNELS}
+  assert kinds == {"custom-call.12": "matmul",
                    "fmha-bmm-softmax-bmm": "fused attention", "custom-call.13": "pallas kernel",
                    "loop_transpose_fusion": "transpose / copy",
                    "loop_convert_fusion.2": "other fusion (elementwise, reductions)", "gemm_fusion": "matmul",
                    "all-reduce-start": "collective", "copy.4": "transpose / copy"}
   assert set(kinds.values()) <= set(kp.CATEGORIES)
   assert entry["custom-call.12"].shape == "(bf16[1024,3072], s8[4194304])"
+  # Least traffic: operands (printed with or without their shapes) read once, the result written once.
+  assert entry["custom-call.12"].operands == ("bitcast.1", "w")
+  assert kp.shape_bytes("(bf16[1024,3072], s8[4194304], pred[3], f32[])") == 1024 * 3072 * 2 + 4194304 + 3 + 4
+  assert kp.traffic_bytes(entry["custom-call.12"], entry) == (1024 * 3072 * 2 + 4194304) + 1024 * 768 * 2 + 768 * 3072 * 2
+  assert kp.traffic_bytes(entry["loop_convert_fusion.2"], entry) == 2 * 1024 * 3072 * 2
   # A fusion is described by its root and the jax operation that root came from.
   assert kp.describe(entry["loop_convert_fusion.2"], computations) == \
       "convert bf16[1024,3072] jvp(Tower)/encoder/layer_0/erf"
@@ -80,6 +92,8 @@ def test_summary_counts_the_module_own_kernels_per_call():
                                     "other fusion (elementwise, reductions)": {"ms": 1.0, "share": 0.167},
                                     "transpose / copy": {"ms": 1.0, "share": 0.167}}
   assert summary["top"][0]["op"] == "custom-call.12" and summary["top"][0]["events"] == 1
+  convert = next(r for r in summary["top"] if r["op"] == "loop_convert_fusion.2")
+  assert convert["gbps"] == round(2 * 1024 * 3072 * 2 / 1e6, 1)  # 12.6 MB a call in 1 ms
   assert "error" in kp.summarize(events[-1:], GPU_HLO, calls=1)
 
 

@@ -41,6 +41,7 @@ class Instruction:
   opcode: str
   shape: str
   line: str
+  operands: tuple[str, ...] = ()
 
 
 def parse_hlo(text: str) -> tuple[str, dict[str, list[Instruction]]]:
@@ -63,8 +64,48 @@ def parse_hlo(text: str) -> tuple[str, dict[str, list[Instruction]]]:
     match = _INSTRUCTION.match(line) if current is not None else None
     if match:
       computations[current].append(Instruction(match.group("name"), match.group("op"),
-                                               re.sub(r"\{[^}]*\}", "", match.group("shape")), line))
+                                               re.sub(r"\{[^}]*\}", "", match.group("shape")), line,
+                                               _operand_names(line, match.end())))
   return module, computations
+
+
+def _operand_names(line: str, start: int) -> tuple[str, ...]:
+  """The operand names of an instruction whose operand list opens just before `start` (each operand may be
+  printed with its shape first: `bf16[8,768]{1,0} %x`)."""
+  parts, depth, begin = [], 0, start
+  for i in range(start, len(line)):
+    c = line[i]
+    if c in "([{":
+      depth += 1
+    elif c in ")]}":
+      if depth == 0:
+        parts.append(line[begin:i])
+        break
+      depth -= 1
+    elif c == "," and depth == 0:
+      parts.append(line[begin:i])
+      begin = i + 1
+  return tuple(p.split()[-1].lstrip("%") for p in parts if p.strip())
+
+
+def shape_bytes(shape: str) -> int:
+  """Bytes of an HLO shape (a tuple's elements summed): `bf16[1024,768]` is 1,572,864."""
+  total = 0
+  for dtype, dims in re.findall(r"\b([a-z]+[0-9a-z]*)\[([0-9,]*)\]", shape):
+    digits = re.match(r"[a-z]+(\d+)", dtype)  # f32, bf16, s8, f8e4m3fn: the first number is the width
+    bits = 8 if dtype == "pred" else int(digits.group(1)) if digits else 0
+    elements = 1
+    for d in filter(None, dims.split(",")):
+      elements *= int(d)
+    total += elements * bits // 8
+  return total
+
+
+def traffic_bytes(instruction: Instruction, instructions: dict[str, Instruction]) -> int:
+  """What an instruction must move at the least: each operand read once and its result written once. Its
+  time against this (GB/s) says how far a kernel runs from memory speed."""
+  return shape_bytes(instruction.shape) + sum(
+      shape_bytes(instructions[o].shape) for o in instruction.operands if o in instructions)
 
 
 def _attribute(line: str, key: str) -> str:
@@ -212,14 +253,16 @@ def summarize(events: list[KernelEvent], hlo_text: str, calls: int, top: int = 1
     instruction = instructions.get(op)
     category = categorize(instruction, computations) if instruction else "unattributed"
     by_category[category] += ns
-    rows.append((ns, op, count, category, describe(instruction, computations) if instruction else ""))
+    moved = traffic_bytes(instruction, instructions) if instruction else 0
+    rows.append((ns, op, count, category, describe(instruction, computations) if instruction else "", moved))
   rows.sort(reverse=True)
   ms = lambda ns: round(ns / 1e6 / calls, 3)  # pylint: disable=unnecessary-lambda-assignment
   share = lambda ns: round(ns / total_ns, 3) if total_ns else 0.0  # pylint: disable=unnecessary-lambda-assignment
   return {"calls": calls, "module": module, "kernel_ms": ms(total_ns),
           "by_category": {c: {"ms": ms(ns), "share": share(ns)} for c, ns in by_category.most_common()},
           "top": [{"op": op, "category": category, "ms": ms(ns), "share": share(ns), "events": count // calls,
-                   "what": what} for ns, op, count, category, what in rows[:top]]}
+                   "bytes": moved, "gbps": round(moved / (ns / calls), 1) if ns else 0.0, "what": what}
+                  for ns, op, count, category, what, moved in rows[:top]]}
 
 
 def table(profile: dict, title: str) -> str:
@@ -228,7 +271,8 @@ def table(profile: dict, title: str) -> str:
     return f"{title}: {profile['error']}"
   lines = [f"{title}: {profile['kernel_ms']} ms of kernels a call ({profile['module']})"]
   lines += [f"  {c:<40} {v['ms']:>9.3f} ms {100 * v['share']:5.1f}%" for c, v in profile["by_category"].items()]
-  lines += [f"  {100 * r['share']:5.1f}% {r['ms']:9.3f} ms x{r['events']:<3} {r['op']}: {r['what']}"
+  lines += [f"  {100 * r['share']:5.1f}% {r['ms']:9.3f} ms x{r['events']:<3} {r['gbps']:8.1f} GB/s "
+            f"{r['op']}: {r['what']}"
             for r in profile["top"]]
   return "\n".join(lines)
 
