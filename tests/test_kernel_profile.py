@@ -117,3 +117,17 @@ def test_a_traced_jitted_call_on_the_cpu_reports_its_own_instructions():
   assert "matmul" in summary["by_category"]
   assert sum(c["ms"] for c in summary["by_category"].values()) == pytest.approx(summary["kernel_ms"], abs=0.01)
   assert kp.table(summary, "f").startswith(f"f: {summary['kernel_ms']} ms")
+
+
+def test_a_failing_profile_leaves_the_device_bench_section_its_timings(monkeypatch):
+  from jdr.bench import device  # pylint: disable=g-import-not-at-top
+
+  def no_profiler(*args, **kwargs):
+    raise RuntimeError("no CUPTI")
+
+  monkeypatch.setattr(kp, "profile_calls", no_profiler)
+  f = jax.jit(lambda x: x + 1)
+  x = jnp.ones(3)
+  run = lambda: jax.block_until_ready(f(x))  # pylint: disable=unnecessary-lambda-assignment
+  assert device._kernels({"profile": True}, f, (x,), run) == {"error": "RuntimeError: no CUPTI"}
+  assert device._kernels({"profile": False}, f, (x,), run) is None

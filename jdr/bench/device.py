@@ -88,7 +88,11 @@ def _kernels(size: dict, jitted, args: tuple, run) -> dict | None:
   if not size.get("profile"):
     return None
   from jdr.bench import kernel_profile  # pylint: disable=g-import-not-at-top
-  profile = kernel_profile.profile_calls(run, jitted.lower(*args).compile().as_text())
+  try:
+    profile = kernel_profile.profile_calls(run, jitted.lower(*args).compile().as_text())
+  except Exception as error:  # pylint: disable=broad-except  (e.g. no CUPTI: the section's timings still count)
+    traceback.print_exc()
+    profile = {"error": f"{type(error).__name__}: {error}"}
   print(kernel_profile.table(profile, f"kernels of {getattr(jitted, '__name__', 'a jitted call')}"),
         file=sys.stderr, flush=True)
   return profile
