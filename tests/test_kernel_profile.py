@@ -65,8 +65,11 @@ def test_gpu_hlo_instructions_fall_into_their_kinds_of_work():
   # Least traffic: operands (printed with or without their shapes) read once, the result written once.
   assert entry["custom-call.12"].operands == ("bitcast.1", "w")
   assert kp.shape_bytes("(bf16[1024,3072], s8[4194304], pred[3], f32[])") == 1024 * 3072 * 2 + 4194304 + 3 + 4
-  assert kp.traffic_bytes(entry["custom-call.12"], entry) == (1024 * 3072 * 2 + 4194304) + 1024 * 768 * 2 + 768 * 3072 * 2
+  gemm_bytes = (1024 * 3072 * 2 + 4194304) + 1024 * 768 * 2 + 768 * 3072 * 2  # result (+ workspace), operands
+  assert kp.traffic_bytes(entry["custom-call.12"], entry) == gemm_bytes
   assert kp.traffic_bytes(entry["loop_convert_fusion.2"], entry) == 2 * 1024 * 3072 * 2
+  assert all(i.in_entry for i in entry.values())
+  assert not any(i.in_entry for i in computations["triton_gemm_computation"])
   # A fusion is described by its root and the jax operation that root came from.
   assert kp.describe(entry["loop_convert_fusion.2"], computations) == \
       "convert bf16[1024,3072] jvp(Tower)/encoder/layer_0/erf"
@@ -86,15 +89,21 @@ def test_summary_counts_the_module_own_kernels_per_call():
             kp.KernelEvent("jit_train_step", "loop_convert_fusion.2", 5e6, 2e6, "s"),
             kp.KernelEvent("", "loop_transpose_fusion", 20e6, 2e6, "s"),   # no module stat, op of this one
             kp.KernelEvent("jit_other", "custom-call.12", 30e6, 50e6, "s")]  # another module: not counted
+  # An instruction outside the entry computation runs as often as its events say (a loop body's, say).
+  events += [kp.KernelEvent("jit_train_step", "dot.5", 100e6 + i * 1e6, 0.5e6, "s") for i in range(4)]
   summary = kp.summarize(events, GPU_HLO, calls=2)
-  assert summary["kernel_ms"] == 6.0  # (4 + 4 + 2 + 2) ms over 2 calls
-  assert summary["by_category"] == {"matmul": {"ms": 4.0, "share": 0.667},
-                                    "other fusion (elementwise, reductions)": {"ms": 1.0, "share": 0.167},
-                                    "transpose / copy": {"ms": 1.0, "share": 0.167}}
+  assert summary["kernel_ms"] == 7.0  # (4 + 4 + 2 + 2 + 4 x 0.5) ms over 2 calls
+  assert summary["by_category"] == {"matmul": {"ms": 5.0, "share": 0.714},
+                                    "other fusion (elementwise, reductions)": {"ms": 1.0, "share": 0.143},
+                                    "transpose / copy": {"ms": 1.0, "share": 0.143}}
   assert summary["top"][0]["op"] == "custom-call.12" and summary["top"][0]["events"] == 1
   convert = next(r for r in summary["top"] if r["op"] == "loop_convert_fusion.2")
   assert convert["gbps"] == round(2 * 1024 * 3072 * 2 / 1e6, 1)  # 12.6 MB a call in 1 ms
-  assert "error" in kp.summarize(events[-1:], GPU_HLO, calls=1)
+  gemm = next(r for r in summary["top"] if r["op"] == "custom-call.12")
+  assert gemm["bytes_a_call"] == (1024 * 3072 * 2 + 4194304) + 1024 * 768 * 2 + 768 * 3072 * 2  # 2 kernels, 1 run
+  dot = next(r for r in summary["top"] if r["op"] == "dot.5")
+  assert dot["events"] == 2 and dot["bytes_a_call"] == 2 * (2 * 1024 * 768 * 2 + 768 * 768 * 2)
+  assert "error" in kp.summarize(events[4:5], GPU_HLO, calls=1)  # only the other module's
 
 
 @pytest.mark.filterwarnings("ignore")
@@ -129,5 +138,5 @@ def test_a_failing_profile_leaves_the_device_bench_section_its_timings(monkeypat
   f = jax.jit(lambda x: x + 1)
   x = jnp.ones(3)
   run = lambda: jax.block_until_ready(f(x))  # pylint: disable=unnecessary-lambda-assignment
-  assert device._kernels({"profile": True}, f, (x,), run) == {"error": "RuntimeError: no CUPTI"}
-  assert device._kernels({"profile": False}, f, (x,), run) is None
+  assert device._kernels({"profile": True}, "f", f, (x,), run) == {"error": "RuntimeError: no CUPTI"}
+  assert device._kernels({"profile": False}, "f", f, (x,), run) is None

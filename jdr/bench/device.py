@@ -82,7 +82,12 @@ def median_seconds(run, repeats: int, warmup: int = 2) -> float:
   return float(np.median(times))
 
 
-def _kernels(size: dict, jitted, args: tuple, run) -> dict | None:
+def _waiting(fn, *args):
+  """One call of fn(*args) that returns once the device is done, for timing and profiling."""
+  return lambda: jax.block_until_ready(fn(*args))
+
+
+def _kernels(size: dict, label: str, jitted, args: tuple, run) -> dict | None:
   """Where the device time of `jitted(*args)` goes (`jdr.bench.kernel_profile`) when --profile asked for it;
   `run()` makes one call and waits for it. The compiled text comes from the executable already built."""
   if not size.get("profile"):
@@ -93,8 +98,7 @@ def _kernels(size: dict, jitted, args: tuple, run) -> dict | None:
   except Exception as error:  # pylint: disable=broad-except  (e.g. no CUPTI: the section's timings still count)
     traceback.print_exc()
     profile = {"error": f"{type(error).__name__}: {error}"}
-  print(kernel_profile.table(profile, f"kernels of {getattr(jitted, '__name__', 'a jitted call')}"),
-        file=sys.stderr, flush=True)
+  print(kernel_profile.table(profile, f"kernels of {label}"), file=sys.stderr, flush=True)
   return profile
 
 
@@ -214,9 +218,9 @@ def section_encode(size: dict, torch_device: str, model_dir: str, shape: dict, p
   corpus_lib.encode_tokens(runtime, token_ids, tokens_per_batch=tokens_per_batch)
   from_ids_s = time.perf_counter() - start
   rows, ids, mask = _full_batch(length, tokens_per_batch)
-  forward = lambda: jax.block_until_ready(runtime.apply_fn(runtime.params, ids, mask))  # pylint: disable=unnecessary-lambda-assignment
+  forward = _waiting(runtime.apply_fn, runtime.params, ids, mask)
   forward_s = median_seconds(forward, size["repeats"])
-  forward_kernels = _kernels(size, runtime.apply_fn, (runtime.params, ids, mask), forward)
+  forward_kernels = _kernels(size, "the encoder's forward", runtime.apply_fn, (runtime.params, ids, mask), forward)
 
   transformer = models.Transformer(model_dir, max_seq_length=length)
   reference = SentenceTransformer(modules=[transformer, models.Pooling(shape["hidden_size"], "mean")],
@@ -277,7 +281,7 @@ def _token_batch(b: int, query_length: int, doc_length: int) -> dict[str, np.nda
           "doc_mask": np.ones((b, doc_length), np.int32), "valid": np.ones((b, b), bool)}
 
 
-def jdr_train_step_seconds(config, batch: dict, size: dict) -> tuple[float, dict | None]:
+def jdr_train_step_seconds(config, batch: dict, size: dict, label: str) -> tuple[float, dict | None]:
   """(median seconds of jdr's jitted train step, its kernel breakdown when --profile asked for it)."""
   from jdr import optimizers, train  # pylint: disable=g-import-not-at-top
   from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
@@ -294,7 +298,7 @@ def jdr_train_step_seconds(config, batch: dict, size: dict) -> tuple[float, dict
     jax.block_until_ready(metrics["loss"])
 
   seconds = median_seconds(run, size["repeats"])
-  return seconds, _kernels(size, step_fn, (holder["state"], batch), run)
+  return seconds, _kernels(size, label, step_fn, (holder["state"], batch), run)
 
 
 def torch_train_step_seconds(model_dir: str, batch: dict, torch_device: str, bf16: bool, repeats: int) -> float:
@@ -337,9 +341,10 @@ def section_train(size: dict, torch_device: str, model_dir: str, shape: dict, pe
   batch = _token_batch(b, lq, ld)
   flops = 3 * (_flops([lq] * b, shape) + _flops([ld] * b, shape))
   config = _train_config(size, model_dir)
-  jdr_s, jdr_kernels = jdr_train_step_seconds(config, batch, size)
+  jdr_s, jdr_kernels = jdr_train_step_seconds(config, batch, size, "the train step")
   config.model.attention_dropout = 0.0
-  jdr_no_attention_dropout_s, no_attention_dropout_kernels = jdr_train_step_seconds(config, batch, size)
+  jdr_no_attention_dropout_s, no_attention_dropout_kernels = jdr_train_step_seconds(
+      config, batch, size, "the train step, attention dropout 0")
   gc.collect()
   torch_s = torch_train_step_seconds(model_dir, batch, torch_device, size["dtype"] == "bfloat16", size["repeats"])
   out = {"batch": b, "query_length": lq, "doc_length": ld, "dtype": size["dtype"],
@@ -370,15 +375,17 @@ def section_flash(size: dict, model_dir: str, shape: dict, peak_flops: float, tr
   for attention in ("auto", "flash"):
     cfg = dataclasses.replace(tower.config, encoder=tower.config.encoder.replace(attention=attention))
     apply = jax.jit(tower.clone(config=cfg).apply)
-    run = lambda: jax.block_until_ready(apply({"params": params}, ids, mask))  # pylint: disable=unnecessary-lambda-assignment,cell-var-from-loop
+    run = _waiting(apply, {"params": params}, ids, mask)
     forward[attention] = median_seconds(run, size["repeats"])
-    forward_kernels[attention] = _kernels(size, apply, ({"params": params}, ids, mask), run)
+    forward_kernels[attention] = _kernels(size, f"the encoder's forward, attention={attention}", apply,
+                                          ({"params": params}, ids, mask), run)
   forward_flops = _flops([length] * rows, shape)
   b, lq, ld = size["train_batch"], size["train_query_length"], size["train_doc_length"]
   flops = 3 * (_flops([lq] * b, shape) + _flops([ld] * b, shape))
   config = _train_config(size, model_dir)
   config.model.attention = "flash"
-  flash_s, flash_kernels = jdr_train_step_seconds(config, _token_batch(b, lq, ld), size)
+  flash_s, flash_kernels = jdr_train_step_seconds(config, _token_batch(b, lq, ld), size,
+                                                 "the train step, attention=flash")
   out = {"forward": {"rows": rows, "length": length,
                      **{f"{a}_ms": round(1e3 * t, 2) for a, t in forward.items()},
                      **{f"{a}_peak_fraction": round(forward_flops / t / peak_flops, 3) for a, t in forward.items()},

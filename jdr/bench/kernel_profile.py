@@ -42,20 +42,21 @@ class Instruction:
   shape: str
   line: str
   operands: tuple[str, ...] = ()
+  in_entry: bool = True  # runs once a call (an instruction of a loop body may run many times)
 
 
 def parse_hlo(text: str) -> tuple[str, dict[str, list[Instruction]]]:
   """(module name, computation name -> its instructions) of an HLO module's text."""
   module = ""
   computations: dict[str, list[Instruction]] = {}
-  current = None
+  current, entry = None, False
   for line in text.splitlines():
     if line.startswith("HloModule "):
       module = line.split()[1].rstrip(",")
       continue
     match = _COMPUTATION.match(line)
     if match and "=" not in line.split("(")[0]:
-      current = match.group("name")
+      current, entry = match.group("name"), line.startswith("ENTRY")
       computations[current] = []
       continue
     if line.startswith("}"):
@@ -65,7 +66,7 @@ def parse_hlo(text: str) -> tuple[str, dict[str, list[Instruction]]]:
     if match:
       computations[current].append(Instruction(match.group("name"), match.group("op"),
                                                re.sub(r"\{[^}]*\}", "", match.group("shape")), line,
-                                               _operand_names(line, match.end())))
+                                               _operand_names(line, match.end()), entry))
   return module, computations
 
 
@@ -254,6 +255,8 @@ def summarize(events: list[KernelEvent], hlo_text: str, calls: int, top: int = 1
     category = categorize(instruction, computations) if instruction else "unattributed"
     by_category[category] += ns
     moved = traffic_bytes(instruction, instructions) if instruction else 0
+    if instruction and not instruction.in_entry:
+      moved *= count // calls  # each event one run of a loop body's instruction (on GPUs one kernel each)
     rows.append((ns, op, count, category, describe(instruction, computations) if instruction else "", moved))
   rows.sort(reverse=True)
   ms = lambda ns: round(ns / 1e6 / calls, 3)  # pylint: disable=unnecessary-lambda-assignment
@@ -261,7 +264,7 @@ def summarize(events: list[KernelEvent], hlo_text: str, calls: int, top: int = 1
   return {"calls": calls, "module": module, "kernel_ms": ms(total_ns),
           "by_category": {c: {"ms": ms(ns), "share": share(ns)} for c, ns in by_category.most_common()},
           "top": [{"op": op, "category": category, "ms": ms(ns), "share": share(ns), "events": count // calls,
-                   "bytes": moved, "gbps": round(moved / (ns / calls), 1) if ns else 0.0, "what": what}
+                   "bytes_a_call": moved, "gbps": round(moved / (ns / calls), 1) if ns else 0.0, "what": what}
                   for ns, op, count, category, what, moved in rows[:top]]}
 
 
