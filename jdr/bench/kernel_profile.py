@@ -8,8 +8,8 @@ transposes and copies, and the remaining fusions (elementwise and reductions). T
 with what they compute (the fused root, its shape and the jax operation it came from), which is what a
 change has to aim at.
 
-On GPUs the events are the kernels on the device's streams; on CPUs, where XLA runs thunks on host threads,
-they are those thunks (their own time, nested ones subtracted).
+On GPUs the events are the kernels on the devices' streams (summed over the devices a call runs on); on
+CPUs, where XLA runs thunks on host threads, they are those thunks (their own time, nested ones subtracted).
 """
 
 from __future__ import annotations
