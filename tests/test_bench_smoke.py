@@ -115,3 +115,11 @@ def test_device_bench_small_on_the_cpu(scifact):
   assert row["int8_recall_vs_exact"] > 0.9
   [adore] = out["adore"]["rows"]
   assert adore["size"] == 100_000 and adore["step_in_step_s"] > 0
+
+
+def test_a_benchmark_help_is_its_own():
+  """`python -m jdr.bench NAME --help` lists NAME's options, not the dispatcher's."""
+  proc = subprocess.run([sys.executable, "-m", "jdr.bench", "device", "--help"], capture_output=True, text=True,
+                        timeout=120, check=False)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stdout.startswith("usage: python -m jdr.bench device") and "--profile" in proc.stdout
