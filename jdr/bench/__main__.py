@@ -27,8 +27,8 @@ def main() -> None:
   parser.add_argument("name", choices=sorted(BENCHMARKS))
   # Everything after the name is the benchmark's own (`NAME --help` is its help, not this one).
   parser.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's arguments; NAME --help lists them")
-  args = parser.parse_args()
   print(host_memory.status(), file=sys.stderr)
+  args = parser.parse_args()
   # jax takes 75% of a GPU's memory at start by default; the PyTorch reference shares the device.
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   importlib.import_module(BENCHMARKS[args.name]).main(args.args)
