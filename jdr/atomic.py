@@ -14,6 +14,7 @@ import re
 import stat
 import sys
 import tempfile
+import time
 from typing import Any, Callable
 
 from jdr import paths
@@ -60,6 +61,26 @@ def os_error_code(e: BaseException) -> int | None:
     return e.errno
   found = re.search(r"os error (\d+)|os_error_code='?(\d+)|Os \{ code: (\d+)", str(e))
   return int(next(g for g in found.groups() if g)) if found else None
+
+
+def remove_tree(path: paths.PathLike, *, settle_seconds: float = 0.2, timeout_seconds: float = 10.0) -> bool:
+  """Removes a partly written folder after a failed write; True once it stays gone.
+
+  One rmtree is not enough: when one of orbax's tensorstore writes fails, the others already issued go on in
+  the background and create files in (and, as tensorstore makes parent folders, even recreate) the folder
+  being removed. So it is removed again until it is still absent `settle_seconds` later."""
+  path = paths.as_path(path)
+  deadline = time.monotonic() + timeout_seconds
+  while True:
+    try:
+      path.rmtree()
+    except OSError:  # a file created during the walk (ENOTEMPTY), or already gone
+      pass
+    time.sleep(settle_seconds)
+    if not path.exists():
+      return True
+    if time.monotonic() > deadline:
+      return False
 
 
 def write_atomic(path: paths.PathLike, write: Callable[[Any], None]) -> None:

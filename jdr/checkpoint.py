@@ -92,8 +92,7 @@ def writes_reported(workdir: paths.PathLike) -> Iterator[None]:
       raise
     if jax.process_index() == 0:
       for partial in paths.as_path(folder).glob("*.orbax-checkpoint-tmp*"):
-        with contextlib.suppress(OSError):
-          partial.rmtree()
+        atomic.remove_tree(partial)
     raise WriteError(code, os.strerror(code), folder) from None
 
 

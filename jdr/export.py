@@ -112,7 +112,7 @@ def export(workdir: paths.PathLike, out: paths.PathLike, *, query_max_length: in
     else:
       tmp.rename(out)
   except BaseException as e:
-    shutil.rmtree(tmp, ignore_errors=True)
+    atomic.remove_tree(tmp)
     errno = atomic.os_error_code(e)
     if errno is not None:
       raise OSError(errno, os.strerror(errno), str(out)) from None  # "error: OUT: No space left on device"

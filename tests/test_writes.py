@@ -107,3 +107,24 @@ def test_late_reports_of_a_failed_checkpoint_write_stay_quiet(tmp_path):
                         text=True, cwd=ROOT, timeout=300)
   assert proc.stdout == "failed as expected\n", proc.stderr[-2000:]
   assert "Event loop is closed" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_partial_folder_is_removed_even_while_late_writes_recreate_it(tmp_path):
+  # Like tensorstore's writes still in flight after one of them failed: files keep appearing, parent folders
+  # included, for a while after the removal starts.
+  partial = tmp_path / ".export.tmp"
+  (partial / "params" / "d").mkdir(parents=True)
+  stop = threading.Event()
+
+  def late_writes():
+    for i in range(60):
+      (partial / "params" / "d").mkdir(parents=True, exist_ok=True)
+      (partial / "params" / "d" / f"chunk.{i}").write_bytes(b"x" * 4096)
+      stop.wait(0.005)
+
+  writer = threading.Thread(target=late_writes)
+  writer.start()
+  assert atomic.remove_tree(partial)
+  writer.join()
+  assert not partial.exists()
+  assert atomic.remove_tree(tmp_path / "never-made")  # nothing to remove is no error
