@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from conftest import cpu_devices_env
 from jdr import metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -139,7 +140,7 @@ print("rows on mesh ok")
 def test_evaluation_encoding_split_over_8_devices_equals_one(tmp_path):
   """The trainer's corpus and query encoding with rows split over a mesh of 8 simulated CPU devices (data
   parallel, and fully sharded parameters) gives the single-device vectors; 3-row batches exercise padding."""
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  env = cpu_devices_env(8, JAX_PLATFORMS="cpu")
   result = subprocess.run([sys.executable, "-c", _ROWS_ON_MESH, str(ROOT), str(ROOT / "tests"), str(tmp_path)],
                           env=env, capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stdout + result.stderr[-3000:]

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import write_tiny_beir
+from conftest import cpu_devices_env, write_tiny_beir
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = ["model.init_from=", "model.fresh=tiny", "model.pooling=mean", "model.dropout=0.1",
@@ -69,7 +69,7 @@ _IN_STEP = textwrap.dedent("""
 @pytest.mark.parametrize("devices", [1, 8])
 def test_in_step_retrieval_equals_brute_force(devices):
   """The JAX back-end's top-k and row gather over a row-sharded corpus return what numpy returns."""
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+  env = cpu_devices_env(devices, JAX_PLATFORMS="cpu")
   out = subprocess.run([sys.executable, "-c", _IN_STEP], env=env, capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-3000:]
   result = json.loads(out.stdout.splitlines()[-1])
@@ -163,7 +163,7 @@ def test_mismatched_encoding_is_refused_before_step_0(tmp_path):
 
 
 def _env() -> dict:
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+  env = cpu_devices_env(1, JAX_PLATFORMS="cpu")
   env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
   return env
 
@@ -263,7 +263,7 @@ def test_adore_on_8_devices_equals_one(tmp_path):
         config_files.apply_overrides(config, base + extra)
         train.train_and_evaluate(config, "{tmp_path}/" + name)
   """)
-  env = dict(_env(), XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  env = {**_env(), "XLA_FLAGS": cpu_devices_env(8)["XLA_FLAGS"]}
   proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-4000:]
 

@@ -9,6 +9,7 @@ import textwrap
 import numpy as np
 import pytest
 
+from conftest import cpu_devices_env
 from jdr import index
 
 pytest.importorskip("faiss")
@@ -105,7 +106,7 @@ _SHARDED_CHECK = textwrap.dedent("""
 
 def test_jax_retriever_sharded_over_8_cpu_devices():
   # The device count is fixed when jax initialises, so the check runs in a fresh interpreter.
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  env = cpu_devices_env(8, JAX_PLATFORMS="cpu")
   result = subprocess.run(
       [sys.executable, "-c", _SHARDED_CHECK, str(ROOT), str(ROOT / "tests")],
       env=env, capture_output=True, text=True, timeout=300)

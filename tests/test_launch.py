@@ -46,6 +46,13 @@ def test_local_dry_run(capsys):
     assert "--xla_force_host_platform_device_count=4" in line and line.endswith(shlex.join(TRAIN))
 
 
+def test_simulated_devices_keep_the_callers_other_xla_flags():
+  flags = "--xla_dump_to=/tmp/d --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+  assert local.xla_flags_with_devices(flags, 4).split() == [
+      "--xla_dump_to=/tmp/d", "--xla_backend_optimization_level=0", "--xla_force_host_platform_device_count=4"]
+  assert local.xla_flags_with_devices("", 2) == "--xla_force_host_platform_device_count=2"
+
+
 def test_two_hosts_encode_disjoint_shards_equal_to_one(tmp_path):
   """jdr.encode under the local launcher: 2 processes (jax.distributed) each read only their own part of the
   corpus file (half its bytes) and encode and write its shards, their 2 devices each encoding half of every

@@ -92,7 +92,8 @@ def test_local_multiprocess_run():
     words = shlex.split(line)
     assert words[0].startswith("JDR_COORDINATOR=127.0.0.1:")
     assert words[1:3] == ["JDR_NUM_PROCESSES=2", f"JDR_PROCESS_ID={rank}"]
-    assert "XLA_FLAGS=--xla_force_host_platform_device_count=2" in words
+    [flags] = [w for w in words if w.startswith("XLA_FLAGS=")]  # the caller's flags, then the device count
+    assert flags.split()[-1] == "--xla_force_host_platform_device_count=2", flags
     check_train_command(words)
     # The global batch must split over the 2 x 2 devices of the mesh.
     config = config_files.load_config_file(str(ROOT / words[words.index("--config") + 1]))

@@ -6,6 +6,8 @@ import pathlib
 import numpy as np
 import pytest
 
+from conftest import cpu_devices_env
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 TINY = ["model.init_from=", "model.fresh=tiny", "model.projection_dim=16", "model.dropout=0.1",
@@ -355,8 +357,7 @@ def test_sharded_grad_cache_equals_one_device(tmp_path):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
       print("SAME")
   """)
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-             PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  env = cpu_devices_env(2, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
   proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0 and "SAME" in proc.stdout, proc.stderr[-3000:]
 

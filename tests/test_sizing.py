@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from conftest import cpu_devices_env
 from jdr import sizing
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -17,8 +18,7 @@ TINY = ["--config.model.init_from=", "--config.model.fresh=tiny", "--config.batc
 
 
 def _sizes(*extra):
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
-         "PYTHONPATH": str(ROOT)}
+  env = cpu_devices_env(8, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
   out = subprocess.run([sys.executable, "-m", "jdr.train", "--config", str(ROOT / "configs" / "demo.py"),
                         "--compile-only", *TINY, *extra], env=env, capture_output=True, text=True, timeout=600,
                        check=True)

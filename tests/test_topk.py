@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import cpu_devices_env
 from jdr import topk
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -62,7 +63,7 @@ _CHECK = textwrap.dedent("""
 
 @pytest.mark.parametrize("devices", [1, 8])
 def test_sharded_top_k_equals_brute_force(devices):
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+  env = cpu_devices_env(devices, JAX_PLATFORMS="cpu")
   result = subprocess.run([sys.executable, "-c", _CHECK, str(ROOT), str(ROOT / "tests")], env=env,
                           capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import write_tiny_beir
+from conftest import cpu_devices_env, write_tiny_beir
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -28,8 +28,7 @@ TINY = [
 
 
 def _env(devices: int = 1) -> dict:
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+  env = cpu_devices_env(devices)
   env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
   return env
 

@@ -5,7 +5,7 @@
 
 Each process gets JDR_COORDINATOR=127.0.0.1:PORT, JDR_NUM_PROCESSES and JDR_PROCESS_ID (what
 jdr.parallel.initialize_distributed reads); `--devices-per-process D` also simulates D CPU devices per process
-(XLA's host platform device count), so a multi-host run can be tried on one machine. Process 0's output is
+(XLA's host platform device count, added to the XLA_FLAGS already set), so a multi-host run can be tried on one machine. Process 0's output is
 shown; the others write to --log-dir (default: a temporary directory, named at the end).
 The exit status is the first non-zero one of the processes.
 """
@@ -29,6 +29,16 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def xla_flags_with_devices(flags: str, devices: int) -> str:
+  """An XLA_FLAGS value that asks for `devices` simulated CPU devices: an earlier count is replaced and every
+  other flag kept (a user's dump or optimization flags reach each launched process)."""
+  kept = [f for f in flags.split() if not f.startswith(DEVICE_COUNT_FLAG + "=")]
+  return " ".join([*kept, f"{DEVICE_COUNT_FLAG}={devices}"])
+
+
 def process_envs(processes: int, port: int, devices_per_process: int | None) -> list[dict[str, str]]:
   """The variables each process adds to the environment."""
   out = []
@@ -36,7 +46,8 @@ def process_envs(processes: int, port: int, devices_per_process: int | None) -> 
     env = {"JDR_COORDINATOR": f"127.0.0.1:{port}", "JDR_NUM_PROCESSES": str(processes),
            "JDR_PROCESS_ID": str(rank)}
     if devices_per_process:
-      env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}")
+      env.update(JAX_PLATFORMS="cpu",
+                 XLA_FLAGS=xla_flags_with_devices(os.environ.get("XLA_FLAGS", ""), devices_per_process))
     out.append(env)
   return out
 
