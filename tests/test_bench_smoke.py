@@ -99,6 +99,7 @@ def test_device_bench_small_on_the_cpu(scifact):
   assert proc.returncode == 0, proc.stderr[-3000:]
   out = json.loads(proc.stdout.strip().splitlines()[-1])
   assert out["platform"] == "cpu" and out["reference_device"] == "cpu" and out["size"] == "small"
+  assert "--xla_backend_optimization_level=0" in out["xla_flags"]  # the suite's flag, recorded with the figures
   assert out["peak"]["peak_tflops"] > 0 and out["peak"]["bandwidth_gbps"] > 0
   encode = out["encode"]
   assert encode["docs"] == 400 and encode["min_cosine_vs_reference"] > 0.999  # the same weights, float32

@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import tempfile
 import time
@@ -582,7 +583,9 @@ def main(argv=None) -> None:
   mesh = parallel.make_mesh((-1, 1, 1))
   result = {"benchmark": "device", "device": jax.devices()[0].device_kind, "platform": platform,
             "devices": jax.device_count(), "reference_device": torch_device,
-            "size": size_name, "jax": jax.__version__}
+            "size": size_name, "jax": jax.__version__,
+            # Flags change what is timed (an optimization level, a device count): the figures carry them.
+            "xla_flags": os.environ.get("XLA_FLAGS", "")}
   start = time.perf_counter()
   failed = []
 
