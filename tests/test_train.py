@@ -93,22 +93,23 @@ def test_sharded_runs_equal_one_device(tmp_path):
 
 
 def _two_processes_and_one(tmp_path, data, common):
-  """Trains into tmp_path/multi on 2 processes x 4 CPU devices (the local launcher) and into tmp_path/single on
-  1 x 8; returns the launcher's completed process (its stderr is host 0's)."""
+  """Trains into tmp_path/multi on 2 processes x 2 CPU devices (the local launcher) and into tmp_path/single on
+  1 x 4; returns the launcher's completed process (its stderr is host 0's). Two devices a process, not more:
+  on a 2-core machine each simulated device adds threads that contend (2 x 4 took 1.5x as long)."""
   launched = subprocess.run([sys.executable, "-m", "jdr.launch.local", "--processes", "2", "--devices-per-process",
-                             "4", "--log-dir", str(tmp_path / "logs"), "--",
+                             "2", "--log-dir", str(tmp_path / "logs"), "--",
                              *_train_cmd(tmp_path / "multi", data, *common)],
-                            env=_env(4), capture_output=True, text=True, timeout=600)
+                            env=_env(2), capture_output=True, text=True, timeout=600)
   assert launched.returncode == 0, launched.stderr[-3000:] + (tmp_path / "logs" / "process-1.log").read_text()[-2000:]
-  subprocess.run(_train_cmd(tmp_path / "single", data, *common), env=_env(8), check=True,
+  subprocess.run(_train_cmd(tmp_path / "single", data, *common), env=_env(4), check=True,
                  capture_output=True, timeout=600)
   return launched
 
 
 @pytest.mark.long
 def test_two_processes_equal_one(tmp_path):
-  """The multi-host path through the local launcher: 2 processes x 4 CPU devices (jax.distributed) train
-  like 1 process x 8 devices, ANCE's refresh included (each host mines on the trainer's thread: the gather of
+  """The multi-host path through the local launcher: 2 processes x 2 CPU devices (jax.distributed) train
+  like 1 process x 4 devices, ANCE's refresh included (each host mines on the trainer's thread: the gather of
   the corpus parts is a collective, so the negatives, hence the losses, must match), and their final
   evaluation (each device encoding its own rows of the corpus, gathered across the hosts) scores the same."""
   data = write_tiny_beir(tmp_path / "data")
