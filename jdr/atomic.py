@@ -64,7 +64,8 @@ def os_error_code(e: BaseException) -> int | None:
 
 
 def remove_tree(path: paths.PathLike, *, settle_seconds: float = 0.2, timeout_seconds: float = 10.0) -> bool:
-  """Removes a partly written folder after a failed write; True once it stays gone.
+  """Removes a partly written folder after a failed write; True once it stays gone, False (with a warning on
+  standard error naming it) if it still came back after `timeout_seconds`.
 
   One rmtree is not enough: when one of orbax's tensorstore writes fails, the others already issued go on in
   the background and create files in (and, as tensorstore makes parent folders, even recreate) the folder
@@ -80,6 +81,7 @@ def remove_tree(path: paths.PathLike, *, settle_seconds: float = 0.2, timeout_se
     if not path.exists():
       return True
     if time.monotonic() > deadline:
+      print(f"warning: {path}: a partly written folder that could not be removed; delete it", file=sys.stderr)
       return False
 
 

@@ -162,8 +162,8 @@ def test_mismatched_encoding_is_refused_before_step_0(tmp_path):
   assert not (tmp_path / "w" / "checkpoints").exists() or not any((tmp_path / "w" / "checkpoints").iterdir())
 
 
-def _env() -> dict:
-  env = cpu_devices_env(1, JAX_PLATFORMS="cpu")
+def _env(devices: int = 1) -> dict:
+  env = cpu_devices_env(devices, JAX_PLATFORMS="cpu")
   env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
   return env
 
@@ -263,8 +263,7 @@ def test_adore_on_8_devices_equals_one(tmp_path):
         config_files.apply_overrides(config, base + extra)
         train.train_and_evaluate(config, "{tmp_path}/" + name)
   """)
-  env = {**_env(), "XLA_FLAGS": cpu_devices_env(8)["XLA_FLAGS"]}
-  proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+  proc = subprocess.run([sys.executable, "-c", script], env=_env(8), capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-4000:]
 
   def losses(name):
