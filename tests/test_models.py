@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jdr.models.bert import Encoder, EncoderConfig, roberta_position_ids
+from jdr.models.bert import Encoder, EncoderConfig, HeadsProjection, roberta_position_ids
 from jdr.models.towers import Tower, TowerConfig, TwoTower, l2_normalize, pool
 
 TINY = EncoderConfig(vocab_size=50, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
@@ -350,3 +350,28 @@ def test_exact_gelu_in_half_precision_is_the_rounded_float64_gelu():
   np.testing.assert_array_equal(ours[body], theirs[body])
   x32 = jnp.asarray(x, jnp.float32)
   np.testing.assert_array_equal(np.asarray(_exact_gelu(x32)), np.asarray(jax.nn.gelu(x32, approximate=False)))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_heads_projection_is_dense_general_over_heads(dtype):
+  """The query / key / value projection: nn.DenseGeneral(features=(heads, head_dim))'s parameters (names,
+  shapes, logical axes, initial values) and outputs, computed as one matmul over heads x head_dim."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  from jdr.models import bert  # pylint: disable=g-import-not-at-top
+  cfg = dataclasses.replace(TINY, dtype=dtype)
+  x = jax.random.normal(jax.random.PRNGKey(1), (3, 5, cfg.hidden_size))
+  ours = HeadsProjection(cfg)
+  reference = bert._dense(cfg, (cfg.num_heads, cfg.head_dim), ("embed", "heads", "kv"), name=None)
+  key = jax.random.PRNGKey(2)
+  ours_params, reference_params = ours.init(key, x), reference.init(key, x)
+  assert jax.tree.map(lambda a: (a.value.shape, a.names), ours_params, is_leaf=lambda a: isinstance(a, nn.Partitioned)) \
+      == jax.tree.map(lambda a: (a.value.shape, a.names), reference_params, is_leaf=lambda a: isinstance(a, nn.Partitioned))
+  np.testing.assert_array_equal(nn.unbox(ours_params)["params"]["kernel"],
+                                nn.unbox(reference_params)["params"]["kernel"])
+  # A bias that is not zero, so adding it is checked too.
+  params = jax.tree.map(lambda a: a + 0.1 * jnp.arange(a.size, dtype=a.dtype).reshape(a.shape) / a.size,
+                        nn.unbox(reference_params))
+  got, want = ours.apply(params, x), reference.apply(params, x)
+  assert got.shape == (3, 5, cfg.num_heads, cfg.head_dim) and got.dtype == want.dtype == jnp.dtype(cfg.compute_dtype)
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                             rtol=1e-6 if dtype == "float32" else 1e-2, atol=1e-6 if dtype == "float32" else 1e-2)

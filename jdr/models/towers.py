@@ -72,12 +72,20 @@ def pool(hidden: jax.Array, mask: jax.Array, how: str) -> jax.Array:
   """Pools token vectors [B, L, H] into [B, H] over the tokens where `mask` is true."""
   if how == "cls":
     return hidden[:, 0]
-  mask = mask.astype(bool)[..., None]
   if how == "mean":
+    # The masked sum as a matrix product with a second, all-zero row of weights ([B, 2, L] x [B, L, H]).
+    # XLA rewrites a matrix-vector product, or jnp.sum over L, into a reduction over L; on GPUs that
+    # reduction asks for L as the fastest-varying dimension of its input, and XLA gave that layout to every
+    # layer's residual stream, transposing [tokens, hidden] twice a layer (BERT-base compiled for an NVIDIA
+    # H200: 24 transposes of 100 MB a forward, and no residual add fused into its matmul). The unused zero
+    # row keeps a matrix product, whose operand cuBLAS reads in the encoder's own layout.
+    weights = mask.astype(hidden.dtype)
+    weights = jnp.stack([weights, jnp.zeros_like(weights)], axis=1)
+    total = jnp.einsum("bkl,blh->bkh", weights, hidden, preferred_element_type=jnp.float32)[:, 0]
     # sentence-transformers' mean: clamp the count so an all-padding row gives zeros, not NaN.
-    total = jnp.sum(jnp.where(mask, hidden, 0), axis=1)
-    count = jnp.maximum(jnp.sum(mask, axis=1).astype(hidden.dtype), 1e-9)
-    return total / count
+    count = jnp.maximum(jnp.sum(mask.astype(jnp.float32), axis=1, keepdims=True), 1e-9)
+    return (total / count).astype(hidden.dtype)
+  mask = mask.astype(bool)[..., None]
   if how == "max":
     return jnp.max(jnp.where(mask, hidden, jnp.finfo(hidden.dtype).min), axis=1)
   raise ValueError(f"unknown pooling {how!r}")
