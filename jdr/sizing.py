@@ -10,6 +10,7 @@ corpus, whose size `corpus_matrix_bytes` gives.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -57,6 +58,67 @@ def abstract_batch(config: ml_collections.ConfigDict, sharding) -> dict:
   return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for k, (shape, dtype) in shapes.items()}
 
 
+# Hardware facts of GPUs that XLA's GPU compiler needs to compile for one without it (deviceless, from a CPU
+# host), from NVIDIA's published specifications: streaming multiprocessors, HBM bandwidth and size, L2,
+# shared memory per SM and the most a block may opt into, boost clock, compute capability.
+GPU_TARGETS = {
+    "h100": dict(name="NVIDIA H100 80GB HBM3", sms=132, bandwidth=3.35e12, memory=85_520_809_984,
+                 l2=52_428_800, shared_per_sm=233_472, shared_per_block_optin=232_448, clock_ghz=1.98,
+                 compute_capability=(9, 0)),
+    "h200": dict(name="NVIDIA H200 141GB HBM3e", sms=132, bandwidth=4.8e12, memory=151_397_597_184,
+                 l2=52_428_800, shared_per_sm=233_472, shared_per_block_optin=232_448, clock_ghz=1.98,
+                 compute_capability=(9, 0)),
+}
+
+
+def gpu_target_config(name: str) -> str:
+  """XLA's GpuTargetConfigProto (text format) for a GPU of GPU_TARGETS."""
+  g = GPU_TARGETS[name]
+  major, minor = g["compute_capability"]
+  return f"""gpu_device_info {{
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: {g["shared_per_sm"]}
+  threads_per_core_limit: 2048
+  core_count: {g["sms"]}
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: {int(g["bandwidth"])}
+  l2_cache_size: {g["l2"]}
+  clock_rate_ghz: {g["clock_ghz"]}
+  device_memory_size: {g["memory"]}
+  shared_memory_per_block_optin: {g["shared_per_block_optin"]}
+  cuda_compute_capability {{ major: {major} minor: {minor} }}
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 10 patch: 0 }}
+device_description_str: "{g["name"]}"
+"""
+
+
+def gpu_target_devices(name: str) -> list:
+  """One device of a GPU of GPU_TARGETS, for compiling for it on a host without it; needs jax's CUDA plugin
+  (pip install 'jax[cuda12]'), which compiles without a GPU when JAX_SKIP_CUDA_CONSTRAINTS_CHECK is set."""
+  import os  # pylint: disable=g-import-not-at-top
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  if name not in GPU_TARGETS:
+    raise ValueError(f"unknown GPU target {name!r}; known: {', '.join(sorted(GPU_TARGETS))}")
+  # Without a GPU the plugin's start-up check of the CUDA driver fails and jax drops the plugin.
+  os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+  try:
+    return list(topologies.get_topology_desc(topology_name=name, platform="cuda", topology="1x1x1",
+                                             target_config=gpu_target_config(name)).devices)
+  except Exception as e:  # pylint: disable=broad-except  (the plugin absent: say what it takes)
+    raise ValueError(f"GPU target {name}: no CUDA topology description ({type(e).__name__}: "
+                     f"{str(e).splitlines()[0] if str(e) else ''}); compiling for a GPU from this host needs "
+                     "jax's CUDA plugin (pip install 'jax[cuda12]'; no GPU needed)") from None
+
+
 def topology_devices(name: str) -> list:
   """The devices of a named TPU slice ("v5e:2x2", "v4:2x2x1", "v5p:2x2x2"), for ahead-of-time compilation on a
   host without TPUs, as MaxText's train_compile does; needs libtpu installed (pip install 'jax[tpu]')."""
@@ -81,7 +143,19 @@ def size_step(config: ml_collections.ConfigDict, topology: str | None = None) ->
     return {**_size_step(config, devices), "topology": topology, "device_kind": devices[0].device_kind}
 
 
-def _size_step(config: ml_collections.ConfigDict, devices) -> dict:
+@dataclasses.dataclass
+class CompiledStep:
+  """The configured train step compiled on abstract values, with what it was compiled for."""
+  compiled: Any
+  model: Any
+  mesh: Any
+  abstract: step_lib.TrainState
+  batch: dict
+
+
+def compile_step(config: ml_collections.ConfigDict, devices=None, compiler_options: dict | None = None
+                 ) -> CompiledStep:
+  """Compiles the step of `config` for its mesh over `devices` (default: this host's) on abstract values."""
   sources.check(config)
   candidates = sources.candidates(config)
   if candidates == "corpus" or pretrain_batches.is_masked_lm(config):
@@ -96,7 +170,13 @@ def _size_step(config: ml_collections.ConfigDict, devices) -> dict:
   abstract, shardings = step_lib.abstract_train_state(model, tx, config, mesh, rules)
   step = step_lib.make_train_step(model, tx, config, mesh, candidates)
   batch = abstract_batch(config, parallel.batch_sharding(mesh))
-  compiled = step_lib.jit_step(step, shardings, mesh).lower(abstract, batch).compile()
+  compiled = step_lib.jit_step(step, shardings, mesh).lower(abstract, batch).compile(compiler_options)
+  return CompiledStep(compiled, model, mesh, abstract, batch)
+
+
+def _size_step(config: ml_collections.ConfigDict, devices) -> dict:
+  step = compile_step(config, devices)
+  compiled, mesh, abstract, batch = step.compiled, step.mesh, step.abstract, step.batch
   memory = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost

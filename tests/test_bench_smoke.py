@@ -124,3 +124,24 @@ def test_a_benchmark_help_is_its_own():
                         timeout=120, check=False)
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert proc.stdout.startswith("usage: python -m jdr.bench device") and "--profile" in proc.stdout
+
+
+def test_compiled_kernels_of_the_host_and_a_config_override(capsys):
+  """`python -m jdr.bench compiled --target host`: the forward and the train step compiled here (a GPU target
+  needs jax's CUDA plugin), each with its kernels by kind; a --config override reaches the compiled step."""
+  from jdr.bench import compiled_kernels  # pylint: disable=g-import-not-at-top
+  small = ["--target", "host", "--fresh", "tiny", "--rows", "4", "--length", "16", "--train-batch", "2",
+           "--query-length", "8", "--doc-length", "16"]
+  compiled_kernels.main(small)
+  out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert out["target"] == "host" and out["bandwidth"] is None and set(out["programs"]) == {"forward", "train"}
+  for summary in out["programs"].values():
+    assert summary["kernels"] == sum(v["kernels"] for v in summary["by_category"].values()) > 0
+    assert "matmul" in summary["by_category"] and summary["gigabytes"] > 0
+  # Attention dropout drawn on the einsum path is work of its own in the step: without it, fewer kernels.
+  compiled_kernels.main([*small, "--programs", "train", "--config.model.attention_dropout=0"])
+  no_dropout = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert no_dropout["overrides"] == ["model.attention_dropout=0"]
+  assert no_dropout["programs"]["train"]["kernels"] < out["programs"]["train"]["kernels"]
+  with pytest.raises(SystemExit):
+    compiled_kernels.main([*small, "--programs", "backward"])

@@ -140,3 +140,42 @@ def test_a_failing_profile_leaves_the_device_bench_section_its_timings(monkeypat
   run = lambda: jax.block_until_ready(f(x))  # pylint: disable=unnecessary-lambda-assignment
   assert device._kernels({"profile": True}, "f", f, (x,), run) == {"error": "RuntimeError: no CUPTI"}
   assert device._kernels({"profile": False}, "f", f, (x,), run) is None
+
+
+def test_compiled_summary_counts_each_kernel_once_with_its_least_traffic():
+  summary = kp.compiled_summary(GPU_HLO, bandwidth=1e12, top=20)
+  # The eight kernels of the entry; parameters, the bitcast and the get-tuple-element launch nothing.
+  assert summary["kernels"] == len(KERNELS)
+  assert summary["loops"] == 0
+  categories = summary["by_category"]
+  assert sum(v["kernels"] for v in categories.values()) == len(KERNELS)
+  assert categories["matmul"]["kernels"] == 2 and categories["transpose / copy"]["kernels"] == 2
+  # The GELU fusion reads and writes a bf16 [1024, 3072]: 2 x 6,291,456 bytes, 12.58 us at 1 TB/s.
+  gelu = next(r for r in summary["top"] if r["what"].startswith("convert bf#[#,#]"))
+  assert gelu["gigabytes"] == round(2 * 1024 * 3072 * 2 / 1e9, 3)
+  assert gelu["ms_at_bandwidth"] == round(1e3 * 2 * 1024 * 3072 * 2 / 1e12, 3)
+  # At 1 TB/s a gigabyte takes a millisecond.
+  assert summary["ms_at_bandwidth"] == pytest.approx(summary["gigabytes"], abs=1e-3)
+  table = kp.compiled_table(summary, "test")
+  assert table.startswith(f"test: {len(KERNELS)} kernels")
+
+
+def test_compiled_summary_groups_the_same_work_of_every_layer():
+  layer = """
+%fused_add.{i} (p.{i}: bf16[8,16]) -> bf16[8,16] {{
+  %p.{i} = bf16[8,16]{{1,0}} parameter(0)
+  ROOT %add.{i} = bf16[8,16]{{1,0}} add(%p.{i}, %p.{i}), metadata={{op_name="jit(f)/encoder/layer_{i}/add"}}
+}}
+"""
+  text = "HloModule jit_f\n" + "".join(layer.format(i=i) for i in range(3)) + """
+ENTRY %main (x: bf16[8,16]) -> bf16[8,16] {
+  %x = bf16[8,16]{1,0} parameter(0)
+  %loop_add_fusion.0 = bf16[8,16]{1,0} fusion(%x), kind=kLoop, calls=%fused_add.0
+  %loop_add_fusion.1 = bf16[8,16]{1,0} fusion(%loop_add_fusion.0), kind=kLoop, calls=%fused_add.1
+  ROOT %loop_add_fusion.2 = bf16[8,16]{1,0} fusion(%loop_add_fusion.1), kind=kLoop, calls=%fused_add.2
+}
+"""
+  summary = kp.compiled_summary(text)
+  assert summary["kernels"] == 3 and summary["ms_at_bandwidth"] is None
+  (group,) = summary["top"]
+  assert group["kernels"] == 3 and group["what"] == "add bf#[#,#] encoder/layer_#/add"

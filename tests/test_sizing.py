@@ -57,3 +57,22 @@ def test_tpu_slices_compile_ahead_of_time_with_tpu_defaults():
   else:
     with pytest.raises(ValueError, match=r"--topology v5e:2x2: no TPU topology description .*pip install 'jax\[tpu\]'"):
       sizing.topology_devices("v5e:2x2")
+
+
+def test_gpu_targets_compile_from_a_cpu_host_or_say_what_it_takes():
+  """A GPU of sizing.GPU_TARGETS as a device to compile for: with jax's CUDA plugin (no GPU needed) one
+  device of that kind; without it a clear error that names the plugin."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  config = sizing.gpu_target_config("h200")
+  assert "core_count: 132" in config and "memory_bandwidth: 4800000000000" in config
+  assert 'device_description_str: "NVIDIA H200 141GB HBM3e"' in config
+  with pytest.raises(ValueError, match="unknown GPU target 'a100'; known: h100, h200"):
+    sizing.gpu_target_devices("a100")
+  plugin = importlib.util.find_spec("jax_plugins") is not None and any(
+      importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13))
+  if plugin:
+    (device,) = sizing.gpu_target_devices("h200")
+    assert device.platform in ("gpu", "cuda")
+  else:
+    with pytest.raises(ValueError, match=r"GPU target h200: .*jax's CUDA plugin \(pip install 'jax\[cuda12\]'"):
+      sizing.gpu_target_devices("h200")

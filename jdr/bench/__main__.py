@@ -10,6 +10,7 @@ from jdr import host_memory
 BENCHMARKS = {
     "adore-step": "jdr.bench.adore_step",
     "ance-refresh": "jdr.bench.ance_refresh",
+    "compiled": "jdr.bench.compiled_kernels",
     "cross-encoder": "jdr.bench.cross_encoder",
     "device": "jdr.bench.device",
     "encode": "jdr.bench.encode_speed",

@@ -297,3 +297,62 @@ def profile_calls(run: Callable[[], None], hlo_text: str, calls: int = 3) -> dic
       return {"error": f"jax.profiler wrote no trace under {directory}"}
     data = jax.profiler.ProfileData.from_file(paths[-1])
     return summarize(device_events(data), hlo_text, calls)
+
+
+# Entry-computation instructions that launch no kernel of their own.
+_NO_KERNEL = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast", "opt-barrier", "after-all",
+              "partition-id", "replica-id")
+
+
+def _group(what: str) -> str:
+  """An instruction's description with its numbers replaced, so the same work in every layer is one group."""
+  return re.sub(r"\d+", "#", what)
+
+
+def compiled_summary(hlo_text: str, bandwidth: float | None = None, top: int = 12) -> dict:
+  """What a compiled module asks of the device, read from its optimized HLO without running it: its kernels
+  (the entry computation's instructions that launch one) by category, with the least bytes each must move
+  (operands read once, result written once) and, given `bandwidth` (bytes/s), the time that traffic takes at
+  it; and the `top` groups of alike instructions (the same work in every layer) by that traffic.
+
+  The time is a lower bound for memory-bound work (elementwise, reductions, transposes, attention); a
+  matmul's time is set by its FLOPs instead. Kernels of loop bodies (`while`) run many times and are not
+  counted: `loops` says how many loops the entry has."""
+  _, computations = parse_hlo(hlo_text)
+  instructions = {i.name: i for body in computations.values() for i in body}
+  entry = next((body for body in computations.values() if body and body[0].in_entry), [])
+  by_category = collections.defaultdict(lambda: [0, 0])
+  groups = collections.defaultdict(lambda: [0, 0, ""])
+  for instruction in entry:
+    if instruction.opcode in _NO_KERNEL or instruction.opcode == "while":
+      continue
+    category = categorize(instruction, computations)
+    moved = traffic_bytes(instruction, instructions)
+    by_category[category][0] += 1
+    by_category[category][1] += moved
+    key = (category, _group(describe(instruction, computations)))
+    groups[key][0] += 1
+    groups[key][1] += moved
+  at = lambda b: round(1e3 * b / bandwidth, 3) if bandwidth else None  # pylint: disable=unnecessary-lambda-assignment
+  total = sum(b for _, b in by_category.values())
+  return {"kernels": sum(n for n, _ in by_category.values()),
+          "loops": sum(i.opcode == "while" for i in entry),
+          "gigabytes": round(total / 1e9, 3), "ms_at_bandwidth": at(total),
+          "by_category": {c: {"kernels": n, "gigabytes": round(b / 1e9, 3), "ms_at_bandwidth": at(b)}
+                          for c, (n, b) in sorted(by_category.items(), key=lambda kv: -kv[1][1])},
+          "top": [{"category": c, "what": what, "kernels": n, "gigabytes": round(b / 1e9, 3),
+                   "ms_at_bandwidth": at(b)}
+                  for (c, what), (n, b, _) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]]}
+
+
+def compiled_table(summary: dict, title: str) -> str:
+  """compiled_summary as a few readable lines."""
+  ms = lambda v: f"{v:9.3f} ms" if v is not None else ""  # pylint: disable=unnecessary-lambda-assignment
+  lines = [f"{title}: {summary['kernels']} kernels, {summary['gigabytes']:.2f} GB of least traffic "
+           f"{ms(summary['ms_at_bandwidth'])}" + (f" ({summary['loops']} loops not counted)" if summary["loops"]
+                                                   else "")]
+  lines += [f"  {c:<40} {v['kernels']:5d} kernels {v['gigabytes']:8.2f} GB {ms(v['ms_at_bandwidth'])}"
+            for c, v in summary["by_category"].items()]
+  lines += [f"  {r['gigabytes']:8.2f} GB {ms(r['ms_at_bandwidth'])} x{r['kernels']:<4} {r['category'].split(' (')[0]:<16} "
+            f"{r['what']}" for r in summary["top"]]
+  return "\n".join(lines)
