@@ -352,13 +352,32 @@ def abstract_train_state(model, tx: optax.GradientTransformation, config: ml_col
   return abstract, shardings
 
 
+def compiler_options() -> dict[str, Any]:
+  """XLA options of every jitted train step, for the platform being compiled for.
+
+  GPUs: XLA's dot merger is off. It joins matmuls that share an operand into one over their other operands
+  concatenated; with shared towers that is each weight's matmuls over the queries and over the documents, so
+  every activation and gradient they read was first copied into a concatenation. In BERT-base's in-batch
+  step compiled for an NVIDIA H200 (128 x 32 + 128 x 256 tokens, attention dropout 0) the copies were 40 of the
+  129 GB of least traffic a step (`python -m jdr.bench compiled`); the unmerged matmuls are each as large as a
+  batch of queries or of documents, big enough for cuBLAS on their own.
+  """
+  return {"xla_gpu_dot_merger_threshold_mb": 0} if parallel.platform() == "gpu" else {}
+
+
+def jit(fn: Callable, **jit_kwargs) -> Callable:
+  """jax.jit with the train step's compiler options (`compiler_options`): every jitted step goes through it,
+  the trainer's and the benchmarks', so a benchmark times what the trainer runs."""
+  return jax.jit(fn, compiler_options=compiler_options() or None, **jit_kwargs)
+
+
 def jit_step(step, state_shardings, mesh, corpus: retrieved.CorpusMatrix | None = None):
   """The step jitted once: explicit in/out shardings, the state donated. With `corpus` (corpus candidates)
   the matrix and its bias are bound, sharded by rows, so the result is (state, batch) -> (state, metrics)
   either way."""
   batch_sharding, out = parallel.batch_sharding(mesh), (state_shardings, parallel.replicated(mesh))
   if corpus is None:
-    return jax.jit(step, in_shardings=(state_shardings, batch_sharding), out_shardings=out, donate_argnums=(0,))
-  jitted = jax.jit(step, in_shardings=(state_shardings, batch_sharding, *retrieved.corpus_shardings(mesh)),
-                   out_shardings=out, donate_argnums=(0,))
+    return jit(step, in_shardings=(state_shardings, batch_sharding), out_shardings=out, donate_argnums=(0,))
+  jitted = jit(step, in_shardings=(state_shardings, batch_sharding, *retrieved.corpus_shardings(mesh)),
+               out_shardings=out, donate_argnums=(0,))
   return lambda state, batch: jitted(state, batch, corpus.device, corpus.bias)

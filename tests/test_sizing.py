@@ -76,3 +76,15 @@ def test_gpu_targets_compile_from_a_cpu_host_or_say_what_it_takes():
   else:
     with pytest.raises(ValueError, match=r"GPU target h200: .*jax's CUDA plugin \(pip install 'jax\[cuda12\]'"):
       sizing.gpu_target_devices("h200")
+
+
+def test_the_train_step_compiles_without_the_dot_merger_on_gpus_only():
+  """Every jitted train step takes jdr.step.compiler_options for the platform it is compiled for: on GPUs the
+  dot merger is off (it concatenated the shared towers' query and document activations), elsewhere nothing."""
+  from jdr import parallel  # pylint: disable=g-import-not-at-top
+  from jdr import step as step_lib  # pylint: disable=g-import-not-at-top
+  assert step_lib.compiler_options() == {}
+  with parallel.compiling_for("gpu"):
+    assert step_lib.compiler_options() == {"xla_gpu_dot_merger_threshold_mb": 0}
+  with parallel.compiling_for("tpu"):
+    assert step_lib.compiler_options() == {}

@@ -102,8 +102,8 @@ class Bench:
     corpus_sh, bias_sh = retrieved.corpus_shardings(mesh)
     shardings = dict(in_shardings=(rep, parallel.batch_sharding(mesh), corpus_sh, bias_sh),
                      out_shardings=(rep, rep), donate_argnums=(0,))
-    self.step_given = jax.jit(step_lib.make_train_step(model, tx, config, mesh, "corpus", False), **shardings)
-    self.step_in_step = jax.jit(step_lib.make_train_step(model, tx, config, mesh, "corpus", True), **shardings)
+    self.step_given = step_lib.jit(step_lib.make_train_step(model, tx, config, mesh, "corpus", False), **shardings)
+    self.step_in_step = step_lib.jit(step_lib.make_train_step(model, tx, config, mesh, "corpus", True), **shardings)
 
     query_vectors = step_lib.make_step_query_vectors(model)
     self.query_vectors = query_vectors

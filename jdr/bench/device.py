@@ -290,7 +290,7 @@ def jdr_train_step_seconds(config, batch: dict, size: dict, label: str) -> tuple
   tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps)
   params = train.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
   state = step_lib.TrainState(step=jnp.int32(0), params=params, opt_state=tx.init(params), rng=jax.random.PRNGKey(1))
-  step_fn = jax.jit(step_lib.make_train_step(built.model, tx, config), donate_argnums=(0,))
+  step_fn = step_lib.jit(step_lib.make_train_step(built.model, tx, config), donate_argnums=(0,))
   batch = jax.device_put(batch)
   holder = {"state": state}
 

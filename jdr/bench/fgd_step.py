@@ -63,7 +63,7 @@ def step_seconds(args, variant: str) -> float:
   params = train.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
   state = {"s": step_lib.TrainState(step=jax.numpy.int32(0), params=params, opt_state=tx.init(params),
                                  rng=jax.random.PRNGKey(1))}
-  step_fn = jax.jit(step_lib.make_train_step(built.model, tx, config), donate_argnums=(0,))
+  step_fn = step_lib.jit(step_lib.make_train_step(built.model, tx, config), donate_argnums=(0,))
   batch = _batch(args, config)
 
   def run():

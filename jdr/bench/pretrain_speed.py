@@ -82,7 +82,7 @@ def jdr_seconds(built, config, batches, steps: int) -> float:
   params = train.initial_params(built.model, built, config, jax.random.PRNGKey(config.seed), None)
   state = {"s": step_lib.TrainState(step=jax.numpy.int32(0), params=params, opt_state=tx.init(params),
                                  rng=jax.random.PRNGKey(1))}
-  step_fn = jax.jit(step_lib.make_train_step(built.model, tx, config), donate_argnums=(0,))
+  step_fn = step_lib.jit(step_lib.make_train_step(built.model, tx, config), donate_argnums=(0,))
 
   def run_step(s):
     state["s"], metrics = step_fn(state["s"], batches[s])

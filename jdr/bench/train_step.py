@@ -70,7 +70,7 @@ def jdr_step_seconds(args, batch, dropout: float | None = None, devices: int = 1
                            rng=jax.random.PRNGKey(1))
   step = step_lib.make_train_step(built.model, tx, config)
   if devices == 1:
-    step_fn = jax.jit(step, donate_argnums=(0,))
+    step_fn = step_lib.jit(step, donate_argnums=(0,))
   else:
     mesh = parallel.make_mesh((devices, 1, 1), jax.devices()[:devices])
     rows, whole = parallel.batch_sharding(mesh), parallel.replicated(mesh)
@@ -78,8 +78,8 @@ def jdr_step_seconds(args, batch, dropout: float | None = None, devices: int = 1
     state = jax.device_put(state, whole)
     batch = {k: jax.device_put(v, batch_shardings[k]) for k, v in batch.items()}
     with parallel.activations_on(mesh):
-      step_fn = jax.jit(step, donate_argnums=(0,), in_shardings=(whole, batch_shardings),
-                        out_shardings=(whole, whole)).lower(state, batch).compile()
+      step_fn = step_lib.jit(step, donate_argnums=(0,), in_shardings=(whole, batch_shardings),
+                             out_shardings=(whole, whole)).lower(state, batch).compile()
   holder = {"state": state}
 
   def run_step():
