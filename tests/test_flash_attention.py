@@ -89,9 +89,25 @@ def test_encoder_with_flash_attention_equals_the_einsum_encoder():
   np.testing.assert_allclose(rows(flash), rows(einsum), rtol=1e-5, atol=1e-5)
 
 
-def test_kernels_lower_to_triton_for_gpus():
+def test_kernels_lower_to_triton_for_gpus(monkeypatch):
   """The forward and both backward kernels lower to Triton for CUDA from this CPU host (bfloat16, BERT-base's
-  64-wide heads, 256 and 100 tokens), so the GPU path is not first compiled on a GPU."""
+  64-wide heads, 256 and 100 tokens), and each Triton module passes MLIR's verifier, which the GPU compiler
+  runs first (a loop with bounds of two integer types once failed there), so the GPU path is not first
+  compiled on a GPU. The verifier is called on the module Pallas' Triton lowering returns (jax internals)."""
+  from jax._src.pallas.triton import lowering  # pylint: disable=g-import-not-at-top
+  verified = []
+  lower = lowering.lower_jaxpr_to_triton_module
+
+  def lower_and_verify(*args, **kwargs):
+    result = lower(*args, **kwargs)
+    try:
+      verified.append(result.module.operation.verify())
+    except Exception as e:  # pylint: disable=broad-except  (MLIR raises with the verifier's message)
+      verified.append(str(e)[:500])
+    return result
+
+  monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
+
   def loss(q, k, v, mask, key):
     out = flash_attention(q, k, v, mask, scale=0.125, rate=0.1, key=key, interpret=False)
     return jnp.sum(out.astype(jnp.float32) ** 2)
@@ -104,6 +120,7 @@ def test_kernels_lower_to_triton_for_gpus():
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
     names = re.findall(r'name = "(\w+)"', exported.mlir_module())
     assert sorted(set(names)) == ["_dkdv_kernel", "_dq_kernel", "_forward_kernel"], names
+  assert verified == [True] * 6, verified
 
 
 @pytest.mark.long

@@ -115,7 +115,9 @@ def _dkdv_kernel(meta_ref, lengths_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, de
     return dk, dv
 
   # A key block wholly past the row's length gets no gradient (its keys were masked out).
-  blocks = jnp.where(j * block_k < length, q_ref.shape[0] // st.block, 0)
+  # Both branches int32, as the loop's start: Python ints here made Triton's loop bounds of two integer types,
+  # which its verifier refuses ('scf.for' ... have same type) when the module is compiled for a GPU.
+  blocks = jnp.where(j * block_k < length, jnp.int32(q_ref.shape[0] // st.block), jnp.int32(0))
   zeros = jnp.zeros((block_k, head_dim), jnp.float32)
   dk, dv = jax.lax.fori_loop(0, blocks, body, (zeros, zeros))
   dk_ref[...] = (dk * st.scale).astype(dk_ref.dtype)
