@@ -145,3 +145,9 @@ def test_compiled_kernels_of_the_host_and_a_config_override(capsys):
   assert no_dropout["programs"]["train"]["kernels"] < out["programs"]["train"]["kernels"]
   with pytest.raises(SystemExit):
     compiled_kernels.main([*small, "--programs", "backward"])
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  if importlib.util.find_spec("jax_plugins") is None:  # no CUDA plugin: a GPU target is a usage error
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+      compiled_kernels.main(["--target", "h200"])
+    assert exit_info.value.code == 2 and "needs jax's CUDA plugin" in capsys.readouterr().err

@@ -93,7 +93,10 @@ def main(argv=None) -> None:
     devices, platform, bandwidth, options = None, jax.default_backend(), None, None
     device_kind = jax.devices()[0].device_kind
   else:
-    devices, platform = sizing.gpu_target_devices(args.target), "gpu"
+    try:
+      devices, platform = sizing.gpu_target_devices(args.target), "gpu"
+    except ValueError as e:
+      parser.error(str(e))
     bandwidth = sizing.GPU_TARGETS[args.target]["bandwidth"]
     device_kind = sizing.GPU_TARGETS[args.target]["name"]
     options = {"xla_gpu_enable_triton_gemm": False}
