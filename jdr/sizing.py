@@ -134,13 +134,19 @@ def topology_devices(name: str) -> list:
 def size_step(config: ml_collections.ConfigDict, topology: str | None = None) -> dict:
   """Compiles the step of `config` for its mesh; returns the per-device figures (module docstring).
 
-  With `topology` (a TPU slice name) the mesh is built from that slice's devices and the step compiled for
-  them ahead of time, with the TPU's defaults (model.dtype auto = bfloat16, fused attention)."""
+  With `topology` (a TPU slice name, or a GPU of GPU_TARGETS) the mesh is built from that slice's devices (the
+  GPU's one) and the step compiled for them ahead of time, with that platform's defaults (model.dtype auto =
+  bfloat16, fused attention)."""
   if topology is None:
     return _size_step(config, None)
-  devices = topology_devices(topology)
-  with parallel.compiling_for("tpu"):
-    return {**_size_step(config, devices), "topology": topology, "device_kind": devices[0].device_kind}
+  if topology in GPU_TARGETS:
+    devices, platform = gpu_target_devices(topology), "gpu"
+    kind = GPU_TARGETS[topology]["name"]
+  else:
+    devices, platform = topology_devices(topology), "tpu"
+    kind = devices[0].device_kind
+  with parallel.compiling_for(platform):
+    return {**_size_step(config, devices), "topology": topology, "device_kind": kind}
 
 
 @dataclasses.dataclass
@@ -181,7 +187,8 @@ def _size_step(config: ml_collections.ConfigDict, devices) -> dict:
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   devices = int(np.prod(list(mesh.shape.values())))
-  flops = float(cost.get("flops", 0.0)) if cost else 0.0
+  # XLA's GPU compiler gives no cost analysis without a GPU: None, not a zero that reads as a figure.
+  flops = float(cost["flops"]) if cost and "flops" in cost else None
   return {
       "mesh": dict(mesh.shape), "rules": config.mesh.rules, "devices": devices, "batch_size": config.batch_size,
       "query_length": config.data.query_max_length, "doc_length": config.data.doc_max_length,
@@ -195,7 +202,7 @@ def _size_step(config: ml_collections.ConfigDict, devices) -> dict:
                                     + memory.temp_size_in_bytes - memory.alias_size_in_bytes),
       # XLA's cost analysis of the SPMD-partitioned module: what one device executes, replicated work (a
       # data-parallel optimizer update) included, so the sum over devices exceeds the model's own count.
-      "flops_per_device": flops, "flops_all_devices": flops * devices,
+      "flops_per_device": flops, "flops_all_devices": flops * devices if flops is not None else None,
   }
 
 
@@ -206,7 +213,8 @@ def report(sizes: dict, file=None) -> None:
   print(f"mesh {sizes['mesh']}{on} ({sizes['rules']}), batch {sizes['batch_size']}, {sizes['parameters']:,} parameters; "
         f"per device: params {mib(sizes['params_bytes_per_device'])}, optimizer "
         f"{mib(sizes['optimizer_bytes_per_device'])}, activations and other temporaries {mib(sizes['temp_bytes'])}, "
-        f"step total {mib(sizes['total_bytes_per_device'])}; {sizes['flops_per_device'] / 1e12:.3f} TFLOP per device "
-        f"per step",
+        f"step total {mib(sizes['total_bytes_per_device'])}; " + (
+            f"{sizes['flops_per_device'] / 1e12:.3f} TFLOP per device per step"
+            if sizes["flops_per_device"] is not None else "FLOPs not reported by this compiler"),
         file=file)
   print(json.dumps(sizes), file=file)

@@ -73,6 +73,12 @@ def test_gpu_targets_compile_from_a_cpu_host_or_say_what_it_takes():
   if plugin:
     (device,) = sizing.gpu_target_devices("h200")
     assert device.platform in ("gpu", "cuda")
+    from jdr import defaults  # pylint: disable=g-import-not-at-top
+    config = defaults.get_config()
+    config.model.init_from, config.model.fresh, config.batch_size = "", "tiny", 4
+    sizes = sizing.size_step(config, topology="h200")
+    assert sizes["device_kind"] == "NVIDIA H200 141GB HBM3e" and sizes["devices"] == 1
+    assert sizes["temp_bytes"] > 0 and sizes["flops_per_device"] is None  # no cost analysis without the GPU
   else:
     with pytest.raises(ValueError, match=r"GPU target h200: .*jax's CUDA plugin \(pip install 'jax\[cuda12\]'"):
       sizing.gpu_target_devices("h200")
@@ -88,3 +94,12 @@ def test_the_train_step_compiles_without_the_dot_merger_on_gpus_only():
     assert step_lib.compiler_options() == {"xla_gpu_dot_merger_threshold_mb": 0}
   with parallel.compiling_for("tpu"):
     assert step_lib.compiler_options() == {}
+
+
+def test_the_report_says_when_the_compiler_gave_no_flops(capsys):
+  sizes = {"mesh": {"data": 1}, "rules": "dp", "batch_size": 4, "parameters": 10, "params_bytes_per_device": 40,
+           "optimizer_bytes_per_device": 80, "temp_bytes": 2**20, "total_bytes_per_device": 2**21,
+           "flops_per_device": None, "topology": "h200", "device_kind": "NVIDIA H200 141GB HBM3e"}
+  sizing.report(sizes)
+  first = capsys.readouterr().out.splitlines()[0]
+  assert "of h200 (NVIDIA H200 141GB HBM3e)" in first and first.endswith("FLOPs not reported by this compiler")
