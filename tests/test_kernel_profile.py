@@ -179,3 +179,37 @@ ENTRY %main (x: bf16[8,16]) -> bf16[8,16] {
   assert summary["kernels"] == 3 and summary["ms_at_bandwidth"] is None
   (group,) = summary["top"]
   assert group["kernels"] == 3 and group["what"] == "add bf#[#,#] encoder/layer_#/add"
+
+
+def test_a_fusion_that_gathers_rows_of_a_matrix_reads_those_rows_only():
+  """An in-step retrieval scores the candidate rows it gathers from the whole corpus inside one fusion: the
+  least traffic counts the gathered rows, not the matrix (and the indices in full)."""
+  text = """HloModule jit_step
+
+%fused_score (p0: bf16[100000,64], p1: s32[4,8,1], p2: f32[4,64]) -> f32[4,8] {
+  %p0 = bf16[100000,64]{1,0} parameter(0)
+  %p1 = s32[4,8,1]{2,1,0} parameter(1)
+  %gather.1 = bf16[4,8,64]{2,1,0} gather(%p0, %p1), offset_dims={2}, collapsed_slice_dims={0}, start_index_map={0}, index_vector_dim=2, slice_sizes={1,64}
+  %convert.1 = f32[4,8,64]{2,1,0} convert(%gather.1)
+  %p2 = f32[4,64]{1,0} parameter(2)
+  %broadcast.1 = f32[4,8,64]{2,1,0} broadcast(%p2), dimensions={0,2}
+  %multiply.1 = f32[4,8,64]{2,1,0} multiply(%convert.1, %broadcast.1)
+  %c = f32[] constant(0)
+  ROOT %reduce.1 = f32[4,8]{1,0} reduce(%multiply.1, %c), dimensions={2}, to_apply=%add
+}
+
+ENTRY %main (corpus: bf16[100000,64], rows: s32[4,8,1], q: f32[4,64]) -> f32[4,8] {
+  %corpus = bf16[100000,64]{1,0} parameter(0)
+  %rows = s32[4,8,1]{2,1,0} parameter(1)
+  %q = f32[4,64]{1,0} parameter(2)
+  ROOT %input_reduce_fusion = f32[4,8]{1,0} fusion(%corpus, %rows, %q), kind=kInput, calls=%fused_score
+}
+"""
+  _, computations = kp.parse_hlo(text)
+  instructions = {i.name: i for body in computations.values() for i in body}
+  fusion = instructions["input_reduce_fusion"]
+  gathered, indices, queries, result = 4 * 8 * 64 * 2, 4 * 8 * 4, 4 * 64 * 4, 4 * 8 * 4
+  assert kp.traffic_bytes(fusion, instructions, computations) == gathered + indices + queries + result
+  # Without the fused computation to look into, every operand counts whole (the corpus included).
+  assert kp.traffic_bytes(fusion, instructions) == 100000 * 64 * 2 + indices + queries + result
+  assert kp.compiled_summary(text)["gigabytes"] == round((gathered + indices + queries + result) / 1e9, 3)

@@ -102,11 +102,40 @@ def shape_bytes(shape: str) -> int:
   return total
 
 
-def traffic_bytes(instruction: Instruction, instructions: dict[str, Instruction]) -> int:
+# Ops that read only part of their first operand: a fusion that takes a matrix only through them reads the
+# rows they pick, not the matrix (an in-step retrieval's candidate rows out of the whole corpus).
+_PARTIAL_READS = ("gather", "dynamic-slice", "slice")
+
+
+def traffic_bytes(instruction: Instruction, instructions: dict[str, Instruction],
+                  computations: dict[str, list[Instruction]] | None = None) -> int:
   """What an instruction must move at the least: each operand read once and its result written once. Its
-  time against this (GB/s) says how far a kernel runs from memory speed."""
+  time against this (GB/s) says how far a kernel runs from memory speed. Given the module's `computations`, a
+  fusion's operand that its fused computation only gathers or slices counts as what those pick."""
+  partial = _partially_read(instruction, computations) if computations else {}
   return shape_bytes(instruction.shape) + sum(
-      shape_bytes(instructions[o].shape) for o in instruction.operands if o in instructions)
+      partial.get(i, shape_bytes(instructions[o].shape))
+      for i, o in enumerate(instruction.operands) if o in instructions)
+
+
+def _partially_read(instruction: Instruction, computations) -> dict[int, int]:
+  """{operand index: bytes read} for a fusion's operands used only by gathers / slices inside it."""
+  if instruction.opcode != "fusion":
+    return {}
+  body = computations.get(_attribute(instruction.line, "calls"), [])
+  users: dict[str, list[Instruction]] = {}
+  for inner in body:
+    for name in inner.operands[:1]:  # the operand that is read in part is the first
+      users.setdefault(name, []).append(inner)
+    for name in inner.operands[1:]:
+      users.setdefault(name, []).append(None)  # used whole (or as indices)
+  out = {}
+  for inner in body:
+    index = re.search(r"\bparameter\((\d+)\)", inner.line) if inner.opcode == "parameter" else None
+    readers = users.get(inner.name, [])
+    if index and readers and all(r is not None and r.opcode in _PARTIAL_READS for r in readers):
+      out[int(index.group(1))] = min(shape_bytes(inner.shape), sum(shape_bytes(r.shape) for r in readers))
+  return out
 
 
 def _attribute(line: str, key: str) -> str:
@@ -254,7 +283,7 @@ def summarize(events: list[KernelEvent], hlo_text: str, calls: int, top: int = 1
     instruction = instructions.get(op)
     category = categorize(instruction, computations) if instruction else "unattributed"
     by_category[category] += ns
-    moved = traffic_bytes(instruction, instructions) if instruction else 0
+    moved = traffic_bytes(instruction, instructions, computations) if instruction else 0
     if instruction and not instruction.in_entry:
       moved *= count // calls  # each event one run of a loop body's instruction (on GPUs one kernel each)
     rows.append((ns, op, count, category, describe(instruction, computations) if instruction else "", moved))
@@ -327,7 +356,7 @@ def compiled_summary(hlo_text: str, bandwidth: float | None = None, top: int = 1
     if instruction.opcode in _NO_KERNEL or instruction.opcode == "while":
       continue
     category = categorize(instruction, computations)
-    moved = traffic_bytes(instruction, instructions)
+    moved = traffic_bytes(instruction, instructions, computations)
     by_category[category][0] += 1
     by_category[category][1] += moved
     key = (category, _group(describe(instruction, computations)))
