@@ -143,6 +143,12 @@ def test_compiled_kernels_of_the_host_and_a_config_override(capsys):
   no_dropout = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
   assert no_dropout["overrides"] == ["model.attention_dropout=0"]
   assert no_dropout["programs"]["train"]["kernels"] < out["programs"]["train"]["kernels"]
+  # ADORE's step with its top-n retrieved inside moves the corpus matrix besides what the given step moves.
+  compiled_kernels.main([*small, "--programs", "adore,adore-given", "--corpus-rows", "20000", "--adore-batch", "2",
+                         "--top-n", "8"])
+  adore = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["programs"]
+  matrix_gb = 20000 * 64 * 4 / 1e9  # float32 on the CPU, the tiny model's 64 dimensions
+  assert adore["adore"]["gigabytes"] - adore["adore-given"]["gigabytes"] >= matrix_gb - 1e-3
   with pytest.raises(SystemExit):
     compiled_kernels.main([*small, "--programs", "backward"])
   import importlib.util  # pylint: disable=g-import-not-at-top

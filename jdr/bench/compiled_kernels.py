@@ -16,7 +16,9 @@ measurements: `python -m jdr.bench device --profile` measures on a GPU.
 
 The programs have the device benchmark's shapes: the forward of one full batch (256 rows of 256 tokens, the
 accelerators' 65,536 tokens a batch), mean pooling; the in-batch train step with 128 queries of 32 tokens and
-128 documents of 256, AdamW, dropout 0.1. Weights are never created: everything is compiled on abstract values.
+128 documents of 256, AdamW, dropout 0.1; and (not by default) ADORE's step, 32 queries of 32 tokens against
+a fixed corpus of MS MARCO's 8,841,823 passages, its top-200 retrieved in the step (adore) or given
+(adore-given). Weights and corpora are never created: everything is compiled on abstract values.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from jdr import step as step_lib
 from jdr.bench import kernel_profile
 from jdr.models import build as build_lib
 
-PROGRAMS = ("forward", "train")
+PROGRAMS = ("forward", "train", "adore", "adore-given")
 
 
 def make_config(fresh: str, batch: int, query_length: int, doc_length: int,
@@ -68,19 +70,71 @@ def compile_forward(config: ml_collections.ConfigDict, devices, rows: int, lengt
   return forward.lower(abstract.params, ids, ids).compile(compiler_options)
 
 
+def compile_adore(config: ml_collections.ConfigDict, devices, corpus_rows: int, retrieval_in_step: bool,
+                  compiler_options: dict | None):
+  """ADORE's step (configs/adore.py: the query tower trains against the fixed corpus) with its top-n over
+  [corpus_rows, dim] retrieved inside the step, or given as candidate rows (what the device benchmark's
+  ADORE section times, to tell the retrieval's share)."""
+  from jdr import topk  # pylint: disable=g-import-not-at-top
+  from jdr.negatives import retrieved  # pylint: disable=g-import-not-at-top
+  mesh = parallel.make_mesh(config.mesh.shape, devices=devices)
+  rules = parallel.rules_for(config.mesh.rules)
+  built = build_lib.build(config.model, config.data)
+  tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps, config.model.train_towers)
+  abstract, shardings = step_lib.abstract_train_state(built.model, tx, config, mesh, rules)
+  rows_sharding, bias_sharding = retrieved.corpus_shardings(mesh)
+  batch_sharding, replicated = parallel.batch_sharding(mesh), parallel.replicated(mesh)
+  b, length = config.batch_size, config.data.query_max_length
+  batch = {"query_ids": ((b, length), jnp.int32), "query_mask": ((b, length), jnp.int32),
+           "positive_rows": ((b, 1), jnp.int32)}
+  if not retrieval_in_step:
+    batch["cand_rows"] = ((b, config.negatives.top_n), jnp.int32)
+  batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding) for k, (shape, dtype) in batch.items()}
+  devices_count = int(mesh.devices.size)
+  n = topk.padded_size(corpus_rows, devices_count, topk.DEFAULT_BLOCK_ROWS)
+  dim = int(jax.eval_shape(step_lib.make_step_query_vectors(built.model), abstract, batch["query_ids"],
+                           batch["query_mask"]).shape[-1])
+  dtype = topk.resolve_dtype(config.negatives.corpus_dtype, parallel.platform())
+  if dtype == "int8":
+    corpus = topk.QuantizedRows(jax.ShapeDtypeStruct((n, dim), jnp.int8, sharding=rows_sharding),
+                                jax.ShapeDtypeStruct((n, 1), jnp.float32, sharding=rows_sharding))
+  else:
+    corpus = jax.ShapeDtypeStruct((n, dim), jnp.dtype(dtype), sharding=rows_sharding)
+  bias = jax.ShapeDtypeStruct((n,), jnp.float32, sharding=bias_sharding)
+  step = step_lib.jit(step_lib.make_train_step(built.model, tx, config, mesh, "corpus", retrieval_in_step),
+                      in_shardings=(shardings, batch_sharding, rows_sharding, bias_sharding),
+                      out_shardings=(shardings, replicated), donate_argnums=(0,))
+  return step.lower(abstract, batch, corpus, bias).compile(compiler_options)
+
+
+def adore_config(fresh: str, batch: int, query_length: int, top_n: int, overrides: list[str]):
+  """configs/adore.py with the device benchmark's ADORE shapes and a fresh model of `fresh`'s shape."""
+  from jdr.bench import recipes  # pylint: disable=g-import-not-at-top
+  c = recipes.load("adore")
+  c.model.init_from, c.model.fresh, c.model.pooling = "", fresh, "mean"
+  c.negatives.top_n, c.data.query_max_length, c.batch_size = top_n, query_length, batch
+  c.optimizer.warmup_steps, c.num_train_steps = 0, 10_000
+  config_files.apply_overrides(c, overrides)
+  return c
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(prog="python -m jdr.bench compiled", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--target", default="h200", choices=("host", *sorted(sizing.GPU_TARGETS)),
                       help="a GPU to compile for (needs jax's CUDA plugin, not the GPU), or host: this host's "
                            "own backend")
-  parser.add_argument("--programs", default=",".join(PROGRAMS), help=f"comma-separated, of {PROGRAMS}")
+  parser.add_argument("--programs", default="forward,train", help=f"comma-separated, of {PROGRAMS}")
   parser.add_argument("--fresh", default="base", help="model.fresh: the architecture (tiny, small, mini, base)")
   parser.add_argument("--rows", type=int, default=256, help="forward: rows of the batch")
   parser.add_argument("--length", type=int, default=256, help="forward: tokens a row")
   parser.add_argument("--train-batch", type=int, default=128)
   parser.add_argument("--query-length", type=int, default=32)
   parser.add_argument("--doc-length", type=int, default=256)
+  parser.add_argument("--corpus-rows", type=int, default=8_841_823,
+                      help="adore: rows of the fixed corpus (default MS MARCO's passages)")
+  parser.add_argument("--adore-batch", type=int, default=32, help="adore: queries a step")
+  parser.add_argument("--top-n", type=int, default=200, help="adore: candidates retrieved a query")
   parser.add_argument("--top", type=int, default=12, help="groups of alike kernels to list")
   argv, overrides = config_files.split_config_args(sys.argv[1:] if argv is None else argv)
   args = parser.parse_args(argv)
@@ -109,6 +163,12 @@ def main(argv=None) -> None:
       if program == "forward":
         compiled = compile_forward(config, devices, args.rows, args.length, options)
         title = f"forward of [{args.rows}, {args.length}]"
+      elif program.startswith("adore"):
+        in_step = program == "adore"
+        adore = adore_config(args.fresh, args.adore_batch, args.query_length, args.top_n, overrides)
+        compiled = compile_adore(adore, devices, args.corpus_rows, in_step, options)
+        title = (f"ADORE step, {args.adore_batch} x {args.query_length} queries, top-{args.top_n} of "
+                 f"{args.corpus_rows:,} rows {'retrieved in the step' if in_step else 'given'}")
       else:
         compiled = sizing.compile_step(config, devices, options).compiled
         title = (f"train step, {args.train_batch} x {args.query_length} queries + {args.train_batch} x "
