@@ -153,7 +153,6 @@ def size_step(config: ml_collections.ConfigDict, topology: str | None = None) ->
 class CompiledStep:
   """The configured train step compiled on abstract values, with what it was compiled for."""
   compiled: Any
-  model: Any
   mesh: Any
   abstract: step_lib.TrainState
   batch: dict
@@ -177,7 +176,7 @@ def compile_step(config: ml_collections.ConfigDict, devices=None, compiler_optio
   step = step_lib.make_train_step(model, tx, config, mesh, candidates)
   batch = abstract_batch(config, parallel.batch_sharding(mesh))
   compiled = step_lib.jit_step(step, shardings, mesh).lower(abstract, batch).compile(compiler_options)
-  return CompiledStep(compiled, model, mesh, abstract, batch)
+  return CompiledStep(compiled, mesh, abstract, batch)
 
 
 def _size_step(config: ml_collections.ConfigDict, devices) -> dict:

@@ -296,8 +296,7 @@ class Layer(nn.Module):
   def __call__(self, x, key_mask, deterministic: bool, span_mask=None):
     # `deterministic` is positional: nn.remat marks it static by position.
     cfg = self.config
-    heads = (cfg.num_heads, cfg.head_dim)
-    # [B, L, E] x [E, N, D] -> [B, L, N, D]: heads come out of the projection with no reshape or transpose.
+    # [B, L, E] -> [B, L, N, D]: heads come out of the projection with no transpose (its reshape is free).
     q = HeadsProjection(cfg, name="query")(x)
     k = HeadsProjection(cfg, name="key")(x)
     v = HeadsProjection(cfg, name="value")(x)
