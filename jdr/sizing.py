@@ -150,6 +150,25 @@ def size_step(config: ml_collections.ConfigDict, topology: str | None = None) ->
 
 
 @dataclasses.dataclass
+class AbstractModel:
+  """A config's model, optimizer and train state on its mesh as sharded ShapeDtypeStructs: what compiling
+  any of its programs on abstract values starts from (nothing is allocated)."""
+  mesh: Any
+  model: Any
+  tx: Any
+  abstract: step_lib.TrainState
+  shardings: Any
+
+
+def abstract_model(config: ml_collections.ConfigDict, devices=None) -> AbstractModel:
+  mesh = parallel.make_mesh(config.mesh.shape, devices=devices)
+  model = build_lib.build(config.model, config.data).model
+  tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps, config.model.train_towers)
+  abstract, shardings = step_lib.abstract_train_state(model, tx, config, mesh, parallel.rules_for(config.mesh.rules))
+  return AbstractModel(mesh, model, tx, abstract, shardings)
+
+
+@dataclasses.dataclass
 class CompiledStep:
   """The configured train step compiled on abstract values, with what it was compiled for."""
   compiled: Any
@@ -166,17 +185,13 @@ def compile_step(config: ml_collections.ConfigDict, devices=None, compiler_optio
   if candidates == "corpus" or pretrain_batches.is_masked_lm(config):
     raise ValueError("--compile-only sizes token-batch steps; ADORE / LTRe corpus batches and masked-LM are not "
                      "covered yet (their corpus matrix: jdr.sizing.corpus_matrix_bytes)")
-  mesh = parallel.make_mesh(config.mesh.shape, devices=devices)
-  rules = parallel.rules_for(config.mesh.rules)
-  parallel.check_batch_size(config.batch_size, mesh)
-  built = build_lib.build(config.model, config.data)
-  model = built.model
-  tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps, config.model.train_towers)
-  abstract, shardings = step_lib.abstract_train_state(model, tx, config, mesh, rules)
-  step = step_lib.make_train_step(model, tx, config, mesh, candidates)
-  batch = abstract_batch(config, parallel.batch_sharding(mesh))
-  compiled = step_lib.jit_step(step, shardings, mesh).lower(abstract, batch).compile(compiler_options)
-  return CompiledStep(compiled, mesh, abstract, batch)
+  setup = abstract_model(config, devices)
+  parallel.check_batch_size(config.batch_size, setup.mesh)
+  step = step_lib.make_train_step(setup.model, setup.tx, config, setup.mesh, candidates)
+  batch = abstract_batch(config, parallel.batch_sharding(setup.mesh))
+  compiled = step_lib.jit_step(step, setup.shardings, setup.mesh).lower(setup.abstract, batch).compile(
+      compiler_options)
+  return CompiledStep(compiled, setup.mesh, setup.abstract, batch)
 
 
 def _size_step(config: ml_collections.ConfigDict, devices) -> dict:

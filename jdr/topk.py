@@ -22,7 +22,7 @@ Row padding (to a multiple of devices x block_rows) carries a -inf bias, so a pa
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -133,6 +133,21 @@ def put_corpus(matrix: np.ndarray, mesh, dtype: str = "auto",
   bias = np.where(np.arange(padded) < n, 0.0, -np.inf).astype(np.float32)
   device_bias = jax.make_array_from_callback(bias.shape, bias_sharding, lambda index: bias[index])
   return ShardedCorpus(rows, device_bias, n, dtype, block_rows)
+
+
+def abstract_corpus(num_docs: int, dim: int, mesh, dtype: str = "auto",
+                    block_rows: int = DEFAULT_BLOCK_ROWS) -> tuple[Any, jax.ShapeDtypeStruct]:
+  """(rows, bias) of a corpus as put_corpus would place it, as sharded ShapeDtypeStructs: for compiling a
+  search or a step over a corpus that is never created (sizing, the compiled-kernels benchmark)."""
+  dtype = resolve_dtype(dtype, mesh.devices.flat[0].platform)
+  padded = padded_size(num_docs, int(mesh.devices.size), block_rows)
+  rows_sharding, bias_sharding = row_shardings(mesh)
+  struct = lambda shape, dt, sh: jax.ShapeDtypeStruct(shape, dt, sharding=sh)  # pylint: disable=unnecessary-lambda-assignment
+  if dtype == "int8":
+    rows = QuantizedRows(struct((padded, dim), jnp.int8, rows_sharding), struct((padded, 1), jnp.float32, rows_sharding))
+  else:
+    rows = struct((padded, dim), jnp.bfloat16 if dtype == "bfloat16" else jnp.float32, rows_sharding)
+  return rows, struct((padded,), jnp.float32, bias_sharding)
 
 
 # ------------------------------------------------------------------------------------------------ search

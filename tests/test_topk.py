@@ -124,3 +124,15 @@ def test_dtype_defaults_follow_the_platform():
   assert topk.resolve_dtype("int8", "gpu") == "int8"
   with pytest.raises(ValueError, match="float32, bfloat16, int8"):
     topk.resolve_dtype("float16")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_abstract_corpus_is_what_put_corpus_places(dtype):
+  """The corpus compiled against without data (sizing, jdr.bench compiled) has the shapes, dtypes and
+  shardings of the one put_corpus places."""
+  from jdr import parallel  # pylint: disable=g-import-not-at-top
+  mesh = parallel.make_mesh((1, 1, 1))
+  placed = topk.put_corpus(np.ones((300, 8), np.float32), mesh, dtype, block_rows=64)
+  rows, bias = topk.abstract_corpus(300, 8, mesh, dtype, block_rows=64)
+  describe = lambda tree: jax.tree.map(lambda a: (a.shape, a.dtype, a.sharding), tree)  # noqa: E731
+  assert describe((rows, bias)) == describe((placed.rows, placed.bias))

@@ -34,6 +34,7 @@ import ml_collections
 import numpy as np
 
 from jdr import step as step_lib
+from jdr.models.build import FRESH
 from jdr.bench import recipes
 
 _PREFIX = re.compile(r"(OPQ|PCA|ITQ|RR|IVF|IMI|L2norm)", re.IGNORECASE)
@@ -56,13 +57,13 @@ def parse_factories(text: str) -> list[str]:
   return out
 
 
-def _config(args) -> ml_collections.ConfigDict:
+def recipe_config(args) -> ml_collections.ConfigDict:
   """The ADORE recipe (configs/adore.py), with the benchmark's model, sizes and in-step retrieval."""
   c = recipes.load("adore")
   if args.model == "minilm":
     c.model.init_from = "minilm"
-  elif args.model == "tiny":  # a fresh 2x64 tower: only for smoke tests of the benchmark itself
-    c.model.init_from, c.model.fresh, c.model.pooling = "", "tiny", "mean"
+  elif args.model in FRESH:  # fresh weights of that shape (tiny: smoke tests; base: jdr.bench compiled)
+    c.model.init_from, c.model.fresh, c.model.pooling = "", args.model, "mean"
   else:  # a Hugging Face directory (jdr.bench device writes a random BERT-base there)
     c.model.init_from, c.model.pooling, c.model.normalize = args.model, "mean", False
   c.model.dtype = getattr(args, "dtype", c.model.dtype)
@@ -88,7 +89,7 @@ class Bench:
     from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
     from jdr.negatives import retrieved  # pylint: disable=g-import-not-at-top
     self.args, self.parallel, self.retrieved = args, parallel, retrieved
-    config = _config(args)
+    config = recipe_config(args)
     self.mesh = mesh = mesh if mesh is not None else parallel.make_mesh(config.mesh.shape)
     parallel.check_batch_size(config.batch_size, mesh)
     built = build_lib.build(config.model, config.data)

@@ -36,12 +36,10 @@ import ml_collections
 
 from jdr import config_files
 from jdr import defaults
-from jdr import optimizers
 from jdr import parallel
 from jdr import sizing
 from jdr import step as step_lib
 from jdr.bench import kernel_profile
-from jdr.models import build as build_lib
 
 PROGRAMS = ("forward", "train", "adore", "adore-given")
 
@@ -62,14 +60,11 @@ def make_config(fresh: str, batch: int, query_length: int, doc_length: int,
 def compile_forward(config: ml_collections.ConfigDict, devices, rows: int, length: int,
                     compiler_options: dict | None):
   """The document tower's forward of one [rows, length] batch, compiled on abstract parameters."""
-  mesh = parallel.make_mesh(config.mesh.shape, devices=devices)
-  built = build_lib.build(config.model, config.data)
-  tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps, config.model.train_towers)
-  abstract, _ = step_lib.abstract_train_state(built.model, tx, config, mesh, parallel.rules_for(config.mesh.rules))
-  ids = jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=parallel.batch_sharding(mesh))
-  model = built.model
+  setup = sizing.abstract_model(config, devices)
+  ids = jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=parallel.batch_sharding(setup.mesh))
+  model = setup.model
   forward = jax.jit(lambda p, i, m: model.apply({"params": p}, i, m, method=type(model).encode_doc))
-  return forward.lower(abstract.params, ids, ids).compile(compiler_options)
+  return forward.lower(setup.abstract.params, ids, ids).compile(compiler_options)
 
 
 def compile_adore(config: ml_collections.ConfigDict, devices, corpus_rows: int, retrieval_in_step: bool,
@@ -78,44 +73,30 @@ def compile_adore(config: ml_collections.ConfigDict, devices, corpus_rows: int, 
   [corpus_rows, dim] retrieved inside the step, or given as candidate rows (what the device benchmark's
   ADORE section times, to tell the retrieval's share)."""
   from jdr import topk  # pylint: disable=g-import-not-at-top
-  from jdr.negatives import retrieved  # pylint: disable=g-import-not-at-top
-  mesh = parallel.make_mesh(config.mesh.shape, devices=devices)
-  rules = parallel.rules_for(config.mesh.rules)
-  built = build_lib.build(config.model, config.data)
-  tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps, config.model.train_towers)
-  abstract, shardings = step_lib.abstract_train_state(built.model, tx, config, mesh, rules)
-  rows_sharding, bias_sharding = retrieved.corpus_shardings(mesh)
-  batch_sharding, replicated = parallel.batch_sharding(mesh), parallel.replicated(mesh)
+  setup = sizing.abstract_model(config, devices)
+  mesh = setup.mesh
+  batch_sharding = parallel.batch_sharding(mesh)
   b, length = config.batch_size, config.data.query_max_length
   batch = {"query_ids": ((b, length), jnp.int32), "query_mask": ((b, length), jnp.int32),
            "positive_rows": ((b, 1), jnp.int32)}
   if not retrieval_in_step:
     batch["cand_rows"] = ((b, config.negatives.top_n), jnp.int32)
   batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding) for k, (shape, dtype) in batch.items()}
-  devices_count = int(mesh.devices.size)
-  n = topk.padded_size(corpus_rows, devices_count, topk.DEFAULT_BLOCK_ROWS)
-  dim = int(jax.eval_shape(step_lib.make_step_query_vectors(built.model), abstract, batch["query_ids"],
+  dim = int(jax.eval_shape(step_lib.make_step_query_vectors(setup.model), setup.abstract, batch["query_ids"],
                            batch["query_mask"]).shape[-1])
-  dtype = topk.resolve_dtype(config.negatives.corpus_dtype, parallel.platform())
-  if dtype == "int8":
-    corpus = topk.QuantizedRows(jax.ShapeDtypeStruct((n, dim), jnp.int8, sharding=rows_sharding),
-                                jax.ShapeDtypeStruct((n, 1), jnp.float32, sharding=rows_sharding))
-  else:
-    corpus = jax.ShapeDtypeStruct((n, dim), jnp.dtype(dtype), sharding=rows_sharding)
-  bias = jax.ShapeDtypeStruct((n,), jnp.float32, sharding=bias_sharding)
-  step = step_lib.jit(step_lib.make_train_step(built.model, tx, config, mesh, "corpus", retrieval_in_step),
-                      in_shardings=(shardings, batch_sharding, rows_sharding, bias_sharding),
-                      out_shardings=(shardings, replicated), donate_argnums=(0,))
-  return step.lower(abstract, batch, corpus, bias).compile(compiler_options)
+  corpus, bias = topk.abstract_corpus(corpus_rows, dim, mesh, config.negatives.corpus_dtype)
+  rows_sharding, bias_sharding = topk.row_shardings(mesh)
+  step = step_lib.jit(step_lib.make_train_step(setup.model, setup.tx, config, mesh, "corpus", retrieval_in_step),
+                      in_shardings=(setup.shardings, batch_sharding, rows_sharding, bias_sharding),
+                      out_shardings=(setup.shardings, parallel.replicated(mesh)), donate_argnums=(0,))
+  return step.lower(setup.abstract, batch, corpus, bias).compile(compiler_options)
 
 
 def adore_config(fresh: str, batch: int, query_length: int, top_n: int, overrides: list[str]):
-  """configs/adore.py with the device benchmark's ADORE shapes and a fresh model of `fresh`'s shape."""
-  from jdr.bench import recipes  # pylint: disable=g-import-not-at-top
-  c = recipes.load("adore")
-  c.model.init_from, c.model.fresh, c.model.pooling = "", fresh, "mean"
-  c.negatives.top_n, c.data.query_max_length, c.batch_size = top_n, query_length, batch
-  c.optimizer.warmup_steps, c.num_train_steps = 0, 10_000
+  """configs/adore.py as the ADORE benchmark sets it up, with a fresh model of `fresh`'s shape."""
+  from jdr.bench import adore_step  # pylint: disable=g-import-not-at-top
+  c = adore_step.recipe_config(argparse.Namespace(
+      model=fresh, top_n=top_n, query_length=query_length, batch_size=batch))
   config_files.apply_overrides(c, overrides)
   return c
 

@@ -351,7 +351,7 @@ def compiled_summary(hlo_text: str, bandwidth: float | None = None, top: int = 1
   instructions = {i.name: i for body in computations.values() for i in body}
   entry = next((body for body in computations.values() if body and body[0].in_entry), [])
   by_category = collections.defaultdict(lambda: [0, 0])
-  groups = collections.defaultdict(lambda: [0, 0, ""])
+  groups = collections.defaultdict(lambda: [0, 0])
   for instruction in entry:
     if instruction.opcode in _NO_KERNEL or instruction.opcode == "while":
       continue
@@ -371,7 +371,7 @@ def compiled_summary(hlo_text: str, bandwidth: float | None = None, top: int = 1
                           for c, (n, b) in sorted(by_category.items(), key=lambda kv: -kv[1][1])},
           "top": [{"category": c, "what": what, "kernels": n, "gigabytes": round(b / 1e9, 3),
                    "ms_at_bandwidth": at(b)}
-                  for (c, what), (n, b, _) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]]}
+                  for (c, what), (n, b) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]]}
 
 
 def compiled_table(summary: dict, title: str) -> str:

@@ -35,17 +35,9 @@ def size_retrieval(devices, num_docs: int = MSMARCO_PASSAGES, dim: int = 768, k:
   rows split over `devices`, without data; returns XLA's per-device bytes and FLOPs."""
   from jdr import sizing  # pylint: disable=g-import-not-at-top
   mesh = jax.sharding.Mesh(np.array(devices), ("docs",))
-  padded = topk.padded_size(num_docs, len(devices), topk.DEFAULT_BLOCK_ROWS)
-  rows_sharding, bias_sharding = topk.row_shardings(mesh)
+  rows, bias = topk.abstract_corpus(num_docs, dim, mesh, dtype)
   whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  struct = lambda shape, dt, sh: jax.ShapeDtypeStruct(shape, dt, sharding=sh)
-  if dtype == "int8":
-    rows = topk.QuantizedRows(struct((padded, dim), jnp.int8, rows_sharding),
-                              struct((padded, 1), jnp.float32, rows_sharding))
-  else:
-    rows = struct((padded, dim), jnp.bfloat16 if dtype == "bfloat16" else jnp.float32, rows_sharding)
-  bias = struct((padded,), jnp.float32, bias_sharding)
-  q = struct((queries, dim), jnp.float32, whole)
+  q = jax.ShapeDtypeStruct((queries, dim), jnp.float32, sharding=whole)
   search = jax.jit(lambda q, r, b: topk.sharded_top_k(q, r, b, k, mesh))
   compiled = search.lower(q, rows, bias).compile()
   memory = compiled.memory_analysis()
