@@ -161,6 +161,7 @@ def load_runtime(model: str, *, pooling: str | None = None, normalize: bool | No
       return two_tower.apply({"params": params}, input_ids, attention_mask, span_mask=span_mask,
                              method=TwoTower.encode_doc)
 
+    params = _serving(params, two_tower)
     length, source = (max_length, "--max-length") if max_length else build.serving_length(description, side)
     info = {"pooling": tower.pooling, "normalize": tower.normalize, "max_length": length, "max_length_from": source,
             "trained_max_length": description[f"{side}_max_length"]}
@@ -169,6 +170,7 @@ def load_runtime(model: str, *, pooling: str | None = None, normalize: bool | No
 
   one_tower, params, tokenizer, info = hf.load_tower(
       model, pooling=pooling, normalize=normalize, max_length=max_length, dtype=dtype)
+  params = _serving(params, one_tower)
 
   @jax.jit
   def apply_fn(params, input_ids, attention_mask):
@@ -179,6 +181,12 @@ def load_runtime(model: str, *, pooling: str | None = None, normalize: bool | No
     return one_tower.apply({"params": params}, input_ids, attention_mask, span_mask=span_mask)
 
   return EncoderRuntime(apply_fn, params, tokenizer, int(info["max_length"]), info, apply_spans)
+
+
+def _serving(params, module):
+  """The weights a runtime encodes with: matmul weights already in the compute dtype (same vectors)."""
+  from jdr.models import towers  # pylint: disable=g-import-not-at-top
+  return jax.jit(lambda p: towers.serving_params(p, module))(params)
 
 
 def length_line(runtime: EncoderRuntime, texts: str) -> str:

@@ -26,6 +26,7 @@ from jdr import parallel
 from jdr import reranking
 from jdr.data import formats
 from jdr.data import text as text_lib
+from jdr.models import towers
 from jdr.models.towers import TwoTower
 from jdr.negatives import retrieved
 from jdr.negatives import sampled
@@ -67,6 +68,8 @@ class TowerEncoder:
     n = len(self.doc_ids)
     self.part = (n * self.host // self.hosts, n * (self.host + 1) // self.hosts)
     self._doc_fn = doc
+    # Encoding only reads the weights: their matmul weights cast once a pass, not in every batch's forward.
+    self._serving = jax.jit(lambda p: towers.serving_params(p, model))
     if self.hosts > 1:
       self._host_mesh = parallel.make_mesh((-1, 1, 1), devices=jax.local_devices())
       self._encode_part = corpus_lib.rows_on_mesh(doc, self._host_mesh)
@@ -107,10 +110,11 @@ class TowerEncoder:
 
   def _encode_corpus(self, params, progress: bool) -> np.ndarray:
     if self.hosts == 1:
+      params = self._serving(params)
       runtime = corpus_lib.EncoderRuntime(self.encode_doc, params, self.tokenizer, self.doc_max_length, {},
                                           rows_multiple=self.rows_multiple)
     else:
-      params = corpus_lib.whole_on(params, self._host_mesh)
+      params = self._serving(corpus_lib.whole_on(params, self._host_mesh))
       runtime = corpus_lib.EncoderRuntime(self._encode_part, params, self.tokenizer, self.doc_max_length, {},
                                           rows_multiple=self._host_mesh.devices.size)
     bar = None
@@ -136,7 +140,8 @@ class TowerEncoder:
     if missing:
       tokens = text_lib.tokenize(self.tokenizer, [self.data.queries[q] for q in missing], self.query_max_length)
       self._query_tokens.update(zip(missing, tokens))
-    runtime = corpus_lib.EncoderRuntime(self.encode_query, params, self.tokenizer, self.query_max_length, {},
+    runtime = corpus_lib.EncoderRuntime(self.encode_query, self._serving(params), self.tokenizer,
+                                        self.query_max_length, {},
                                         rows_multiple=self.rows_multiple)
     return corpus_lib.encode_tokens(runtime, [self._query_tokens[q] for q in qids],
                                     tokens_per_batch=self.tokens_per_batch)

@@ -375,3 +375,42 @@ def test_heads_projection_is_dense_general_over_heads(dtype):
   assert got.shape == (3, 5, cfg.num_heads, cfg.head_dim) and got.dtype == want.dtype == jnp.dtype(cfg.compute_dtype)
   np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                              rtol=1e-6 if dtype == "float32" else 1e-2, atol=1e-6 if dtype == "float32" else 1e-2)
+
+
+def _cast_leaves(tree) -> dict:
+  return {"/".join(str(getattr(k, "key", k)) for k in path): leaf.dtype
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+@pytest.mark.parametrize("model_type", ["bert", "roberta"])
+def test_serving_params_give_the_same_vectors_bit_for_bit(model_type):
+  """Encoding casts the layers' matmul weights once (towers.serving_params) instead of in every forward;
+  the layers cast exactly those, so every tower kind encodes the same bits, and only those are cast."""
+  from jdr.models import towers  # pylint: disable=g-import-not-at-top
+  enc = TINY.replace(dtype="bfloat16", model_type=model_type, pad_token_id=1 if model_type == "roberta" else 0)
+  ids, mask = batch(pad_id=enc.pad_token_id)
+  kinds = [TowerConfig(encoder=enc, pooling="mean"), TowerConfig(encoder=enc, pooling="cls", projection_dim=7),
+           TowerConfig(kind="bow_mlp", pooling="max", vocab_size=50, bow_embed_dim=12, bow_hidden=10, bow_dim=6)]
+  for cfg in kinds:
+    for module in (Tower(cfg), TwoTower(cfg, cfg, shared=True), TwoTower(kinds[0], cfg, shared=False)):
+      args = (ids, mask) if isinstance(module, Tower) else (ids, mask, ids, mask)
+      params = nn.unbox(module.init(jax.random.key(1), *args)["params"])
+      # Every weight off the bfloat16 grid (LayerNorm starts at exactly 1 and 0): a wrong cast shows.
+      leaves, tree = jax.tree.flatten(params)
+      noise = [jax.random.normal(jax.random.key(i), x.shape) * 0.01 for i, x in enumerate(leaves)]
+      params = jax.tree.unflatten(tree, [x + n for x, n in zip(leaves, noise)])
+      serving = towers.serving_params(params, module)
+      before, after = _cast_leaves(params), _cast_leaves(serving)
+      changed = {k for k in before if before[k] != after[k]}
+      assert all(after[k] == jnp.bfloat16 for k in changed)
+      assert all("/layer_" in k and k.rsplit("/", 2)[-2] in ("query", "key", "value", "attention_output",
+                                                              "intermediate", "output") for k in changed)
+      if cfg.kind == "transformer":
+        assert len(changed) == 2 * 6 * enc.num_layers * (1 if isinstance(module, Tower) or module.shared else 2)
+      methods = ["__call__"] if isinstance(module, Tower) else ["encode_query", "encode_doc"]
+      for method in methods:
+        run = jax.jit(lambda p, m=method: module.apply({"params": p}, ids, mask, method=m))
+        np.testing.assert_array_equal(np.asarray(run(serving)), np.asarray(run(params)))
+  f32 = TowerConfig(encoder=TINY)
+  params = nn.unbox(Tower(f32).init(jax.random.key(1), ids, mask)["params"])
+  assert _cast_leaves(towers.serving_params(params, Tower(f32))) == _cast_leaves(params)  # float32: no cast

@@ -59,12 +59,17 @@ def make_config(fresh: str, batch: int, query_length: int, doc_length: int,
 
 def compile_forward(config: ml_collections.ConfigDict, devices, rows: int, length: int,
                     compiler_options: dict | None):
-  """The document tower's forward of one [rows, length] batch, compiled on abstract parameters."""
+  """The document tower's forward of one [rows, length] batch, compiled on abstract parameters as encoding
+  holds them (`towers.serving_params`: matmul weights in the compute dtype)."""
+  from jdr.models import towers  # pylint: disable=g-import-not-at-top
   setup = sizing.abstract_model(config, devices)
   ids = jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=parallel.batch_sharding(setup.mesh))
   model = setup.model
+  params = setup.abstract.params
+  serving = jax.tree.map(lambda s, p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=p.sharding),
+                         jax.eval_shape(lambda p: towers.serving_params(p, model), params), params)
   forward = jax.jit(lambda p, i, m: model.apply({"params": p}, i, m, method=type(model).encode_doc))
-  return forward.lower(setup.abstract.params, ids, ids).compile(compiler_options)
+  return forward.lower(serving, ids, ids).compile(compiler_options)
 
 
 def compile_adore(config: ml_collections.ConfigDict, devices, corpus_rows: int, retrieval_in_step: bool,

@@ -353,6 +353,29 @@ class Layer(nn.Module):
     return out, rest(span_ctx, x[:, None, 0, :])
 
 
+# The layer's matmuls: DenseGeneral and HeadsProjection keep float32 kernels and biases and cast them to the
+# compute dtype at every call.
+LAYER_MATMULS = ("query", "key", "value", "attention_output", "intermediate", "output")
+
+
+def serving_params(params: dict, cfg: EncoderConfig) -> dict:
+  """An Encoder's params with each layer's matmul kernels and biases already in the compute dtype.
+
+  The layers cast exactly these at every call, so a forward gives the same result bit for bit; what a
+  forward that only reads the weights (encoding a corpus, evaluation) saves is the casts themselves: BERT-base
+  in bfloat16 compiled for an NVIDIA H200, one [256, 256] batch, 322 kernels before, 178 after (each cast was
+  a kernel of its own). Embedding tables and LayerNorm parameters stay float32, as the layers read them.
+  float32 models are returned as they are.
+  """
+  dtype = cfg.compute_dtype
+  if dtype == jnp.float32:
+    return params
+  cast = lambda tree: jax.tree.map(lambda x: x.astype(dtype), tree)
+  return {name: ({part: cast(sub) if part in LAYER_MATMULS else sub for part, sub in layer.items()}
+                 if name.startswith("layer_") else layer)
+          for name, layer in params.items()}
+
+
 class Encoder(nn.Module):
   """BERT / RoBERTa encoder: token ids -> contextual token vectors [B, L, H] in float32.
 

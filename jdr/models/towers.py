@@ -16,6 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jdr.models import bert
 from jdr.models.bert import Encoder, EncoderConfig
 
 POOLINGS = ("cls", "mean", "max")
@@ -116,6 +117,20 @@ class BowMLP(nn.Module):
           width, kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), axes),
           bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), axes[1:]), name=name)(x))
     return x
+
+
+def serving_params(params: dict, module: "Tower | TwoTower") -> dict:
+  """`params` of a Tower or TwoTower for forwards that only read them: each transformer tower's encoder
+  matmul weights already in its compute dtype (`jdr.models.bert.serving_params`), the same results bit for
+  bit. Used where a corpus or queries are encoded, not where weights train or are saved."""
+  def tower(p: dict, cfg: TowerConfig) -> dict:
+    return {**p, "encoder": bert.serving_params(p["encoder"], cfg.encoder)} if cfg.kind == "transformer" else p
+  if isinstance(module, Tower):
+    return tower(params, module.config)
+  if module.shared:
+    return {**params, "tower": tower(params["tower"], module.query)}
+  return {**params, "query_tower": tower(params["query_tower"], module.query),
+          "doc_tower": tower(params["doc_tower"], module.doc)}
 
 
 class Tower(nn.Module):
