@@ -181,10 +181,16 @@ class HeadsProjection(nn.Module):
     return y.reshape(*y.shape[:-1], n, d)
 
 
-def _layer_norm(cfg: EncoderConfig, name: str, dtype=None) -> nn.LayerNorm:
+def _layer_norm(cfg: EncoderConfig, name: str, deterministic: bool) -> nn.LayerNorm:
   # Flax computes the statistics in float32 even for bfloat16 inputs; `dtype` is only the output dtype.
+  # The variance: a forward that trains keeps Flax's one-pass E[x^2] - E[x]^2, whose backward needs only x;
+  # the variance of x - mean (PyTorch's) made a BERT-base train step keep every LayerNorm's float32 x - mean,
+  # 10 GB more traffic (compiled for an NVIDIA H200). A deterministic forward (encoding, evaluation) takes the
+  # variance of x - mean, which XLA's GPU compiler computes with the normalization in one kernel instead of
+  # two: BERT-base's [256, 256] forward 178 -> 129 kernels, 47.0 -> 44.9 GB.
   return nn.LayerNorm(
-      epsilon=cfg.layer_norm_eps, dtype=dtype or cfg.compute_dtype, param_dtype=jnp.float32,
+      epsilon=cfg.layer_norm_eps, dtype=cfg.compute_dtype, param_dtype=jnp.float32,
+      use_fast_variance=not deterministic,
       scale_init=_init(("embed",), nn.initializers.ones_init()),
       bias_init=_init(("embed",), nn.initializers.zeros_init()), name=name)
 
@@ -245,7 +251,7 @@ class Embeddings(nn.Module):
       x = x + token_type[0]  # Hugging Face's default: all segment 0.
     else:
       x = x + jnp.take(token_type, token_type_ids, axis=0)
-    x = _layer_norm(cfg, "norm")(x)
+    x = _layer_norm(cfg, "norm", deterministic)(x)
     return Dropout(cfg.hidden_dropout)(x, deterministic=deterministic)
 
 
@@ -330,10 +336,10 @@ class Layer(nn.Module):
       ctx = jnp.swapaxes(jnp.einsum("bnqk,bnkd->bnqd", probs.astype(cfg.compute_dtype), v), 1, 2)
     attention_output = _dense(cfg, cfg.hidden_size, ("heads", "kv", "embed"), axis=(-2, -1),
                               name="attention_output")
-    attention_norm = _layer_norm(cfg, "attention_norm")
+    attention_norm = _layer_norm(cfg, "attention_norm", deterministic)
     intermediate = _dense(cfg, cfg.intermediate_size, ("embed", "mlp"), name="intermediate")
     output = _dense(cfg, cfg.hidden_size, ("mlp", "embed"), name="output")
-    output_norm = _layer_norm(cfg, "output_norm")
+    output_norm = _layer_norm(cfg, "output_norm", deterministic)
 
     def rest(context, residual):
       attn = Dropout(cfg.hidden_dropout)(attention_output(context), deterministic=deterministic)
