@@ -256,3 +256,11 @@ def test_tokenize_leaves_the_tokenizer_as_it_was(minilm_tokenizer):
   T.tokenize(minilm_tokenizer, ["a long text " * 100], 8)
   assert minilm_tokenizer.backend_tokenizer.to_str() == before
   assert len(minilm_tokenizer("a long text " * 100)["input_ids"]) > 8  # its own calls do not truncate
+
+
+def test_tokenize_sees_tokens_added_after_a_first_call():
+  tokenizer = _trained_tokenizer("bpe")
+  text = "a brandnewword here " * 3
+  T.tokenize(tokenizer, [text], 16)
+  tokenizer.add_tokens(["brandnewword"])
+  assert [g.tolist() for g in T.tokenize(tokenizer, [text], 16)] == _wrapper_ids(tokenizer, [text], 16)

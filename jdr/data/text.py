@@ -98,7 +98,7 @@ class _TruncatingBackend:
   the wrapper's own backend untouched: the wrapper resets its truncation at every call, from any thread.
   """
   CHARS_PER_TOKEN = 6  # about 4.5 in English text; a text that falls short is redone whole, never wrong
-  _cache: "weakref.WeakKeyDictionary" = None  # tokenizer -> {max_length: _TruncatingBackend}
+  _cache: "weakref.WeakKeyDictionary" = None  # tokenizer -> {(max_length, side, vocab): _TruncatingBackend}
   _lock = threading.Lock()
 
   def __init__(self, backend, max_length: int, cut: bool):
@@ -118,9 +118,11 @@ class _TruncatingBackend:
         by_length = cls._cache.setdefault(tokenizer, {})
       except TypeError:  # not weakly referenceable: made per call
         by_length = {}
-      if max_length not in by_length:
-        by_length[max_length] = cls._make(tokenizer, rust, max_length)
-      return by_length[max_length]
+      # Tokens added or the truncation side changed after a first call make a new copy.
+      key = (max_length, getattr(tokenizer, "truncation_side", "right"), rust.get_vocab_size(with_added_tokens=True))
+      if key not in by_length:
+        by_length[key] = cls._make(tokenizer, rust, max_length)
+      return by_length[key]
 
   @classmethod
   def _make(cls, tokenizer, rust, max_length: int) -> "_TruncatingBackend":
