@@ -414,3 +414,27 @@ def test_serving_params_give_the_same_vectors_bit_for_bit(model_type):
   f32 = TowerConfig(encoder=TINY)
   params = nn.unbox(Tower(f32).init(jax.random.key(1), ids, mask)["params"])
   assert _cast_leaves(towers.serving_params(params, Tower(f32))) == _cast_leaves(params)  # float32: no cast
+
+
+def test_attention_logits_round_their_cotangent_in_half_precision():
+  """The einsum attention's logits: float32 out; in bfloat16 the backward rounds the cotangent to bfloat16
+  before the dQ and dK products (as FlashAttention rounds dS), checked against float64 products of the rounded
+  cotangent; float32 keeps autodiff's own backward."""
+  from jdr.models import bert  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  q32, k32 = (rng.standard_normal((2, 3, 5, 8)).astype(np.float32) for _ in range(2))
+  g = jnp.asarray(rng.standard_normal((2, 3, 5, 7))[..., :5].astype(np.float32))
+  plain = lambda q, k: jnp.einsum("bnqd,bnkd->bnqk", q, k, preferred_element_type=jnp.float32)
+  q, k = jnp.asarray(q32, jnp.bfloat16), jnp.asarray(k32, jnp.bfloat16)
+  logits, vjp = jax.vjp(bert.attention_logits, q, k)
+  assert logits.dtype == jnp.float32
+  np.testing.assert_array_equal(logits, plain(q, k))
+  dq, dk = vjp(g)
+  assert dq.dtype == dk.dtype == jnp.bfloat16
+  f64 = lambda x: np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
+  rounded = f64(g.astype(jnp.bfloat16))
+  np.testing.assert_allclose(f64(dq), np.einsum("bnqk,bnkd->bnqd", rounded, f64(k)), rtol=2**-8, atol=1e-6)
+  np.testing.assert_allclose(f64(dk), np.einsum("bnqk,bnqd->bnkd", rounded, f64(q)), rtol=2**-8, atol=1e-6)
+  # float32: the same backward as the plain einsum's
+  for got, want in zip(jax.vjp(bert.attention_logits, q32, k32)[1](g), jax.vjp(plain, q32, k32)[1](g)):
+    np.testing.assert_array_equal(got, want)
