@@ -76,12 +76,12 @@ def make_token_scorer(model, params, pad_id: int, *, max_length: int = 256, batc
 def make_scorer(model, params, tokenizer, *, max_length: int = 256, batch_size: int | None = None,
                 query_max_length: int | None = None) -> Callable[[Sequence[tuple[str, str]]], np.ndarray]:
   """(query, document text) pairs -> cross-encoder logits [N], float32, in the pairs' order (the input of
-  jdr.data.text.pair_tokens: the query whole unless `query_max_length` caps it)."""
+  jdr.data.text.pairs_tokens: the query whole unless `query_max_length` caps it)."""
   tokens = make_token_scorer(model, params, tokenizer.pad_token_id or 0, max_length=max_length,
                              batch_size=batch_size)
 
   def score(pairs: Sequence[tuple[str, str]]) -> np.ndarray:
-    return tokens([text_lib.pair_tokens(tokenizer, q, d, max_length, query_max_length) for q, d in pairs])
+    return tokens(text_lib.pairs_tokens(tokenizer, list(pairs), max_length, query_max_length))
 
   score.warm_up = tokens.warm_up
   return score

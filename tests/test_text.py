@@ -264,3 +264,32 @@ def test_tokenize_sees_tokens_added_after_a_first_call():
   T.tokenize(tokenizer, [text], 16)
   tokenizer.add_tokens(["brandnewword"])
   assert [g.tolist() for g in T.tokenize(tokenizer, [text], 16)] == _wrapper_ids(tokenizer, [text], 16)
+
+
+def _one_pair(tokenizer, query, doc, max_length, query_max_length):
+  """A pair by itself: the query cut after its last kept token, then the pair."""
+  room = max_length - tokenizer.num_special_tokens_to_add(pair=True) - 1
+  if query_max_length is not None:
+    room = min(query_max_length - 2, room)
+  enc = tokenizer(query, add_special_tokens=False, return_offsets_mapping=True)
+  if len(enc["input_ids"]) > room:
+    query = query[:enc["offset_mapping"][max(room, 1) - 1][1]]
+  # A batch of one: a lone call with an empty document would drop the pair template (and its second [SEP]).
+  pair = tokenizer([query], [doc], truncation="only_second", max_length=max_length, return_token_type_ids=True)
+  ids = list(pair["input_ids"][0])
+  return ids, list(pair["token_type_ids"][0] if pair.get("token_type_ids") else [0] * len(ids))
+
+
+@pytest.mark.parametrize("kind", ["wordpiece", "bpe"])
+def test_pairs_tokens_in_batches_equal_one_call_a_pair(kind, minilm_tokenizer):
+  tokenizer = minilm_tokenizer if kind == "wordpiece" else _trained_tokenizer("bpe")
+  texts = _random_texts(7, 60)
+  queries = [t[:k] for t, k in zip(texts[:12], [0, 3, 10, 40, 80, 200, 500, 5, 60, 90, 1000, 30])]
+  pairs = [(queries[i % len(queries)], texts[(5 * i) % len(texts)]) for i in range(90)]
+  for max_length, query_max_length in ((32, None), (48, 12), (24, 40)):
+    want = [_one_pair(tokenizer, q, d, max_length, query_max_length) for q, d in pairs]
+    assert T.pairs_tokens(tokenizer, pairs, max_length, query_max_length, chunk_size=17) == want
+    assert T.pair_tokens(tokenizer, *pairs[5], max_length, query_max_length) == want[5]
+  empty = T.pair_tokens(tokenizer, "query", "", 32)[0]  # an empty document keeps the pair template
+  assert empty == _one_pair(tokenizer, "query", "", 32, None)[0] and len(empty) == len(tokenizer("query")["input_ids"]) + (
+      tokenizer.num_special_tokens_to_add(pair=True) - tokenizer.num_special_tokens_to_add(pair=False))

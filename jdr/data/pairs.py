@@ -241,12 +241,12 @@ class Batches:
     ids = np.full((hi - lo, n, length), self.pad_id, np.int32)
     types = np.zeros((hi - lo, n, length), np.int32)
     mask = np.zeros((hi - lo, n, length), np.int32)
-    for r, (b, cols) in enumerate(zip(range(lo, hi), columns)):
-      for c, col in enumerate(cols):
-        tokens, token_types = text_lib.pair_tokens(
-            self.tokenizer, self.data.queries[qids[b]], text_lib.doc_text(self.data.corpus[doc_ids[col]]),
-            length, self.query_max_length)
-        ids[r, c, :len(tokens)], types[r, c, :len(tokens)], mask[r, c, :len(tokens)] = tokens, token_types, 1
+    cells = [(r, c) for r, cols in enumerate(columns) for c in range(len(cols))]
+    tokenized = text_lib.pairs_tokens(
+        self.tokenizer, [(self.data.queries[qids[lo + r]], text_lib.doc_text(self.data.corpus[doc_ids[columns[r][c]]]))
+                         for r, c in cells], length, self.query_max_length)
+    for (r, c), (tokens, token_types) in zip(cells, tokenized):
+      ids[r, c, :len(tokens)], types[r, c, :len(tokens)], mask[r, c, :len(tokens)] = tokens, token_types, 1
     labels = np.zeros((hi - lo, n), np.float32)
     labels[:, 0] = 1.0
     pair_valid = np.stack([valid[b, cols] for b, cols in zip(range(lo, hi), columns)])
