@@ -14,7 +14,9 @@ is a kernel in this list. Matmuls run as cuBLAS calls, as autotuning chose for B
 NVIDIA H200 (without autotuning XLA would make every one a Triton fusion); a matmul whose operand must be
 converted first (an int8 corpus: --config.negatives.corpus_dtype=int8) shows the conversion as a kernel of its
 own, where on the card autotuning picks a Triton fusion that converts on the way. Its times are bounds, not
-measurements: `python -m jdr.bench device --profile` measures on a GPU.
+measurements: `python -m jdr.bench device --profile` measures on a GPU. For Triton (Pallas) kernels it also
+reads the PTX XLA writes for the card: which tensor-core instructions their products use, and, where ptxas is
+found (the CUDA plugin's nvidia-cuda-nvcc has one), registers a thread, spills and ptxas's performance warnings.
 
 The programs have the device benchmark's shapes: the forward of one full batch (256 rows of 256 tokens, the
 accelerators' 65,536 tokens a batch), mean pooling; the in-batch train step with 128 queries of 32 tokens and
@@ -27,7 +29,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
 
 import jax
@@ -42,6 +50,81 @@ from jdr import step as step_lib
 from jdr.bench import kernel_profile
 
 PROGRAMS = ("forward", "train", "adore", "adore-given")
+_TRITON_NAME = re.compile(r'custom_call_target="__gpu\$xla\.gpu\.triton".*?name = "([^"]+)"')
+_PTX_ENTRY = re.compile(r"\.entry\s+([A-Za-z0-9_$]+)")
+_PTXAS_FIGURES = {"registers": re.compile(r"Used (\d+) registers"),
+                  "spill_bytes": re.compile(r"(\d+) bytes spill stores"),
+                  "stack_bytes": re.compile(r"(\d+) bytes stack frame")}
+
+
+def triton_kernel_names(hlo_text: str) -> set[str]:
+  """The kernels a compiled module runs through Triton (jdr's Pallas kernels on GPUs), by name."""
+  return set(_TRITON_NAME.findall(hlo_text))
+
+
+def ptx_kernel(ptx_text: str, ptxas_output: str | None = None) -> dict:
+  """What one Triton kernel's PTX says of its speed before it runs: which tensor-core instructions its
+  products use (Hopper's asynchronous `wgmma`, the older warp-level `mma.sync`, or none: a product on plain
+  FMA units would be an order of magnitude slower), and, from `ptxas -v`'s report, the registers a thread
+  holds (occupancy), bytes spilled to local memory (a spill in the inner loop costs memory traffic), its
+  stack frame, and ptxas's own performance warnings (C7515: wgmma instructions serialized)."""
+  entry = _PTX_ENTRY.search(ptx_text)
+  target = re.search(r"\.target\s+(\S+)", ptx_text)
+  kinds = [kind for kind, marker in (("wgmma", "wgmma.mma_async"), ("mma.sync", "mma.sync")) if marker in ptx_text]
+  out = {"name": entry.group(1) if entry else None, "target": target.group(1) if target else None,
+         "tensor_cores": "+".join(kinds) or "none"}
+  for key, pattern in _PTXAS_FIGURES.items():
+    found = pattern.search(ptxas_output or "")
+    out[key] = int(found.group(1)) if found else None
+  # ptxas's own performance warnings, e.g. C7515: wgmma instructions serialized.
+  out["warnings"] = [w.strip() for w in re.findall(r"Potential Performance Loss:([^\n]*)", ptxas_output or "")]
+  return out
+
+
+def triton_kernel_report(dump_dir: str, names: set[str]) -> list[dict]:
+  """`ptx_kernel` of every Triton kernel named in `names` whose PTX XLA dumped into `dump_dir`
+  (compiler option xla_dump_to), with ptxas's figures when ptxas is found (the CUDA plugin's nvidia-cuda-nvcc
+  has one)."""
+  ptxas = _ptxas()
+  kernels = []
+  for path in sorted(pathlib.Path(dump_dir).glob("*.ptx")):
+    text = path.read_text()
+    entry = _PTX_ENTRY.search(text)
+    if not entry or re.sub(r"__\d+$", "", entry.group(1)) not in names:
+      continue
+    report = None
+    target = re.search(r"\.target\s+(\S+)", text)
+    if ptxas and target:
+      run = subprocess.run([ptxas, f"-arch={target.group(1)}", "-v", str(path), "-o", os.devnull],
+                           capture_output=True, text=True, check=False)
+      report = run.stdout + run.stderr
+    kernels.append(ptx_kernel(text, report))
+  return sorted(kernels, key=lambda k: k["name"])
+
+
+def _ptxas() -> str | None:
+  found = shutil.which("ptxas")
+  if found:
+    return found
+  try:
+    import nvidia.cuda_nvcc  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return None
+  for root in getattr(nvidia.cuda_nvcc, "__path__", []):
+    candidate = pathlib.Path(root) / "bin" / "ptxas"
+    if candidate.exists():
+      return str(candidate)
+  return None
+
+
+def triton_table(kernels: list[dict]) -> str:
+  lines = ["  Triton kernels (their PTX; registers a thread, spills and stack from ptxas -v):"]
+  for k in kernels:
+    figures = ("" if k["registers"] is None else
+               f"  {k['registers']} registers, {k['spill_bytes']} B spilled, {k['stack_bytes']} B stack")
+    lines.append(f"    {k['name']:28s} {k['target'] or '':8s} tensor cores: {k['tensor_cores']:15s}{figures}")
+    lines.extend(f"      ptxas: {w}" for w in k["warnings"])
+  return "\n".join(lines)
 
 
 def make_config(fresh: str, batch: int, query_length: int, doc_length: int,
@@ -142,12 +225,17 @@ def main(argv=None) -> None:
     bandwidth = sizing.GPU_TARGETS[args.target]["bandwidth"]
     device_kind = sizing.GPU_TARGETS[args.target]["name"]
     options = {"xla_gpu_enable_triton_gemm": False}
+  # The PTX XLA makes for the GPU, read for its Triton (Pallas) kernels; one folder per program.
+  dump = None
   config = make_config(args.fresh, args.train_batch, args.query_length, args.doc_length, overrides)
   out = {"benchmark": "compiled", "target": args.target, "device_kind": device_kind, "fresh": args.fresh,
          "overrides": overrides, "bandwidth": bandwidth, "jax": jax.__version__, "programs": {}}
   with parallel.compiling_for(platform):
     for program in programs:
       start = time.perf_counter()
+      if options is not None:
+        dump = tempfile.TemporaryDirectory(prefix="jdr-compiled-")
+        options = {**options, "xla_dump_to": dump.name}
       if program == "forward":
         compiled = compile_forward(config, devices, args.rows, args.length, options)
         title = f"forward of [{args.rows}, {args.length}]"
@@ -161,10 +249,15 @@ def main(argv=None) -> None:
         compiled = sizing.compile_step(config, devices, options).compiled
         title = (f"train step, {args.train_batch} x {args.query_length} queries + {args.train_batch} x "
                  f"{args.doc_length} documents")
-      summary = kernel_profile.compiled_summary(compiled.as_text(), bandwidth, args.top)
+      text = compiled.as_text()
+      summary = kernel_profile.compiled_summary(text, bandwidth, args.top)
       summary["compile_s"] = round(time.perf_counter() - start, 1)
+      if dump is not None:
+        summary["triton_kernels"] = triton_kernel_report(dump.name, triton_kernel_names(text))
       out["programs"][program] = summary
       print(kernel_profile.compiled_table(summary, f"{title} on {device_kind}"), flush=True)
+      if summary.get("triton_kernels"):
+        print(triton_table(summary["triton_kernels"]), flush=True)
   print(json.dumps(out))
 
 
