@@ -73,8 +73,9 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--max-length", type=int, default=None,
                       help="tokens per text (default: a jdr export's serving length, a sentence-transformers "
                            "model's max_seq_length, else what the model supports, up to 512)")
-  parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                      help="compute dtype of the encoder")
+  parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                      help="compute dtype of the encoder (auto: bfloat16 on GPU/TPU, float32 on CPU, as training's "
+                           "model.dtype; a trained jdr model keeps its own)")
   parser.add_argument("--tokens-per-batch", type=int, default=None,
                       help="padded tokens per batch; the batch size follows from each length bucket "
                            f"(default {corpus_lib.CPU_TOKENS_PER_BATCH} on CPU, "

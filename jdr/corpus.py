@@ -131,7 +131,7 @@ def gather_host_parts(part: np.ndarray | None, dim: int, block_bytes: int = GATH
 
 
 def load_runtime(model: str, *, pooling: str | None = None, normalize: bool | None = None,
-                 max_length: int | None = None, dtype: str = "float32",
+                 max_length: int | None = None, dtype: str = "auto",
                  side: str = "doc") -> EncoderRuntime:
   """Loads `model` with its tokenizer, jitted, for one side ("query" or "doc").
 
@@ -169,7 +169,7 @@ def load_runtime(model: str, *, pooling: str | None = None, normalize: bool | No
                           spans_two_tower if side == "doc" else None)
 
   one_tower, params, tokenizer, info = hf.load_tower(
-      model, pooling=pooling, normalize=normalize, max_length=max_length, dtype=dtype)
+      model, pooling=pooling, normalize=normalize, max_length=max_length, dtype=build.compute_dtype(dtype))
   params = _serving(params, one_tower)
 
   @jax.jit

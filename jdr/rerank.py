@@ -21,6 +21,7 @@ import jax
 from jdr import cli
 from jdr import reranking
 from jdr.data import formats
+from jdr.models import build
 from jdr.models import cross
 
 
@@ -39,7 +40,8 @@ def main(argv: Iterable[str] | None = None) -> None:
   parser.add_argument("--batch-size", type=int, default=None,
                       help="pairs per forward pass (default: about 1,024 tokens a batch on CPU, 16,384 on "
                            "accelerators, as jdr.encode)")
-  parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+  parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                      help="compute dtype (auto: bfloat16 on GPU/TPU, float32 on CPU)")
   cli.add_skip_invalid_flag(parser)
   args = parser.parse_args(argv)
 
@@ -52,7 +54,7 @@ def main(argv: Iterable[str] | None = None) -> None:
       run = {q: docs for q, docs in run.items() if q in queries}
     corpus = formats.read_corpus(args.corpus, skip_invalid=args.skip_invalid)
     reranking.check_inputs(run, queries, corpus, args.depth, args.run)  # before the model loads
-    model, params, tokenizer = cross.load_cross_encoder(args.model, dtype=args.dtype)
+    model, params, tokenizer = cross.load_cross_encoder(args.model, dtype=build.compute_dtype(args.dtype))
     if args.max_length > model.config.max_length:
       raise ValueError(f"--max-length {args.max_length} exceeds the model's {model.config.max_length} positions")
     score = reranking.make_scorer(model, jax.device_put(params), tokenizer, max_length=args.max_length,

@@ -221,6 +221,9 @@ def test_eq16_ensemble_from_stored_pieces(tmp_path):
   emb, ids, _ = corpus_lib.load_embeddings(out)
   pieces = corpus_lib.load_pieces(out)
   runtime = corpus_lib.load_runtime("minilm", pooling="cls", max_length=24)
+  # --dtype's default, auto, is float32 on a CPU (bfloat16 on accelerators), and is recorded resolved.
+  assert runtime.info["dtype"] == "float32"
+  assert json.loads((out / "meta.json").read_text())["dtype"] == "float32"
   tokens = text.tokenize(runtime.tokenizer, [text.doc_text(corpus[d]) for d in ids], 24)
   # The stored vectors are the tower's span outputs for the student's windows; the doc vectors its [CLS].
   plain = corpus_lib.encode_tokens(runtime, tokens)
