@@ -366,12 +366,14 @@ def section_flash(size: dict, model_dir: str, shape: dict, peak_flops: float, tr
   import dataclasses  # pylint: disable=g-import-not-at-top
   from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
   from jdr.models import hf  # pylint: disable=g-import-not-at-top
+  from jdr.models import towers  # pylint: disable=g-import-not-at-top
   # Inference first (no dropout, where the default is cuDNN's kernel and the transposes jax puts around it):
   # the encode section's forward of one full batch, the tower with each attention.
   length = size["encode_length"]
   rows, ids, mask = _full_batch(length, corpus_lib.default_tokens_per_batch())
   tower, params, _, _ = hf.load_tower(model_dir, pooling="mean", normalize=False, max_length=length,
                                       dtype=size["dtype"])
+  params = towers.serving_params(params, tower)  # as encoding holds them (load_runtime), so the two compare
   forward, forward_kernels = {}, {}
   for attention in ("auto", "flash"):
     cfg = dataclasses.replace(tower.config, encoder=tower.config.encoder.replace(attention=attention))
