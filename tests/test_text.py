@@ -181,7 +181,9 @@ def _random_texts(seed: int, count: int = 400) -> list[str]:
   rng = np.random.default_rng(seed)
   words = ["the", "a", "international", "organization", "café", "naïve", "東京", "2024", "x" * 20, "(see", "fig.",
            "3b);", "don't", "ÉCOLE", "über-long", "q"]
-  spaces = [" ", " ", " ", "  ", "\n", "\t", " \n "]
+  # Python's \s also matches characters a tokenizer drops (\x0b, \x1c: controls to BERT's normalizer) or does
+  # not split at: a cut there would change the word it falls in.
+  spaces = [" ", " ", " ", "  ", "\n", "\t", " \n ", "\x0b", "\x1c", "\xa0", "\u3000"]
   texts = []
   for _ in range(count):
     n = int(rng.integers(0, 200))
@@ -190,7 +192,10 @@ def _random_texts(seed: int, count: int = 400) -> list[str]:
       parts += [words[rng.integers(len(words))], spaces[rng.integers(len(spaces))]]
     text = "".join(parts)
     texts.append(text.replace(" ", "") if rng.random() < 0.05 else text)
-  return texts + ["", " ", "international " * 300, "y" * 5000, "word " * 2000]
+  # A cut at \x1c would keep "x" * 60 as a word where BERT's normalizer drops \x1c and joins the two halves
+  # into one word of 120 characters, past WordPiece's 100: [UNK].
+  joined = "a a a a a " + "x" * 60 + "\x1c" + "y" * 60 + " end " * 40
+  return texts + ["", " ", "international " * 300, "y" * 5000, "word " * 2000, joined]
 
 
 def _wrapper_ids(tokenizer, texts, max_length):

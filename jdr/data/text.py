@@ -75,7 +75,10 @@ def tokenize(tokenizer, texts: Sequence[str], max_length: int, *, chunk_size: in
   return out
 
 
-_WHITESPACE = re.compile(r"\s")
+# Cut only before a space, tab, newline or return: whitespace to every pre-tokenizer and normalizer here.
+# Python's \s also matches characters a tokenizer drops or does not split at (\x0b and \x1c are controls
+# that BERT's normalizer deletes, joining the words around them).
+_CUT_BEFORE = re.compile(r"[ \t\n\r]")
 # A text cut before a whitespace character tokenizes to the first tokens of the whole text's when the
 # pre-tokenizer always splits where a non-space character meets whitespace (other members of a Sequence may
 # only split further, by a character's own class) and the normalizer maps each character on its own: a BPE
@@ -134,7 +137,7 @@ class _TruncatingBackend:
     copy.enable_truncation(max_length, direction=side)
     cut = (side == "right" and _splits_at_whitespace(spec.get("pre_tokenizer"))
            and _maps_each_character(spec.get("normalizer"))
-           and not any(_WHITESPACE.search(t.get("content", "")) for t in spec.get("added_tokens") or []))
+           and not any(re.search(r"\s", t.get("content", "")) for t in spec.get("added_tokens") or []))
     return cls(copy, max_length, cut)
 
   def ids(self, texts: list[str]) -> list[np.ndarray]:
@@ -152,7 +155,7 @@ class _TruncatingBackend:
 def _cut_before_whitespace(text: str, limit: int) -> str:
   if len(text) <= limit:
     return text
-  space = _WHITESPACE.search(text, limit)
+  space = _CUT_BEFORE.search(text, limit)
   return text[:space.start()] if space else text
 
 
