@@ -94,7 +94,7 @@ class _TruncatingBackend:
   Three things make it faster than the wrapper's call, each without changing an id (tested against the
   wrapper on WordPiece, byte-level BPE and SentencePiece tokenizers): `encode_batch_fast` skips the character
   offsets nobody reads; the ids go to numpy without the wrapper's Python lists; and a text far longer than
-  `max_length` tokens is cut before the first whitespace past `CHARS_PER_TOKEN * max_length` characters,
+  `max_length` tokens is cut before the first space, tab or newline past `CHARS_PER_TOKEN * max_length` characters,
   where the pre-tokenizer splits anyway, so the truncated ids are the same unless the cut text came out
   shorter than `max_length` tokens; such a text is tokenized again whole. 71% of SciFact's documents
   exceed 256 tokens (337 on average), and tokenizing the cut-off part was a fifth of the time. The copy keeps
