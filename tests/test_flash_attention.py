@@ -123,6 +123,26 @@ def test_kernels_lower_to_triton_for_gpus(monkeypatch):
   assert verified == [True] * 6, verified
 
 
+@pytest.mark.parametrize("stages", [1, 2])
+def test_dkdv_pipeline_stages_reach_its_triton_call(monkeypatch, stages):
+  """DKDV_STAGES (what the device benchmark's flash section times both ways) sets the dK/dV kernel's Triton
+  num_stages when a step is traced; the other kernels keep 2."""
+  from jdr.models import flash_attention as fa  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(fa, "DKDV_STAGES", stages)
+
+  def loss(q, k, v, mask, key):
+    return jnp.sum(fa.flash_attention(q, k, v, mask, scale=0.125, rate=0.1, key=key, interpret=False)
+                   .astype(jnp.float32) ** 2)
+
+  args = [jax.ShapeDtypeStruct((2, 128, 2, 64), jnp.bfloat16)] * 3 + [
+      jax.ShapeDtypeStruct((2, 128), jnp.bool_), jax.ShapeDtypeStruct((2,), jnp.uint32)]
+  mlir = jax.export.export(
+      jax.jit(jax.grad(loss, (0, 1, 2))), platforms=["cuda"],
+      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args).mlir_module()
+  calls = dict(re.findall(r'name = "(\w+)", num_stages = (\d+)', mlir))
+  assert calls == {"_dkdv_kernel": str(stages), "_dq_kernel": "2", "_forward_kernel": "2"}, calls
+
+
 @pytest.mark.long
 def test_sharded_flash_attention_equals_one_device():
   """On 8 CPU devices as a (data 4, model 2) mesh, the towers traced under the step's mesh run the kernel per

@@ -33,6 +33,12 @@ from jdr.models.dropout import drop_threshold, hash_bits, key_words
 # Finite, so a masked logit minus a row maximum is never inf - inf.
 _MASKED = -1e30
 _MAX_BLOCK = 64
+# Software-pipeline stages of the dK/dV kernel (Triton's num_stages; the other kernels take 2). Compiled for
+# an NVIDIA H200 at 64-wide heads, ptxas reports that kernel's wgmma instructions serialized at 2 stages
+# (warning C7515) and not at 1, which gives up prefetching the next block of queries; which is faster is a
+# timing question: `python -m jdr.bench device --sections flash` times the train step at both. Read when a
+# step is traced.
+DKDV_STAGES = 2
 
 
 class _Static(NamedTuple):
@@ -42,6 +48,7 @@ class _Static(NamedTuple):
   total_heads: int  # N over all shards (heads split over a mesh axis index the global array)
   block: int
   interpret: bool
+  dkdv_stages: int = 2
 
 
 def _keep(meta_ref, b, n, rows, cols, st: _Static):
@@ -158,12 +165,12 @@ def _specs(st: _Static, shape):
   return whole, block, sequence, row_block, row_all
 
 
-def _call(kernel, st: _Static, grid, in_specs, out_specs, outs, *args):
+def _call(kernel, st: _Static, grid, in_specs, out_specs, outs, *args, num_stages: int = 2):
   """One pallas_call; `outs` are (shape, dtype) pairs."""
   return pl.pallas_call(
       functools.partial(kernel, st=st), grid=grid, in_specs=in_specs, out_specs=out_specs,
       out_shape=[jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in outs],
-      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2), interpret=st.interpret)(*args)
+      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=num_stages), interpret=st.interpret)(*args)
 
 
 def _forward(st: _Static, q, k, v, lengths, meta):
@@ -195,7 +202,7 @@ def _attention_bwd(st: _Static, residuals, do):
   head = [whole(meta), whole(lengths)]
   dk, dv = _call(_dkdv_kernel, st, grid, head + [sequence, block, block, sequence, row_all, row_all],
                  [block, block], [(k.shape, k.dtype), (v.shape, v.dtype)],
-                 meta, lengths, q, k, v, do, lse, delta)
+                 meta, lengths, q, k, v, do, lse, delta, num_stages=st.dkdv_stages)
   (dq,) = _call(_dq_kernel, st, grid, head + [block, sequence, sequence, block, row_block, row_block], [block],
                 [(q.shape, q.dtype)], meta, lengths, q, k, v, do, lse, delta)
   return dq, dk, dv, None, None
@@ -226,7 +233,8 @@ def flash_attention(q, k, v, key_mask, *, scale: float, rate: float = 0.0, key: 
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
   st = _Static(scale=float(scale), rate=float(rate), seq_len=seq_len, total_heads=total_heads or heads,
-               block=min(_MAX_BLOCK, max(16, _next_power_of_2(seq_len))), interpret=interpret)
+               block=min(_MAX_BLOCK, max(16, _next_power_of_2(seq_len))), interpret=interpret,
+               dkdv_stages=DKDV_STAGES)
   # Triton's blocks are powers of two: the sequence pads to whole blocks (padded keys are past every length,
   # padded queries are sliced off), the head size to a power of two (zero features change no dot product).
   padded_len = -(-seq_len // st.block) * st.block
