@@ -27,8 +27,7 @@ all together as the last JSON line; a section that fails is reported as its erro
   flash   (GPUs, not in the default list) jdr's Pallas attention (model.attention=flash): the encode section's
           one-batch forward with it and with the default (cuDNN's kernel), then the train section's step with
           it (attention dropout drawn inside), its speed-up over the default step and its ratio to the
-          reference when the train section ran first in the same command; and that step again with the
-          dK/dV kernel at one pipeline stage instead of two (flash_attention.DKDV_STAGES).
+          reference when the train section ran first in the same command.
   topk    exact top-200 of 32 queries: jdr.topk (bf16 on accelerators, also int8) against torch.mm +
           torch.topk on the same matrix, with the bound and the two's agreement on the rows; whether jdr's
           rows are those of one lax.top_k over all the scores, and that plain search's time.
@@ -390,24 +389,11 @@ def section_flash(size: dict, model_dir: str, shape: dict, peak_flops: float, tr
   config.model.attention = "flash"
   flash_s, flash_kernels = jdr_train_step_seconds(config, _token_batch(b, lq, ld), size,
                                                  "the train step, attention=flash")
-  # The dK/dV kernel at one pipeline stage instead of two: ptxas warns its wgmma instructions are serialized
-  # at two (jdr.models.flash_attention.DKDV_STAGES); only a timing says which is faster.
-  from jdr.models import flash_attention  # pylint: disable=g-import-not-at-top
-  stages = flash_attention.DKDV_STAGES
-  flash_attention.DKDV_STAGES = 1 if stages != 1 else 2
-  try:
-    other_s, _ = jdr_train_step_seconds(config, _token_batch(b, lq, ld), {**size, "profile": False},
-                                        f"the train step, attention=flash, dK/dV at {flash_attention.DKDV_STAGES} "
-                                        "stages")
-    other_stages = flash_attention.DKDV_STAGES
-  finally:
-    flash_attention.DKDV_STAGES = stages
   out = {"forward": {"rows": rows, "length": length,
                      **{f"{a}_ms": round(1e3 * t, 2) for a, t in forward.items()},
                      **{f"{a}_peak_fraction": round(forward_flops / t / peak_flops, 3) for a, t in forward.items()},
                      **{f"{a}_kernels": k for a, k in forward_kernels.items() if k is not None}},
-         "jdr_flash_attention_ms": round(1e3 * flash_s, 2), "dkdv_stages": stages,
-         f"jdr_flash_attention_dkdv_{other_stages}_stages_ms": round(1e3 * other_s, 2),
+         "jdr_flash_attention_ms": round(1e3 * flash_s, 2),
          "jdr_flash_attention_peak_fraction": round(flops / flash_s / peak_flops, 3)}
   _with_profile(out, "jdr_flash_attention_kernels", flash_kernels)
   if train and "jdr_ms" in train:

@@ -33,12 +33,6 @@ from jdr.models.dropout import drop_threshold, hash_bits, key_words
 # Finite, so a masked logit minus a row maximum is never inf - inf.
 _MASKED = -1e30
 _MAX_BLOCK = 64
-# Software-pipeline stages of the dK/dV kernel (Triton's num_stages; the other kernels take 2). Compiled for
-# an NVIDIA H200 at 64-wide heads, ptxas reports that kernel's wgmma instructions serialized at 2 stages
-# (warning C7515) and not at 1, which gives up prefetching the next block of queries; which is faster is a
-# timing question: `python -m jdr.bench device --sections flash` times the train step at both. Read when a
-# step is traced.
-DKDV_STAGES = 2
 
 
 class _Static(NamedTuple):
@@ -48,7 +42,6 @@ class _Static(NamedTuple):
   total_heads: int  # N over all shards (heads split over a mesh axis index the global array)
   block: int
   interpret: bool
-  dkdv_stages: int = 2
 
 
 def _keep(meta_ref, b, n, rows, cols, st: _Static):
@@ -99,7 +92,11 @@ def _dkdv_kernel(meta_ref, lengths_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, de
   block_k, head_dim = k_ref.shape
   length = lengths_ref[b]
   k, v = k_ref[...], v_ref[...]
-  cols = j * block_k + jnp.arange(block_k, dtype=jnp.int32)[None, :]
+  # Key-major: every product here is [keys, queries] (P transposed), so dV += P^T dO and dK += dS^T Q take their
+  # left operand as it is in registers. Computed query-major and transposed, those two made ptxas serialize the
+  # kernel's wgmma instructions on Hopper at 64-wide heads (warning C7515); the test suite compiles it for an
+  # H200 where jax's CUDA plugin is installed and checks that ptxas has no such warning.
+  cols = j * block_k + jnp.arange(block_k, dtype=jnp.int32)[:, None]
   valid = cols < length
 
   def body(i, carry):
@@ -107,18 +104,18 @@ def _dkdv_kernel(meta_ref, lengths_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, de
     rows_at = pl.ds(i * st.block, st.block)
     q, do = q_ref[rows_at, :], do_ref[rows_at, :]
     lse, delta = lse_ref[rows_at], delta_ref[rows_at]
-    p = jnp.where(valid, jnp.exp(_dot(q, k.T) * st.scale - lse[:, None]), 0.0)
-    dp = _dot(do, v.T)
+    p_t = jnp.where(valid, jnp.exp(_dot(k, q.T) * st.scale - lse[None, :]), 0.0)
+    dp_t = _dot(v, do.T)
     if st.rate > 0.0:
-      rows = i * st.block + jnp.arange(st.block, dtype=jnp.int32)[:, None]
+      rows = i * st.block + jnp.arange(st.block, dtype=jnp.int32)[None, :]
       keep = _keep(meta_ref, b, n, rows, cols, st)
-      dropped = jnp.where(keep, p, 0.0) / (1.0 - st.rate)
-      dp = jnp.where(keep, dp, 0.0) / (1.0 - st.rate)
+      dropped_t = jnp.where(keep, p_t, 0.0) / (1.0 - st.rate)
+      dp_t = jnp.where(keep, dp_t, 0.0) / (1.0 - st.rate)
     else:
-      dropped = p
-    dv = dv + _dot(dropped.astype(do.dtype).T, do)
-    ds = p * (dp - delta[:, None])
-    dk = dk + _dot(ds.astype(q.dtype).T, q)
+      dropped_t = p_t
+    dv = dv + _dot(dropped_t.astype(do.dtype), do)
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk = dk + _dot(ds_t.astype(q.dtype), q)
     return dk, dv
 
   # A key block wholly past the row's length gets no gradient (its keys were masked out).
@@ -165,12 +162,12 @@ def _specs(st: _Static, shape):
   return whole, block, sequence, row_block, row_all
 
 
-def _call(kernel, st: _Static, grid, in_specs, out_specs, outs, *args, num_stages: int = 2):
+def _call(kernel, st: _Static, grid, in_specs, out_specs, outs, *args):
   """One pallas_call; `outs` are (shape, dtype) pairs."""
   return pl.pallas_call(
       functools.partial(kernel, st=st), grid=grid, in_specs=in_specs, out_specs=out_specs,
       out_shape=[jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in outs],
-      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=num_stages), interpret=st.interpret)(*args)
+      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2), interpret=st.interpret)(*args)
 
 
 def _forward(st: _Static, q, k, v, lengths, meta):
@@ -202,7 +199,7 @@ def _attention_bwd(st: _Static, residuals, do):
   head = [whole(meta), whole(lengths)]
   dk, dv = _call(_dkdv_kernel, st, grid, head + [sequence, block, block, sequence, row_all, row_all],
                  [block, block], [(k.shape, k.dtype), (v.shape, v.dtype)],
-                 meta, lengths, q, k, v, do, lse, delta, num_stages=st.dkdv_stages)
+                 meta, lengths, q, k, v, do, lse, delta)
   (dq,) = _call(_dq_kernel, st, grid, head + [block, sequence, sequence, block, row_block, row_block], [block],
                 [(q.shape, q.dtype)], meta, lengths, q, k, v, do, lse, delta)
   return dq, dk, dv, None, None
@@ -233,8 +230,7 @@ def flash_attention(q, k, v, key_mask, *, scale: float, rate: float = 0.0, key: 
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
   st = _Static(scale=float(scale), rate=float(rate), seq_len=seq_len, total_heads=total_heads or heads,
-               block=min(_MAX_BLOCK, max(16, _next_power_of_2(seq_len))), interpret=interpret,
-               dkdv_stages=DKDV_STAGES)
+               block=min(_MAX_BLOCK, max(16, _next_power_of_2(seq_len))), interpret=interpret)
   # Triton's blocks are powers of two: the sequence pads to whole blocks (padded keys are past every length,
   # padded queries are sliced off), the head size to a power of two (zero features change no dot product).
   padded_len = -(-seq_len // st.block) * st.block
