@@ -134,7 +134,7 @@ def test_kernels_compile_for_an_h200_on_tensor_cores_without_ptxas_warnings(tmp_
     (device,) = sizing.gpu_target_devices("h200")
   except ValueError as e:
     pytest.skip(str(e))
-  if compiled_kernels._ptxas() is None:  # pylint: disable=protected-access
+  if compiled_kernels.find_ptxas() is None:
     pytest.skip("no ptxas (the CUDA plugin's nvidia-cuda-nvcc has one)")
 
   def loss(q, k, v, mask, key):

@@ -85,7 +85,7 @@ def triton_kernel_report(dump_dir: str, names: set[str]) -> list[dict]:
   """`ptx_kernel` of every Triton kernel named in `names` whose PTX XLA dumped into `dump_dir`
   (compiler option xla_dump_to), with ptxas's figures when ptxas is found (the CUDA plugin's nvidia-cuda-nvcc
   has one)."""
-  ptxas = _ptxas()
+  ptxas = find_ptxas()
   kernels = []
   for path in sorted(pathlib.Path(dump_dir).glob("*.ptx")):
     text = path.read_text()
@@ -102,7 +102,8 @@ def triton_kernel_report(dump_dir: str, names: set[str]) -> list[dict]:
   return sorted(kernels, key=lambda k: k["name"])
 
 
-def _ptxas() -> str | None:
+def find_ptxas() -> str | None:
+  """NVIDIA's PTX assembler: on PATH, else the one the CUDA plugin's nvidia-cuda-nvcc wheel carries."""
   found = shutil.which("ptxas")
   if found:
     return found
