@@ -102,7 +102,7 @@ class _TruncatingBackend:
   the wrapper's own backend untouched: the wrapper resets its truncation at every call, from any thread.
   """
   CHARS_PER_TOKEN = 6  # about 4.5 in English text; a text that falls short is redone whole, never wrong
-  _cache: "weakref.WeakKeyDictionary" = None  # tokenizer -> {(max_length, side, vocab): _TruncatingBackend}
+  _cache = weakref.WeakKeyDictionary()  # tokenizer -> {(max_length, side, vocab size): _TruncatingBackend}
   _lock = threading.Lock()
 
   def __init__(self, backend, max_length: int, cut: bool):
@@ -116,8 +116,6 @@ class _TruncatingBackend:
     if rust is None or not getattr(tokenizer, "is_fast", False) or not hasattr(rust, "encode_batch"):
       return None
     with cls._lock:
-      if cls._cache is None:
-        cls._cache = weakref.WeakKeyDictionary()
       try:
         by_length = cls._cache.setdefault(tokenizer, {})
       except TypeError:  # not weakly referenceable: made per call
