@@ -89,6 +89,26 @@ def test_encoder_with_flash_attention_equals_the_einsum_encoder():
   np.testing.assert_allclose(rows(flash), rows(einsum), rtol=1e-5, atol=1e-5)
 
 
+def test_device_bench_agreement_check_passes_the_kernel_and_fails_other_masks(monkeypatch):
+  """The device bench's check of the kernel where it runs as Triton (`jdr.bench.device.flash_agreement`), run
+  here on the interpreter: in bfloat16 the kernel is as close to the float32 einsum path as the bfloat16
+  einsum path is; the kernel drawing its dropout from another key, or attending to a padded key, is not."""
+  from jdr.bench import device  # pylint: disable=g-import-not-at-top
+  from jdr.models import bert  # pylint: disable=g-import-not-at-top
+  cfg = TINY.replace(dtype="bfloat16", attention_dropout=0.1, max_position_embeddings=80)
+  result = device.flash_agreement(cfg, rows=4, length=70)  # two blocks of 64 keys, rows of 70 to 7 tokens
+  assert result["agrees"] and 0 < result["gradients_error"]["flash"] < 0.02, result
+  kernel = bert.flash_attention
+  wrong = {"another dropout key": lambda q, k, v, mask, scale, rate, key: kernel(
+               q, k, v, mask, scale, rate, None if key is None else jax.random.fold_in(key, 1)),
+           "a padded key attended": lambda q, k, v, mask, scale, rate, key: kernel(
+               q, k, v, jnp.asarray(mask).at[:, -1].set(True), scale, rate, key)}
+  for what, attention in wrong.items():
+    monkeypatch.setattr(bert, "flash_attention", attention)
+    result = device.flash_agreement(cfg, rows=4, length=70)
+    assert not result["agrees"], (what, result)
+
+
 def test_kernels_lower_to_triton_for_gpus(monkeypatch):
   """The forward and both backward kernels lower to Triton for CUDA from this CPU host (bfloat16, BERT-base's
   64-wide heads, 256 and 100 tokens), and each Triton module passes MLIR's verifier, which the GPU compiler
