@@ -193,7 +193,9 @@ def _full_batch(length: int, tokens_per_batch: int) -> tuple[int, jax.Array, jax
 
 def section_encode(size: dict, torch_device: str, model_dir: str, shape: dict, peak_flops: float) -> dict:
   import torch  # pylint: disable=g-import-not-at-top
-  from sentence_transformers import SentenceTransformer, models  # pylint: disable=g-import-not-at-top
+  from sentence_transformers import SentenceTransformer  # pylint: disable=g-import-not-at-top
+  # Not sentence_transformers.models: deprecated since 6.2, and 6.0 already has this path.
+  from sentence_transformers.sentence_transformer import modules  # pylint: disable=g-import-not-at-top
   from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
   from jdr.bench import encode_speed  # pylint: disable=g-import-not-at-top
   from jdr.data import text as text_lib  # pylint: disable=g-import-not-at-top
@@ -225,8 +227,8 @@ def section_encode(size: dict, torch_device: str, model_dir: str, shape: dict, p
   forward_s = median_seconds(forward, size["repeats"])
   forward_kernels = _kernels(size, "the encoder's forward", runtime.apply_fn, (runtime.params, ids, mask), forward)
 
-  transformer = models.Transformer(model_dir, max_seq_length=length)
-  reference = SentenceTransformer(modules=[transformer, models.Pooling(shape["hidden_size"], "mean")],
+  transformer = modules.Transformer(model_dir, max_seq_length=length)
+  reference = SentenceTransformer(modules=[transformer, modules.Pooling(shape["hidden_size"], "mean")],
                                   device=torch_device)
   if size["dtype"] == "bfloat16":
     reference = reference.to(torch.bfloat16)
