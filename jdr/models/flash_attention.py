@@ -164,6 +164,8 @@ def _specs(st: _Static, shape):
 
 def _call(kernel, st: _Static, grid, in_specs, out_specs, outs, *args):
   """One pallas_call; `outs` are (shape, dtype) pairs."""
+  # Triton's CompilerParams also choose the lowering: since jax 0.9 a pallas_call without them goes to Mosaic
+  # GPU on GPUs, and these kernels are written (plgpu.dot) and tested (the CUDA lowering test) for Triton.
   return pl.pallas_call(
       functools.partial(kernel, st=st), grid=grid, in_specs=in_specs, out_specs=out_specs,
       out_shape=[jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in outs],
