@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jdr.models.bert import Dense, Encoder, EncoderConfig, HeadsProjection, roberta_position_ids
+from jdr.models.bert import Dense, Encoder, EncoderConfig, heads_projection, roberta_position_ids
 from jdr.models.towers import Tower, TowerConfig, TwoTower, l2_normalize, pool
 
 TINY = EncoderConfig(vocab_size=50, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
@@ -359,7 +359,7 @@ def test_heads_projection_is_dense_general_over_heads(dtype):
   import dataclasses  # pylint: disable=g-import-not-at-top
   cfg = dataclasses.replace(TINY, dtype=dtype)
   x = jax.random.normal(jax.random.PRNGKey(1), (3, 5, cfg.hidden_size))
-  ours = HeadsProjection(cfg)
+  ours = heads_projection(cfg)
   reference = _dense_general(cfg, (cfg.num_heads, cfg.head_dim), ("embed", "heads", "kv"))
   key = jax.random.PRNGKey(2)
   ours_params, reference_params = ours.init(key, x), reference.init(key, x)
@@ -418,7 +418,7 @@ def test_half_precision_bias_gradients_are_summed_in_float32(module):
   summed in bfloat16 over 16,384 tokens it is about 2% off (DenseGeneral's: 1.7-1.9% here). jdr's layers
   sum in float32: against the float64 sum of the same bfloat16 cotangent, within float32 rounding."""
   cfg = TINY.replace(dtype="bfloat16")
-  layer = Dense(cfg, 16, ("embed", "mlp")) if module == "dense" else HeadsProjection(cfg)
+  layer = Dense(cfg, 16, ("embed", "mlp")) if module == "dense" else heads_projection(cfg)
   x = jax.random.normal(jax.random.PRNGKey(1), (64, 256, cfg.hidden_size))
   params = nn.unbox(layer.init(jax.random.PRNGKey(2), x))["params"]
   out_shape = jax.eval_shape(lambda p: layer.apply({"params": p}, x), params).shape

@@ -13,6 +13,7 @@ is cast back to float32, so bfloat16 changes speed and memory, not the interface
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -188,24 +189,37 @@ _add_bias_bfloat16.defvjp(_add_bias_bfloat16_fwd, _add_bias_bfloat16_bwd)
 
 
 class Dense(nn.Module):
-  """nn.DenseGeneral(features, axis=(-contracted, ..., -1))'s parameters (kernel [*contracted axes, features],
-  bias [features]: same names, shapes, initial values and logical axes) and product, the bias added by
-  `add_bias`: DenseGeneral sums its bias's gradient in the compute dtype."""
+  """nn.DenseGeneral(features, axis=(-contracted, ..., -1))'s parameters (kernel [*contracted axes, *features],
+  bias [*features]: same names, shapes, initial values and logical axes) and product, computed as one 2-D
+  matmul over the flattened axes with the bias added to its [..., prod(features)] result by `add_bias`.
+
+  Why not DenseGeneral itself: it sums its bias's gradient in the compute dtype, and with features (N, D) (the
+  query, key and value projections) it adds the bias to the [B, L, N, D] product, which XLA's GPU compiler
+  does not recognize as a matmul bias: it materialized the broadcast bias ([tokens, 768] per projection) and
+  ran the matmul on top of it. Added to the flat product, the bias goes into cuBLAS's epilogue (seen in the
+  optimized HLO of BERT-base compiled for an NVIDIA H200), and the heads come out by a free reshape.
+  """
   config: EncoderConfig
-  features: int
-  names: tuple[str, ...]  # the kernel's logical axes; the bias takes the last
+  features: int | tuple[int, ...]
+  names: tuple[str, ...]  # the kernel's logical axes; the bias takes the features'
   contracted: int = 1  # how many trailing axes of the input the product contracts
 
   @nn.compact
   def __call__(self, x):
-    cfg = self.config
-    contracted = x.shape[-self.contracted:]
-    kernel = self.param("kernel", _init(self.names), (*contracted, self.features), jnp.float32)
-    bias = self.param("bias", _init(self.names[-1:], nn.initializers.zeros_init()), (self.features,),
+    features = (self.features,) if isinstance(self.features, int) else tuple(self.features)
+    width = math.prod(features)
+    kernel = self.param("kernel", _init(self.names), (*x.shape[-self.contracted:], *features), jnp.float32)
+    bias = self.param("bias", _init(self.names[-len(features):], nn.initializers.zeros_init()), features,
                       jnp.float32)
-    x, kernel = nn.dtypes.promote_dtype(x, kernel, dtype=cfg.compute_dtype)
+    x, kernel = nn.dtypes.promote_dtype(x, kernel, dtype=self.config.compute_dtype)
     flat = x.reshape(*x.shape[:-self.contracted], -1)
-    return add_bias(jnp.dot(flat, kernel.reshape(-1, self.features)), bias)
+    y = add_bias(jnp.dot(flat, kernel.reshape(-1, width)), bias.reshape(width))
+    return y.reshape(*y.shape[:-1], *features)
+
+
+def heads_projection(cfg: EncoderConfig, name: str | None = None) -> Dense:
+  """The query, key or value projection: [B, L, E] -> [B, L, N, D]."""
+  return Dense(cfg, (cfg.num_heads, cfg.head_dim), ("embed", "heads", "kv"), name=name)
 
 
 def attention_logits(q: jax.Array, k: jax.Array) -> jax.Array:
@@ -239,29 +253,6 @@ def _half_precision_logits_bwd(residuals, grad):
 
 
 _half_precision_logits.defvjp(_half_precision_logits_fwd, _half_precision_logits_bwd)
-
-
-class HeadsProjection(nn.Module):
-  """[B, L, E] -> [B, L, N, D], with nn.DenseGeneral(features=(N, D))'s parameters (kernel [E, N, D], bias
-  [N, D]: same names, shapes, initial values and logical axes), computed as one [E, N * D] matmul whose
-  [B, L, N * D] result is then split into heads.
-
-  Why not DenseGeneral itself: its bias is added to the [B, L, N, D] product, which XLA's GPU compiler does
-  not recognize as a matmul bias; it materialized the broadcast bias ([tokens, 768] per projection) and ran
-  the matmul on top of it. Added to the [B, L, N * D] product, the bias goes into cuBLAS's epilogue as the
-  other projections' does (seen in the optimized HLO of BERT-base compiled for an NVIDIA H200).
-  """
-  config: EncoderConfig
-
-  @nn.compact
-  def __call__(self, x):
-    cfg = self.config
-    n, d = cfg.num_heads, cfg.head_dim
-    kernel = self.param("kernel", _init(("embed", "heads", "kv")), (x.shape[-1], n, d), jnp.float32)
-    bias = self.param("bias", _init(("heads", "kv"), nn.initializers.zeros_init()), (n, d), jnp.float32)
-    x, kernel = nn.dtypes.promote_dtype(x, kernel, dtype=cfg.compute_dtype)
-    y = add_bias(jnp.dot(x, kernel.reshape(-1, n * d)), bias.reshape(n * d))
-    return y.reshape(*y.shape[:-1], n, d)
 
 
 def _layer_norm(cfg: EncoderConfig, name: str, deterministic: bool) -> nn.LayerNorm:
@@ -386,9 +377,9 @@ class Layer(nn.Module):
     # `deterministic` is positional: nn.remat marks it static by position.
     cfg = self.config
     # [B, L, E] -> [B, L, N, D]: heads come out of the projection with no transpose (its reshape is free).
-    q = HeadsProjection(cfg, name="query")(x)
-    k = HeadsProjection(cfg, name="key")(x)
-    v = HeadsProjection(cfg, name="value")(x)
+    q = heads_projection(cfg, "query")(x)
+    k = heads_projection(cfg, "key")(x)
+    v = heads_projection(cfg, "value")(x)
     # FGD's spans need the [CLS] probabilities: they stay on einsums. Attention dropout needs a kernel that
     # draws it (jdr's flash kernel), else the einsums too.
     no_probs_needed = span_mask is None and (deterministic or cfg.attention_dropout == 0.0)
@@ -442,7 +433,7 @@ class Layer(nn.Module):
     return out, rest(span_ctx, x[:, None, 0, :])
 
 
-# The layer's matmuls: Dense and HeadsProjection keep float32 kernels and biases and cast them to the
+# The layer's matmuls: Dense keeps float32 kernels and biases and casts them to the
 # compute dtype at every call.
 LAYER_MATMULS = ("query", "key", "value", "attention_output", "intermediate", "output")
 
