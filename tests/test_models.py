@@ -352,30 +352,6 @@ def test_exact_gelu_in_half_precision_is_the_rounded_float64_gelu():
   np.testing.assert_array_equal(np.asarray(_exact_gelu(x32)), np.asarray(jax.nn.gelu(x32, approximate=False)))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_heads_projection_is_dense_general_over_heads(dtype):
-  """The query / key / value projection: nn.DenseGeneral(features=(heads, head_dim))'s parameters (names,
-  shapes, logical axes, initial values) and outputs, computed as one matmul over heads x head_dim."""
-  import dataclasses  # pylint: disable=g-import-not-at-top
-  cfg = dataclasses.replace(TINY, dtype=dtype)
-  x = jax.random.normal(jax.random.PRNGKey(1), (3, 5, cfg.hidden_size))
-  ours = heads_projection(cfg)
-  reference = _dense_general(cfg, (cfg.num_heads, cfg.head_dim), ("embed", "heads", "kv"))
-  key = jax.random.PRNGKey(2)
-  ours_params, reference_params = ours.init(key, x), reference.init(key, x)
-  assert jax.tree.map(lambda a: (a.value.shape, a.names), ours_params, is_leaf=lambda a: isinstance(a, nn.Partitioned)) \
-      == jax.tree.map(lambda a: (a.value.shape, a.names), reference_params, is_leaf=lambda a: isinstance(a, nn.Partitioned))
-  np.testing.assert_array_equal(nn.unbox(ours_params)["params"]["kernel"],
-                                nn.unbox(reference_params)["params"]["kernel"])
-  # A bias that is not zero, so adding it is checked too.
-  params = jax.tree.map(lambda a: a + 0.1 * jnp.arange(a.size, dtype=a.dtype).reshape(a.shape) / a.size,
-                        nn.unbox(reference_params))
-  got, want = ours.apply(params, x), reference.apply(params, x)
-  assert got.shape == (3, 5, cfg.num_heads, cfg.head_dim) and got.dtype == want.dtype == jnp.dtype(cfg.compute_dtype)
-  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
-                             rtol=1e-6 if dtype == "float32" else 1e-2, atol=1e-6 if dtype == "float32" else 1e-2)
-
-
 def _dense_general(cfg, features, names, axis=-1):
   out_names = names[-len(features):] if isinstance(features, tuple) else names[-1:]
   init = lambda names, init=None: nn.with_logical_partitioning(init or nn.initializers.normal(0.02), names)
@@ -384,16 +360,25 @@ def _dense_general(cfg, features, names, axis=-1):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("contracted", [1, 2])
-def test_dense_is_dense_general(dtype, contracted):
-  """The layers' other matmuls (attention output over heads x head_dim, intermediate, output):
-  nn.DenseGeneral's parameters (names, shapes, logical axes, initial values) and outputs."""
+@pytest.mark.parametrize("layer", ["query_key_value", "intermediate", "attention_output"])
+def test_dense_is_dense_general(dtype, layer):
+  """Each of a layer's matmuls: the query / key / value projection (features heads x head_dim), the
+  intermediate and output ones, and the attention output (contracting heads x head_dim) have
+  nn.DenseGeneral's parameters (names, shapes, logical axes, initial values) and outputs, each computed as
+  one 2-D matmul."""
   cfg = TINY.replace(dtype=dtype)
-  names = ("heads", "kv", "embed") if contracted == 2 else ("embed", "mlp")
-  shape = (3, 5, cfg.num_heads, cfg.head_dim) if contracted == 2 else (3, 5, cfg.hidden_size)
+  heads = (cfg.num_heads, cfg.head_dim)
+  if layer == "query_key_value":
+    names, features, axis, shape = ("embed", "heads", "kv"), heads, -1, (3, 5, cfg.hidden_size)
+    ours = heads_projection(cfg)
+  elif layer == "intermediate":
+    names, features, axis, shape = ("embed", "mlp"), 24, -1, (3, 5, cfg.hidden_size)
+    ours = Dense(cfg, features, names)
+  else:
+    names, features, axis, shape = ("heads", "kv", "embed"), 24, (-2, -1), (3, 5, *heads)
+    ours = Dense(cfg, features, names, contracted=2)
   x = jax.random.normal(jax.random.PRNGKey(1), shape)
-  ours = Dense(cfg, 24, names, contracted=contracted)
-  reference = _dense_general(cfg, 24, names, axis=(-2, -1) if contracted == 2 else -1)
+  reference = _dense_general(cfg, features, names, axis=axis)
   key = jax.random.PRNGKey(2)
   ours_params, reference_params = ours.init(key, x), reference.init(key, x)
   is_box = lambda a: isinstance(a, nn.Partitioned)
@@ -401,10 +386,12 @@ def test_dense_is_dense_general(dtype, contracted):
       == jax.tree.map(lambda a: (a.value.shape, a.names), reference_params, is_leaf=is_box)
   np.testing.assert_array_equal(nn.unbox(ours_params)["params"]["kernel"],
                                 nn.unbox(reference_params)["params"]["kernel"])
+  # A bias that is not zero, so adding it is checked too.
   params = jax.tree.map(lambda a: a + 0.1 * jnp.arange(a.size, dtype=a.dtype).reshape(a.shape) / a.size,
                         nn.unbox(reference_params))
   got, want = ours.apply(params, x), reference.apply(params, x)
-  assert got.shape == want.shape == (3, 5, 24) and got.dtype == want.dtype == jnp.dtype(cfg.compute_dtype)
+  out_shape = (3, 5, *heads) if layer == "query_key_value" else (3, 5, 24)
+  assert got.shape == want.shape == out_shape and got.dtype == want.dtype == jnp.dtype(cfg.compute_dtype)
   # The same values: float32 to rounding, bfloat16 bit for bit (same product, same bias, one rounding each).
   if dtype == "bfloat16":
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
