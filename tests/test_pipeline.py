@@ -207,7 +207,9 @@ def test_a_copied_export_loads_anywhere_and_serves_past_the_training_length(tmp_
   cut = corpus_lib.encode_texts(corpus_lib.load_runtime(str(copy), side="query", max_length=16), [long_query])
   exact = corpus_lib.encode_texts(corpus_lib.load_runtime(str(copy), side="query", max_length=n_tokens),
                                   [long_query])
-  np.testing.assert_array_equal(whole, exact)
+  # Padded to other lengths, the two encodes are differently shaped compiled programs, whose sums can round
+  # apart in the last bit: equal to float32 rounding, not bitwise, where the cut at 16 tokens is far off.
+  np.testing.assert_allclose(whole, exact, rtol=1e-6, atol=1e-6)
   assert np.abs(whole - cut).max() > 1e-3
 
   texts = ["alphaton zen", long_query]
