@@ -2,20 +2,24 @@
 
 Each pair comes from one of the three tasks, chosen uniformly (data.pretrain_task="mixed"); the loss is the
 sampled softmax over the documents of the global batch (in-batch negatives, gathered across devices and hosts
-by the sharded step). The paper: query 64 tokens, document 288, a 512-dimensional linear layer on [CLS]
-(here Dense(512) + LayerNorm, jdr's projection head), Adam at 1e-4 with 10% warm-up, batch 8192, made to fit
-through exact gradient caching (grad_cache.chunk_size rows encoded at once). BERT-base sized towers, shared.
+by the sharded step). The other pretraining recipes (pretrain_ict.py, pretrain_bfs.py, pretrain_wlp.py,
+pretrain_mlm.py) are this one with another task; fine-tune from the workdir with configs/finetune.py.
 
-`runlocal` scales it to a 2-core x86 CPU: a small BERT from random weights (4 layers, 256 wide, the
-MiniLM vocabulary; mean pooling and cosine scores at temperature 0.05, since [CLS] with raw inner products did
-not leave chance level at this budget), the shared Wikispeedia articles, query 32 / document 128 tokens, batch 32, 600 steps, no
-gradient caching (nothing to save at batch 32). About 7.5 minutes on 2 CPU cores (0.73 s a step, measured
-alone on a 2-core x86 CPU); the ablation in the README runs 300 of these steps a row.
+| setting | value (full) | value (runlocal) | source | departs / why |
+|---|---|---|---|---|
+| data | English Wikipedia (`data.pretrain_source=data/enwiki-pages-articles.xml.bz2`, a pages-articles dump) | the Wikispeedia articles (`data.dataset`, the shared copy) | Sec. 4.1 ("generated from the Wikipedia corpus") | runlocal: 1,629 hyperlinked articles a CPU reads at once |
+| task | ICT, BFS or WLP, uniform per pair; ICT keeps its sentence with probability 0.1 | the same | Sec. 3, 4.1 ("uniformly sampled from the three pre-training tasks"); Lee et al. 2019 (0.1) | |
+| starting model | fresh weights, BERT-base (12 x 768) (`model.init_from=`, `model.fresh=base`) | fresh weights, 4 x 256 | Sec. 4.1 ("the 12 layers BERT-base model") | runlocal: a model a CPU trains |
+| tokenizer | BERT uncased WordPiece (the bundled MiniLM's vocabulary) | the same | Sec. 4.1 (WordPiece) | |
+| towers | one shared tower, [CLS] + Dense(512) + LayerNorm, dot product | mean pooling + Dense(512) + LayerNorm, L2-normalized | Sec. 4.1 ("a linear layer on the hidden state of the [CLS] token", 512) | jdr's head adds a LayerNorm; the paper does not say whether the towers are tied; runlocal: from random weights at this budget [CLS] with raw inner products stayed at chance |
+| loss | sampled softmax over the global batch, temperature 1 | the same, temperature 0.05 | Sec. 2 (Eq. 3, the sampled softmax) | runlocal: cosines in [-1, 1] need the temperature |
+| optimizer | Adam 1e-4 (AdamW without weight decay), 10% warm-up then linear decay | the same | Sec. 4.1 | |
+| batch | 8,192, through exact gradient caching (`grad_cache.chunk_size=256`) | 32, no caching | Sec. 4.1 (8,192 on 32 TPU v3 chips) | caching makes 8,192 fit any device; runlocal: 2-core budget |
+| lengths | queries 64, documents 288 tokens | 32 / 128 | Sec. 4.1 | runlocal: 2-core budget |
+| steps | 100,000 | 600 | Sec. 4.1 | runlocal: 2-core budget |
 
   python -m jdr.train --config configs/pretrain_ict_bfs_wlp.py:runlocal --workdir runs/pretrain_ict_bfs_wlp
-
-then fine-tune from the workdir with configs/finetune.py. The other pretraining recipes (pretrain_ict.py,
-pretrain_bfs.py, pretrain_wlp.py, pretrain_mlm.py) are this one with another task.
+  python -m jdr.train --config configs/pretrain_ict_bfs_wlp.py --workdir runs/wikipedia-ict_bfs_wlp
 """
 
 import base
@@ -29,8 +33,6 @@ def pretrain_config(task: str, arg=None):
   c = base.get_config()
   c.data.kind = "pretrain"
   c.data.pretrain_task = task
-  c.data.pretrain_source = "wikispeedia"  # data.dataset names another copy; "builtin" or an XML dump path
-  c.data.dataset = ""  # "" = the shared Wikispeedia directory
   c.data.eval_split = ""  # pretraining does not evaluate: the fine-tuning recipe does
   c.eval_before_training = False
   c.negatives.source = "none"
@@ -45,6 +47,8 @@ def pretrain_config(task: str, arg=None):
   c.optimizer.weight_decay = 0.0  # Adam
   c.optimizer.learning_rate = 1e-4
   if a.runlocal:
+    c.data.pretrain_source = "wikispeedia"
+    c.data.dataset, c.data.description = base.shared("wikispeedia")
     # From random weights at this budget [CLS] pooling does not train: the loss stayed at log(32) (chance)
     # for 300 steps with raw inner products at lr 1e-4, for 120 with cosine scores at temperature 0.05, and
     # for 80 at lr 5e-4; mean pooling with cosine / 0.05 reached 30% in-batch accuracy in 80 steps (measured).
@@ -59,6 +63,8 @@ def pretrain_config(task: str, arg=None):
     c.grad_cache.chunk_size = 0
     c.checkpoint_every = 200
   else:
+    c.data.pretrain_source, c.data.description = base.WIKIPEDIA
+    c.data.dataset = ""
     c.model.fresh = "base"
     c.data.query_max_length = 64
     c.data.doc_max_length = 288

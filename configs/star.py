@@ -1,41 +1,68 @@
 """STAR (Zhan et al., SIGIR 2021, Sec. 6.1): static hard negatives from a warm-up model's top-200 (positives
-removed), plus every other document of the batch reused as a random negative; RankNet, the random part
-weighted by alpha (Eq. 13: L_s + alpha * L_r, 0 < alpha << 1; alpha = 0.1 here).
+removed), plus every other document of the batch reused as a random negative; RankNet over every (query,
+negative) pair of the batch.
 
-Paper (passage task): the BM25-Neg model as warm-up, LAMB, batch 256, learning rate 1e-4. Here the
-warm-up model is the run's starting model (`model.init_from`), whose top-200 for every training query is
-mined once before step 0 and cached in the workdir. `runlocal`: SciFact, batch 32 with one hard negative per
-query, temperature 0.05 (normalized vectors), 104 steps after a 104-step BM25-negative warm-up (jdr.reproduce's
-208-step budget, the warm-up included), AdamW 5e-5: the rate `python -m jdr.reproduce scifact` chose on a dev
-split of the training queries (dev nDCG@10 0.7595 / 0.7602 / 0.7254 at 2e-5 / 5e-5 / 1e-4, seed 0).
+By default the recipe runs what the authors' code ran: one mean over all the batch's pairs, a query's own hard
+negative in the same pool as the other rows' documents (DRhard `model.py`, `inbatch_train`), which has no
+alpha. The paper's Eq. 13 (L_s + alpha * L_r over per-part means) is the argument `alpha`.
 
-  python -m jdr.train --config configs/bm25_neg.py:runlocal --workdir runs/bm25_warmup \
+| setting | full | runlocal | source | where jdr departs, and why |
+|---|---|---|---|---|
+| starting model | the BM25-negative warm-up (`model.init_from`, a workdir) | the same, from `configs/bm25_neg.py:runlocal` | paper Sec. 7.1; DRhard README ("the same warmup model as ANCE") | runlocal: MiniLM, not RoBERTa-base |
+| towers | shared, CLS + Dense(768) + LayerNorm, dot product | MiniLM's mean pooling, normalized, temperature 0.05 | DRhard `model.py` (`RobertaDot`) | cosines need a temperature for RankNet to have room |
+| data | MS MARCO passage (`data.dataset`) | SciFact train | paper Sec. 7.1 | |
+| hard negatives | 1 a query, uniform from the top 200 left after dropping positives from the warm-up's top 210 | the same | DRhard `star/prepare_hardneg.py` (`topk + 10`, filter, `[:topk]`), paper Sec. 6.1 | |
+| random negatives | every other document of the batch | the same | paper Fig. 1b, DRhard `inbatch_train` | |
+| weighting | one mean over every pair (`negatives.pair_weighting=batch_mean`) | the same | DRhard `model.py` | `:alpha` gives Eq. 13, alpha 0.1 |
+| loss | RankNet, log(1 + exp(s_neg - s_pos)) | the same | paper Eq. 14; DRhard's two-way log-softmax | |
+| optimizer | LAMB (weight norm clamped at 10), 1e-4, 1,000 warm-up steps, weight decay 0.01, clip 1.0 | AdamW 5e-5, 10 warm-up steps | DRhard README (`--optimizer_str lamb --learning_rate 1e-4`), `star/train.py` defaults, `lamb.py` | runlocal: the rate chosen on dev by `python -m jdr.reproduce scifact` |
+| batch | 256 queries | 32 | paper Sec. 7.1 | 2-core budget |
+| lengths | queries 24, passages 120 tokens; mining at 32 / 256 | 32 / 256 (jdr.reproduce's) | DRhard README (`--max_query_length 24 --max_doc_length 120`), prepare_hardneg's defaults | runlocal: the table's shared lengths |
+| steps | 50,000 | 104 after a 104-step warm-up | DRhard README ("converges within 50k steps") | jdr.reproduce's 208-step budget |
+
+  python -m jdr.train --config configs/bm25_neg.py:runlocal --workdir runs/bm25_warmup \\
       --config.data.dataset=../shared/data/scifact --config.num_train_steps=104 --config.optimizer.warmup_steps=10
-  python -m jdr.train --config configs/star.py:runlocal --workdir runs/star \
+  python -m jdr.train --config configs/star.py:runlocal --workdir runs/star \\
       --config.data.dataset=../shared/data/scifact --config.model.init_from=runs/bm25_warmup
+
+Arguments: `runlocal` (above), `alpha` (the paper's Eq. 13 with alpha 0.1 instead of the code's batch mean).
 """
 
 import base
 import inbatch
 
-ARGS = dict(runlocal=False)
+ARGS = dict(runlocal=False, alpha=False)
 
 
 def get_config(arg=None):
   a = base.parse_arg(arg, **ARGS)
-  c = inbatch.recipe(a)  # the same budget and optimizer as the in-batch baseline
+  c = inbatch.recipe(a)  # runlocal: the same budget and optimizer as the in-batch baseline
   c.negatives.source = "dense_static"
   c.negatives.top_n = 200
+  c.negatives.mine_extra = 10
   c.negatives.per_query = 1
   c.negatives.in_batch = True
-  c.negatives.random_weight = 0.1
+  if a.alpha:
+    c.negatives.pair_weighting, c.negatives.random_weight = "alpha", 0.1
+  else:
+    c.negatives.pair_weighting = "batch_mean"
   c.loss.name = "ranknet"
   if a.runlocal:
     c.num_train_steps = 104
-    c.optimizer.learning_rate = 5e-5  # chosen on dev by jdr.reproduce (see above)
+    c.optimizer.learning_rate = 5e-5  # chosen on dev by jdr.reproduce (docs/results.md)
     c.optimizer.warmup_steps = 10
     c.eval.doc_max_length = 256
   else:
+    c.data.dataset, c.data.description = base.MSMARCO_PASSAGE
+    c.model.init_from, c.model.description = base.BM25_WARMUP  # RoBERTa-base after BM25 negatives
+    c.model.pooling, c.model.normalize, c.model.projection_dim = "cls", 0, 768
+    c.loss.temperature = 1.0
+    c.batch_size = 256
+    c.optimizer.name = "lamb"
     c.optimizer.learning_rate = 1e-4
-    c.model.projection_dim = 768
+    c.optimizer.warmup_steps = 1000
+    c.optimizer.weight_decay = 0.01
+    c.num_train_steps = 50_000
+    c.data.query_max_length, c.data.doc_max_length = 24, 120
+    c.eval.doc_max_length = 256  # the static negatives are mined at prepare_hardneg's lengths
   return c

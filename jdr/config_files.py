@@ -4,6 +4,10 @@ A recipe is a Python file whose `get_config(arg)` returns a ConfigDict; it reads
 with `parse_arg`, declaring each argument it takes with its default. Arguments and overrides are typed by
 the value they replace, and an unknown name is an error that lists the valid ones, so a typo never
 silently trains the default.
+
+A recipe names its inputs (data.dataset, model.init_from, distill.teacher) with what they should hold
+(data.description, model.description); `check_inputs` refuses a run whose input is not there in one line that
+says which key to set, so nothing is substituted for a missing folder.
 """
 
 import ast
@@ -15,9 +19,52 @@ from typing import Sequence
 
 import ml_collections
 
+from jdr import paths
+
 
 class ConfigError(ValueError):
   pass
+
+
+# What each input key holds, for the refusal when a recipe leaves data.description / model.description empty.
+DATASET = "a BEIR-layout directory: corpus.jsonl, queries.jsonl, qrels/SPLIT.tsv"
+ARTICLES = "a MediaWiki XML dump: .xml, .xml.bz2 or .xml.gz"
+MODEL = "a Hugging Face model directory, a jdr workdir or export, or minilm"
+TEACHER = "a cross-encoder: configs/cross_encoder.py's workdir or export, or a Hugging Face directory"
+
+
+def not_found(key: str, value: str, what: str, kind: str = "directory") -> str:
+  """The one line a missing input is refused with: the key, its value, the override to set and what it holds.
+
+    data.dataset=data/msmarco-passage: directory not found; set --config.data.dataset=DIR (MS MARCO ...)
+  """
+  placeholder = "FILE" if kind == "file" else "DIR"
+  return f"{key}={value}: {kind} not found; set --config.{key}={placeholder} ({what})"
+
+
+def check_inputs(config: ml_collections.ConfigDict) -> None:
+  """Refuses a run whose dataset, starting model or teacher is not where the config names it: a ConfigError
+  whose text is `not_found`'s one line, for the first missing one.
+
+  Only existence is checked (a stat per path), so this runs before a workdir, a device or a file is touched;
+  what is inside is checked by the loaders. Names that are not paths ("builtin", "minilm", "" for fresh
+  weights or no teacher) pass.
+  """
+  data, model = config.data, config.model
+  data_what = data.description
+  if data.kind == "pretrain":
+    source = data.pretrain_source
+    if source not in ("wikispeedia", "builtin") and not paths.as_path(source).is_file():
+      raise ConfigError(not_found("data.pretrain_source", source, data_what or ARTICLES, kind="file"))
+    if source == "wikispeedia" and data.dataset not in ("", "builtin") and not paths.as_path(data.dataset).is_dir():
+      raise ConfigError(not_found("data.dataset", data.dataset, data_what or "the Wikispeedia directory"))
+  elif data.dataset != "builtin" and not paths.as_path(data.dataset).is_dir():
+    raise ConfigError(not_found("data.dataset", data.dataset, data_what or DATASET))
+  if model.init_from not in ("", "minilm") and not paths.as_path(model.init_from).exists():
+    raise ConfigError(not_found("model.init_from", model.init_from, model.description or MODEL))
+  teacher = config.distill.teacher
+  if teacher not in ("", "minilm") and not paths.as_path(teacher).exists():
+    raise ConfigError(not_found("distill.teacher", teacher, TEACHER))
 
 
 def load_config_file(spec: str) -> ml_collections.ConfigDict:

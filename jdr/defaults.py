@@ -18,6 +18,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.data = ml_collections.ConfigDict()
   c.data.kind = "pairs"  # "pairs" (supervised qrels) | "pretrain" (ICT / BFS / WLP pairs from articles)
   c.data.dataset = "builtin"  # "builtin" (stdlib docstrings) or a BEIR / MS MARCO directory
+  c.data.description = ""  # what the recipe's data is, said when it is missing ("" = any BEIR-layout directory)
   c.data.source = "files"  # "files" (read the directory) or "tfds" (the jdr TFDS builder's array_record)
   c.data.tfds_data_dir = ""  # where TFDS keeps prepared data ("" = WORKDIR/tfds)
   c.data.train_split = "train"  # qrels/SPLIT.tsv of the training pairs
@@ -34,6 +35,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model = ml_collections.ConfigDict()
   c.model.architecture = "two_tower"  # "two_tower" | "cross_encoder" (pairs [CLS] q [SEP] d: a reranker / teacher)
   c.model.init_from = "minilm"  # "minilm", a Hugging Face dir, a jdr workdir / export, or "" (fresh)
+  c.model.description = ""  # what the recipe's starting model is, said when init_from is missing
   c.model.fresh = "tiny"  # architecture for init_from="": "tiny" (2x64), "small" (4x256), "mini" (6x384), "base" (12x768)
   c.model.tower = "transformer"  # "transformer" | "bow_mlp" (Chang et al.'s BoW-MLP; fresh weights only)
   c.model.tokenizer = ""  # "" = init_from's own (the MiniLM one for fresh models)
@@ -65,9 +67,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.negatives.bm25_top_k = 100  # BM25 pool the hard negatives are drawn from (ANCE / DPR: top 100)
   c.negatives.static_run = ""  # TREC run of a warm-up model (static source)
   c.negatives.top_n = 200  # pool / retrieval depth of dense_static, ance and retrieval (the papers' 200)
-  c.negatives.random_weight = 0.0  # STAR's alpha: weight of the batch's other docs as random negatives (0 = off)
+  # How pairwise losses weigh a token batch's pairs: none (each query's mean, then the mean over queries) |
+  # batch_mean (one mean over every pair of the batch: STAR's code) | alpha (STAR's Eq. 13, random_weight below)
+  c.negatives.pair_weighting = "none"
+  c.negatives.random_weight = 0.0  # pair_weighting=alpha: weight of the batch's other docs as random negatives
+  c.negatives.mine_extra = 0  # dense_static mines top_n + this, drops positives, keeps top_n (STAR: 10)
+  c.negatives.triples_per_query = 0  # ance: each refresh turns every pair into this many triples (ANCE: 20)
   # retrieval (ADORE / LTRe): a fixed corpus index, candidates retrieved by the query tower being trained
   c.negatives.retrieve_every = 1  # 1 = at every step (ADORE / LTRe); 0 = once before training (static ablation)
+  c.negatives.missing_positive = "append"  # none of the top n relevant: append (DRhard) | replace_last (LTRe Alg. 1)
   c.negatives.retrieval_backend = "faiss"  # faiss (host, between steps) | jax (exact top-k inside the step;
   # also where dense_static and ANCE mine)
   c.negatives.top_k_recall_target = 1.0  # retrieval_backend=jax: < 1 takes jax.lax.approx_max_k (fast on TPUs)
@@ -84,6 +92,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.loss.temperature = 1.0  # scores are divided by it (softmax_nll)
   c.loss.margin = 1.0  # hinge
   c.loss.lambda_metric = "mrr@10"  # lambdarank: |delta M| of swapping a pair, M = mrr@K or ndcg@K
+  c.loss.lambda_delta = "positions"  # |1/p_i - 1/p_j|, p = list position (DRhard; mrr only) | exact (swap by score)
   c.loss.logq_correction = False  # sampled softmax: score - log Q(doc), Q from the batch's `doc_logq`
 
   # --- gradient caching (jdr/gradcache.py): encode the batch in chunks of this many rows; 0 = off ---
@@ -108,7 +117,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   # --- optimizer (LTRe / STAR: AdamW, warm-up then linear decay, weight decay 0.01) ---
   c.optimizer = ml_collections.ConfigDict()
-  c.optimizer.name = "adamw"  # adamw | lamb
+  c.optimizer.name = "adamw"  # adamw | lamb (STAR / ANCE's, weight norm clamped at 10) | optax_lamb
   c.optimizer.learning_rate = 2e-5  # peak, after the warm-up; then linear decay to 0
   c.optimizer.warmup_steps = 100  # linear warm-up from 0
   c.optimizer.weight_decay = 0.01  # decoupled, not on biases and LayerNorm
@@ -123,7 +132,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.log_every = 10  # steps between lines of WORKDIR/metrics.jsonl (means over the steps since)
   c.eval_every = 0  # 0 = only before training and at the end
   c.eval_before_training = True  # evaluate the starting model too (step 0)
-  c.checkpoint_every = 500  # steps between checkpoints (also saved at the end and on SIGTERM / SIGINT)
+  c.checkpoint_every = 500  # steps between checkpoints (also saved at the end and on SIGTERM / SIGINT; 0 = only then)
   c.keep_checkpoints = 3  # the newest N checkpoints are kept
 
   # --- evaluation ---

@@ -27,7 +27,13 @@ The papers' forms: RankNet is log(1 + exp(s_neg - s_pos)) (LTRe Eq. 1, STAR Eq. 
 ADORE's LambdaLoss multiply each pair by |delta M| (LTRe Eq. 2, ADORE Eq. 15: `lambdarank`, whose
 weights come from `lambda_weights`) and STAR weights its in-batch "random" pairs by alpha (Eq. 13): both
 are the `weights` argument of `ranknet`, [B, C] (on the pair's lower-labelled document) or [B, C, C]
-(per pair).
+(per pair). |delta M| has two readings (`LAMBDA_DELTAS`): "exact", the change of M when the two documents
+swap places in the ranking by the current scores, and "positions", the authors' code (DRhard
+adore/train.py `metric_weights`, JPQ run_train.py `compute_loss`): |1/p_i - 1/p_j| with p the 1-based
+position in the candidate list as given and 1/p taken as 0 beyond K, for every (relevant, irrelevant) pair,
+whatever the other relevant documents. The two agree for one relevant document in a list sorted by score;
+with several, the exact change is never larger and often smaller, since only the first relevant one
+counts for MRR.
 """
 
 from __future__ import annotations
@@ -267,40 +273,72 @@ def _ndcg_swap_delta(ranks: Array, labels: Array, valid: Array, k: float) -> Arr
   return jnp.where(idcg > 0, delta / jnp.where(idcg > 0, idcg, 1.0), 0.0)
 
 
-def lambda_weights(scores: Array, labels: Array, valid: Array, metric: str) -> Array:
+# loss.lambda_delta: how |delta M| of a pair is read (see the module docstring)
+LAMBDA_DELTAS = ("positions", "exact")
+
+
+def _check_delta(delta: str, metric: str) -> None:
+  if delta not in LAMBDA_DELTAS:
+    raise ValueError(f"lambda_delta must be one of {', '.join(LAMBDA_DELTAS)}; got {delta!r}")
+  # The authors' position weights are reciprocal ranks; they wrote no NDCG form, and a discount by list
+  # position would be jdr's invention, so NDCG keeps the exact swap.
+  if delta == "positions" and _parse_metric(metric)[0] != "mrr":
+    raise ValueError(f"lambda_delta='positions' is the authors' MRR weight |1/p_i - 1/p_j|; {metric!r} needs "
+                     "lambda_delta='exact'")
+
+
+def _position_delta(c: int, k: float) -> Array:
+  """Float32 [1, C, C]: |1/p_i - 1/p_j| for list positions p = 1..C, 1/p read as 0 beyond k."""
+  positions = jnp.arange(1, c + 1, dtype=jnp.float32)
+  reciprocal = jnp.where(positions <= k, 1.0 / positions, 0.0)
+  return jnp.abs(reciprocal[:, None] - reciprocal[None, :])[None]
+
+
+def lambda_weights(scores: Array, labels: Array, valid: Array, metric: str, delta: str = "exact") -> Array:
   """Float32 [B, C, C]: |delta M(i, j)|, the change of row b's metric M when documents i and j swap.
 
-  Nonzero only for pairs of valid columns with labels[i] > labels[j]. The ranking is the descending
-  order of `scores` over valid columns (ties: lower column first), under stop_gradient. `metric` is
-  "mrr@K" (reciprocal rank of the first document with label > 0, 0 beyond K) or "ndcg@K" (gain
-  2^label - 1, discount 1 / log2(1 + rank) for rank <= K, IDCG@K from the row's own valid labels; a row
-  with IDCG 0 gets 0). Any K >= 1; without "@K" the whole list counts. Note 2^label - 1 is the
-  LambdaRank gain, not trec_eval's gain = grade used by `jdr.metrics` (they agree on binary labels).
+  Nonzero only for pairs of valid columns with labels[i] > labels[j]. `metric` is "mrr@K" (reciprocal
+  rank of the first document with label > 0, 0 beyond K) or "ndcg@K" (gain 2^label - 1, discount
+  1 / log2(1 + rank) for rank <= K, IDCG@K from the row's own valid labels; a row with IDCG 0 gets 0). Any
+  K >= 1; without "@K" the whole list counts. Note 2^label - 1 is the LambdaRank gain, not trec_eval's
+  gain = grade used by `jdr.metrics` (they agree on binary labels).
+
+  `delta` "exact": the ranking is the descending order of `scores` over valid columns (ties: lower column
+  first), under stop_gradient, and the weight is M's exact change. "positions" (mrr only): the ranking is
+  the column order itself, p = column + 1 (invalid columns keep their places), and the weight is
+  |1/p_i - 1/p_j| (1/p = 0 beyond K); `scores` are not read.
   """
+  _check_delta(delta, metric)
   name, k = _parse_metric(metric)
   scores, labels = jax.lax.stop_gradient(scores), jax.lax.stop_gradient(labels)
   scores, valid, labels = _prepare_labelled(scores, valid, labels)
+  if delta == "positions":
+    return jnp.where(_label_pairs(valid, labels), _position_delta(scores.shape[1], k), 0.0)
   ranks = _ranks(scores, valid)
   if name == "mrr":
-    delta = _mrr_swap_delta(ranks, jnp.logical_and(valid, labels > 0), k)
+    delta_m = _mrr_swap_delta(ranks, jnp.logical_and(valid, labels > 0), k)
   else:
-    delta = _ndcg_swap_delta(ranks, labels, valid, k)
-  return jnp.where(_label_pairs(valid, labels), delta, 0.0)
+    delta_m = _ndcg_swap_delta(ranks, labels, valid, k)
+  return jnp.where(_label_pairs(valid, labels), delta_m, 0.0)
 
 
 def lambdarank(scores: Array, valid: Array, *, labels: Array | None, metric: str,
-               weights: Array | None = None) -> Array:
+               weights: Array | None = None, delta: str = "exact") -> Array:
   """LambdaRank / ADORE's LambdaLoss: `ranknet` with each pair weighted by |delta metric| (LTRe Eq. 2,
-  ADORE Eq. 15), e.g. metric="mrr@10".
+  ADORE Eq. 15), e.g. metric="mrr@10"; `delta` as in `lambda_weights`.
 
-  `labels=None` is the in-batch layout (column b is row b's positive). Optional `weights` ([B, C] or
-  [B, C, C], as in `ranknet`) multiply the lambda weights. The divisor is the number of pairs, as in
-  `ranknet`, so pairs whose swap does not move the metric (both beyond K) dilute the mean rather than
-  being dropped.
+  `labels=None` is the in-batch layout (column b is row b's positive), which has no list order, so only
+  delta="exact" takes it. Optional `weights` ([B, C] or [B, C, C], as in `ranknet`) multiply the lambda
+  weights. The divisor is the number of pairs, as in `ranknet` and in both authors' codes (DRhard divides
+  by its pair count, JPQ takes the mean over relevant x irrelevant), so pairs whose weight is 0 (both
+  beyond K) dilute the mean rather than being dropped.
   """
   if labels is None:
+    if delta != "exact":
+      raise ValueError(f"lambda_delta={delta!r} reads positions in a candidate list; the in-batch layout "
+                       "(labels=None) has none: use lambda_delta='exact'")
     valid, labels = _identity_labels(scores, valid)
-  lam = lambda_weights(scores, labels, valid, metric)
+  lam = lambda_weights(scores, labels, valid, metric, delta)
   if weights is not None:
     b, c = scores.shape
     if weights.shape == (b, c):
@@ -370,10 +408,12 @@ def _ranknet_of(cfg):
 
 
 def _lambdarank_of(cfg):
-  metric = cfg.lambda_metric
+  metric, delta = cfg.lambda_metric, cfg.lambda_delta
   _parse_metric(metric)  # a typo fails here, not at the first step
+  _check_delta(delta, metric)
   t = cfg.temperature
-  return lambda s, v, labels, weights: lambdarank(s / t, v, labels=labels, metric=metric, weights=weights)
+  return lambda s, v, labels, weights: lambdarank(s / t, v, labels=labels, metric=metric, weights=weights,
+                                                  delta=delta)
 
 
 def _hinge_of(cfg):
@@ -395,7 +435,8 @@ def make_loss(loss_cfg: ml_collections.ConfigDict) -> Callable[[Array, Mapping[s
   """The config's loss as a function (scores [B, C], batch) -> per-example losses [B].
 
   `loss_cfg.name` picks the loss; it reads `temperature` (softmax_nll, ranknet, lambdarank: scores are
-  divided by it), `margin` (hinge) or `lambda_metric` (lambdarank, e.g. "mrr@10"). The function takes
+  divided by it), `margin` (hinge) or `lambda_metric` and `lambda_delta` (lambdarank, e.g. "mrr@10" and
+  "positions"; refused together here when they do not go together). The function takes
   `batch["valid"]`, and `batch["labels"]` and `batch["weights"]` when present (no labels: column b is
   row b's positive). A batch carrying weights for a loss that takes none (softmax_nll, bce) is an
   error, not silently dropped.

@@ -1,8 +1,34 @@
-"""The optax optimizer a config asks for: AdamW or LAMB, warm-up then linear decay, masked weight decay."""
+"""The optax optimizer a config asks for: AdamW or LAMB, warm-up then linear decay, masked weight decay.
+
+`lamb` is the LAMB that the dense-retrieval authors trained with, rewritten as optax transformations: the
+`Lamb` class of jingtaozhan/DRhard's `lamb.py` (STAR's `--optimizer_str lamb`, `star/train.py`), the same
+file as microsoft/ANCE's `utils/lamb.py` (`drivers/run_ann.py`); both come from cybertronai/pytorch-lamb.
+Per parameter tensor, with m and v the moving averages of the gradient and its square:
+
+* the moments are not debiased: the step is m / (sqrt(v) + eps) (their comment: "Paper v3 does not use
+  debiasing"; the bias-correction factor is commented out of the step size);
+* weight decay is added to that step, `wd * w`, before the trust ratio, so the ratio also scales it;
+* the trust ratio is min(||w||, 10) / ||step||, the weight norm clamped at 10 (`.clamp(0, 10)`);
+* the ratio is 1 when either norm is 0 (a zero weight such as a fresh bias, or a zero step);
+* the weight moves by -lr * ratio * step, the learning rate from the schedule.
+
+Every tensor gets the trust ratio, weight decay only the matrices: STAR's two parameter groups put biases
+and LayerNorm weights at weight_decay 0, which `decay_mask` reproduces (they are jdr's 1-D parameters).
+ANCE's `run_ann.py` groups by layer and passes no weight decay, i.e. `weight_decay=0` here. Both pass
+only lr and eps, so b1 and b2 are `Lamb`'s defaults, 0.9 and 0.999, which are also jdr's.
+
+optax's own LAMB (`optax.lamb`, as `optax_lamb`) differs: it debiases the moments and leaves the weight
+norm unclamped, so on matrices of norm above 10, most of BERT's, its steps are larger by ||w|| / 10.
+"""
+
+from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import optax
+
+OPTIMIZERS = ("adamw", "lamb", "optax_lamb")
 
 
 def learning_rate_schedule(peak: float, warmup_steps: int, total_steps: int) -> optax.Schedule:
@@ -33,6 +59,67 @@ def trainable_labels(params, train_towers: str):
   return jax.tree_util.tree_map_with_path(label, params)
 
 
+class MomentsState(NamedTuple):
+  """The moving averages of the gradient and of its square, each a pytree like the params (and boxed like
+  them, so the moments take the params' logical-axis shardings)."""
+  mu: optax.Updates
+  nu: optax.Updates
+
+
+def scale_by_undebiased_adam(b1: float, b2: float, eps: float) -> optax.GradientTransformation:
+  """Adam's step m / (sqrt(v) + eps) from moments that are never debiased, as the authors' LAMB computes it.
+
+  With a trust ratio after it, debiasing would only rescale each tensor's step, which the ratio undoes, up to
+  eps and the weight decay added before the ratio."""
+
+  def init_fn(params):
+    return MomentsState(mu=jax.tree.map(jnp.zeros_like, params), nu=jax.tree.map(jnp.zeros_like, params))
+
+  def update_fn(updates, state, params=None):
+    del params
+    mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state.mu, updates)
+    nu = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * jnp.square(g), state.nu, updates)
+    return jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu, nu), MomentsState(mu=mu, nu=nu)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _norm(x):
+  # Summed in at least float32 whatever the params' dtype: bfloat16's 8 bits are too few for a whole matrix.
+  return jnp.sqrt(jnp.sum(jnp.square(x.astype(jnp.promote_types(x.dtype, jnp.float32)))))
+
+
+def scale_by_clamped_trust_ratio(max_weight_norm: float = 10.0) -> optax.GradientTransformation:
+  """Scales each tensor's step u by min(||w||, max_weight_norm) / ||u||, or by 1 where either norm is 0."""
+
+  def update_fn(updates, state, params=None):
+    if params is None:
+      raise ValueError("the trust ratio needs the params: pass them to update")
+
+    def scale(u, w):
+      weight_norm, step_norm = jnp.minimum(_norm(w), max_weight_norm), _norm(u)
+      either_zero = (weight_norm == 0) | (step_norm == 0)
+      # The inner where keeps 0 / 0 out of the program, so no NaN is computed even in the branch not taken.
+      ratio = jnp.where(either_zero, 1.0, weight_norm / jnp.where(either_zero, 1.0, step_norm))
+      return (u * ratio).astype(u.dtype)
+
+    return jax.tree.map(scale, updates, params), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+def lamb(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
+         weight_decay: float = 0.0, mask=None, max_weight_norm: float = 10.0) -> optax.GradientTransformation:
+  """The authors' LAMB (see the module docstring); its defaults are their `Lamb`'s. `mask` picks the
+  tensors that weight decay touches; every tensor gets the trust ratio."""
+  return optax.chain(
+      scale_by_undebiased_adam(b1, b2, eps),
+      optax.add_decayed_weights(weight_decay, mask),
+      scale_by_clamped_trust_ratio(max_weight_norm),
+      optax.scale_by_learning_rate(learning_rate),
+  )
+
+
 def make_optimizer(cfg: ml_collections.ConfigDict, total_steps: int,
                    train_towers: str = "both") -> optax.GradientTransformation:
   """Builds the optimizer of `config.optimizer` for a run of `total_steps` steps."""
@@ -41,10 +128,12 @@ def make_optimizer(cfg: ml_collections.ConfigDict, total_steps: int,
     tx = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
                      mask=decay_mask)
   elif cfg.name == "lamb":
+    tx = lamb(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask)
+  elif cfg.name == "optax_lamb":
     tx = optax.lamb(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
                     mask=decay_mask)
   else:
-    raise ValueError(f"optimizer.name must be 'adamw' or 'lamb', got {cfg.name!r}")
+    raise ValueError(f"optimizer.name must be one of {', '.join(map(repr, OPTIMIZERS))}, got {cfg.name!r}")
   if cfg.grad_clip_norm:
     tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip_norm), tx)
   if train_towers != "both":

@@ -62,6 +62,7 @@ class Spec:
   retrieve_in_step: bool  # corpus candidates: retrieved here, not given as `cand_rows`
   top_n: int
   recall_target: float
+  missing_positive: str = "append"  # negatives.missing_positive: jdr.negatives.retrieved.MISSING_POSITIVE
   span_levels: tuple = ()  # FGD's (name, window tokens): the document tower also returns piece vectors
   span_pooling: str = "attention"
   terms: tuple = ()  # (q, spans, scores, valid, batch) -> {name: scalar}, added to the contrastive loss
@@ -104,6 +105,7 @@ def make_spec(model: TwoTower, tx: optax.GradientTransformation, config: ml_coll
       grad_cache_rows=chunk, query_only=query_only, hardest=config.negatives.hardest_in_batch,
       logq=config.loss.logq_correction, retrieve_in_step=retrieve_in_step, top_n=config.negatives.top_n,
       recall_target=config.negatives.top_k_recall_target,
+      missing_positive=retrieved.check_missing_positive(config.negatives.missing_positive),
       span_levels=tuple(distill.levels(config)) if distilling else (), span_pooling=config.distill.pooling,
       terms=(distill.loss_terms(config),) if distilling else (),
       contrastive_weight=config.distill.contrastive_weight if distilling else 1.0, **encoders)
@@ -174,14 +176,16 @@ def score_pairs(spec: Spec, params, batch, rngs, corpus=None, bias=None):
 
 
 def score_corpus(spec: Spec, params, batch, rngs, corpus, bias):
-  """ADORE / LTRe: the query tower against rows of the fixed corpus matrix; no document tower runs."""
+  """ADORE / LTRe: the query tower against rows of the fixed corpus matrix, its retrieved top n completed by
+  the missing-positive rule (`retrieved.candidates`); no document tower runs."""
   q = encode_queries(spec, params, batch, rngs[0])
   if spec.retrieve_in_step:
     rows = retrieved.sharded_top_k(jax.lax.stop_gradient(q), corpus, bias, spec.top_n, spec.mesh,
                                    spec.recall_target)
   else:
     rows = batch["cand_rows"]
-  rows, labels, retrieved_labels = retrieved.replace_last(rows, batch["positive_rows"])
+  # One rule for both paths, so host Faiss and in-step retrieval build the same candidate list.
+  rows, labels, retrieved_labels = retrieved.candidates(rows, batch["positive_rows"], spec.missing_positive)
   docs = retrieved.gather_rows(corpus, rows, spec.mesh)
   scores = jnp.einsum("bd,bnd->bn", q, docs)
   aux = retrieved.retrieval_diagnostics(retrieved_labels, batch["positive_rows"])

@@ -44,6 +44,8 @@ from jdr.models.towers import TwoTower
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict:
   """Trains per `config`, checkpointing to and resuming from `workdir`; returns the final metrics."""
+  check_intervals(config)  # pure: an interval the loop cannot use fails before a workdir, a backend or data
+  config_files.check_inputs(config)  # a missing dataset, model or teacher: one line, before anything is read
   # ---------------------------------------------------------------- hosts and mesh
   # first: both must run before anything starts a jax backend
   parallel.use_cpu_devices(config.mesh.cpu_devices)
@@ -108,7 +110,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
         negative_source=negatives.sampler, negatives_per_query=config.negatives.per_query,
         in_batch=config.negatives.in_batch, seed=config.seed,
         process_index=jax.process_index(), process_count=jax.process_count(),
-        candidates=negatives.candidates, random_weight=config.negatives.random_weight)
+        candidates=negatives.candidates, pair_weighting=config.negatives.pair_weighting,
+        random_weight=config.negatives.random_weight, triples_per_query=config.negatives.triples_per_query)
     if is_host0:
       pairs.describe_counts(data, batches)
   distiller = None
@@ -163,7 +166,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
             f"good checkpoint is step {mngr.latest_step()} in {workdir / 'checkpoints'}")
       window.append(step_metrics)
       done = step + 1
-      if done % config.checkpoint_every == 0:
+      if config.checkpoint_every and done % config.checkpoint_every == 0:
         checkpoint.save(mngr, done, state, _data_position(batches, done), force=True)
       if done % config.log_every == 0 or done == config.num_train_steps:
         elapsed = time.perf_counter() - window_start
@@ -200,6 +203,24 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   writer.close()
   results["state"] = state
   return results
+
+
+# The loop's step intervals: (key, the smallest valid value, what it means). 0 turns off the periodic
+# checkpoints and evaluations, as what is due at the end and on a signal still happens; log_every has no "off"
+# worth having (the last step is logged anyway, so a long run would show no progress), so 0 is refused.
+INTERVALS = (
+    ("log_every", 1, "steps between lines of metrics.jsonl"),
+    ("checkpoint_every", 0, "steps between checkpoints; 0 = only at the end and on SIGTERM / SIGINT"),
+    ("eval_every", 0, "steps between evaluations; 0 = only before training and at the end"),
+)
+
+
+def check_intervals(config: ml_collections.ConfigDict) -> None:
+  """Refuses a step interval the loop cannot use (a ValueError naming the key, the value and what is valid)."""
+  for key, lowest, meaning in INTERVALS:
+    value = config[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
+      raise ValueError(f"{key}={value!r}: must be an integer >= {lowest} ({meaning})")
 
 
 def initial_params(model: TwoTower, built: build_lib.Built, config: ml_collections.ConfigDict,

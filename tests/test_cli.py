@@ -1,6 +1,7 @@
 """Command lines on bad input: one `error: FILE:LINE: reason` line (no traceback) and exit status 2."""
 
 import json
+import pathlib
 
 import pytest
 
@@ -9,6 +10,9 @@ from jdr import encode
 from jdr import evaluate
 from jdr import export
 from jdr import retrieve
+from jdr import train
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _exit_code_and_stderr(capsys, main, argv):
@@ -141,3 +145,15 @@ def test_demo_reports_an_unusable_workdir(tmp_path, capsys):
   not_a_dir.write_text("")
   code, err = _exit_code_and_stderr(capsys, demo.main, ["--workdir", not_a_dir])
   _assert_reported(code, err, str(not_a_dir), skip_hint=False)
+
+
+@pytest.mark.parametrize("key,value,valid", [("log_every", 0, ">= 1"), ("log_every", -2, ">= 1"),
+                                             ("checkpoint_every", -1, ">= 0"), ("eval_every", -5, ">= 0")])
+def test_train_refuses_an_unusable_interval_before_any_work(tmp_path, capsys, key, value, valid):
+  """The dataset does not exist either: the interval's error comes first, so it is checked before anything is
+  loaded, and no workdir is left behind."""
+  code, err = _exit_code_and_stderr(capsys, train.main, [
+      "--config", ROOT / "configs" / "demo.py", "--workdir", tmp_path / "w",
+      f"--config.data.dataset={tmp_path / 'absent'}", f"--config.{key}={value}"])
+  _assert_reported(code, err, f"{key}={value}: must be an integer {valid} (", skip_hint=False)
+  assert not (tmp_path / "w").exists()

@@ -588,11 +588,84 @@ def test_lambdarank_in_batch_layout_and_poisoned_columns():
   assert np.all(np.isfinite(np.asarray(grad))) and np.all(np.asarray(grad)[~valid] == 0.0)
 
 
+# --- LambdaRank weights by list position (DRhard / JPQ) ---
+
+def ref_position_weights(labels, valid, k):
+  """The authors' weight: 1/p for list positions p = 1, 2, ... (0 beyond k), |1/p_i - 1/p_j| on every pair
+  of valid columns with labels[i] > labels[j], whatever the scores."""
+  b, c = labels.shape
+  reciprocal = [1.0 / p if p <= k else 0.0 for p in range(1, c + 1)]
+  out = np.zeros((b, c, c))
+  for row in range(b):
+    for i in range(c):
+      for j in range(c):
+        if valid[row, i] and valid[row, j] and labels[row, i] > labels[row, j]:
+          out[row, i, j] = abs(reciprocal[i] - reciprocal[j])
+  return out
+
+
+@pytest.mark.parametrize("k, c", [(10, 30), (10, 203), (200, 203), (3, 12)])
+def test_position_weights_are_the_authors_metric_weights(k, c):
+  """Several positives anywhere, invalid columns holding inf/NaN, ties: the weight reads positions only."""
+  scores, poisoned, valid, labels = _ranking_batch(k + c, c, graded=False, ties=True)
+  labels[1, -3:] = 1.0  # positives beyond a cut of 200 (appended after a top 200)
+  valid[1, -3:] = True
+  fn = jax.jit(losses.lambda_weights, static_argnames=("metric", "delta"))
+  got = fn(jnp.asarray(poisoned, jnp.float32), jnp.asarray(labels, jnp.float32), jnp.asarray(valid),
+           metric=f"mrr@{k}", delta="positions")
+  expected = ref_position_weights(labels, valid, k)
+  np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-6, atol=1e-8)
+  # Against the exact swap on a list in score order: never larger, smaller where several positives are.
+  in_order = np.tile(-np.arange(c, dtype=np.float64), (3, 1))
+  every = np.ones_like(valid)
+  exact = ref_lambda_weights(in_order, labels, every, f"mrr@{k}")
+  by_position = ref_position_weights(labels, every, k)
+  assert np.all(exact <= by_position + 1e-12) and np.any(exact < by_position - 1e-3)
+
+
+def test_lambdarank_by_positions_is_the_authors_pair_mean():
+  """Per query: sum over (relevant, irrelevant) pairs of |1/p_r - 1/p_u| log(1 + e^(s_u - s_r)) divided by
+  the number of pairs, weight-0 pairs (both beyond the cut) counted; gradient by finite differences."""
+  scores, _, valid, labels = _ranking_batch(5, 25, graded=False)
+  k = 4
+  lam = ref_position_weights(labels, valid, k)
+
+  def ref(x):
+    total = 0.0
+    for b in range(3):
+      pairs = [(i, j) for i in range(25) for j in range(25)
+               if valid[b, i] and valid[b, j] and labels[b, i] > labels[b, j]]
+      if pairs:
+        total += sum(lam[b, i, j] * np.logaddexp(0.0, x[b, j] - x[b, i]) for i, j in pairs) / len(pairs)
+    return total
+
+  s, v, y = jnp.asarray(scores, jnp.float32), jnp.asarray(valid), jnp.asarray(labels, jnp.float32)
+  fn = lambda x: losses.lambdarank(x, v, labels=y, metric=f"mrr@{k}", delta="positions").sum()
+  got, grad = jax.value_and_grad(fn)(s)
+  np.testing.assert_allclose(float(got), ref(scores), rtol=1e-5)
+  eps = 1e-6
+  for b, col in [(0, 0), (0, 3), (1, 2), (1, 20)]:
+    up, down = scores.copy(), scores.copy()
+    up[b, col] += eps
+    down[b, col] -= eps
+    np.testing.assert_allclose(float(grad[b, col]), (ref(up) - ref(down)) / (2 * eps), rtol=1e-3, atol=1e-7)
+
+
+def test_position_weights_refuse_what_has_no_list_order_or_no_authors_form():
+  s, v, y = jnp.zeros((2, 3)), jnp.ones((2, 3), bool), jnp.eye(2, 3)
+  with pytest.raises(ValueError, match="ndcg@10.*lambda_delta='exact'"):
+    losses.lambda_weights(s, y, v, "ndcg@10", "positions")
+  with pytest.raises(ValueError, match="in-batch layout"):
+    losses.lambdarank(s, v, labels=None, metric="mrr@10", delta="positions")
+  with pytest.raises(ValueError, match="positions, exact"):
+    losses.lambda_weights(s, y, v, "mrr@10", "swap")
+
+
 # --- make_loss ---
 
 def _config(name, **overrides):
   import ml_collections
-  fields = dict(name=name, temperature=0.5, margin=0.3, lambda_metric="mrr@10")
+  fields = dict(name=name, temperature=0.5, margin=0.3, lambda_metric="mrr@10", lambda_delta="exact")
   fields.update(overrides)
   return ml_collections.ConfigDict(fields)
 
@@ -632,6 +705,21 @@ def test_make_loss_rejects_unknown_names_and_metrics():
     losses.make_loss(_config("listnet"))
   with pytest.raises(ValueError, match="mrr@K or ndcg@K"):
     losses.make_loss(_config("lambdarank", lambda_metric="ndcg10"))
+  # Refused when the step is built, not at its first trace.
+  with pytest.raises(ValueError, match="lambda_delta='exact'"):
+    losses.make_loss(_config("lambdarank", lambda_metric="ndcg@10", lambda_delta="positions"))
+  with pytest.raises(ValueError, match="positions, exact"):
+    losses.make_loss(_config("lambdarank", lambda_delta="swap"))
+
+
+def test_make_loss_reads_lambda_delta():
+  scores, valid, labels = _labelled_batch(41, b=4, c=9)
+  s, v, y = jnp.asarray(scores, jnp.float32), jnp.asarray(valid), jnp.asarray(labels, jnp.float32)
+  fn = losses.make_loss(_config("lambdarank", lambda_delta="positions"))
+  expected = losses.lambdarank(s / 0.5, v, labels=y, metric="mrr@10", delta="positions")
+  np.testing.assert_allclose(fn(s, {"valid": v, "labels": y}), expected, rtol=1e-6)
+  exact = losses.lambdarank(s / 0.5, v, labels=y, metric="mrr@10", delta="exact")
+  assert not np.allclose(expected, exact)
 
 
 def _np_kl_row(s, t, v, temperature):

@@ -1,7 +1,9 @@
 """Recipe arguments (`configs/X.py:runlocal,ndcg`): typed, declared by each recipe, and an unknown one is an
-error naming the valid ones, never a quiet default."""
+error naming the valid ones, never a quiet default. A recipe names its data and starting model, and a missing one
+is refused in one line naming the key to set, never replaced by the built-in dataset."""
 
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -83,3 +85,142 @@ def test_the_trainer_reports_a_bad_recipe_argument_in_one_line():
   assert out.returncode == 2
   assert out.stderr.startswith("error: ") and "unknown recipe argument 'ndgc'" in out.stderr
   assert "Traceback" not in out.stderr
+
+
+# ---------------------------------------------------------------- full recipes name their inputs
+
+def _takes_runlocal(recipe: str) -> bool:
+  try:
+    load(f"{recipe}.py:runlocal")
+  except config_files.ConfigError as e:
+    assert "unknown recipe argument 'runlocal'" in str(e), e
+    return False
+  return True
+
+
+FULL = [f"{r}.py" for r in RECIPES if _takes_runlocal(r)] + ["fgd.py:warmup"]  # FGD's two stages
+NAMED_INPUT = re.compile(r"(data\.dataset|data\.pretrain_source|model\.init_from)=(\S+): (directory|file) not found; "
+                         r"set --config\.\1=(DIR|FILE) \((.+)\)")
+
+
+def _named_data(config) -> str:
+  """The path a config trains on: data.pretrain_source for pretraining from a dump, else data.dataset."""
+  if config.data.kind == "pretrain" and config.data.pretrain_source not in ("wikispeedia", "builtin"):
+    return config.data.pretrain_source
+  return config.data.dataset
+
+
+def test_every_recipe_but_the_demo_has_a_full_version():
+  assert set(FULL) == {f"{r}.py" for r in RECIPES if r != "demo"} | {"fgd.py:warmup"}
+
+
+@pytest.mark.parametrize("spec", FULL)
+def test_every_full_recipe_names_its_model_and_data_and_the_papers_towers(spec):
+  """Without runlocal a recipe states the paper's data and starting model (or the run it starts from), never the
+  built-in docstrings or the bundled MiniLM, and scores with unnormalized dot products at temperature 1."""
+  from jdr.data import shared  # pylint: disable=g-import-not-at-top
+  c = load(spec)
+  data = _named_data(c)
+  assert data not in ("", "builtin", "wikispeedia") and not data.startswith(str(shared.shared_data_dir()))
+  assert c.data.description, "the refusal says what the data is"
+  if c.model.init_from:
+    assert c.model.init_from != "minilm" and c.model.description
+  else:  # pretraining: fresh weights of the paper's size
+    assert c.model.fresh == "base"
+  assert c.model.normalize in (0, -1) and c.loss.temperature == 1.0
+
+
+@pytest.mark.parametrize("spec", FULL)
+def test_a_full_recipe_without_its_data_is_refused_in_one_line(spec, tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)  # the recipes' relative paths, read from an empty directory
+  c = load(spec)
+  with pytest.raises(config_files.ConfigError) as e:
+    config_files.check_inputs(c)
+  line = str(e.value)
+  match = NAMED_INPUT.fullmatch(line)
+  assert match, line
+  key, value, _, _, what = match.groups()
+  assert key.startswith("data.") and value == _named_data(c) and what == c.data.description
+
+
+def test_the_model_is_checked_once_the_data_is_there(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  c = load("inbatch.py")
+  (tmp_path / c.data.dataset).mkdir(parents=True)
+  with pytest.raises(config_files.ConfigError) as e:
+    config_files.check_inputs(c)
+  assert str(e.value) == (f"model.init_from={c.model.init_from}: directory not found; set "
+                          f"--config.model.init_from=DIR ({c.model.description})")
+  assert "RoBERTa-base" in c.model.description
+  (tmp_path / c.model.init_from).mkdir(parents=True)
+  config_files.check_inputs(c)  # both there: what is inside is for the loaders to check
+  teacher = load("fgd.py")
+  config_files.apply_overrides(teacher, [f"data.dataset={tmp_path}", f"model.init_from={tmp_path}"])
+  with pytest.raises(config_files.ConfigError, match=r"^distill\.teacher=runs/msmarco-cross: directory not found; "
+                                                    r"set --config\.distill\.teacher=DIR \(a cross-encoder"):
+    config_files.check_inputs(teacher)
+
+
+@pytest.mark.parametrize("spec", [f"{r}.py" for r in RECIPES] + [f"{r}.py:runlocal" for r in RECIPES if r != "demo"])
+def test_only_the_demo_trains_on_the_builtin_data(spec):
+  c = load(spec)
+  uses_builtin = c.data.dataset == "builtin" or (c.data.kind == "pretrain" and c.data.pretrain_source == "builtin")
+  assert uses_builtin == (spec == "demo.py")
+
+
+@pytest.mark.parametrize("spec", ["finetune.py:runlocal", "cross_encoder.py:runlocal", "inbatch.py:runlocal",
+                                  "pretrain_ict_bfs_wlp.py:runlocal"])
+def test_a_runlocal_recipe_names_the_shared_data_and_refuses_it_missing(spec, tmp_path, monkeypatch):
+  """The scaled-down recipes name SciFact (Wikispeedia for pretraining) in the shared data folder; where the
+  folder lacks it they stop, where they once fell back to the built-in docstrings."""
+  monkeypatch.setenv("JDR_SHARED_DATA", str(tmp_path / "shared"))
+  c = load(spec)
+  name = "wikispeedia" if c.data.kind == "pretrain" else "scifact"
+  assert c.data.dataset == str(tmp_path / "shared" / name)
+  with pytest.raises(config_files.ConfigError, match=rf"^data\.dataset={re.escape(c.data.dataset)}: directory not "
+                                                    rf"found; set --config\.data\.dataset=DIR \(.*{name}"):
+    config_files.check_inputs(c)
+  (tmp_path / "shared" / name).mkdir(parents=True)
+  c = load(spec)
+  if c.model.init_from not in ("", "minilm"):
+    (tmp_path / c.model.init_from).mkdir(parents=True)
+    config_files.apply_overrides(c, [f"model.init_from={tmp_path / c.model.init_from}"])
+  config_files.check_inputs(c)
+
+
+def test_the_loaders_refuse_a_missing_input_with_the_same_line(tmp_path):
+  """pairs.load and models.build, for callers that skip check_inputs, say what check_inputs says."""
+  from jdr.data import pairs  # pylint: disable=g-import-not-at-top
+  from jdr.models import build  # pylint: disable=g-import-not-at-top
+  c = load("inbatch.py")
+  config_files.apply_overrides(c, [f"data.dataset={tmp_path / 'missing'}", f"model.init_from={tmp_path / 'none'}"])
+  with pytest.raises(config_files.ConfigError) as checked:
+    config_files.check_inputs(c)
+  with pytest.raises(FileNotFoundError) as loaded:
+    pairs.load(c.data, tmp_path / "w")
+  assert str(loaded.value) == str(checked.value)
+  (tmp_path / "missing").mkdir()
+  with pytest.raises(config_files.ConfigError) as checked:
+    config_files.check_inputs(c)
+  with pytest.raises(FileNotFoundError) as built:
+    build.build(c.model, c.data)
+  assert str(built.value) == str(checked.value) and str(built.value).startswith("model.init_from=")
+
+
+def test_the_trainer_refuses_a_missing_dataset_before_it_builds_anything(tmp_path):
+  """`python -m jdr.train` on a full recipe whose data is missing: one `error:` line naming the key and what the
+  recipe trains on, status 2, no workdir. The starting model is an empty directory, which the model loader would
+  refuse with another line: the data's line proves the check came first."""
+  not_a_model = tmp_path / "not-a-model"
+  not_a_model.mkdir()
+  workdir = tmp_path / "w"
+  out = subprocess.run([sys.executable, "-m", "jdr.train", "--config", str(ROOT / "configs" / "inbatch.py"),
+                        "--workdir", str(workdir), f"--config.data.dataset={tmp_path / 'msmarco'}",
+                        f"--config.model.init_from={not_a_model}"],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                       env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+  description = load("inbatch.py").data.description
+  assert out.returncode == 2, out.stderr
+  assert out.stderr == (f"error: data.dataset={tmp_path / 'msmarco'}: directory not found; set "
+                        f"--config.data.dataset=DIR ({description})\n")
+  assert not workdir.exists() and not list(not_a_model.iterdir())

@@ -305,16 +305,18 @@ def test_train_then_evaluate_end_to_end(tmp_path):
 # and adore_star in tests/test_readme.py, whose tour trains them.
 @pytest.mark.parametrize("recipe", ["inbatch", "rand_neg", "nce_neg", "bm25_rand", "ltre"])
 def test_every_recipe_trains(tmp_path, recipe):
-  """Each method's config runs through the one trainer: negatives sampled, masked and scored."""
+  """Each method's config runs through the one trainer: negatives sampled, masked and scored. (With
+  checkpoint_every=0: no periodic checkpoint, the last step's alone.)"""
   from jdr import config_files, train  # pylint: disable=g-import-not-at-top
   data = write_tiny_beir(tmp_path / "data")
   config = config_files.load_config_file(f"{ROOT / 'configs' / recipe}.py:runlocal")
   config_files.apply_overrides(config, [a[len("--config."):] for a in TINY] + [
-      f"data.dataset={data}", "data.eval_split=", "num_train_steps=3", "checkpoint_every=100",
+      f"data.dataset={data}", "data.eval_split=", "num_train_steps=3", "checkpoint_every=0",
       "negatives.top_n=10", "eval.doc_max_length=32"])
   train.train_and_evaluate(config, tmp_path / "w")
   losses = _losses(tmp_path / "w")
   assert len(losses) == 3 and all(np.isfinite(losses))
+  assert [p.name for p in (tmp_path / "w" / "checkpoints").iterdir() if p.name.isdigit()] == ["3"]
   if config.negatives.source in ("bm25", "bm25_random", "dense_static", "retrieval"):
     # What was mined once (BM25 candidates, the starting model's top-n or corpus vectors) is cached.
     assert (tmp_path / "w" / "cache").exists()

@@ -24,7 +24,8 @@ and the candidates, in one of three forms (`Negatives.candidates` names it; jdr/
     query_index           int32 [B]       row of the query in the sorted training queries
     cand_rows             int32 [B, n]    optional: retrieved top-n rows (host retrieval); absent = the step
                                           retrieves them itself (JAX back-end). The step then applies the
-                                          replace-last rule and builds labels [B, n] and valid = rows >= 0.
+                                          `negatives.missing_positive` rule (positives appended: n + P
+                                          columns; or the last replaced: n) and builds labels and valid.
 
   pairs (a cross-encoder, model.architecture=cross_encoder: no query tower, each query joined with each of
   its own candidates; `jdr.data.text.pair_tokens` builds [CLS] q [SEP] d [SEP]):

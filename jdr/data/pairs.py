@@ -40,7 +40,9 @@ def load(data_cfg: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> Re
   else:
     directory = pathlib.Path(data_cfg.dataset)
     if not directory.is_dir():
-      raise FileNotFoundError(f"data.dataset: directory not found: {directory}")
+      from jdr import config_files  # pylint: disable=g-import-not-at-top  (the refusal's one wording)
+      raise FileNotFoundError(config_files.not_found("data.dataset", data_cfg.dataset,
+                                                     data_cfg.get("description") or config_files.DATASET))
   if data_cfg.source == "tfds":
     corpus, queries, train_qrels = _load_tfds(directory, data_cfg, workdir)
   elif data_cfg.source == "files":
@@ -127,7 +129,8 @@ class Batches:
   def __init__(self, data: RetrievalData, tokenizer: Any, *, batch_size: int, query_max_length: int,
                doc_max_length: int, negative_source=None, negatives_per_query: int = 0,
                in_batch: bool = True, seed: int = 0, process_index: int = 0, process_count: int = 1,
-               candidates: str = "tokens", random_weight: float = 0.0):
+               candidates: str = "tokens", pair_weighting: str = "none", random_weight: float = 0.0,
+               triples_per_query: int = 0):
     self.data = data
     self.tokenizer = tokenizer
     self.pairs = training_pairs(data.train_qrels)
@@ -149,11 +152,17 @@ class Batches:
       raise ValueError("a cross-encoder scores each query with its own candidates: set negatives.per_query >= 1 "
                        "(and a negatives.source) and negatives.in_batch=False")
     self.candidates = candidates
-    self.random_weight = random_weight
+    check_pair_weighting(pair_weighting, random_weight)
+    self.pair_weighting, self.random_weight = pair_weighting, random_weight
+    if triples_per_query and (self.per_query != 1 or in_batch or candidates != "tokens"):
+      raise ValueError("negatives.triples_per_query > 0 (ANCE's triples) needs negatives.per_query=1 and "
+                       "negatives.in_batch=False: each triple is scored against its own negative only")
+    self.triples_per_query = triples_per_query
+    self._triple_perms: dict[tuple[int, int], np.ndarray] = {}
     # Training queries in a fixed order: `query_index` rows of a batch point into it.
     self.train_qids = sorted({q for q, _ in self.pairs})
     self.query_row = {q: i for i, q in enumerate(self.train_qids)}
-    # Every query's positives, its batch positive first (replace-last puts column 0 in the list).
+    # Every query's positives, its batch positive first (the missing-positive rules put them in the list).
     self.max_positives = max(sum(1 for r in data.train_qrels[q].values() if r > 0) for q in self.train_qids)
 
   @property
@@ -181,6 +190,8 @@ class Batches:
     return self._layout[1]
 
   def _make_layout(self, step: int) -> tuple[list[str], list[str], np.ndarray]:
+    if self.triples_per_query:
+      return self._triples_layout(step)
     chosen = [self.pairs[i] for i in self.pair_indices(step)]
     qids = [q for q, _ in chosen]
     doc_ids = [d for _, d in chosen]
@@ -190,6 +201,41 @@ class Batches:
       doc_ids = doc_ids + [d for row in sampled for d in row]
     valid = batch_lib.candidate_mask(qids, doc_ids, self.data.train_qrels, in_batch=self.in_batch)
     return qids, doc_ids, valid
+
+  def _triples_layout(self, step: int) -> tuple[list[str], list[str], np.ndarray]:
+    """ANCE's batches of triples (`run_ann_data_gen.py`, `GetTripletTrainingDataProcessingFn`): each refresh
+    generation turns every training pair into `triples_per_query` (query, positive, negative) triples, the
+    negatives drawn without replacement from the query's pool of that generation, and the triples are
+    shuffled into batches; a batch row sees one triple's one negative.
+
+    Still a pure function of (seed, step): the generation in force at `step` and the step its schedule puts
+    it in force come from the negative source (`generation(step)`), the triples of pair i from
+    (seed, generation, i) and their order from (seed, generation, pass over them)."""
+    k = self.triples_per_query
+    generation, since = self.negative_source.generation(step)
+    total = len(self.pairs) * k
+    positions = (step - since) * self.batch_size + np.arange(self.batch_size)
+    passes, within = np.divmod(positions, total)
+    picked = np.array([self._triple_order(generation, int(e))[i] for e, i in zip(passes, within)])
+    pair_rows, slots = np.divmod(picked, k)
+    chosen = [self.pairs[i] for i in pair_rows]
+    qids, positives = [q for q, _ in chosen], [d for _, d in chosen]
+    negatives = [self._pair_negatives(generation, int(i))[j] for i, j in zip(pair_rows, slots)]
+    doc_ids = positives + negatives
+    valid = batch_lib.candidate_mask(qids, doc_ids, self.data.train_qrels, in_batch=False)
+    return qids, doc_ids, valid
+
+  def _triple_order(self, generation: int, epoch: int) -> np.ndarray:
+    key = (generation, epoch)
+    if key not in self._triple_perms:
+      size = len(self.pairs) * self.triples_per_query
+      self._triple_perms = {key: np.random.default_rng([self.seed, generation, epoch, 2]).permutation(size)}
+    return self._triple_perms[key]
+
+  def _pair_negatives(self, generation: int, pair_row: int) -> list[str]:
+    q, d = self.pairs[pair_row]
+    rng = np.random.default_rng([self.seed, generation, pair_row, 3])
+    return self.negative_source.sample([q], [d], rng, self.triples_per_query)[0]
 
   def _tokens(self, texts: list[str], max_length: int) -> tuple[np.ndarray, np.ndarray]:
     return _pad(text_lib.tokenize(self.tokenizer, texts, max_length), max_length, self.pad_id)
@@ -210,8 +256,9 @@ class Batches:
     batch = {"query_ids": query_ids, "query_mask": query_mask, "doc_ids": doc_tokens, "doc_mask": doc_mask,
              "doc_index": np.array([self.doc_row[d] for d in doc_ids[d_lo:d_hi]], np.int32),
              "valid": valid[q_lo:q_hi]}
-    if self.random_weight:
-      batch["weights"] = star_weights(valid, self.per_query, self.random_weight)[q_lo:q_hi]
+    weights = pair_weights(valid, self.per_query, self.pair_weighting, self.random_weight)
+    if weights is not None:
+      batch["weights"] = weights[q_lo:q_hi]
     return batch
 
   def _local_corpus(self, step: int) -> dict[str, np.ndarray]:
@@ -255,6 +302,39 @@ class Batches:
   def _rows(self, n: int) -> tuple[int, int]:
     per = n // self.process_count
     return self.process_index * per, (self.process_index + 1) * per
+
+
+PAIR_WEIGHTINGS = ("none", "batch_mean", "alpha")
+
+
+def check_pair_weighting(weighting: str, alpha: float) -> None:
+  """Refuses a `negatives.pair_weighting` / `negatives.random_weight` combination that would be ignored."""
+  if weighting not in PAIR_WEIGHTINGS:
+    raise ValueError(f"negatives.pair_weighting must be one of {', '.join(PAIR_WEIGHTINGS)}; got {weighting!r}")
+  if (weighting == "alpha") != bool(alpha):
+    raise ValueError("negatives.random_weight (STAR's alpha) is read only with negatives.pair_weighting=alpha, "
+                     f"which needs it > 0; got pair_weighting={weighting!r}, random_weight={alpha!r}")
+
+
+def pair_weights(valid: np.ndarray, per_query: int, weighting: str, alpha: float = 0.0) -> np.ndarray | None:
+  """Pair weights [B, C] for the pairwise losses (which average each row over its pairs, then the rows), or
+  None for their plain per-row mean.
+
+  batch_mean: one mean over every (query, negative) pair of the batch, a query's own hard negatives in the same
+    pool as the other rows' documents: STAR as its authors ran it (DRhard `model.py`, `inbatch_train`: the
+    summed losses of both parts over their summed counts). Row b's pairs get B * n_b / N (n_b its negatives,
+    N the batch's), so the mean over rows of each row's weighted mean is the sum over pairs / N.
+  alpha: STAR's Eq. 13, L_s + alpha * L_r on per-row means of each part (`star_weights`).
+  """
+  if weighting == "none":
+    return None
+  if weighting == "alpha":
+    return star_weights(valid, per_query, alpha)
+  num_queries, num_docs = valid.shape
+  negative = valid & ~np.eye(num_queries, num_docs, dtype=bool)
+  count = negative.sum(1, keepdims=True).astype(np.float64)
+  total = max(float(count.sum()), 1.0)
+  return np.where(negative, num_queries * count / total, 0.0).astype(np.float32)
 
 
 def star_weights(valid: np.ndarray, per_query: int, alpha: float) -> np.ndarray:

@@ -13,6 +13,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from jdr import config_files
 from jdr import parallel
 from jdr import paths
 from jdr.data import text
@@ -98,6 +99,9 @@ def serving_length(description: dict, side: str) -> tuple[int, str]:
 def build(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collections.ConfigDict) -> Built:
   """The TwoTower (or CrossEncoder) a config asks for, with the pretrained weights it starts from (if any)."""
   init_from = model_cfg.init_from
+  if init_from and init_from != "minilm" and not paths.as_path(init_from).exists():
+    raise FileNotFoundError(config_files.not_found("model.init_from", init_from,
+                                                   model_cfg.get("description") or config_files.MODEL))
   architecture = model_cfg.get("architecture", "two_tower")
   if architecture == "cross_encoder":
     return _cross_encoder(model_cfg, data_cfg)

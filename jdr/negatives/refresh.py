@@ -234,6 +234,15 @@ class AsyncRefresher:
     self._advance(step)
     return self._in_force.pools if self._in_force is not None else {}
 
+  def generation(self, step: int) -> tuple[int, int]:
+    """(the generation in force at `step`, the step the schedule puts it in force): where a consumer that
+    walks through a generation's data (ANCE's triples) starts it, the same after a resume; (-1, 0) if none."""
+    self._require_started()
+    self._advance(step)
+    if self._in_force is None:
+      return -1, 0
+    return self._in_force.index, activation_step(self._in_force.index, self.every, self.delay)
+
   def staleness(self, step: int) -> int:
     """How many steps old the params behind the pools in force are (the paper's async gap); -1 if none."""
     self._require_started()

@@ -2,8 +2,12 @@
 
 LTRe Algorithm 1 / ADORE (Zhan et al. 2021, Sec. 6.2): the corpus is encoded once by the starting document
 tower; at every step the batch's queries, encoded by the query tower being trained, retrieve their top n
-from the whole corpus; when none of a query's n documents is relevant the last one is replaced by a relevant
-one; the scores are inner products with the stored document vectors, and only the query tower learns.
+from the whole corpus; the scores are inner products with the stored document vectors, and only the query
+tower learns. A query none of whose n documents is relevant still needs a positive to learn from, and
+`negatives.missing_positive` says where it comes from (`MISSING_POSITIVE`):
+  append        DRhard's adore/train.py, the code behind ADORE's tables: every positive of the query is
+                appended after the n retrieved, at positions n + 1, n + 2, ... of its candidate list;
+  replace_last  LTRe Algorithm 1, line 4: the n-th retrieved document is replaced by the batch positive.
 
 Where the retrieval runs is a config value (`negatives.retrieval_backend`):
   faiss  on the host, between steps: `HostRetrieval` encodes the batch's queries with the current query
@@ -11,7 +15,8 @@ Where the retrieval runs is a config value (`negatives.retrieval_backend`):
          any Faiss index (flat, or OPQ+PQ), and hands the ids to the step as the batch field `cand_rows`;
   jax    inside the jitted step: `sharded_top_k` (`jdr.topk`) over the corpus matrix sharded by rows
          across the mesh, each device searching its own rows.
-Either way the step then runs the same code: `replace_last`, `gather_rows`, scores, loss.
+Either way the step then runs the same code: `candidates` (the missing-positive rule), `gather_rows`,
+scores, loss.
 
 With a compressed index the corpus matrix the step scores against is the index's own reconstruction of the
 documents (faiss sa_encode then sa_decode), so the query tower learns the index it will be served with
@@ -83,6 +88,11 @@ def gather_rows(corpus, rows: jax.Array, mesh) -> jax.Array:
   return topk.gather_rows(corpus, rows, mesh)
 
 
+def _relevant(rows: jax.Array, positive_rows: jax.Array) -> jax.Array:
+  """Bool [B, n]: is the retrieved row one of the query's positives (-1 padding matches nothing)."""
+  return jnp.any((rows[:, :, None] == positive_rows[:, None, :]) & (positive_rows[:, None, :] >= 0), axis=-1)
+
+
 def replace_last(rows: jax.Array, positive_rows: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   """LTRe Algorithm 1, line 4: rows [B, n] retrieved, positive_rows [B, P] (-1 padded, column 0 first).
 
@@ -90,8 +100,7 @@ def replace_last(rows: jax.Array, positive_rows: jax.Array) -> tuple[jax.Array, 
   labels [B, n] float: 1 where the row is one of the query's positives, retrieved_labels [B, n]: the same
   before the replacement, for the diagnostics of what retrieval alone found).
   """
-  relevant = jnp.any((rows[:, :, None] == positive_rows[:, None, :]) & (positive_rows[:, None, :] >= 0),
-                     axis=-1)
+  relevant = _relevant(rows, positive_rows)
   missed = ~jnp.any(relevant, axis=1)
   last = jnp.arange(rows.shape[1]) == rows.shape[1] - 1
   replace = missed[:, None] & last[None, :] & (positive_rows[:, :1] >= 0)
@@ -100,8 +109,40 @@ def replace_last(rows: jax.Array, positive_rows: jax.Array) -> tuple[jax.Array, 
   return new_rows, labels.astype(jnp.float32), relevant.astype(jnp.float32)
 
 
+def append_positives(rows: jax.Array, positive_rows: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """DRhard's rule: rows [B, n] retrieved, positive_rows [B, P] (-1 padded at the end, column 0 first).
+
+  Returns (rows [B, n + P]: the n retrieved, then the query's positives where none of the n is relevant and
+  -1 (no candidate) elsewhere, labels [B, n + P], retrieved_labels [B, n]), as `replace_last`. The P extra
+  columns are there for every query so the shapes stay static under jit; an appended positive's position in
+  the list (n + 1 + its column) is what its lambda weight reads (`jdr.losses`, lambda_delta="positions").
+  """
+  relevant = _relevant(rows, positive_rows)
+  missed = ~jnp.any(relevant, axis=1, keepdims=True)
+  appended = jnp.where(missed, positive_rows, -1).astype(rows.dtype)
+  labels = jnp.concatenate([relevant, appended >= 0], axis=1)
+  return (jnp.concatenate([rows, appended], axis=1), labels.astype(jnp.float32),
+          relevant.astype(jnp.float32))
+
+
+# negatives.missing_positive -> the rule
+MISSING_POSITIVE = {"append": append_positives, "replace_last": replace_last}
+
+
+def check_missing_positive(name: str) -> str:
+  if name not in MISSING_POSITIVE:
+    raise ValueError(f"negatives.missing_positive must be one of {', '.join(MISSING_POSITIVE)}; got {name!r}")
+  return name
+
+
+def candidates(rows: jax.Array, positive_rows: jax.Array,
+               missing_positive: str) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The step's candidate rows, their labels and the retrieved rows' own labels, under the named rule."""
+  return MISSING_POSITIVE[check_missing_positive(missing_positive)](rows, positive_rows)
+
+
 def retrieval_diagnostics(retrieved_labels: jax.Array, positive_rows: jax.Array) -> dict[str, jax.Array]:
-  """MRR@10 and Recall@n of the batch's own full retrieval, before the replace-last rule (LTRe Fig. 3a/b)."""
+  """MRR@10 and Recall@n of the batch's own full retrieval, before the missing-positive rule (LTRe Fig. 3a/b)."""
   n = retrieved_labels.shape[1]
   ranks = jnp.arange(1, n + 1, dtype=jnp.float32)
   first = jnp.min(jnp.where(retrieved_labels > 0, ranks, jnp.inf), axis=1)

@@ -90,8 +90,13 @@ def check(config: ml_collections.ConfigDict) -> None:
                        "(the JAX back-end is exact top-k over the flat matrix)")
   if neg.source == "ance" and neg.refresh_every < 1:
     raise ValueError("negatives.source='ance' needs negatives.refresh_every >= 1 (steps between refreshes)")
-  if neg.random_weight and neg.source == "retrieval":
-    raise ValueError("negatives.random_weight (STAR's alpha) applies to token batches, not source=retrieval")
+  if neg.pair_weighting != "none" and neg.source == "retrieval":
+    raise ValueError("negatives.pair_weighting weighs token batches' pairs, not source=retrieval's candidates")
+  if neg.mine_extra < 0 or (neg.mine_extra and neg.source != "dense_static"):
+    raise ValueError(f"negatives.mine_extra={neg.mine_extra!r}: an int >= 0, read by source=dense_static only")
+  if neg.triples_per_query < 0 or (neg.triples_per_query and neg.source != "ance"):
+    raise ValueError(f"negatives.triples_per_query={neg.triples_per_query!r}: an int >= 0, read by source=ance "
+                     "only (each refresh generation's triples)")
   if candidates(config) == "pairs":
     check_cross_encoder(config)
 
@@ -142,10 +147,13 @@ def _sampled_source(config, data, workdir, *_) -> Negatives:
 def _dense_static(config, data, workdir, encoder, initial_params, *_) -> Negatives:
   """STAR's static hard negatives: the starting model's own top-n, mined once and cached."""
   neg, corpus_ids, train_qids = config.negatives, list(data.corpus), _train_qids(data)
-  rows = mine_rows(encoder, initial_params, train_qids, neg.top_n,
-                   workdir / "cache" / _cache_name("dense_static", neg.top_n, encoder, train_qids),
+  depth = neg.top_n + neg.mine_extra
+  rows = mine_rows(encoder, initial_params, train_qids, depth,
+                   workdir / "cache" / _cache_name("dense_static", depth, encoder, train_qids),
                    neg.retrieval_backend, neg.corpus_dtype)
-  pools = rows_to_pools(rows, train_qids, corpus_ids)
+  # STAR's prepare_hardneg.py mines the top 210 and keeps the first 200 that are not positives.
+  pools = {q: [d for d in pool if data.train_qrels.get(q, {}).get(d, 0) <= 0][:neg.top_n]
+           for q, pool in rows_to_pools(rows, train_qids, corpus_ids).items()}
   run = {q: {d: float(-rank) for rank, d in enumerate(docs)} for q, docs in pools.items()}
   sampler = sampled.StaticNegatives(run, data.train_qrels, top_k=neg.top_n, corpus_ids=corpus_ids)
   return Negatives("tokens", sampler=sampler, top_n=neg.top_n,
@@ -265,6 +273,10 @@ class RefreshedNegatives(sampled._PoolNegatives):  # pylint: disable=protected-a
 
   def pool(self, qid: str) -> list[str]:
     return self.current_pools().get(qid, [])[:self.top_n]
+
+  def generation(self, step: int) -> tuple[int, int]:
+    """The generation in force at `step` and its first step by the schedule (the triples' order follows it)."""
+    return self.refresher.generation(step)
 
 
 # ------------------------------------------------------------------------------------------------ mining
