@@ -214,22 +214,31 @@ class Evaluator:
 class TrainingDiagnostics:
   """The papers' diagnostics, from the corpus encoding of each evaluation, on a fixed sample of training
   queries: overlap of the model's real-time top-n with BM25's top-n (LTRe Fig. 3c), and with the
-  negatives in use (STAR Fig. 4a: how far static or refreshed negatives lag the model)."""
+  negatives in use (STAR Fig. 4a: how far static or refreshed negatives lag the model).
 
-  def __init__(self, encoder: TowerEncoder, data, negatives, config: ml_collections.ConfigDict):
+  BM25's top-n is retrieved once, from the index the BM25 negatives already hold, else this process's or
+  `cache_dir`'s index of the corpus (`jdr.bm25`), built only when there is none."""
+
+  def __init__(self, encoder: TowerEncoder, data, negatives, config: ml_collections.ConfigDict, *,
+               cache_dir=None):
     self.encoder, self.data, self.negatives = encoder, data, negatives
     self.n = config.negatives.top_n or 200
     train_qids = sorted(q for q, docs in data.train_qrels.items() if any(r > 0 for r in docs.values()))
     self.qids = train_qids[:config.eval.diagnostic_queries] if config.eval.diagnostic_queries else []
+    self.cache_dir = cache_dir
     self._bm25 = None
 
   def bm25_rows(self) -> np.ndarray:
     if self._bm25 is None:
-      rows, _ = sampled._mine_bm25(  # pylint: disable=protected-access
-          [text_lib.doc_text(self.data.corpus[d]) for d in self.encoder.doc_ids],
-          [self.data.queries[q] for q in self.qids], min(self.n, len(self.encoder.doc_ids)),
-          k1=0.9, b=0.4, chunk_size=1024, n_threads=0, show_progress=False)
-      self._bm25 = rows
+      from jdr import bm25  # pylint: disable=g-import-not-at-top  (only BM25 users need numba)
+      index = sampled.bm25_index_of(getattr(self.negatives, "sampler", None))
+      if index is None:
+        index = bm25.corpus_index(self.data.corpus, cache_dir=self.cache_dir)
+      if len(index) != len(self.encoder.doc_ids):
+        raise ValueError(f"the BM25 index holds {len(index)} documents, the encoded corpus "
+                         f"{len(self.encoder.doc_ids)}")
+      self._bm25, _ = bm25.search(index, [self.data.queries[q] for q in self.qids],
+                                  min(self.n, len(self.encoder.doc_ids)))
     return self._bm25
 
   def __call__(self, params, doc_emb: np.ndarray) -> dict[str, float]:

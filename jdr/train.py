@@ -136,7 +136,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   if data.eval_qrels and negatives.candidates == "pairs":  # a cross-encoder reranks a first stage
     evaluator = evaluation.RerankEvaluator(model, built.tokenizer, data, config)
   elif data.eval_qrels:
-    diagnostics = evaluation.TrainingDiagnostics(encoder, data, negatives, config)
+    diagnostics = evaluation.TrainingDiagnostics(encoder, data, negatives, config, cache_dir=workdir / "cache")
     evaluator = evaluation.Evaluator(encoder, config, mesh, doc_tower_frozen=query_only,
                                      diagnostics=diagnostics, fixed_doc_emb=negatives.doc_emb)
   results = {}

@@ -7,7 +7,7 @@ import bm25s
 import numpy as np
 import pytest
 
-from jdr.negatives import sampled as negatives
+from jdr import bm25 as bm25_lib
 from jdr.data.formats import Doc, write_run
 from jdr.data.text import doc_text
 from jdr.negatives import (BM25Negatives, MixedNegatives, RandomNegatives, StaticNegatives, candidate_mask,
@@ -161,17 +161,20 @@ def test_bm25_errors_for_unmined_queries(bm25):
 
 
 def test_bm25_cache_is_reused(tmp_path, monkeypatch):
+  monkeypatch.setattr(bm25_lib, "_OPEN", {})  # no index open yet, as in a new process
   first = BM25Negatives(CORPUS, QUERIES, QRELS, top_k=5, cache_dir=tmp_path, show_progress=False)
   assert not first.from_cache and first.cache_path.exists()
-  mtime = os.stat(first.cache_path).st_mtime_ns
+  mtime = os.stat(first.cache_path / "rows.npy").st_mtime_ns
 
-  def no_mining(*args, **kwargs):
-    raise AssertionError("mined again despite the cache")
+  def no_work(*args, **kwargs):
+    raise AssertionError("indexed or mined again despite the cache")
 
-  monkeypatch.setattr(negatives, "_mine_bm25", no_mining)
+  monkeypatch.setattr(bm25_lib, "_OPEN", {})
+  monkeypatch.setattr(bm25_lib, "_build", no_work)
+  monkeypatch.setattr(bm25_lib._Scorer, "__call__", no_work)  # pylint: disable=protected-access
   second = BM25Negatives(CORPUS, QUERIES, QRELS, top_k=5, cache_dir=tmp_path, show_progress=False)
   assert second.from_cache and second.cache_path == first.cache_path
-  assert os.stat(second.cache_path).st_mtime_ns == mtime
+  assert os.stat(second.cache_path / "rows.npy").st_mtime_ns == mtime
   rng = lambda: np.random.default_rng(3)
   assert first.sample(TRAIN, [positive_ids(QRELS, q)[0] for q in TRAIN], rng(), 3) == \
       second.sample(TRAIN, [positive_ids(QRELS, q)[0] for q in TRAIN], rng(), 3)
@@ -180,7 +183,29 @@ def test_bm25_cache_is_reused(tmp_path, monkeypatch):
     BM25Negatives(CORPUS, QUERIES, QRELS, top_k=6, cache_dir=tmp_path, show_progress=False)
   with pytest.raises(AssertionError, match="mined again"):
     BM25Negatives(CORPUS, {**QUERIES, "q0": "changed"}, QRELS, top_k=5, cache_dir=tmp_path, show_progress=False)
-  assert [p.name for p in tmp_path.iterdir()] == [first.cache_path.name]  # no temp files left behind
+  # So is a changed document (a new index) or a BM25 setting.
+  changed = {**CORPUS, "d3": Doc("d3", "", "changed")}
+  with pytest.raises(AssertionError, match="indexed or mined again"):
+    BM25Negatives(changed, QUERIES, QRELS, top_k=5, cache_dir=tmp_path, show_progress=False)
+  with pytest.raises(AssertionError, match="indexed or mined again"):
+    BM25Negatives(CORPUS, QUERIES, QRELS, top_k=5, cache_dir=tmp_path, b=0.75, show_progress=False)
+  # The index and the mined arrays; the attempts stopped above left only their resumable .partial folders.
+  names = {p.name for p in tmp_path.iterdir()}
+  assert {n for n in names if not n.endswith(".partial")} == {first.index.path.name, first.cache_path.name}
+  assert len(names) == 4 and not [p for p in tmp_path.rglob(".*")]
+
+
+def test_bm25_negatives_from_doc_ids_and_an_index(bm25):
+  """The corpus as ids in row order plus an index of its texts (what a prepared corpus gives) mines the same."""
+  ids = list(CORPUS)
+  texts = (doc_text(CORPUS[d]) for d in ids)
+  index = bm25_lib.index_for(texts, len(ids), fingerprint="the prepared corpus's own", show_progress=False)
+  source = BM25Negatives(ids, QUERIES, QRELS, top_k=10, index=index, show_progress=False)
+  assert all(source.scores_of(q) == pytest.approx(bm25.scores_of(q), rel=1e-6) for q in TRAIN)
+  with pytest.raises(ValueError, match="needs index="):
+    BM25Negatives(ids, QUERIES, QRELS, show_progress=False)
+  with pytest.raises(ValueError, match="the index holds 50 documents, the corpus 49"):
+    BM25Negatives(ids[:-1], QUERIES, QRELS, index=index, show_progress=False)
 
 
 def test_static_negatives_from_a_run_file(tmp_path):

@@ -7,7 +7,7 @@ matrix the losses in `jdr.losses` take.
 
 Sources (the "negatives come from" column of DESIGN.md):
   RandomNegatives   uniform over the corpus (Rand Neg)
-  BM25Negatives     uniform over BM25's top-k, mined once with `bm25s` and cached (BM25 Neg; DPR, ANCE warm-up)
+  BM25Negatives     uniform over BM25's top-k, mined once with `jdr.bm25` and cached (BM25 Neg; DPR, ANCE warm-up)
   StaticNegatives   top-k of a TREC run file, e.g. a warm-up dense model's (STAR's static hard negatives)
   MixedNegatives    per-query mixture by fractions (DPR's 1:1 BM25 + random)
 
@@ -18,26 +18,21 @@ a set, so a seed reproduces the batch in any process (string hashing is randomiz
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import pathlib
 from collections.abc import Collection, Mapping, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from jdr import atomic
-from jdr import paths
 from jdr.data.formats import Doc, read_run
-from jdr.data.text import doc_text
+
+if TYPE_CHECKING:
+  from jdr import bm25
 
 log = logging.getLogger(__name__)
 
 Qrels = Mapping[str, Mapping[str, int]]
-
-# Bump when the mining procedure changes, so old caches are not reused.
-_BM25_CACHE_VERSION = 1
 
 
 def positive_ids(qrels: Qrels, qid: str) -> list[str]:
@@ -167,20 +162,26 @@ class BM25Negatives(_PoolNegatives):
   """Negatives drawn uniformly from each training query's BM25 top-k (default 100, as DPR and ANCE).
 
   Training queries are the qrels' queries with a positive; each must have text in `queries` (which may
-  also hold other splits' queries: they are not mined). Documents are indexed as `doc_text` (title + " " +
-  text) with `bm25s` (lowercase, English stopwords, no stemming) and Anserini's MS MARCO defaults
-  k1=0.9, b=0.4. Mining runs once; the top-k doc rows and scores are saved under `cache_dir` in a file
-  keyed by a hash of the corpus (ids and texts), the mined queries' ids and texts, k, the BM25 parameters
-  and the procedure version, so any change re-mines and an unchanged setup loads in seconds.
-  Docs with BM25 score 0 (no query term in common) are not candidates: bm25s pads a short result list
-  with arbitrary such docs. Queries whose pool runs short get random negatives (counted in `stats`).
-  `cache_dir=None` mines without caching. After construction, `from_cache` says whether mining was skipped.
-  Mining is host-side and single-pass: MS MARCO passages (8.8M docs) take minutes, a 5k-doc BEIR set seconds.
+  also hold other splits' queries: they are not mined). Documents are scored by `jdr.bm25` (Lucene's BM25
+  with Anserini's MS MARCO k1=0.9, b=0.4; bm25s's tokens: lowercase, English stopwords, no stemming).
+
+  `corpus` is a {doc id: Doc} dict, indexed as `doc_text` (title + " " + text) with `k1` and `b`; or the
+  corpus's doc ids in row order, with `index` the BM25 index of its texts (`jdr.bm25.index_for`, e.g. over a
+  prepared corpus), whose own settings then apply.
+  The index and the mined top-k rows and scores are kept under `cache_dir` (see `jdr.bm25` for the layout),
+  keyed by the corpus texts, the settings, k and the mined queries' ids and texts, so any change mines again
+  and an unchanged setup reads the arrays memory-mapped. Mining uses `n_threads` cores (-1: all), shows a
+  progress bar, and a killed mine resumes at its last finished chunk of `chunk_size` queries.
+  Docs that share no term with a query are not its candidates; queries whose pool runs short get random
+  negatives (counted in `stats`). `cache_dir=None` keeps nothing on disk. After construction, `from_cache`
+  says whether mining was skipped, `index` is the BM25 index (for other users of the same corpus).
   """
 
-  def __init__(self, corpus: Mapping[str, Doc], queries: Mapping[str, str], qrels: Qrels, *, top_k: int = 100,
-               cache_dir: str | os.PathLike | None = None, k1: float = 0.9, b: float = 0.4,
-               chunk_size: int = 4096, n_threads: int = 0, show_progress: bool = True):
+  def __init__(self, corpus: Mapping[str, Doc] | Sequence[str], queries: Mapping[str, str], qrels: Qrels, *,
+               top_k: int = 100, cache_dir: str | os.PathLike | None = None, k1: float = 0.9, b: float = 0.4,
+               chunk_size: int = 4096, n_threads: int = -1, show_progress: bool = True,
+               index: bm25.Index | None = None):
+    from jdr import bm25  # pylint: disable=g-import-not-at-top  (imported here: only BM25 users need numba)
     super().__init__(qrels, RandomNegatives(corpus, qrels), "BM25Negatives")
     if top_k < 1:
       raise ValueError(f"top_k must be >= 1, got {top_k}")
@@ -190,26 +191,21 @@ class BM25Negatives(_PoolNegatives):
     missing = [qid for qid in self.qids if qid not in queries]
     if missing:
       raise ValueError(f"{len(missing)} qrels queries have no text in `queries`, e.g. {missing[:5]}")
-    query_texts = [queries[qid] for qid in self.qids]
-    params = dict(version=_BM25_CACHE_VERSION, top_k=self.top_k, k1=k1, b=b, stopwords="en")
-    self.cache_path = None
-    self.from_cache = False
-    if cache_dir is not None:
-      key = _bm25_key(corpus, self.qids, query_texts, params)
-      self.cache_path = paths.as_path(cache_dir) / f"bm25-top{self.top_k}-{key[:20]}.npz"
-      if self.cache_path.exists():
-        rows, scores = _load_mined(self.cache_path, self.qids)
-        self.from_cache = True
-    if not self.from_cache:
-      rows, scores = _mine_bm25([doc_text(doc) for doc in corpus.values()], query_texts, self.top_k, k1=k1, b=b,
-                                chunk_size=chunk_size, n_threads=n_threads, show_progress=show_progress)
-      if self.cache_path is not None:
-        _save_mined(self.cache_path, self.qids, rows, scores)
-    # Zero-score docs are arbitrary filler, not BM25 candidates.
-    self._rows = np.where(scores > 0, rows, -1).astype(np.int32)
-    self._scores = scores
+    if index is None:
+      if not isinstance(corpus, Mapping):
+        raise ValueError("BM25Negatives: a corpus given as doc ids needs index= (jdr.bm25.index_for over its "
+                         "texts in the same order)")
+      index = bm25.corpus_index(corpus, cache_dir=cache_dir, k1=k1, b=b, show_progress=show_progress)
+    if len(index) != len(self.corpus_ids):
+      raise ValueError(f"BM25Negatives: the index holds {len(index)} documents, the corpus {len(self.corpus_ids)}")
+    self.index = index
+    mined = bm25.mine(index, [queries[qid] for qid in self.qids], self.top_k, cache_dir, query_ids=self.qids,
+                      chunk_size=chunk_size, n_threads=n_threads, show_progress=show_progress,
+                      desc="BM25 negatives")
+    self.cache_path, self.from_cache = mined.path, mined.from_cache
+    self._rows, self._scores = mined.rows, mined.scores
     self._row_of = {qid: i for i, qid in enumerate(self.qids)}
-    empty = int(np.sum(np.all(self._rows < 0, axis=1)))
+    empty = int(np.sum(self._rows[:, 0] < 0))
     if empty:
       log.warning("BM25Negatives: %d of %d training queries share no term with any document; their negatives "
                   "will be random", empty, len(self.qids))
@@ -228,64 +224,29 @@ class BM25Negatives(_PoolNegatives):
     return {self.corpus_ids[r]: float(s) for r, s in zip(self._rows[i], self._scores[i]) if r >= 0}
 
 
-def _bm25_key(corpus: Mapping[str, Doc], qids: Sequence[str], query_texts: Sequence[str], params: dict) -> str:
-  h = hashlib.sha256(repr(sorted(params.items())).encode())
-  # NUL separators keep ("ab", "c") and ("a", "bc") apart; ids and texts never contain NUL in valid data.
-  for doc_id, doc in corpus.items():
-    h.update(f"{doc_id}\0{doc_text(doc)}\0".encode())
-  h.update(b"\1")
-  for qid, text in zip(qids, query_texts):
-    h.update(f"{qid}\0{text}\0".encode())
-  return h.hexdigest()
-
-
-def _mine_bm25(doc_texts: Sequence[str], query_texts: Sequence[str], k: int, *, k1: float, b: float,
-               chunk_size: int, n_threads: int, show_progress: bool) -> tuple[np.ndarray, np.ndarray]:
-  """Top-k corpus rows and BM25 scores [Q, k] for every query, with bm25s (n_threads: its retrieval threads,
-  0 = this thread, -1 = all cores)."""
-  import bm25s  # imported here: only BM25 users need it
-  from tqdm.auto import tqdm
-  # bm25s sets its own logger to DEBUG on import, so its debug lines reach any handler a program installs.
-  logging.getLogger("bm25s").setLevel(logging.WARNING)
-
-  log.info("BM25Negatives: indexing %d documents, mining top-%d for %d queries", len(doc_texts), k,
-           len(query_texts))
-  retriever = bm25s.BM25(k1=k1, b=b)
-  retriever.index(bm25s.tokenize(list(doc_texts), stopwords="en", show_progress=show_progress),
-                  show_progress=show_progress)
-  rows = np.full((len(query_texts), k), -1, np.int32)
-  scores = np.zeros((len(query_texts), k), np.float32)
-  with tqdm(total=len(query_texts), desc="BM25 negatives", unit="query", disable=not show_progress) as bar:
-    for start in range(0, len(query_texts), chunk_size):
-      chunk = list(query_texts[start:start + chunk_size])
-      tokens = bm25s.tokenize(chunk, stopwords="en", show_progress=False)
-      docs, chunk_scores = retriever.retrieve(tokens, k=k, show_progress=False, n_threads=n_threads)
-      rows[start:start + len(chunk)] = docs
-      scores[start:start + len(chunk)] = chunk_scores
-      bar.update(len(chunk))
-  return rows, scores
+def bm25_index_of(source) -> bm25.Index | None:
+  """The BM25 index a negative source (or a mixture holding one) already has, so others need not build it."""
+  if isinstance(source, BM25Negatives):
+    return source.index
+  for inner in getattr(source, "sources", None) or ():
+    found = bm25_index_of(inner)
+    if found is not None:
+      return found
+  return None
 
 
 def bm25_run(corpus: Mapping[str, Doc], queries: Mapping[str, str], qids: Sequence[str], k: int, *,
-             k1: float = 0.9, b: float = 0.4) -> dict[str, dict[str, float]]:
-  """BM25's top k of the corpus for each query id, as a run {qid: {doc id: score}} (Anserini's k1, b)."""
+             k1: float = 0.9, b: float = 0.4, cache_dir: str | os.PathLike | None = None,
+             n_threads: int = -1, show_progress: bool = True) -> dict[str, dict[str, float]]:
+  """BM25's top k of the corpus for each query id, as a run {qid: {doc id: score}} (Anserini's k1, b).
+
+  The index is this process's for the same corpus and settings if any (e.g. BM25Negatives'), else
+  `cache_dir`'s, else built once."""
+  from jdr import bm25  # pylint: disable=g-import-not-at-top
   ids = list(corpus)
-  rows, scores = _mine_bm25([doc_text(corpus[d]) for d in ids], [queries[q] for q in qids], min(k, len(ids)),
-                            k1=k1, b=b, chunk_size=256, n_threads=0, show_progress=False)
+  index = bm25.corpus_index(corpus, cache_dir=cache_dir, k1=k1, b=b, show_progress=show_progress)
+  rows, scores = bm25.search(index, [queries[q] for q in qids], min(k, len(ids)), n_threads=n_threads)
   return {q: {ids[r]: float(s) for r, s in zip(rows[i], scores[i]) if r >= 0} for i, q in enumerate(qids)}
-
-
-def _save_mined(path: pathlib.Path, qids: Sequence[str], rows: np.ndarray, scores: np.ndarray) -> None:
-  # Whole or not at all, so an interrupted run never leaves a truncated cache that a later run would trust.
-  atomic.write_atomic(path, lambda f: np.savez(f, qids=np.asarray(qids, dtype=str), rows=rows, scores=scores))
-
-
-def _load_mined(path: pathlib.Path, qids: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-  with paths.load_npy(path) as f:
-    cached_qids, rows, scores = f["qids"], f["rows"], f["scores"]
-  if cached_qids.tolist() != list(qids):
-    raise ValueError(f"{path}: cached BM25 negatives are for other queries; delete the file to re-mine")
-  return rows, scores
 
 
 class StaticNegatives(_PoolNegatives):
