@@ -18,6 +18,7 @@ BENCHMARKS = {
     "fgd-step": "jdr.bench.fgd_step",
     "pretrain": "jdr.bench.pretrain_speed",
     "pretrain-ablation": "jdr.bench.pretrain_ablation",
+    "scale": "jdr.bench.scale",
     "sizing": "jdr.bench.sizing_table",
     "train-step": "jdr.bench.train_step",
 }

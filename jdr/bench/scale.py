@@ -1,0 +1,618 @@
+"""How each stage of jdr grows with the corpus: its time and peak memory on an MS MARCO-shaped dataset of N passages.
+
+  python -m jdr.bench scale --passages 100000 [--out runs/bench-scale] [--seed 0] [--stages load,bm25_mine,...]
+                            [--stage-timeout 7200] [--dense-backend faiss|jax] [--cache DIR] [--keep-work]
+                            [--config.KEY=VALUE ...]
+
+The data is jdr.data.synthetic's (generated under --out the first time, reused for the same passages and seed).
+The model is the full in-batch recipe (configs/inbatch.py) with fresh `tiny` towers (model.init_from="",
+model.fresh=tiny): two layers 64 wide, so the model's compute does not hide the data stages, under the recipe's
+768-wide output head, so the vectors take the room a RoBERTa-base run's take. `--config.KEY=VALUE` changes the
+recipe for every stage. Each stage runs as the library runs it today, in a process of its own, so its peak
+memory is its own:
+
+  generate          the dataset, when --out does not hold it yet
+  load              jdr.data.pairs.load, the dataset as jdr.train reads it; `text` has the characters, words and
+                    word pieces (the fresh model's tokenizer) per passage and query of its first thousand
+  train_first_step  python -m jdr.train with num_train_steps=1 and no evaluation: seconds until the first step's
+                    log line (total_s: until the command returns, its last checkpoint written)
+  bm25_mine         BM25Negatives' top 200 of every training query; load_s is reading the dataset first, and
+                    index_s / mine_s the library's index and mining calls inside it, where this jdr has them
+  tiny_model        a fresh model saved as a training workdir (0 steps, on the builtin data), for the stages
+                    that read a model; run whenever one of them is
+  encode_corpus     python -m jdr.encode of the corpus with that model
+  dense_mine        jdr.negatives.retrieved.exact_top_rows: the top 200 of every training query over
+                    encode_corpus's vectors (load_s: reading them, encode_queries_s: the queries' vectors)
+  evaluate          the trainer's evaluation of the dev queries: jdr.train at step 0, timed around its evaluator,
+                    of which encode_corpus_s and diagnostics_s are parts (setup_s: the trainer before it)
+
+The stages share one JDR_CACHE (--cache; by default a new folder of the run's), so the first stage that reads
+the corpus prepares it (jdr.data.prepared), as a user's first command does, and the later ones find it.
+
+Every stage reports `status` (ok | failed | timeout | skipped), `seconds` (its own work, without starting Python
+and importing jdr; `process_s` is the whole process) and `peak_rss_gib`, the VmHWM of its process. Worker
+processes have memory of their own: where a stage had several processes, `group_peak_pss_gib` is the peak of
+their summed proportional set sizes (pages they share counted once), sampled twice a second, and
+`group_processes` their largest number. Stages whose memory grows with the corpus report `bytes_per_passage` =
+(the larger of the two peaks - `baseline_rss_gib`, the peak of a process that only imports jax) / passages;
+those whose work is per query also `queries` and `bytes_per_query`. A stage that fails or outlives
+--stage-timeout is reported with the last line it printed (`error`), and the stages that read its output are
+skipped, as is a stage whose library code this jdr does not have. Adding a stage is a function and a line in
+STAGES.
+
+Standard output has one line per stage as it finishes and, last, one JSON object with everything (counts,
+hardware, versions); standard error has the stages' own output, also kept in WORK/STAGE.log with --keep-work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import importlib
+import importlib.metadata
+import itertools
+import json
+import os
+import pathlib
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Callable
+
+RECIPE = "inbatch"
+TOP_N = 200  # negatives mined per training query (the papers' pools)
+GIB = 1 << 30
+
+
+@dataclasses.dataclass
+class Context:
+  """What a stage's process is told: where things are, and the settings every stage shares."""
+  data: str
+  work: str
+  passages: int
+  seed: int
+  train_queries: int
+  dev_queries: int
+  overrides: list[str]
+  dense_backend: str = "faiss"
+  cache: str = ""  # JDR_CACHE of every stage: where a corpus prepared by one stage is found by the next
+
+  def path(self, name: str) -> pathlib.Path:
+    return pathlib.Path(self.work) / name
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+  run: Callable[[Context], dict]  # in the stage's process; returns its figures, `seconds` among them
+  # what its memory grows with: "passage", "query" (and the passages), or "fixed" (neither: no per-unit figure)
+  per: str = "passage"
+  needs: tuple[str, ...] = ()  # stages whose output it reads: run first, and its reason to skip if they fail
+  requires: tuple[str, ...] = ()  # "module:attribute" it calls; absent from this jdr = skipped
+  internal: bool = False  # run only for the stages that need it, not by default
+
+
+class _Marks:
+  """Seconds spent in chosen functions, and when the first call started: how a stage is split into parts where
+  the library does them in one call."""
+
+  def __init__(self):
+    self.seconds = collections.Counter()
+    self.first_start = {}
+
+  def wrap(self, owner, attr: str, key: str) -> None:
+    original = getattr(owner, attr)
+
+    def timed(*args, **kwargs):
+      start = time.perf_counter()
+      self.first_start.setdefault(key, start)
+      try:
+        return original(*args, **kwargs)
+      finally:
+        self.seconds[key] += time.perf_counter() - start
+
+    setattr(owner, attr, timed)
+
+  def wrap_if_present(self, module: str, attr: str, key: str) -> None:
+    try:
+      owner = importlib.import_module(module)
+    except ModuleNotFoundError:
+      return
+    if hasattr(owner, attr):
+      self.wrap(owner, attr, key)
+
+
+def _overrides(ctx: Context, *stage: str) -> list[str]:
+  """The recipe's changes: the data and the fresh model, then the user's, then what the stage itself needs."""
+  return [f"data.dataset={ctx.data}", "model.init_from=", "model.fresh=tiny", *ctx.overrides, *stage]
+
+
+def _config(ctx: Context, *stage: str):
+  from jdr import config_files  # pylint: disable=g-import-not-at-top
+  from jdr.bench import recipes  # pylint: disable=g-import-not-at-top
+  config = recipes.load(RECIPE)
+  config_files.apply_overrides(config, _overrides(ctx, *stage))
+  return config
+
+
+def _train_command(ctx: Context, workdir: pathlib.Path, *stage: str) -> list[str]:
+  """`python -m jdr.train`'s arguments for the recipe with these changes."""
+  from jdr.bench import recipes  # pylint: disable=g-import-not-at-top
+  return (["--config", str(recipes.CONFIGS / f"{RECIPE}.py"), "--workdir", str(workdir)]
+          + [f"--config.{o}" for o in _overrides(ctx, *stage)])
+
+
+def _baseline(ctx: Context) -> dict:
+  del ctx
+  import jax  # pylint: disable=g-import-not-at-top
+  # Measured before the backend starts: some stages (load, bm25_mine) never start one.
+  peak = peak_rss_bytes()
+  return {"seconds": 0.0, "peak_rss_bytes": peak, "platform": jax.default_backend(),
+          "device": jax.devices()[0].device_kind, "devices": jax.device_count()}
+
+
+def _generate(ctx: Context) -> dict:
+  from jdr.data import synthetic  # pylint: disable=g-import-not-at-top
+  directory = pathlib.Path(ctx.data)
+  start = time.perf_counter()
+  if directory.name != synthetic.name(ctx.passages, ctx.seed):
+    raise ValueError(f"{directory} is not where jdr.data.synthetic keeps {ctx.passages} passages of seed {ctx.seed}")
+  synthetic.dataset(directory.parent, ctx.passages, seed=ctx.seed)
+  return {"seconds": time.perf_counter() - start}
+
+
+def _load(ctx: Context) -> dict:
+  from jdr.data import pairs  # pylint: disable=g-import-not-at-top
+  config = _config(ctx)
+  start = time.perf_counter()
+  data = pairs.load(config.data, ctx.path("load"))
+  seconds = time.perf_counter() - start
+  peak = peak_rss_bytes()  # before the sample below loads a tokenizer
+  return {"seconds": seconds, "peak_rss_bytes": peak, "documents": len(data.corpus),
+          "train_queries": len(data.train_qrels), "eval_queries": len(data.eval_qrels or {}),
+          "text": text_sample(data)}
+
+
+def text_sample(data, count: int = 1000) -> dict:
+  """Characters, words and word pieces (the fresh model's tokenizer) per passage and per query, over the first
+  `count` of each: what turns the dataset's words into the encoders' work."""
+  from jdr.data import text as text_lib  # pylint: disable=g-import-not-at-top
+  from jdr.models import hf  # pylint: disable=g-import-not-at-top
+  tokenizer = text_lib.load_tokenizer(str(hf.minilm_path()))
+  out = {"sample": count}
+  docs = [text_lib.doc_text(data.corpus[d]) for d in itertools.islice(data.corpus, count)]
+  for kind, texts in (("passage", docs), ("query", list(itertools.islice(data.queries.values(), count)))):
+    pieces = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    out[f"chars_per_{kind}"] = round(sum(map(len, texts)) / len(texts), 1)
+    out[f"words_per_{kind}"] = round(sum(len(t.split()) for t in texts) / len(texts), 2)
+    out[f"tokens_per_{kind}"] = round(sum(map(len, pieces)) / len(texts), 2)
+  return out
+
+
+def _train_first_step(ctx: Context) -> dict:
+  from jdr import metric_writers, train  # pylint: disable=g-import-not-at-top
+  workdir = ctx.path("train")
+  argv = _train_command(ctx, workdir, "data.eval_split=", "num_train_steps=1", "log_every=1",
+                        "eval_before_training=false", "checkpoint_every=0")
+  wall, start = time.time(), time.perf_counter()
+  train.main(argv)
+  total = time.perf_counter() - start
+  first = next(r for r in metric_writers.read(workdir) if "train/loss" in r)
+  return {"seconds": first["time"] - wall, "total_s": total, "loss": first["train/loss"]}
+
+
+def _bm25_mine(ctx: Context) -> dict:
+  from jdr.data import pairs  # pylint: disable=g-import-not-at-top
+  from jdr.negatives import sampled  # pylint: disable=g-import-not-at-top
+  config = _config(ctx)
+  start = time.perf_counter()
+  data = pairs.load(config.data, ctx.path("bm25"))
+  load_s = time.perf_counter() - start
+  # BM25Negatives indexes and mines in its constructor: timing the library's two calls splits it.
+  marks = _Marks()
+  marks.wrap_if_present("jdr.bm25", "corpus_index", "index")
+  marks.wrap_if_present("jdr.bm25", "mine", "mine")
+  start = time.perf_counter()
+  negatives = sampled.BM25Negatives(data.corpus, data.queries, data.train_qrels, top_k=TOP_N,
+                                    cache_dir=ctx.path("bm25-cache"))
+  return {"seconds": time.perf_counter() - start, "load_s": load_s,
+          **{f"{k}_s": v for k, v in marks.seconds.items()}, "queries": len(negatives.qids),
+          "top_k": negatives.top_k}
+
+
+def _tiny_model(ctx: Context) -> dict:
+  from jdr import train  # pylint: disable=g-import-not-at-top
+  from jdr.models import saved  # pylint: disable=g-import-not-at-top
+  workdir = ctx.path("tiny-model")
+  start = time.perf_counter()
+  train.main(_train_command(ctx, workdir, "data.dataset=builtin", "data.eval_split=", "num_train_steps=0",
+                            "eval_before_training=false", "checkpoint_every=0"))
+  description = saved.description(workdir)
+  return {"seconds": time.perf_counter() - start, "projection_dim": description["doc"].get("projection_dim")}
+
+
+def _encode_corpus(ctx: Context) -> dict:
+  from jdr import encode  # pylint: disable=g-import-not-at-top
+  out = ctx.path("encoding")
+  start = time.perf_counter()
+  encode.main(["--model", str(ctx.path("tiny-model")), "--corpus", ctx.data, "--out", str(out)])
+  seconds = time.perf_counter() - start
+  meta = json.loads((out / "meta.json").read_text())
+  return {"seconds": seconds, "dim": meta["dim"], "max_length": meta["max_length"],
+          "disk_bytes": sum(p.stat().st_size for p in out.iterdir())}
+
+
+def _dense_mine(ctx: Context) -> dict:
+  from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+  from jdr.data import formats  # pylint: disable=g-import-not-at-top
+  from jdr.negatives import retrieved  # pylint: disable=g-import-not-at-top
+  data = pathlib.Path(ctx.data)
+  start = time.perf_counter()
+  doc_emb, _, _ = corpus_lib.load_embeddings(ctx.path("encoding"))
+  queries = formats.read_queries(data / "queries.jsonl")
+  qrels = formats.read_qrels(data / "qrels" / "train.tsv")
+  qids = sorted(q for q, docs in qrels.items() if any(r > 0 for r in docs.values()))  # as the miners do
+  loaded = time.perf_counter()
+  runtime = corpus_lib.load_runtime(str(ctx.path("tiny-model")), side="query")
+  query_emb = corpus_lib.encode_texts(runtime, [queries[q] for q in qids])
+  encoded = time.perf_counter()
+  rows = retrieved.exact_top_rows(doc_emb, query_emb, TOP_N, ctx.dense_backend)
+  end = time.perf_counter()
+  return {"seconds": end - encoded, "load_s": loaded - start, "encode_queries_s": encoded - loaded,
+          "queries": len(qids), "top_n": int(rows.shape[1]), "backend": ctx.dense_backend}
+
+
+def _evaluate(ctx: Context) -> dict:
+  from jdr import evaluation, train  # pylint: disable=g-import-not-at-top
+  marks = _Marks()
+  marks.wrap(evaluation.Evaluator, "__call__", "evaluate")
+  marks.wrap(evaluation.TowerEncoder, "corpus", "encode_corpus")
+  marks.wrap(evaluation.TrainingDiagnostics, "__call__", "diagnostics")
+  config = _config(ctx, "num_train_steps=0", "eval_before_training=false", "checkpoint_every=0")
+  start = time.perf_counter()
+  results = train.train_and_evaluate(config, ctx.path("evaluate"))
+  if "evaluate" not in marks.first_start:
+    raise ValueError(f"the trainer evaluated nothing (data.eval_split={config.data.eval_split!r})")
+  return {"seconds": marks.seconds["evaluate"], "setup_s": marks.first_start["evaluate"] - start,
+          "encode_corpus_s": marks.seconds["encode_corpus"], "diagnostics_s": marks.seconds["diagnostics"],
+          "queries": ctx.dev_queries, "split": config.data.eval_split, "metrics": results.get("after", {})}
+
+
+STAGES = {
+    "generate": Stage(_generate, per="fixed", requires=("jdr.data.synthetic:dataset",), internal=True),
+    "load": Stage(_load, needs=("generate",), requires=("jdr.data.pairs:load",)),
+    "train_first_step": Stage(_train_first_step, needs=("generate",), requires=("jdr.train:main",)),
+    "bm25_mine": Stage(_bm25_mine, per="query", needs=("generate",),
+                       requires=("jdr.negatives.sampled:BM25Negatives",)),
+    "tiny_model": Stage(_tiny_model, per="fixed", requires=("jdr.train:main",), internal=True),
+    "encode_corpus": Stage(_encode_corpus, needs=("generate", "tiny_model"), requires=("jdr.encode:main",)),
+    "dense_mine": Stage(_dense_mine, per="query", needs=("encode_corpus", "tiny_model"),
+                        requires=("jdr.negatives.retrieved:exact_top_rows",)),
+    "evaluate": Stage(_evaluate, per="query", needs=("generate",),
+                      requires=("jdr.evaluation:Evaluator", "jdr.evaluation:TowerEncoder",
+                                "jdr.evaluation:TrainingDiagnostics")),
+}
+BASELINE = Stage(_baseline)
+
+
+def plan(asked: list[str]) -> list[str]:
+  """The asked stages and those they need, in STAGES order."""
+  wanted = set()
+
+  def add(name: str) -> None:
+    if name not in wanted:
+      wanted.add(name)
+      for need in STAGES[name].needs:
+        add(need)
+
+  for name in asked:
+    add(name)
+  return [name for name in STAGES if name in wanted]
+
+
+# ------------------------------------------------------------------------------------------------ a stage's process
+
+
+def _missing(requires: tuple[str, ...]) -> list[str]:
+  out = []
+  for item in requires:
+    module, _, attr = item.partition(":")
+    try:
+      found = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+      if e.name is None or not module.startswith(e.name):
+        raise  # the module is there but imports something absent: a real failure, not a missing stage
+      out.append(item)
+      continue
+    if attr and not hasattr(found, attr):
+      out.append(item)
+  return out
+
+
+def peak_rss_bytes() -> int:
+  """This process's peak resident memory (VmHWM), from /proc where there is one, else getrusage."""
+  try:
+    with open("/proc/self/status", encoding="ascii") as f:
+      for line in f:
+        if line.startswith("VmHWM:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  import resource  # pylint: disable=g-import-not-at-top
+  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+  return peak if sys.platform == "darwin" else peak * 1024
+
+
+def _stage_process(argv: list[str]) -> None:
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--stage", required=True)
+  parser.add_argument("--context", required=True)
+  parser.add_argument("--result", required=True)
+  args = parser.parse_args(argv)
+  stage = BASELINE if args.stage == "baseline" else STAGES[args.stage]
+  ctx = Context(**json.loads(args.context))
+  missing = _missing(stage.requires)
+  if missing:
+    result = {"status": "skipped", "error": f"this jdr has no {', '.join(missing)}"}
+  else:
+    result = {"status": "ok", **stage.run(ctx)}
+  result.setdefault("peak_rss_bytes", peak_rss_bytes())
+  pathlib.Path(args.result).write_text(json.dumps(result, default=str))
+
+
+# ------------------------------------------------------------------------------------------------ the bench
+
+
+def group_memory_bytes(group: int) -> tuple[int, int] | None:
+  """(the summed proportional set size, PSS, of a process group's processes, their number), from /proc; None
+  where there is none. PSS splits a page shared by several processes (a forked worker's inherited memory)
+  between them, so the sum counts it once, where summing RSS would count it in every process."""
+  try:
+    pids = [p for p in os.listdir("/proc") if p.isdigit()]
+  except OSError:
+    return None
+  total, count = 0, 0
+  for pid in pids:
+    try:
+      with open(f"/proc/{pid}/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()  # after the command name, which may hold spaces
+      if int(fields[2]) != group:
+        continue
+      with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
+        total += next(int(line.split()[1]) for line in f if line.startswith(b"Pss:")) * 1024
+      count += 1
+    except (OSError, IndexError, ValueError, StopIteration):
+      continue  # gone since the listing
+  return total, count
+
+
+def _last_line(output: bytes) -> str:
+  lines = [line.strip() for line in output.decode("utf-8", "replace").replace("\r", "\n").split("\n")]
+  return next((line for line in reversed(lines) if line), "")
+
+
+def run_stage(name: str, ctx: Context, timeout: float | None) -> dict:
+  """Runs one stage in a process of its own (its output passed on to standard error and kept in
+  WORK/NAME.log); its figures, or why there are none."""
+  result_path, log_path = ctx.path(f"{name}.result.json"), ctx.path(f"{name}.log")
+  result_path.unlink(missing_ok=True)
+  command = [sys.executable, "-m", "jdr.bench.scale", "--stage", name, "--context",
+             json.dumps(dataclasses.asdict(ctx)), "--result", str(result_path)]
+  tail = bytearray()
+  start = time.perf_counter()
+  # A session of its own, so a timeout ends whatever the stage started too.
+  env = {**os.environ, "JDR_CACHE": ctx.cache} if ctx.cache else None
+  process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                             env=env)
+
+  def pump():
+    stderr = sys.stderr  # looked up now: a caller (a test) may have replaced it
+    with open(log_path, "wb") as log:
+      while chunk := os.read(process.stdout.fileno(), 1 << 16):
+        if hasattr(stderr, "buffer"):
+          stderr.buffer.write(chunk)
+        else:
+          stderr.write(chunk.decode("utf-8", "replace"))
+        stderr.flush()
+        log.write(chunk)
+        tail.extend(chunk)
+        del tail[:-(1 << 14)]
+
+  # Worker processes (a tokenizer pool) have memory of their own, which the stage's VmHWM does not count: the
+  # whole group's is sampled too.
+  group_peak, group_size, done = 0, 0, threading.Event()
+
+  def sample():
+    nonlocal group_peak, group_size
+    while not done.wait(0.5):
+      found = group_memory_bytes(process.pid)
+      if found:
+        group_peak, group_size = max(group_peak, found[0]), max(group_size, found[1])
+
+  reader = threading.Thread(target=pump, daemon=True)
+  reader.start()
+  sampler = threading.Thread(target=sample, daemon=True)
+  sampler.start()
+  timed_out = False
+  try:
+    process.wait(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    timed_out = True
+  finally:
+    if process.poll() is None:  # timed out, or this bench is being stopped: the stage goes with it
+      os.killpg(process.pid, signal.SIGKILL)
+      process.wait()
+    done.set()
+    reader.join()
+    sampler.join()
+    process.stdout.close()
+  seconds = time.perf_counter() - start
+  group = {"group_peak_pss_bytes": group_peak, "group_processes": group_size} if group_size > 1 else {}
+  if timed_out:
+    return {"status": "timeout", "process_s": seconds, **group,
+            "error": f"still running after {timeout:g} s; last line: {_last_line(bytes(tail))}"}
+  if process.returncode != 0 or not result_path.exists():
+    code = process.returncode
+    why = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
+    if code == -signal.SIGKILL:
+      why += " (out of memory?)"
+    return {"status": "failed", "process_s": seconds, **group, "error": f"{why}: {_last_line(bytes(tail))}"}
+  return {**json.loads(result_path.read_text()), "process_s": seconds, **group}
+
+
+def _figures(name: str, result: dict, passages: int, baseline: int | None) -> dict:
+  """A stage's entry of the JSON: its own figures, its memory in GiB and per passage (and query)."""
+  out = dict(result)
+  for key in ("peak_rss_bytes", "group_peak_pss_bytes"):
+    if key in out:
+      out[key.replace("_bytes", "_gib")] = round(out.pop(key) / GIB, 3)
+  peak = max(result.get("peak_rss_bytes", 0), result.get("group_peak_pss_bytes", 0))
+  per = STAGES[name].per
+  if peak and baseline is not None and out.get("status") == "ok" and per != "fixed":
+    out["bytes_per_passage"] = round((peak - baseline) / passages)
+    if per == "query" and out.get("queries"):
+      out["bytes_per_query"] = round((peak - baseline) / out["queries"])
+  return {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
+
+
+def describe(name: str, figures: dict) -> str:
+  """The stage's line on standard output."""
+  status = figures.get("status", "?")
+  line = f"{name:<17} {status:<8}"
+  if status in ("ok", "reused") and "seconds" in figures:
+    line += f" {figures['seconds']:10.1f} s"
+  if "peak_rss_gib" in figures:
+    line += f"  peak {figures['peak_rss_gib']:7.3f} GiB"
+  if "group_peak_pss_gib" in figures:
+    line += f" ({figures['group_processes']} processes: {figures['group_peak_pss_gib']:.3f} GiB)"
+  if "bytes_per_passage" in figures:
+    line += f"  {figures['bytes_per_passage']:>10,} B/passage"
+  if "bytes_per_query" in figures:
+    line += f"  {figures['bytes_per_query']:>10,} B/query"
+  if figures.get("error"):
+    line += f"  {figures['error']}"
+  return line
+
+
+def hardware() -> dict:
+  cpu = platform.processor() or platform.machine()
+  memory = None
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    with open("/proc/meminfo", encoding="ascii") as f:
+      memory = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+  except OSError:
+    pass
+  usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  return {"cpu": cpu, "cores": os.cpu_count(), "usable_cores": usable,
+          "memory_gib": None if memory is None else round(memory / GIB, 1)}
+
+
+def versions() -> dict:
+  out = {"python": platform.python_version()}
+  for key, dists in (("jax", ["jax"]), ("jaxlib", ["jaxlib"]), ("flax", ["flax"]), ("numpy", ["numpy"]),
+                     ("faiss", ["faiss-cpu", "faiss-gpu-cu12", "faiss-gpu"]), ("bm25s", ["bm25s"]),
+                     ("tokenizers", ["tokenizers"]), ("jdr", ["jdr"])):
+    for dist in dists:
+      try:
+        out[key] = importlib.metadata.version(dist)
+        break
+      except importlib.metadata.PackageNotFoundError:
+        continue
+  return out
+
+
+def main(argv=None) -> None:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if argv[:1] == ["--stage"]:  # a stage's own process (run_stage)
+    _stage_process(argv)
+    return
+  from jdr import config_files  # pylint: disable=g-import-not-at-top
+  from jdr.data import synthetic  # pylint: disable=g-import-not-at-top
+  rest, overrides = config_files.split_config_args(argv)
+  public = [name for name, stage in STAGES.items() if not stage.internal]
+  parser = argparse.ArgumentParser(prog="python -m jdr.bench scale", description=__doc__.splitlines()[0],
+                                   epilog="--config.KEY=VALUE: changes configs/inbatch.py for every stage")
+  parser.add_argument("--passages", type=int, required=True)
+  parser.add_argument("--seed", type=int, default=0, help="of the generated dataset")
+  parser.add_argument("--out", default="runs/bench-scale",
+                      help="where the datasets are kept (and each run's work, deleted afterwards)")
+  parser.add_argument("--stages", default=",".join(public),
+                      help=f"comma-separated, from {', '.join(STAGES)} (default: {', '.join(public)})")
+  parser.add_argument("--stage-timeout", type=float, default=7200.0, help="seconds a stage may take (0: no limit)")
+  parser.add_argument("--dense-backend", choices=("faiss", "jax"), default="faiss",
+                      help="where dense_mine searches (negatives.retrieval_backend)")
+  parser.add_argument("--cache", default="",
+                      help="JDR_CACHE of the stages (prepared corpora); default: a new folder in the run's work, so "
+                           "the first stage to read the corpus prepares it, as a user's first command does")
+  parser.add_argument("--keep-work", action="store_true", help="keep the stages' outputs and logs")
+  args = parser.parse_args(rest)
+  asked = [s.strip() for s in args.stages.split(",") if s.strip()]
+  unknown = [s for s in asked if s not in STAGES]
+  if unknown or not asked:
+    parser.error(f"--stages: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(STAGES)}")
+  if args.passages < synthetic.MIN_PASSAGES:
+    parser.error(f"--passages must be at least {synthetic.MIN_PASSAGES}")
+  if args.stage_timeout < 0:
+    parser.error("--stage-timeout must be >= 0")
+  timeout = args.stage_timeout or None
+
+  out = pathlib.Path(args.out).absolute()
+  data = out / synthetic.name(args.passages, args.seed)
+  work = out / f"work-N{args.passages}-{os.getpid()}"
+  work.mkdir(parents=True, exist_ok=True)
+  train_queries, dev_queries = synthetic.query_counts(args.passages)
+  ctx = Context(str(data), str(work), args.passages, args.seed, train_queries, dev_queries, overrides,
+                args.dense_backend, str(pathlib.Path(args.cache).absolute() if args.cache else work / "cache"))
+  stages: dict[str, dict] = {}
+  # A terminated bench ends its stage too (run_stage kills the stage's process group on the way out), as an
+  # interrupted one does: a stage runs in a session of its own, which signals to the bench do not reach.
+  signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+  try:
+    base = run_stage("baseline", ctx, timeout)
+    if base.get("status") != "ok":
+      raise SystemExit(f"the baseline process (python + jax) failed: {base.get('error')}")
+    baseline = base.pop("peak_rss_bytes")
+    failed = set()
+    for name in plan(asked):
+      blocked = [need for need in STAGES[name].needs if need in failed]
+      if name == "generate" and (data / synthetic.MANIFEST).exists():
+        result = {"status": "reused", "seconds": 0.0}
+      elif blocked:
+        result = {"status": "skipped", "error": f"needs {', '.join(blocked)}, which did not finish"}
+      else:
+        result = run_stage(name, ctx, timeout)
+      if result.get("status") not in ("ok", "reused"):
+        failed.add(name)
+      stages[name] = _figures(name, result, args.passages, baseline)
+      print(describe(name, stages[name]), flush=True)
+  finally:
+    if not args.keep_work:
+      shutil.rmtree(work, ignore_errors=True)
+
+  manifest = synthetic.manifest(data) if (data / synthetic.MANIFEST).exists() else {}
+  print(json.dumps({
+      "benchmark": "scale",
+      "units": "seconds; *_gib: GiB (peak_rss: the stage process's VmHWM, group_peak_pss: its processes' "
+               "summed PSS, sampled); bytes_per_passage (_per_query): (the larger peak - baseline) / passages "
+               "(queries)",
+      "passages": args.passages, "seed": args.seed, "dataset": str(data),
+      "counts": {"passages": args.passages, "train_queries": train_queries, "dev_queries": dev_queries,
+                 **{k: manifest[k] for k in ("train_pairs", "dev_pairs", "words_per_passage", "words_per_query")
+                    if k in manifest}},
+      "model": {"recipe": f"configs/{RECIPE}.py", "overrides": _overrides(ctx)[1:]},
+      "stage_timeout_s": timeout, "dense_backend": args.dense_backend,
+      "baseline_rss_gib": round(baseline / GIB, 3),
+      "hardware": {**hardware(), **{k: base[k] for k in ("platform", "device", "devices")}},
+      "versions": versions(),
+      "stages": stages,
+  }))
+
+
+if __name__ == "__main__":
+  main()
