@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import itertools
 import json
@@ -189,9 +191,11 @@ def index_for(texts: Iterable[str], count: int, *, fingerprint: str | None = Non
     index._tmp = tmp
   else:
     place = _Place(cache_dir, name)
-    if not place.fetch():
-      _build(texts, count, place.local, meta, workers=workers, chunk_docs=chunk_docs, show_progress=show_progress)
-      place.publish()
+    with _exclusive(place.local):
+      if not place.fetch():
+        _build(texts, count, place.local, meta, workers=workers, chunk_docs=chunk_docs,
+               show_progress=show_progress)
+        place.publish()
     index = Index.load(place.local)
     if index.key != key:
       raise ValueError(f"{place.local}: holds the index of another corpus or settings; delete it")
@@ -574,37 +578,53 @@ def mine(index: Index, texts: Sequence[str], k: int, cache_dir: str | os.PathLik
   if query_ids is not None and len(query_ids) != len(texts):
     raise ValueError(f"{len(query_ids)} query ids for {len(texts)} query texts")
   from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
-  n = len(texts)
-  place = None
-  if cache_dir is not None and n:  # nothing to keep for no queries (and no empty file can be mapped)
-    head = dict(version=_MINE_VERSION, index=index.key, k=k, queries=n, ids=query_ids is not None)
-    key = _hexkey(head, itertools.chain(query_ids or (), texts))
-    place = _Place(cache_dir, f"bm25-top{k}-{key[:20]}")
-    if place.fetch():
-      return Mined(*_load_mined(place.local, key, n, k), place.local, True)
-    partial = place.local.with_name(place.local.name + ".partial")
-    rows, scores, done, chunk_size = _open_partial(partial, key, n, k, chunk_size)
-  else:
-    rows, scores, done = np.empty((n, k), np.int32), np.empty((n, k), np.float32), 0
-  scorer = _Scorer(index, n, n_threads) if n else None
-  with tqdm(total=n, initial=min(done * chunk_size, n), desc=desc, unit="query", disable=not show_progress,
-            smoothing=0.05) as bar:
-    for start in range(done * chunk_size, n, chunk_size):
-      end = min(start + chunk_size, n)
-      rows[start:end], scores[start:end] = scorer(texts[start:end], k)
-      if place is not None:
-        rows.flush()
-        scores.flush()
-        atomic.write_text(partial / "progress.json", json.dumps(dict(key=key, chunks=start // chunk_size + 1,
-                                                                     chunk_size=chunk_size)))
-      bar.update(end - start)
-  if place is None:
-    return Mined(rows, scores, None, False)
-  del rows, scores
-  atomic.write_text(partial / "meta.json", json.dumps(dict(key=key, queries=n, k=k, index=index.key), indent=1))
-  _rename(partial, place.local)
-  place.publish()
-  return Mined(*_load_mined(place.local, key, n, k), place.local, False)
+  with contextlib.ExitStack() as stack:
+    n = len(texts)
+    place = None
+    if cache_dir is not None and n:  # nothing to keep for no queries (and no empty file can be mapped)
+      head = dict(version=_MINE_VERSION, index=index.key, k=k, queries=n, ids=query_ids is not None)
+      key = _hexkey(head, itertools.chain(query_ids or (), texts))
+      place = _Place(cache_dir, f"bm25-top{k}-{key[:20]}")
+      stack.enter_context(_exclusive(place.local))
+      if place.fetch():
+        return Mined(*_load_mined(place.local, key, n, k), place.local, True)
+      partial = place.local.with_name(place.local.name + ".partial")
+      rows, scores, done, chunk_size = _open_partial(partial, key, n, k, chunk_size)
+    else:
+      rows, scores, done = np.empty((n, k), np.int32), np.empty((n, k), np.float32), 0
+    scorer = _Scorer(index, n, n_threads) if n else None
+    with tqdm(total=n, initial=min(done * chunk_size, n), desc=desc, unit="query", disable=not show_progress,
+              smoothing=0.05) as bar:
+      for start in range(done * chunk_size, n, chunk_size):
+        end = min(start + chunk_size, n)
+        rows[start:end], scores[start:end] = scorer(texts[start:end], k)
+        if place is not None:
+          rows.flush()
+          scores.flush()
+          atomic.write_text(partial / "progress.json", json.dumps(dict(key=key, chunks=start // chunk_size + 1,
+                                                                       chunk_size=chunk_size)))
+        bar.update(end - start)
+    if place is None:
+      return Mined(rows, scores, None, False)
+    del rows, scores
+    atomic.write_text(partial / "meta.json", json.dumps(dict(key=key, queries=n, k=k, index=index.key), indent=1))
+    _rename(partial, place.local)
+    place.publish()
+    return Mined(*_load_mined(place.local, key, n, k), place.local, False)
+
+
+@contextlib.contextmanager
+def _exclusive(local: pathlib.Path):
+  """One process at a time builds or mines a cache entry: processes sharing a cache folder (the processes of
+  a multi-host run on one machine, two runs) would otherwise write the same .partial at once. The others
+  wait, then find the finished entry."""
+  local.parent.mkdir(parents=True, exist_ok=True)
+  with open(local.with_name(local.name + ".lock"), "a") as f:
+    fcntl.flock(f, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _open_partial(partial: pathlib.Path, key: str, n: int, k: int, chunk_size: int):

@@ -69,7 +69,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.negatives.top_n = 200  # pool / retrieval depth of dense_static, ance and retrieval (the papers' 200)
   # How pairwise losses weigh a token batch's pairs: none (each query's mean, then the mean over queries) |
   # batch_mean (one mean over every pair of the batch: STAR's code) | alpha (STAR's Eq. 13, random_weight below)
-  c.negatives.pair_weighting = "none"
+  c.negatives.pair_weighting = "none"  # none | batch_mean (STAR's code) | alpha (STAR's Eq. 13)
   c.negatives.random_weight = 0.0  # pair_weighting=alpha: weight of the batch's other docs as random negatives
   c.negatives.mine_extra = 0  # dense_static mines top_n + this, drops positives, keeps top_n (STAR: 10)
   c.negatives.triples_per_query = 0  # ance: each refresh turns every pair into this many triples (ANCE: 20)
