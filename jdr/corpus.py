@@ -22,6 +22,7 @@ background refresh calling them must not end the trainer. Command lines turn err
 """
 
 import dataclasses
+import itertools
 import json
 import os
 import sys
@@ -37,6 +38,7 @@ from jdr import index as index_lib
 from jdr import parallel
 from jdr import paths
 from jdr.data import corpus_by_host
+from jdr.data import prepared
 from jdr.data import text as text_lib
 
 # A batch holds about this many tokens (padded), whatever its length bucket, so short documents go in
@@ -233,6 +235,20 @@ def batch_plan_args(max_length: int, tokens_per_batch: int, rows_multiple: int =
           "short_rows_to_power_of_two": True, "multiple_of": rows_multiple}
 
 
+def document_tokens(tokenizer, corpus, max_length: int, lo: int = 0, hi: int | None = None,
+                    *, progress: bool = True) -> Sequence[np.ndarray]:
+  """Token ids of the documents in rows [lo, hi) of `corpus` (a mapping {doc id: Doc}, in row order), as
+  `text.tokenize` gives them for `text.doc_text`. A prepared corpus (jdr.data.prepared) reads them from its
+  map, tokenizing the whole corpus once on first use for this (tokenizer, max_length), and holds nothing per
+  document; any other is tokenized now."""
+  hi = len(corpus) if hi is None else hi
+  if isinstance(corpus, prepared.PreparedCorpus) and prepared.can_tokenize(tokenizer):
+    return corpus.tokenized(tokenizer, max_length, progress=progress).token_rows(lo, hi)
+  docs = corpus.docs(range(lo, hi)) if isinstance(corpus, prepared.PreparedCorpus) else [
+      corpus[d] for d in itertools.islice(corpus, lo, hi)]
+  return text_lib.tokenize(tokenizer, [text_lib.doc_text(doc) for doc in docs], max_length)
+
+
 def encode_texts(runtime: EncoderRuntime, texts: Sequence[str], *,
                  tokens_per_batch: int | None = None,
                  progress: tqdm.tqdm | None = None) -> np.ndarray:
@@ -306,6 +322,11 @@ def encode_corpus(runtime: EncoderRuntime, docs: dict, out_dir: str | os.PathLik
                   pieces: Sequence[tuple[str, int]] = ()) -> dict:
   """Encodes `docs` (id -> Doc) into shards under out_dir, resuming finished shards. Returns meta.
 
+  A prepared corpus (jdr.data.prepared.PreparedCorpus) is encoded from its token ids (FirstP; tokenized once
+  for this tokenizer and length if no run has) and its ids are read a shard at a time: nothing is held per
+  document. Its vectors are `encode_tokens`' of the same ids, so they may differ from a dict's (tokenized as
+  the shards go, `encode_texts`) in the last bits, where batches of other shapes compile differently.
+
   In a one-process job `docs` is the corpus. In a multi-process job (jax.distributed: a pod, SLURM,
   `jdr.launch.local`) it is this process's part, in process order (`formats.read_corpus(path,
   part=jax.process_index(), parts=jax.process_count())` reads only that part of the file): process i
@@ -332,7 +353,15 @@ def encode_corpus(runtime: EncoderRuntime, docs: dict, out_dir: str | os.PathLik
     raise ValueError("the corpus is empty: nothing to encode")
   out_dir = paths.absolute(out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
-  doc_ids = list(docs)
+  table = None
+  if isinstance(docs, prepared.PreparedCorpus):
+    if count > 1:
+      raise ValueError("a prepared corpus is the whole corpus: on several hosts pass each host its own part")
+    doc_ids = docs.id_sequence()
+    if passages == 1 and not pieces and prepared.can_tokenize(runtime.tokenizer):
+      table = docs.tokenized(runtime.tokenizer, runtime.max_length)
+  else:
+    doc_ids = list(docs)
   part_shards = [-(-n // shard_size) for n in part_docs]
   first_shard, num_shards = sum(part_shards[:index]), sum(part_shards)
   meta = {"num_docs": sum(part_docs), "shard_size": shard_size, "num_shards": num_shards,
@@ -372,9 +401,14 @@ def encode_corpus(runtime: EncoderRuntime, docs: dict, out_dir: str | os.PathLik
                   mininterval=1.0)
   for local_shard in todo:
     shard = first_shard + local_shard
-    ids = doc_ids[local_shard * shard_size:(local_shard + 1) * shard_size]
-    texts = [text_lib.doc_text(docs[i]) for i in ids]
-    if pieces:
+    lo, hi = local_shard * shard_size, min(len(doc_ids), (local_shard + 1) * shard_size)
+    ids = doc_ids[lo:hi]
+    if table is None:
+      texts = (docs.texts(range(lo, hi)) if isinstance(docs, prepared.PreparedCorpus)
+               else [text_lib.doc_text(docs[i]) for i in ids])
+    if table is not None:
+      emb = encode_tokens(runtime, table.token_rows(lo, hi), tokens_per_batch=tokens_per_batch, progress=bar)
+    elif pieces:
       emb, parts = encode_pieces(runtime, text_lib.tokenize(runtime.tokenizer, texts, runtime.max_length),
                                  list(pieces))
       for name, part in parts.items():

@@ -12,6 +12,11 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE_MADE_HERE
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
+# Prepared corpora (jdr.data.prepared) of the tests' tiny datasets go to a folder of the run, not the user's
+# ~/.cache/jdr, so no test reads another run's preparation and nothing is left behind.
+if "JDR_CACHE" not in os.environ:
+  os.environ["JDR_CACHE"] = tempfile.mkdtemp(prefix="jdr-tests-cache-")
+
 # XLA's CPU backend without LLVM's optimization passes: the tests' programs are tiny, so compiling them is most
 # of the suite's time, and these passes took about a third of it (a tiny train step: 3.7 s to compile, 2.4 s
 # without them); what a program computes is the same. Set before jax is imported, and inherited by every

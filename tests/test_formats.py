@@ -80,6 +80,59 @@ def test_qrels_unknown_ids(tmp_path):
   assert F.read_qrels(path) == {"q1": {"d1": 1, "d9": 1}, "q9": {"d1": 1}}
 
 
+class _AskedInBulk:
+  """Doc ids a reader asks about many at a time (`contains`), as it asks a prepared corpus."""
+
+  def __init__(self, ids):
+    self.ids, self.calls = set(ids), 0
+
+  def contains(self, doc_ids):
+    self.calls += 1
+    return [d in self.ids for d in doc_ids]
+
+
+# The first error is on the line named last; the others are later lines: what a file says first is raised first.
+_QRELS_FIRST_ERRORS = [
+    (["q1\td1\t1", "q1\td9\t1", "q1\td2\tx"], 3, "unknown id: doc id 'd9'"),
+    (["q1\td1\t1", "q1\td2\tx", "q1\td9\t1"], 3, "malformed line"),
+    (["q1\td1\t1", "q1\td9\t1", "q1\td2\t1", "q1\td9\t1"], 3, "unknown id: doc id 'd9'"),
+    (["q1\td1\t1", "q1\td2\t1", "q1\td2\t0", "q1\td9\t1"], 4, "duplicate id: qrels pair"),
+    (["q1\td1\t1", "q2\td9\t1"], 3, "unknown id: query id 'q2'"),
+]
+
+
+@pytest.mark.parametrize("lines, line, reason", _QRELS_FIRST_ERRORS)
+def test_qrels_doc_ids_asked_in_bulk_fail_on_the_same_line(tmp_path, monkeypatch, lines, line, reason):
+  monkeypatch.setattr(F, "_QRELS_BLOCK", 2)
+  path = tmp_path / "test.tsv"
+  path.write_text("query-id\tcorpus-id\tscore\n" + "".join(x + "\n" for x in lines))
+  errors = []
+  for doc_ids in ({"d1", "d2"}, _AskedInBulk({"d1", "d2"})):
+    with pytest.raises(F.DataFormatError) as info:
+      F.read_qrels(path, doc_ids=doc_ids, query_ids={"q1"})
+    errors.append(str(info.value))
+  assert errors[0] == errors[1] and errors[0].startswith(f"{path}:{line}: {reason}")
+
+
+def test_qrels_doc_ids_asked_in_bulk_skip_what_line_by_line_skips(tmp_path, monkeypatch, capsys):
+  monkeypatch.setattr(F, "_QRELS_BLOCK", 3)
+  rows = []
+  for i in range(40):  # unknown docs, repeats of unknown and known pairs, malformed lines, interleaved
+    doc = f"d{i % 7}" if i % 5 else f"x{i % 3}"
+    rows.append(f"q{i % 4}\t{doc}\t{i % 3}" if i % 11 != 4 else f"q{i % 4}\t{doc}")
+  path = tmp_path / "test.tsv"
+  path.write_text("query-id\tcorpus-id\tscore\n" + "".join(r + "\n" for r in rows))
+  known = {f"d{i}" for i in range(6)}
+  expected = F.read_qrels(path, doc_ids=known, skip_invalid=True)
+  report = capsys.readouterr().err
+  bulk = _AskedInBulk(known)
+  got = F.read_qrels(path, doc_ids=bulk, skip_invalid=True)
+  assert got == expected and list(got) == list(expected)
+  assert [list(docs) for docs in got.values()] == [list(docs) for docs in expected.values()]
+  assert capsys.readouterr().err == report and "unknown id" in report and "duplicate id" in report
+  assert bulk.calls < len(rows) // 2
+
+
 def test_skip_invalid_reports_counts_per_reason(tmp_path, capsys):
   path = tmp_path / "corpus.jsonl"
   path.write_bytes(_jsonl(DOC1, b"{bad", DOC2, DOC1, {"_id": "d3", "text": " "}, b'{"_id": "d4", "text": "\xff"}',

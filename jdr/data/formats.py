@@ -89,7 +89,7 @@ class _File:
 
   path: paths.epath.Path
   skip_invalid: bool
-  byte_range: tuple[int, int] | None = None
+  byte_range: tuple[int, int | None] | None = None  # end None: to the end of the file
   counts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   first_line: dict = dataclasses.field(default_factory=dict)
   _lines_before: int | None = None
@@ -157,8 +157,9 @@ def _open_bytes(path: PathLike, mode: str = "rb"):
 
 
 @contextlib.contextmanager
-def _reading(path: PathLike, skip_invalid: bool, byte_range: tuple[int, int] | None = None) -> Iterator[_File]:
-  f = _File(paths.as_path(path), skip_invalid, byte_range)
+def _reading(path: PathLike, skip_invalid: bool, byte_range: tuple[int, int | None] | None = None,
+             lines_before: int | None = None) -> Iterator[_File]:
+  f = _File(paths.as_path(path), skip_invalid, byte_range, _lines_before=lines_before)
   try:
     yield f
   finally:
@@ -166,7 +167,7 @@ def _reading(path: PathLike, skip_invalid: bool, byte_range: tuple[int, int] | N
     f.report()
 
 
-def _is_jsonl(path: paths.epath.Path) -> bool:
+def is_jsonl(path: paths.epath.Path) -> bool:
   """BEIR JSONL or a TSV? By extension, else by whether the first non-blank byte opens a JSON object."""
   name = path.name[:-3] if path.name.endswith(".gz") else path.name
   if name.endswith((".jsonl", ".json")):
@@ -175,6 +176,9 @@ def _is_jsonl(path: paths.epath.Path) -> bool:
     return False
   with _open_bytes(path) as f:
     return (gzip.open(f, "rb") if path.suffix == ".gz" else f).read(4096).lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"{")
+
+
+_is_jsonl = is_jsonl  # the name jdr.data.corpus_by_host uses
 
 
 def _json_record(line: str) -> dict:
@@ -216,7 +220,12 @@ def _check_id(value: str, what: str) -> str:
 
 def _check_new(seen: dict, key, what: str, line=lambda local: local) -> None:
   if key in seen:
-    raise _Invalid(DUPLICATE, f"{what} {key!r} already on line {line(seen[key])}")
+    raise _Invalid(DUPLICATE, already(what, key, line(seen[key])))
+
+
+def already(what: str, key, line: int) -> str:
+  """The detail of a duplicate: "doc id 'd1' already on line 3"."""
+  return f"{what} {key!r} already on line {line}"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -224,11 +233,15 @@ def _check_new(seen: dict, key, what: str, line=lambda local: local) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _corpus_file(path: PathLike) -> paths.epath.Path:
+def corpus_file(path: PathLike) -> paths.epath.Path:
+  """The corpus file a path names: itself, or a BEIR directory's corpus.jsonl."""
   path = paths.as_path(path)
   if path.is_dir():
     path = path / "corpus.jsonl"
   return path
+
+
+_corpus_file = corpus_file  # the name jdr.data.corpus_by_host uses
 
 
 def iter_corpus(path: PathLike, *, skip_invalid: bool = False, part: int = 0, parts: int = 1) -> Iterator[Doc]:
@@ -245,26 +258,51 @@ def iter_corpus(path: PathLike, *, skip_invalid: bool = False, part: int = 0, pa
 def iter_corpus_lines(path: PathLike, *, skip_invalid: bool = False, part: int = 0,
                       parts: int = 1) -> Iterator[tuple[Doc, int, int]]:
   """`iter_corpus` with where each document's line lies in the file: (doc, byte offset, byte length)."""
-  path = _corpus_file(path)
-  jsonl = _is_jsonl(path)
+  path = corpus_file(path)
   byte_range = None
   if parts > 1:
     if path.suffix == ".gz":
       raise ValueError(f"{path}: a gzip file cannot be split into parts by bytes; decompress it first")
     byte_range = corpus_part_bytes(path, part, parts)
   seen: dict[str, int] = {}  # id -> line; the only per-document state kept while streaming
-  with _reading(path, skip_invalid, byte_range) as f:
+  for _, offset, length, doc in _corpus_records(path, skip_invalid, byte_range, None, seen):
+    yield doc, offset, length
+
+
+def iter_corpus_records(path: PathLike, *, skip_invalid: bool = False,
+                        start: tuple[int, int] = (0, 1)) -> Iterator[tuple[int, int, int, Doc]]:
+  """(line number, byte offset, byte length, doc) of each valid document from byte offset `start[0]`, the
+  start of line `start[1]`, to the end of the file, with every check but one: ids are not checked for
+  duplicates, so nothing is kept per document. A caller that keeps its ids elsewhere (jdr.data.prepared, in
+  arrays) checks them itself; starting mid-file lets it resume where it stopped."""
+  path = corpus_file(path)
+  offset, line = start
+  if offset and path.suffix == ".gz":
+    raise ValueError(f"{path}: a gzip file cannot be read from a byte offset; decompress it first")
+  byte_range, before = ((offset, None), line - 1) if offset else (None, 0)
+  for local, offset, length, doc in _corpus_records(path, skip_invalid, byte_range, before, None):
+    yield before + local, offset, length, doc
+
+
+def _corpus_records(path: paths.epath.Path, skip_invalid: bool, byte_range, lines_before: int | None,
+                    seen: dict[str, int] | None) -> Iterator[tuple[int, int, int, Doc]]:
+  """The validated records of a corpus file, line numbers counted from the range's first line; ids are checked
+  for duplicates against `seen` unless None."""
+  jsonl = is_jsonl(path)
+  with _reading(path, skip_invalid, byte_range, lines_before) as f:
     for lineno, offset, length, line in f.lines_at():
       try:
         doc = parse_doc(line, jsonl)
-        _check_new(seen, doc.id, "doc id", f.line)
+        if seen is not None:
+          _check_new(seen, doc.id, "doc id", f.line)
         if not doc.title.strip() and not doc.text.strip():
           raise _Invalid(EMPTY, f"doc {doc.id!r} has empty title and text")
       except _Invalid as e:
         f.bad(lineno, e)
         continue
-      seen[doc.id] = lineno
-      yield doc, offset, length
+      if seen is not None:
+        seen[doc.id] = lineno
+      yield lineno, offset, length, doc
 
 
 def parse_doc(line: str, jsonl: bool) -> Doc:
@@ -359,11 +397,29 @@ def read_qrels(path: PathLike, *, doc_ids: Container[str] | None = None, query_i
   four whitespace-separated columns mean TREC; every later line must match it. Relevance must be an integer.
   With `doc_ids` / `query_ids` (e.g. the corpus and queries dicts), a judgment naming an id outside them is an
   error too: such a judgment can never be retrieved or asked, and would silently skew recall.
+
+  A `doc_ids` with a `contains(ids) -> bool array` method (a `jdr.data.prepared.PreparedCorpus`) is asked in
+  blocks of lines rather than once a line: one lookup there costs microseconds, and MS MARCO's training qrels
+  are half a million lines. The result and the errors are the same, line for line.
   """
   path = paths.as_path(path)
   qrels: Qrels = {}
   seen: dict[tuple[str, str], int] = {}
   trec = None  # decided on the first line
+  contains = getattr(doc_ids, "contains", None) if doc_ids is not None else None
+  pending: list[tuple[int, str, str, int]] = []  # (line, qid, doc id, relevance) whose doc id is still to check
+
+  def settle(f: _File) -> None:
+    """Checks the pending lines' doc ids, in line order, as if each had been checked on its own line."""
+    known = contains([doc_id for _, _, doc_id, _ in pending]) if pending else ()
+    for (lineno, qid, doc_id, rel), ok in zip(pending, known):
+      if ok:
+        qrels.setdefault(qid, {})[doc_id] = rel
+      else:
+        del seen[(qid, doc_id)]  # a rejected line is no pair a later line could repeat
+        f.bad(lineno, _Invalid(UNKNOWN, f"doc id {doc_id!r} is not in the corpus"))
+    pending.clear()
+
   with _reading(path, skip_invalid) as f:
     for lineno, line in f.lines():
       try:
@@ -385,17 +441,29 @@ def read_qrels(path: PathLike, *, doc_ids: Container[str] | None = None, query_i
           rel = int(rel)
         except ValueError:
           raise _Invalid(MALFORMED, f"relevance {rel!r} is not an integer") from None
+        if pending and seen.get((qid, doc_id), 0) >= pending[0][0]:
+          settle(f)  # a repeat of a pending pair: a duplicate only if that pair's doc id is known
         _check_new(seen, (qid, doc_id), "qrels pair")
         if query_ids is not None and qid not in query_ids:
           raise _Invalid(UNKNOWN, f"query id {qid!r} is not among the queries")
-        if doc_ids is not None and doc_id not in doc_ids:
+        if contains is None and doc_ids is not None and doc_id not in doc_ids:
           raise _Invalid(UNKNOWN, f"doc id {doc_id!r} is not in the corpus")
       except _Invalid as e:
+        settle(f)  # earlier lines' errors come first
         f.bad(lineno, e)
         continue
       seen[(qid, doc_id)] = lineno
-      qrels.setdefault(qid, {})[doc_id] = rel
+      if contains is None:
+        qrels.setdefault(qid, {})[doc_id] = rel
+        continue
+      pending.append((lineno, qid, doc_id, rel))
+      if len(pending) >= _QRELS_BLOCK:
+        settle(f)
+    settle(f)
   return qrels
+
+
+_QRELS_BLOCK = 1 << 16  # lines whose doc ids read_qrels checks at once against a corpus that looks up in bulk
 
 
 def write_qrels(path: PathLike, qrels: Mapping[str, Mapping[str, int]], *, trec: bool = False) -> None:

@@ -10,6 +10,7 @@ import dataclasses
 import pathlib
 import sys
 import zlib
+from collections.abc import Mapping
 from typing import Any, Sequence
 
 import jax
@@ -20,12 +21,15 @@ from jdr.data import batch as batch_lib
 from jdr.data import builtin
 from jdr.data import corpus_by_host
 from jdr.data import formats
+from jdr.data import prepared
 from jdr.data import text as text_lib
 
 
 @dataclasses.dataclass
 class RetrievalData:
-  corpus: dict  # doc id -> formats.Doc
+  # doc id -> formats.Doc, in corpus order: a prepared.PreparedCorpus (ids, rows and token ids memory-mapped,
+  # documents read from the file when asked) wherever the corpus file can be prepared, else a dict
+  corpus: Mapping
   queries: dict  # query id -> text (train and eval queries)
   train_qrels: dict  # query id -> {doc id: relevance}
   eval_qrels: dict | None
@@ -33,7 +37,12 @@ class RetrievalData:
 
 
 def load(data_cfg: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> RetrievalData:
-  """Reads the dataset a config names, validated; every problem is raised before training starts."""
+  """Reads the dataset a config names, validated; every problem is raised before training starts.
+
+  On one host a local corpus.jsonl is prepared once (jdr.data.prepared: validated, indexed, memory-mapped,
+  in `data.prepared_dir` when the config has one, else the user's cache folder) and read from the map after
+  that: at MS MARCO's size a dict of documents took minutes to read and gigabytes to hold. Several hosts
+  each parse their own part (jdr.data.corpus_by_host); a gzip or object-storage corpus is read whole."""
   if data_cfg.dataset == "builtin":
     directory = pathlib.Path(workdir) / "data" / "stdlib-docstrings"
     builtin.write_builtin(directory)
@@ -50,6 +59,8 @@ def load(data_cfg: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> Re
     if jax.process_count() > 1 and corpus_by_host.readable_by_parts(directory / "corpus.jsonl"):
       # Each host parses only its own part; documents are read from the file when asked.
       corpus = corpus_by_host.read_by_hosts(directory / "corpus.jsonl", workdir)
+    elif jax.process_count() == 1 and prepared.can_prepare(directory / "corpus.jsonl"):
+      corpus = prepared.prepare(directory / "corpus.jsonl", out_dir=data_cfg.get("prepared_dir") or None)
     corpus, queries, train_qrels = formats.load_beir(directory, data_cfg.train_split, corpus=corpus)
     queries = formats.read_queries(directory / "queries.jsonl")
   else:
@@ -142,8 +153,14 @@ class Batches:
     self.in_batch = in_batch
     self.seed = seed
     self.process_index, self.process_count = process_index, process_count
-    self.doc_row = {d: i for i, d in enumerate(data.corpus)}
     self.pad_id = tokenizer.pad_token_id or 0
+    # A prepared corpus gives rows and token ids from its map; any other mapping a {doc id: row} dict and
+    # documents tokenized a batch at a time.
+    self._prepared = isinstance(data.corpus, prepared.PreparedCorpus)
+    self._doc_tokens = None
+    if self._prepared and prepared.can_tokenize(tokenizer):
+      self._doc_tokens = data.corpus.tokenized(tokenizer, doc_max_length, progress=process_index == 0)
+    self._doc_row = None
     self._perms: dict[int, np.ndarray] = {}
     self._layout = None  # (step, global_layout(step))
     if candidates not in ("tokens", "corpus", "pairs"):
@@ -240,6 +257,20 @@ class Batches:
   def _tokens(self, texts: list[str], max_length: int) -> tuple[np.ndarray, np.ndarray]:
     return _pad(text_lib.tokenize(self.tokenizer, texts, max_length), max_length, self.pad_id)
 
+  def doc_rows(self, doc_ids: Sequence[str]) -> np.ndarray:
+    """int32 corpus rows of `doc_ids` (a KeyError names an id the corpus lacks)."""
+    if self._prepared:
+      return self.data.corpus.row_of(doc_ids).astype(np.int32)
+    if self._doc_row is None:
+      self._doc_row = {d: i for i, d in enumerate(self.data.corpus)}
+    return np.array([self._doc_row[d] for d in doc_ids], np.int32).reshape(-1)
+
+  def _doc_batch(self, doc_ids: Sequence[str], rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(token ids, mask) [n, doc_max_length] of documents: read from the prepared map, else tokenized."""
+    if self._doc_tokens is not None:
+      return self._doc_tokens.tokens(rows, self.doc_max_length)
+    return self._tokens([text_lib.doc_text(self.data.corpus[d]) for d in doc_ids], self.doc_max_length)
+
   def local(self, step: int) -> dict[str, np.ndarray]:
     """This process's rows of the global batch at `step`, as numpy arrays (see jdr/data/batch.py)."""
     if self.candidates == "corpus":
@@ -251,11 +282,10 @@ class Batches:
     d_lo, d_hi = self._rows(len(doc_ids))
     query_ids, query_mask = self._tokens([self.data.queries[q] for q in qids[q_lo:q_hi]],
                                          self.query_max_length)
-    doc_tokens, doc_mask = self._tokens(
-        [text_lib.doc_text(self.data.corpus[d]) for d in doc_ids[d_lo:d_hi]], self.doc_max_length)
+    doc_index = self.doc_rows(doc_ids[d_lo:d_hi])
+    doc_tokens, doc_mask = self._doc_batch(doc_ids[d_lo:d_hi], doc_index)
     batch = {"query_ids": query_ids, "query_mask": query_mask, "doc_ids": doc_tokens, "doc_mask": doc_mask,
-             "doc_index": np.array([self.doc_row[d] for d in doc_ids[d_lo:d_hi]], np.int32),
-             "valid": valid[q_lo:q_hi]}
+             "doc_index": doc_index, "valid": valid[q_lo:q_hi]}
     weights = pair_weights(valid, self.per_query, self.pair_weighting, self.random_weight)
     if weights is not None:
       batch["weights"] = weights[q_lo:q_hi]
@@ -268,10 +298,11 @@ class Batches:
     chosen = chosen[lo:hi]
     query_ids, query_mask = self._tokens([self.data.queries[q] for q, _ in chosen], self.query_max_length)
     positive_rows = np.full((len(chosen), self.max_positives), -1, np.int32)
-    for b, (q, d) in enumerate(chosen):
-      others = [o for o, r in self.data.train_qrels[q].items() if r > 0 and o != d]
-      row = [self.doc_row[d]] + [self.doc_row[o] for o in others]
-      positive_rows[b, :len(row)] = row
+    positives = [[d] + [o for o, r in self.data.train_qrels[q].items() if r > 0 and o != d] for q, d in chosen]
+    rows, at = self.doc_rows([d for docs in positives for d in docs]), 0
+    for b, docs in enumerate(positives):
+      positive_rows[b, :len(docs)] = rows[at:at + len(docs)]
+      at += len(docs)
     return {"query_ids": query_ids, "query_mask": query_mask, "positive_rows": positive_rows,
             "query_index": np.array([self.query_row[q] for q, _ in chosen], np.int32)}
 

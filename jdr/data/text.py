@@ -376,7 +376,9 @@ def bucketed_batches(token_ids: Sequence[np.ndarray], *, batch_size: int | None 
   Row i of a batch holds sequence `indices[i]`; rows past `len(indices)` are filler. See `plan_batches` for
   the batching arguments.
   """
-  lengths = [len(ids) for ids in token_ids]
+  lengths = getattr(token_ids, "lengths", None)  # a prepared corpus's rows know theirs (jdr.data.prepared)
+  if lengths is None:
+    lengths = [len(ids) for ids in token_ids]
   for plan in plan_batches(lengths, batch_size=batch_size, max_tokens=max_tokens, bucket_lengths=bucket_lengths,
                            multiple_of=multiple_of, short_rows_to_power_of_two=short_rows_to_power_of_two):
     yield plan.indices, *_padded([token_ids[i] for i in plan.indices], plan.rows, plan.length, pad_id)
