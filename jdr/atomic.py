@@ -8,6 +8,8 @@ On object storage (gs://, s3://) an object only appears once its upload is close
 uploaded in one piece.
 """
 
+import contextlib
+import fcntl
 import io
 import os
 import re
@@ -20,6 +22,26 @@ from typing import Any, Callable
 from jdr import paths
 
 STDOUT = "-"  # an output path that means standard output (runs, per-query files)
+
+
+@contextlib.contextmanager
+def exclusive(lock_path, waiting: str = ""):
+  """Holds an exclusive lock on `lock_path` (created if missing) for the block: one process builds a cache
+  entry that several share (the processes of a multi-host run on one machine, two runs), the others wait and
+  then find it finished. `waiting` is printed to stderr when another process holds it."""
+  lock_path = os.fspath(lock_path)
+  os.makedirs(os.path.dirname(lock_path) or ".", exist_ok=True)
+  with open(lock_path, "a+b") as f:
+    try:
+      fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      if waiting:
+        print(waiting, file=sys.stderr, flush=True)
+      fcntl.flock(f, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _read_umask() -> int:

@@ -32,7 +32,6 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
-import fcntl
 import hashlib
 import itertools
 import json
@@ -613,18 +612,11 @@ def mine(index: Index, texts: Sequence[str], k: int, cache_dir: str | os.PathLik
     return Mined(*_load_mined(place.local, key, n, k), place.local, False)
 
 
-@contextlib.contextmanager
 def _exclusive(local: pathlib.Path):
-  """One process at a time builds or mines a cache entry: processes sharing a cache folder (the processes of
-  a multi-host run on one machine, two runs) would otherwise write the same .partial at once. The others
-  wait, then find the finished entry."""
-  local.parent.mkdir(parents=True, exist_ok=True)
-  with open(local.with_name(local.name + ".lock"), "a") as f:
-    fcntl.flock(f, fcntl.LOCK_EX)
-    try:
-      yield
-    finally:
-      fcntl.flock(f, fcntl.LOCK_UN)
+  """One process at a time builds or mines a cache entry; the lock sits beside the entry, which is renamed
+  into place from its .partial."""
+  return atomic.exclusive(local.with_name(local.name + ".lock"),
+                          waiting=f"jdr: waiting for another process building {local}")
 
 
 def _open_partial(partial: pathlib.Path, key: str, n: int, k: int, chunk_size: int):

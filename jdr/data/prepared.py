@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import collections.abc
 import concurrent.futures
-import contextlib
 import fcntl
 import hashlib
 import json
@@ -548,20 +547,9 @@ def _name(path: pathlib.Path) -> str:
   return "".join(c if c.isalnum() or c in "-_." else "_" for c in raw)[:60]
 
 
-@contextlib.contextmanager
 def _locked(folder: pathlib.Path):
   """Holds folder/.lock: one process prepares a folder, another waits for it, then finds it finished."""
-  folder.mkdir(parents=True, exist_ok=True)
-  with open(folder / LOCK, "a+b") as f:
-    try:
-      fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-      print(f"jdr: waiting for another process preparing {folder}", file=sys.stderr, flush=True)
-      fcntl.flock(f, fcntl.LOCK_EX)
-    try:
-      yield
-    finally:
-      fcntl.flock(f, fcntl.LOCK_UN)
+  return atomic.exclusive(folder / LOCK, waiting=f"jdr: waiting for another process preparing {folder}")
 
 
 def _remove_stale(root: pathlib.Path, keep: pathlib.Path) -> None:
