@@ -76,8 +76,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # retrieval (ADORE / LTRe): a fixed corpus index, candidates retrieved by the query tower being trained
   c.negatives.retrieve_every = 1  # 1 = at every step (ADORE / LTRe); 0 = once before training (static ablation)
   c.negatives.missing_positive = "append"  # none of the top n relevant: append (DRhard) | replace_last (LTRe Alg. 1)
-  c.negatives.retrieval_backend = "faiss"  # faiss (host, between steps) | jax (exact top-k inside the step;
-  # also where dense_static and ANCE mine)
+  c.negatives.retrieval_backend = "faiss"  # faiss (host, between steps) | jax (exact top-k inside the step)
+  c.negatives.mine_backend = "auto"  # where dense_static and ance mine: auto (the JAX top-k on the devices
+  # when there is an accelerator, else Faiss on the host) | faiss | jax
   c.negatives.top_k_recall_target = 1.0  # retrieval_backend=jax: < 1 takes jax.lax.approx_max_k (fast on TPUs)
   c.negatives.corpus_dtype = "auto"  # the fixed corpus on the devices: auto (bfloat16 on GPU/TPU, float32 on
   # CPU) | float32 | bfloat16 | int8 (one scale per row, approximate); scores are float32 always

@@ -1,7 +1,7 @@
 """ANCE's asynchronous refresh with a fake miner: the schedule, exact resume, failures, waiting and lateness.
 
-The fake miner's pools name the generation and the params value it was given, so a test can tell which
-snapshot produced the negatives in force. Params at step s are a function of s (a stand-in for training).
+The fake miner's pools (an int32 array, as ANCE's rows) hold the generation and the params value it was given,
+so a test can tell which snapshot produced the negatives in force; `view` reads them back as names. Params at step s are a function of s (a stand-in for training).
 """
 
 import shutil
@@ -36,10 +36,16 @@ def fake_mine(sleep=0.0, fail=(), die=(), block=None):
       raise RuntimeError(f"boom in generation {generation}")
     time.sleep(sleep)
     w, b = float(params["w"][0]), float(params["layers"][0][1])
-    return {"q1": [f"gen{generation}", f"w{w:g}"], "q2": [f"b{b:g}"]}
+    return np.array([[generation, w], [b, -1]], np.int32)
 
   mine.calls = calls
   return mine
+
+
+def view(pools):
+  """The fake pools array as names: {"q1": ["gen<k>", "w<step>"], "q2": ["b<step>"]}."""
+  pools = np.asarray(pools)
+  return {"q1": [f"gen{pools[0, 0]}", f"w{pools[0, 1]}"], "q2": [f"b{pools[1, 0]}"]}
 
 
 def snapshot_of(pools):
@@ -52,7 +58,7 @@ def run(refresher, steps, step_seconds=0.0, staleness=None):
   seen = {}
   for s in steps:
     refresher.prepare(s, params_at(s))
-    seen[s] = refresher.pools(s)
+    seen[s] = view(refresher.pools(s))
     stale = refresher.staleness(s)
     assert stale == s - snapshot_of(seen[s])
     if staleness is not None:
@@ -64,7 +70,8 @@ def run(refresher, steps, step_seconds=0.0, staleness=None):
 @pytest.mark.parametrize("every,delay", [(5, 2), (5, 0), (5, 5), (3, 7), (1, 0), (4, 1)])
 def test_schedule(tmp_path, every, delay):
   lines = []
-  r = AsyncRefresher(fake_mine(), every=every, delay=delay, directory=tmp_path, log=lines.append)
+  miner = fake_mine()
+  r = AsyncRefresher(miner, every=every, delay=delay, directory=tmp_path, log=lines.append)
   staleness = {}
   seen = run(r, range(20), staleness=staleness)
   r.close()
@@ -78,14 +85,23 @@ def test_schedule(tmp_path, every, delay):
   # Each generation logs one line when it comes into force, with its staleness.
   k_last = generation_at(19, every, delay)
   assert sum("in force from step" in line for line in lines) == k_last + 1
-  assert f"generation {k_last} (snapshot step {k_last * every}, mined in" in lines[-1]
+  assert f"generation {k_last} (snapshot step {k_last * every}, mined in" in [
+      line for line in lines if "in force" in line][-1]
   assert r.stats()["generation"] == k_last and r.stats()["failed"] == 0
-  # Every generation started is on disk: finished ones as pools, with their snapshot deleted; ones close()
-  # dropped from the queue (possible when delay > every) as a snapshot, for a resume to re-mine.
+  # The two newest finished generations are on disk, as arrays beside their metadata, their snapshots
+  # deleted; every older one was removed with a line saying so. Ones close() dropped from the queue (possible
+  # when delay > every) stay as a snapshot, for a resume to re-mine.
   gens = {int(p.stem.split("-")[1]) for p in tmp_path.glob("gen-*.json")}
+  assert gens == {int(p.stem.split("-")[1]) for p in tmp_path.glob("gen-*.npy")}
+  finished = sorted(set(miner.calls))
+  assert finished[:k_last + 1] == list(range(k_last + 1))
+  assert set(finished[-2:]) | {k_last} <= gens
+  if delay <= every:  # else generations mined ahead of the one in force are kept until it is superseded
+    assert gens == set(finished[-2:])
+  removed = [line for line in lines if line.startswith("refresh: removed generation")]
+  assert sorted(int(line.split()[3]) for line in removed) == sorted(set(finished) - gens)
   snapshots = {int(p.stem.split("-")[1]) // every for p in tmp_path.glob("snapshot-*.npz")}
-  assert set(range(k_last + 1)) <= gens
-  assert gens | snapshots == set(range(19 // every + 1)) and not gens & snapshots
+  assert set(finished) | snapshots == set(range(19 // every + 1)) and not set(finished) & snapshots
 
 
 def test_validates_schedule(tmp_path):
@@ -110,7 +126,7 @@ def test_snapshot_roundtrip_keeps_bfloat16(tmp_path):
 def test_initial_params_mines_generation_zero_up_front(tmp_path):
   r = AsyncRefresher(fake_mine(), every=5, delay=2, directory=tmp_path, log=lambda _: None,
                      initial_params=params_at(0))
-  assert r.pools(0)["q1"] == ["gen0", "w0"]
+  assert view(r.pools(0))["q1"] == ["gen0", "w0"]
   r.prepare(0, params_at(0))
   assert r.stats()["mines"] == 1, "prepare(0) does not mine generation 0 again"
   r.close()
@@ -153,7 +169,7 @@ def test_inline_mines_on_the_callers_thread_with_the_same_pools(tmp_path, every,
   for s in range(23):
     inline.prepare(s, params_at(s))
     assert sorted(miner.calls) == list(range(s // every + 1))  # mined at its snapshot step, not later
-    got[s] = inline.pools(s)
+    got[s] = view(inline.pools(s))
   inline.close()
   assert set(threads) == {threading.current_thread()}
   failed_from = activation_step(2, every, delay)
@@ -196,9 +212,9 @@ def test_resume_while_a_mine_was_in_flight(tmp_path):
   third = AsyncRefresher(slow, every=5, delay=2, directory=tmp_path / "killed-too", max_wait_s=0.01,
                          log=lambda _: None)
   third.prepare(12, params_at(12))
-  assert third.pools(12) == expected[11] and third.staleness(12) == 7
+  assert view(third.pools(12)) == expected[11] and third.staleness(12) == 7
   time.sleep(0.5)
-  assert third.pools(13) == expected[13]
+  assert view(third.pools(13)) == expected[13]
   assert third.stats()["late_switches"] == 1
   third.close()
 
@@ -207,7 +223,7 @@ def test_resume_without_the_directory_mines_from_current_params(tmp_path):
   lines = []
   r = AsyncRefresher(fake_mine(), every=5, delay=2, directory=tmp_path, log=lines.append)
   r.prepare(13, params_at(13))
-  assert r.pools(13)["q1"] == ["gen2", "w13"]
+  assert view(r.pools(13))["q1"] == ["gen2", "w13"]
   assert r.staleness(13) == 0
   assert any("differ from an uninterrupted run" in line and "generation 2" in line for line in lines)
   r.close()

@@ -1,7 +1,7 @@
 """How each stage of jdr grows with the corpus: its time and peak memory on an MS MARCO-shaped dataset of N passages.
 
   python -m jdr.bench scale --passages 100000 [--out runs/bench-scale] [--seed 0] [--stages load,bm25_mine,...]
-                            [--stage-timeout 7200] [--dense-backend faiss|jax] [--cache DIR] [--keep-work]
+                            [--stage-timeout 7200] [--dense-backend auto|faiss|jax] [--cache DIR] [--keep-work]
                             [--config.KEY=VALUE ...]
 
 The data is jdr.data.synthetic's (generated under --out the first time, reused for the same passages and seed).
@@ -79,7 +79,7 @@ class Context:
   train_queries: int
   dev_queries: int
   overrides: list[str]
-  dense_backend: str = "faiss"
+  dense_backend: str = "auto"
   cache: str = ""  # JDR_CACHE of every stage: where a corpus prepared by one stage is found by the next
 
   def path(self, name: str) -> pathlib.Path:
@@ -260,7 +260,7 @@ def _dense_mine(ctx: Context) -> dict:
   runtime = corpus_lib.load_runtime(str(ctx.path("tiny-model")), side="query")
   query_emb = corpus_lib.encode_texts(runtime, [queries[q] for q in qids])
   encoded = time.perf_counter()
-  rows = retrieved.exact_top_rows(doc_emb, query_emb, TOP_N, ctx.dense_backend)
+  rows, _ = retrieved.exact_top_rows(doc_emb, query_emb, TOP_N, ctx.dense_backend)
   end = time.perf_counter()
   return {"seconds": end - encoded, "load_s": loaded - start, "encode_queries_s": encoded - loaded,
           "queries": len(qids), "top_n": int(rows.shape[1]), "backend": ctx.dense_backend}
@@ -545,8 +545,9 @@ def main(argv=None) -> None:
   parser.add_argument("--stages", default=",".join(public),
                       help=f"comma-separated, from {', '.join(STAGES)} (default: {', '.join(public)})")
   parser.add_argument("--stage-timeout", type=float, default=7200.0, help="seconds a stage may take (0: no limit)")
-  parser.add_argument("--dense-backend", choices=("faiss", "jax"), default="faiss",
-                      help="where dense_mine searches (negatives.retrieval_backend)")
+  parser.add_argument("--dense-backend", choices=("auto", "faiss", "jax"), default="auto",
+                      help="where dense_mine searches (negatives.mine_backend; auto: the devices when there is "
+                           "an accelerator, else Faiss)")
   parser.add_argument("--cache", default="",
                       help="JDR_CACHE of the stages (prepared corpora); default: a new folder in the run's work, so "
                            "the first stage to read the corpus prepares it, as a user's first command does")

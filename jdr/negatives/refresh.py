@@ -4,7 +4,8 @@ Re-encoding the corpus costs far more than a training step, so ANCE does not do 
 steps the trainer hands its current parameters (the "snapshot") to an inferencer, keeps training on the
 previous negatives, and switches to the new ones once the corpus has been re-encoded and the index rebuilt.
 `AsyncRefresher` is that loop with the model left out: the expensive part is a `mine(params, generation)`
-callable that returns query -> ranked doc ids pools, and it runs on one background thread.
+callable that returns the pools as one array (ANCE's: int32 corpus rows [training queries, top n], -1
+padded), and it runs on one background thread.
 
 The paper switches "once it finishes", which makes the negatives depend on how fast the inferencer happened
 to be, so a resumed run would train on different negatives than an uninterrupted one. Here the switch is on a
@@ -15,10 +16,15 @@ and resumed from a checkpoint sees the same ones: snapshots and finished generat
 
   directory/schedule.json          every and delay, so a resume with another schedule fails loudly
   directory/snapshot-00000010.npz  host copy of the params at step 10, kept until generation 2 is on disk
-  directory/gen-000002.json        generation 2's pools, its snapshot step and how long mining took
+  directory/gen-000002.npy         generation 2's pools (the miner's array, read back memory-mapped)
+  directory/gen-000002.json        its snapshot step, how long mining took and its shape; written last, so
+                                   a generation without it is unfinished and never read
 
-Finished generations are kept (a run may be resumed from an older checkpoint, which needs older generations);
-each is the size of the pools, while snapshots are the size of the model and are deleted once mined.
+Only the two newest finished generations are kept (and the one in force, should it be older): at MS MARCO's
+size a generation is 502,939 x 200 rows, 400 MB, and the paper's 60 refreshes would leave 24 GB. Each removal
+is logged. A run resumed from a checkpoint older than the generations kept re-mines the one it needs from the
+params it resumes with, and says its negatives differ from the uninterrupted run's. Snapshots are the size of
+the model and are deleted once mined.
 """
 
 from __future__ import annotations
@@ -41,9 +47,10 @@ import numpy as np
 from jdr import atomic
 from jdr import paths
 
-Pools = dict[str, list[str]]
+Pools = np.ndarray
 
 _GEN_RE = re.compile(r"gen-(\d{6})\.json")
+KEEP_GENERATIONS = 2
 _SNAPSHOT_RE = re.compile(r"snapshot-(\d{8})\.npz")
 # npz member holding the dtype names numpy cannot store natively (bfloat16 and the other ml_dtypes).
 _DTYPES_KEY = "__dtypes__"
@@ -115,7 +122,7 @@ class AsyncRefresher:
   """Hard-negative pools re-mined in the background every `every` steps, switched in on a fixed schedule.
 
   The trainer calls `prepare(step, params)` before each step and reads `pools(step)`. `mine(params, generation)`
-  gets the snapshot as a numpy pytree and returns {query id: ranked doc ids}; it runs on one worker thread, so
+  gets the snapshot as a numpy pytree and returns the pools as one numpy array; it runs on one worker thread, so
   mines never overlap. A mine that raises, or a worker thread that dies, is logged and counted, and training
   keeps the previous generation; nothing from the worker reaches the trainer. Log lines are handed to `log`
   from the trainer's thread only (the worker queues them), so `log` need not be thread-safe.
@@ -227,12 +234,12 @@ class AsyncRefresher:
     self._last_step = step
     self._advance(step)
 
-  def pools(self, step: int) -> Pools:
-    """The query -> ranked doc ids pools in force at `step` (shared: do not mutate); {} if no generation has
-    ever been mined successfully."""
+  def pools(self, step: int) -> Pools | None:
+    """The pools array in force at `step` (shared and read-only); None if no generation has ever been mined
+    successfully."""
     self._require_started()
     self._advance(step)
-    return self._in_force.pools if self._in_force is not None else {}
+    return self._in_force.pools if self._in_force is not None else None
 
   def generation(self, step: int) -> tuple[int, int]:
     """(the generation in force at `step`, the step the schedule puts it in force): where a consumer that
@@ -327,6 +334,9 @@ class AsyncRefresher:
   def _gen_path(self, k: int) -> pathlib.Path:
     return self.directory / f"gen-{k:06d}.json"
 
+  def _pools_path(self, k: int) -> pathlib.Path:
+    return self.directory / f"gen-{k:06d}.npy"
+
   def _snapshot_path(self, step: int) -> pathlib.Path:
     return self.directory / f"snapshot-{step:08d}.npz"
 
@@ -343,7 +353,14 @@ class AsyncRefresher:
 
   def _read_generation(self, k: int) -> _Generation:
     data = json.loads(self._gen_path(k).read_text())
-    return _Generation(k, int(data["snapshot_step"]), float(data["mine_seconds"]), data["pools"], from_disk=True)
+    if "shape" not in data:
+      raise ValueError(f"{self._gen_path(k)}: a generation in an older layout (pools as JSON); mine it again by "
+                       f"removing {self.directory}")
+    pools = paths.load_npy(self._pools_path(k), mmap_mode="r")
+    if list(pools.shape) != data["shape"]:
+      raise ValueError(f"{self._pools_path(k)}: shape {list(pools.shape)}, but {self._gen_path(k).name} says "
+                       f"{data['shape']}")
+    return _Generation(k, int(data["snapshot_step"]), float(data["mine_seconds"]), pools, from_disk=True)
 
   def _restore(self, k: int, like: Any) -> bool:
     """Pick generation k up from disk on resume: its pools if it finished, else a re-mine of its snapshot."""
@@ -435,11 +452,11 @@ class AsyncRefresher:
     """Mines generation k and makes it ready (or failed); on the worker thread, or the caller's when inline."""
     start = time.perf_counter()
     try:
-      pools = self._mine(host, k)
-      # The form a resumed run reads back from JSON, so both runs hold equal pools.
-      pools = {str(q): [str(d) for d in ids] for q, ids in pools.items()}
+      pools = np.asarray(self._mine(host, k))
       seconds = time.perf_counter() - start
-      body = {"generation": k, "snapshot_step": snapshot_step, "mine_seconds": seconds, "pools": pools}
+      atomic.write_atomic(self._pools_path(k), lambda f: np.save(f, pools))
+      body = {"generation": k, "snapshot_step": snapshot_step, "mine_seconds": seconds,
+              "shape": list(pools.shape), "dtype": pools.dtype.name}
       atomic.write_atomic(self._gen_path(k), lambda f: f.write(json.dumps(body).encode()))
     except Exception as e:  # noqa: BLE001 -- a bad mine must not stop training
       with self._cond:
@@ -459,6 +476,26 @@ class AsyncRefresher:
       self._mines += 1
       self._last_mine_seconds = seconds
       self._cond.notify_all()
+    self._remove_old_generations()
+
+  def _remove_old_generations(self) -> None:
+    """Keeps the KEEP_GENERATIONS newest finished generations on disk, and the one in force; logs the rest's
+    removal. Only the first host removes (they share the workdir)."""
+    if not self._first_host:
+      return
+    on_disk = sorted(int(m.group(1)) for p in self.directory.iterdir() if (m := _GEN_RE.fullmatch(p.name)))
+    with self._cond:
+      in_force = None if self._in_force is None else self._in_force.index
+      needed = set(self._ready) | ({in_force} if in_force is not None else set())
+    keep = set(on_disk[-KEEP_GENERATIONS:]) | needed
+    for k in on_disk:
+      if k in keep:
+        continue
+      size = sum(p.stat().length for p in (self._pools_path(k), self._gen_path(k)) if p.exists())
+      self._gen_path(k).unlink(missing_ok=True)  # the marker first: a half-removed generation is unfinished
+      self._pools_path(k).unlink(missing_ok=True)
+      self._say(f"refresh: removed generation {k} ({self._pools_path(k).name}, {size / 2**20:.1f} MiB) from "
+                f"{self.directory}: only the last {KEEP_GENERATIONS} generations are kept")
 
   def _delete_failed_snapshots(self, before: int) -> None:
     """A failed generation keeps its snapshot (a resume may re-mine it) until a later one supersedes it."""

@@ -211,14 +211,66 @@ def top_rows(retriever, queries: np.ndarray, n: int) -> np.ndarray:
   return rows
 
 
-def exact_top_rows(doc_emb: np.ndarray, queries: np.ndarray, n: int, backend: str = "faiss",
-                   dtype: str = "auto") -> np.ndarray:
-  """[Q, n] rows of each query's exact top n by inner product over `doc_emb` (a Flat index of `backend`:
-  Faiss on the host, or jdr's JAX top-k on the devices, storing the matrix as `dtype`)."""
-  from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
-  retriever = corpus_lib.build_index(doc_emb, [str(i) for i in range(len(doc_emb))], backend, "Flat",
-                                     jax_dtype=dtype)
-  return top_rows(retriever, queries, min(n, len(doc_emb)))
+MINE_BACKENDS = ("auto", "faiss", "jax")
+
+
+def mining_backend(backend: str) -> str:
+  """`auto`: the JAX top-k where there is an accelerator (the corpus on the devices), Faiss on a CPU host."""
+  if backend not in MINE_BACKENDS:
+    raise ValueError(f"the mining backend must be one of {', '.join(MINE_BACKENDS)}, got {backend!r}")
+  if backend == "auto":
+    return "faiss" if jax.default_backend() == "cpu" else "jax"
+  return backend
+
+
+def exact_top_rows(doc_emb: np.ndarray, queries: np.ndarray, n: int, backend: str = "auto",
+                   dtype: str = "auto", *, batch: int = 4096, progress: str | None = None,
+                   mesh=None) -> tuple[np.ndarray, np.ndarray]:
+  """(rows int32 [Q, n], scores float32 [Q, n]) of each query's exact top n by inner product over
+  `doc_emb`, -1 / -inf where the corpus is shorter than n; queries searched `batch` at a time.
+
+  faiss: `faiss.knn` reads `doc_emb` where it lies (a memory-mapped float32 matrix is searched without a
+  copy; an index would hold a second one). jax: the matrix is placed once on the mesh (every device of this
+  process unless `mesh`), stored as `dtype` (bfloat16 on accelerators by default), and searched by the one
+  sharded top-k. Neither path builds ids: rows are what the miners keep. `progress` names a progress bar."""
+  backend = mining_backend(backend)
+  num, k = len(queries), min(n, len(doc_emb))
+  rows = np.full((num, n), -1, np.int32)
+  scores = np.full((num, n), -np.inf, np.float32)
+  if not num or not k:
+    return rows, scores
+  bar = None
+  if progress:
+    import tqdm  # pylint: disable=g-import-not-at-top
+    bar = tqdm.tqdm(total=num, desc=progress, unit="query", file=sys.stderr, disable=jax.process_index() != 0)
+  if backend == "faiss":
+    import faiss  # pylint: disable=g-import-not-at-top
+    matrix = np.ascontiguousarray(doc_emb, dtype=np.float32)  # a float32 memmap stays the memmap
+    for lo in range(0, num, batch):
+      part = np.ascontiguousarray(queries[lo:lo + batch], dtype=np.float32)
+      found_scores, found = faiss.knn(part, matrix, k, metric=faiss.METRIC_INNER_PRODUCT)
+      rows[lo:lo + len(part), :k], scores[lo:lo + len(part), :k] = found, found_scores
+      if bar is not None:
+        bar.update(len(part))
+  else:
+    from jdr import parallel  # pylint: disable=g-import-not-at-top
+    mesh = mesh if mesh is not None else parallel.make_mesh((-1, 1, 1), devices=jax.local_devices())
+    corpus = topk.put_corpus(doc_emb, mesh, dtype)
+    search = topk.search_fn(corpus, k, mesh)
+    size = min(batch, num)
+    for lo in range(0, num, size):
+      part = np.zeros((size, queries.shape[1]), np.float32)  # one shape: compiled once
+      real = np.asarray(queries[lo:lo + size], np.float32)
+      part[:len(real)] = real
+      found_scores, found = jax.device_get(search(part))
+      rows[lo:lo + len(real), :k] = found[:len(real)]
+      scores[lo:lo + len(real), :k] = found_scores[:len(real)]
+      if bar is not None:
+        bar.update(len(real))
+  if bar is not None:
+    bar.close()
+  rows[~np.isfinite(scores)] = -1  # faiss pads with -1 already; a padded device row never wins, but be sure
+  return rows, scores
 
 
 def overlap(a: np.ndarray, b: np.ndarray) -> float:

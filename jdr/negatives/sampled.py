@@ -81,9 +81,9 @@ class RandomNegatives:
   """Uniform negatives from the whole corpus, without replacement within a query (Rand Neg)."""
 
   def __init__(self, corpus_ids: Sequence[str] | Mapping[str, Doc], qrels: Qrels):
-    self.corpus_ids = list(corpus_ids)
+    self.corpus_ids = id_sequence(corpus_ids)
     self.qrels = qrels
-    if not self.corpus_ids:
+    if not len(self.corpus_ids):
       raise ValueError("RandomNegatives needs a non-empty corpus")
 
   def sample_one(self, qid: str, excluded: set[str], rng: np.random.Generator, n: int) -> list[str]:
@@ -108,6 +108,16 @@ class RandomNegatives:
     _check_rows(query_ids, positives, exclude, n)
     return [self.sample_one(qid, _excluded(self.qrels, qid, pos, exclude and exclude[i]), rng, n)
             for i, (qid, pos) in enumerate(zip(query_ids, positives))]
+
+
+def id_sequence(corpus: Sequence[str] | Mapping[str, Doc]) -> Sequence[str]:
+  """The corpus's doc ids in row order, without a list of N strings where the corpus can avoid one: a
+  prepared corpus gives its memory-mapped ids (decoded when indexed), a sequence is kept as it is."""
+  if hasattr(corpus, "id_sequence"):
+    return corpus.id_sequence()
+  if isinstance(corpus, Mapping):
+    return list(corpus)
+  return corpus
 
 
 class _PoolNegatives:
@@ -156,6 +166,53 @@ class _PoolNegatives:
   def stats(self) -> dict[str, int]:
     return {"sampled_negatives": self.sampled_negatives, "fallback_negatives": self.fallback_negatives,
             "fallback_queries": self.fallback_queries}
+
+
+class RowPools(_PoolNegatives):
+  """Negatives drawn uniformly from per-query pools held as one int32 array of corpus rows [Q, n] (-1 pads),
+  row i the pool of `qids[i]` in rank order: nothing per candidate is a Python object, so 502,939 queries x
+  200 candidates cost 400 MB rather than tens of GB of lists of strings. Ids are looked up only for the
+  pools a batch samples. Queries the pools lack, or whose pool runs short, get random negatives (counted)."""
+
+  def __init__(self, rows: np.ndarray, qids: Sequence[str], qrels: Qrels, corpus_ids, name: str = "RowPools"):
+    super().__init__(qrels, RandomNegatives(corpus_ids, qrels), name)
+    rows = np.asarray(rows)
+    if rows.ndim != 2 or len(rows) != len(qids):
+      raise ValueError(f"{name}: pools must be [queries, n] rows, got shape {rows.shape} for {len(qids)} queries")
+    self.rows, self.qids = rows, list(qids)
+    self.corpus_ids = self.fallback.corpus_ids
+    self._index = {q: i for i, q in enumerate(self.qids)}
+
+  def pool(self, qid: str) -> list[str]:
+    i = self._index.get(qid)
+    if i is None:
+      return []
+    return [self.corpus_ids[int(r)] for r in self.rows[i] if r >= 0]
+
+  def rows_of(self, qids: Sequence[str]) -> np.ndarray:
+    """The pools of `qids` as rows [len(qids), n] (-1 for a query without one): the diagnostics' view."""
+    out = np.full((len(qids), self.rows.shape[1]), -1, np.int32)
+    for b, q in enumerate(qids):
+      i = self._index.get(q)
+      if i is not None:
+        out[b] = self.rows[i]
+    return out
+
+
+def drop_rows(rows: np.ndarray, excluded: np.ndarray, keep: int) -> np.ndarray:
+  """rows [Q, m] without the rows `excluded` [Q, p] names for the same query (-1 pads both), the others kept
+  in order and cut to `keep` columns: how STAR's miner takes the top 210 and keeps the first 200 that are not
+  positives (DRhard `prepare_hardneg.py`), for all queries at once."""
+  rows = np.asarray(rows)
+  out = np.full((len(rows), keep), -1, np.int32)
+  for lo in range(0, len(rows), 65536):  # bounds the [chunk, m, p] comparison
+    part, ex = rows[lo:lo + 65536], np.asarray(excluded)[lo:lo + 65536]
+    gone = (part < 0) | ((part[:, :, None] == ex[:, None, :]) & (ex[:, None, :] >= 0)).any(axis=2)
+    order = np.argsort(gone, axis=1, kind="stable")  # kept rows first, in rank order
+    picked = np.take_along_axis(part, order, axis=1)[:, :keep]
+    picked = np.where(np.take_along_axis(gone, order, axis=1)[:, :keep], -1, picked)
+    out[lo:lo + len(part), :picked.shape[1]] = picked
+  return out
 
 
 class BM25Negatives(_PoolNegatives):

@@ -88,6 +88,8 @@ def check(config: ml_collections.ConfigDict) -> None:
     if neg.retrieval_backend == "jax" and neg.index_factory.strip().lower() != "flat":
       raise ValueError(f"negatives.index_factory={neg.index_factory!r} needs retrieval_backend=faiss "
                        "(the JAX back-end is exact top-k over the flat matrix)")
+  if neg.source in ("dense_static", "ance"):
+    retrieved.mining_backend(neg.mine_backend)  # refuses an unknown name before anything is loaded
   if neg.source == "ance" and neg.refresh_every < 1:
     raise ValueError("negatives.source='ance' needs negatives.refresh_every >= 1 (steps between refreshes)")
   if neg.pair_weighting != "none" and neg.source == "retrieval":
@@ -145,39 +147,35 @@ def _sampled_source(config, data, workdir, *_) -> Negatives:
 
 
 def _dense_static(config, data, workdir, encoder, initial_params, *_) -> Negatives:
-  """STAR's static hard negatives: the starting model's own top-n, mined once and cached."""
-  neg, corpus_ids, train_qids = config.negatives, list(data.corpus), _train_qids(data)
+  """STAR's static hard negatives: the starting model's own top-n, mined once and cached, held as rows."""
+  neg, train_qids = config.negatives, _train_qids(data)
   depth = neg.top_n + neg.mine_extra
   rows = mine_rows(encoder, initial_params, train_qids, depth,
                    workdir / "cache" / _cache_name("dense_static", depth, encoder, train_qids),
-                   neg.retrieval_backend, neg.corpus_dtype)
+                   neg.mine_backend, neg.corpus_dtype)
   # STAR's prepare_hardneg.py mines the top 210 and keeps the first 200 that are not positives.
-  pools = {q: [d for d in pool if data.train_qrels.get(q, {}).get(d, 0) <= 0][:neg.top_n]
-           for q, pool in rows_to_pools(rows, train_qids, corpus_ids).items()}
-  run = {q: {d: float(-rank) for rank, d in enumerate(docs)} for q, docs in pools.items()}
-  sampler = sampled.StaticNegatives(run, data.train_qrels, top_k=neg.top_n, corpus_ids=corpus_ids)
-  return Negatives("tokens", sampler=sampler, top_n=neg.top_n,
-                   pools_in_use=lambda qids: pools_to_rows(pools, qids, corpus_ids, neg.top_n))
+  rows = sampled.drop_rows(rows, positive_rows(data, train_qids), neg.top_n)
+  sampler = sampled.RowPools(rows, train_qids, data.train_qrels, data.corpus, "dense_static")
+  return Negatives("tokens", sampler=sampler, top_n=neg.top_n, pools_in_use=sampler.rows_of)
 
 
 def _ance(config, data, workdir, encoder, initial_params, *_) -> Negatives:
   """ANCE: the model's own top-n, re-mined every `refresh_every` steps by a background re-encode."""
-  neg, corpus_ids, qid_list = config.negatives, list(data.corpus), _train_qids(data)
+  neg, qid_list = config.negatives, _train_qids(data)
 
   def mine(params, generation):
     # Runs in the refresher's worker thread, beside training (jitted calls release the GIL); on several
     # hosts on the trainer's thread (inline), so the gather of the hosts' corpus parts, a collective, is
     # issued in the same order as the step's own on every host.
-    rows = mine_rows(encoder, params, qid_list, neg.top_n, None, neg.retrieval_backend, neg.corpus_dtype)
-    return rows_to_pools(rows, qid_list, corpus_ids)
+    return mine_rows(encoder, params, qid_list, neg.top_n, None, neg.mine_backend, neg.corpus_dtype)
 
   max_wait = float("inf") if neg.refresh_max_wait_s < 0 else float(neg.refresh_max_wait_s)
   refresher = refresh.AsyncRefresher(mine, every=neg.refresh_every, delay=neg.refresh_delay,
                                      directory=workdir / "ance", max_wait_s=max_wait, log=retrieved.log,
                                      initial_params=initial_params, inline=jax.process_count() > 1)
-  sampler = RefreshedNegatives(refresher, data.train_qrels, corpus_ids, neg.top_n)
+  sampler = RefreshedNegatives(refresher, qid_list, data.train_qrels, data.corpus, neg.top_n)
   return Negatives("tokens", sampler=sampler, refresher=refresher, top_n=neg.top_n,
-                   pools_in_use=lambda qids: pools_to_rows(sampler.current_pools(), qids, corpus_ids, neg.top_n))
+                   pools_in_use=sampler.rows_of)
 
 
 def _retrieval(config, data, workdir, encoder, initial_params, mesh, step_query_encoder) -> Negatives:
@@ -215,7 +213,7 @@ def _bm25(neg, data, cache_dir):
 
 
 def _random(neg, data, cache_dir):
-  return sampled.RandomNegatives(list(data.corpus), data.train_qrels)
+  return sampled.RandomNegatives(data.corpus, data.train_qrels)
 
 
 def _bm25_random(neg, data, cache_dir):
@@ -226,7 +224,7 @@ def _bm25_random(neg, data, cache_dir):
 def _static(neg, data, cache_dir):
   if not neg.static_run:
     raise ValueError("negatives.source='static' needs negatives.static_run (a TREC run file)")
-  return sampled.StaticNegatives(neg.static_run, data.train_qrels, corpus_ids=list(data.corpus))
+  return sampled.StaticNegatives(neg.static_run, data.train_qrels, corpus_ids=data.corpus)
 
 
 # The host samplers of the fixed-pool sources: (negatives config, data, cache dir) -> NegativeSource | None.
@@ -261,18 +259,33 @@ def named(predicate: Callable[[Source], bool]) -> list[str]:
   return [name for name, source in SOURCES.items() if predicate(source)]
 
 
-class RefreshedNegatives(sampled._PoolNegatives):  # pylint: disable=protected-access
-  """ANCE: uniform negatives from the pools of the refresh generation in force at the current step."""
+class RefreshedNegatives(sampled.RowPools):
+  """ANCE: uniform negatives from the pools of the refresh generation in force at the current step: each
+  generation is rows [Q, top_n] for the training queries `qids` (the refresher's arrays, never id lists)."""
 
-  def __init__(self, refresher, qrels, corpus_ids, top_n: int):
-    super().__init__(qrels, sampled.RandomNegatives(corpus_ids, qrels), "ANCE")
+  def __init__(self, refresher, qids, qrels, corpus_ids, top_n: int):
+    super().__init__(np.full((len(qids), top_n), -1, np.int32), qids, qrels, corpus_ids, "ANCE")
     self.refresher, self.top_n, self.step = refresher, top_n, 0
 
-  def current_pools(self) -> dict:
-    return self.refresher.pools(self.step)
+  def current_rows(self) -> np.ndarray:
+    rows = self.refresher.pools(self.step)
+    if rows is None:  # nothing mined yet: every pool empty, so random negatives (counted)
+      return self.rows
+    if rows.shape != self.rows.shape:
+      raise ValueError(f"ANCE: a refresh generation holds rows of shape {rows.shape}, not {self.rows.shape} "
+                       "(training queries x negatives.top_n): its directory is another run's")
+    return rows
 
   def pool(self, qid: str) -> list[str]:
-    return self.current_pools().get(qid, [])[:self.top_n]
+    i = self._index.get(qid)
+    if i is None:
+      return []
+    return [self.corpus_ids[int(r)] for r in self.current_rows()[i] if r >= 0]
+
+  def rows_of(self, qids) -> np.ndarray:
+    current = self.current_rows()
+    return np.stack([current[self._index[q]] if q in self._index else np.full(self.top_n, -1, np.int32)
+                     for q in qids]) if len(qids) else np.zeros((0, self.top_n), np.int32)
 
   def generation(self, step: int) -> tuple[int, int]:
     """The generation in force at `step` and its first step by the schedule (the triples' order follows it)."""
@@ -280,6 +293,23 @@ class RefreshedNegatives(sampled._PoolNegatives):  # pylint: disable=protected-a
 
 
 # ------------------------------------------------------------------------------------------------ mining
+
+
+def positive_rows(data, qids: list[str]) -> np.ndarray:
+  """int32 [Q, P] corpus rows of each query's positives (relevance > 0), -1 padded: what a miner drops."""
+  positives = [[d for d, r in data.train_qrels.get(q, {}).items() if r > 0] for q in qids]
+  width = max((len(p) for p in positives), default=0)
+  flat = [d for p in positives for d in p]
+  if hasattr(data.corpus, "row_of"):
+    found = data.corpus.row_of(flat, missing=-1)
+  else:
+    row = {d: i for i, d in enumerate(data.corpus)}
+    found = np.array([row.get(d, -1) for d in flat], np.int64)
+  out, at = np.full((len(qids), max(width, 1)), -1, np.int32), 0
+  for b, p in enumerate(positives):
+    out[b, :len(p)] = found[at:at + len(p)]
+    at += len(p)
+  return out
 
 
 def corpus_embeddings(neg, encoder, params, cache: pathlib.Path, corpus_ids: list[str]) -> np.ndarray:
@@ -301,32 +331,20 @@ def corpus_embeddings(neg, encoder, params, cache: pathlib.Path, corpus_ids: lis
 
 
 def mine_rows(encoder, params, qids: list[str], n: int, path: pathlib.Path | None,
-              backend: str = "faiss", dtype: str = "auto") -> np.ndarray:
-  """[Q, n] corpus rows of each query's top n under `params` (both towers), exact inner product, searched
-  where `negatives.retrieval_backend` says (Faiss on the host or JAX on the devices).
+              backend: str = "auto", dtype: str = "auto") -> np.ndarray:
+  """int32 [Q, n] corpus rows of each query's top n under `params` (both towers), exact inner product, searched
+  where `negatives.mine_backend` says (the JAX top-k on the devices, or Faiss on the host).
 
   With `path`, the result is cached there: what the starting weights mined stays what a resumed run uses.
   """
   if path is not None and path.exists():
     return paths.load_npy(path)
   doc_emb = encoder.corpus(params, progress=path is not None)
-  rows = retrieved.exact_top_rows(doc_emb, encoder.queries(params, qids), n, backend, dtype)
+  rows, _ = retrieved.exact_top_rows(doc_emb, encoder.queries(params, qids), n, backend, dtype,
+                                     progress="mining" if path is not None else None)
   if path is not None:
     atomic.write_atomic(path, lambda f: np.save(f, rows))
   return rows
-
-
-def rows_to_pools(rows: np.ndarray, qids: list[str], corpus_ids: list[str]) -> dict[str, list[str]]:
-  return {q: [corpus_ids[r] for r in row if r >= 0] for q, row in zip(qids, rows)}
-
-
-def pools_to_rows(pools: dict, qids: list[str], corpus_ids: list[str], n: int) -> np.ndarray:
-  row_of = {d: i for i, d in enumerate(corpus_ids)}
-  out = np.full((len(qids), n), -1, np.int32)
-  for b, q in enumerate(qids):
-    picked = [row_of[d] for d in pools.get(q, [])[:n]]
-    out[b, :len(picked)] = picked
-  return out
 
 
 def _cache_name(tag: str, n: int, encoder, ids: list[str]) -> str:

@@ -1,0 +1,128 @@
+"""Dense mining as arrays: the exact top-n on either back-end against brute-force numpy, STAR's positives
+dropped from the mined rows, and the pools the samplers hold as rows."""
+
+import collections
+
+import ml_collections
+import numpy as np
+import pytest
+
+from jdr.negatives import retrieved
+from jdr.negatives import sampled
+from jdr.negatives import sources
+
+
+def brute_force(doc_emb, queries, n):
+  scores = queries.astype(np.float64) @ doc_emb.astype(np.float64).T
+  order = np.argsort(-scores, axis=1, kind="stable")[:, :n]
+  return order, np.take_along_axis(scores, order, axis=1)
+
+
+@pytest.mark.parametrize("backend", ["faiss", "jax"])
+def test_exact_top_rows_equals_brute_force(backend):
+  rng = np.random.default_rng(0)
+  doc_emb = rng.normal(size=(300, 16)).astype(np.float32)
+  queries = rng.normal(size=(37, 16)).astype(np.float32)
+  rows, scores = retrieved.exact_top_rows(doc_emb, queries, 20, backend, "float32", batch=8)
+  expected_rows, expected_scores = brute_force(doc_emb, queries, 20)
+  assert rows.dtype == np.int32 and scores.dtype == np.float32 and rows.shape == (37, 20)
+  np.testing.assert_array_equal(rows, expected_rows)
+  np.testing.assert_allclose(scores, expected_scores, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["faiss", "jax"])
+def test_exact_top_rows_pads_a_short_corpus(backend):
+  rng = np.random.default_rng(1)
+  doc_emb = rng.normal(size=(5, 8)).astype(np.float32)
+  queries = rng.normal(size=(3, 8)).astype(np.float32)
+  rows, scores = retrieved.exact_top_rows(doc_emb, queries, 7, backend, "float32")
+  np.testing.assert_array_equal(rows[:, :5], brute_force(doc_emb, queries, 5)[0])
+  assert (rows[:, 5:] == -1).all() and np.isneginf(scores[:, 5:]).all()
+
+
+def test_exact_top_rows_reads_a_memory_mapped_matrix(tmp_path):
+  """Faiss searches the map where it lies: the result is the in-memory matrix's."""
+  rng = np.random.default_rng(2)
+  doc_emb = rng.normal(size=(200, 12)).astype(np.float32)
+  np.save(tmp_path / "emb.npy", doc_emb)
+  mapped = np.load(tmp_path / "emb.npy", mmap_mode="r")
+  queries = rng.normal(size=(9, 12)).astype(np.float32)
+  np.testing.assert_array_equal(retrieved.exact_top_rows(mapped, queries, 10, "faiss")[0],
+                                brute_force(doc_emb, queries, 10)[0])
+
+
+def test_unknown_mining_backend_is_refused():
+  with pytest.raises(ValueError, match="mining backend"):
+    retrieved.mining_backend("gpu")
+  assert retrieved.mining_backend("auto") == "faiss"  # this host has no accelerator
+
+
+def test_drop_rows_keeps_rank_order_without_the_excluded():
+  rng = np.random.default_rng(3)
+  rows = np.stack([rng.permutation(50)[:30] for _ in range(40)]).astype(np.int32)
+  rows[5, 25:] = -1  # a short pool
+  excluded = np.full((40, 3), -1, np.int32)
+  for q in range(40):
+    excluded[q, :q % 4] = rng.choice(rows[q][rows[q] >= 0], size=q % 4, replace=False)
+  got = sampled.drop_rows(rows, excluded, 20)
+  for q in range(40):
+    expected = [int(r) for r in rows[q] if r >= 0 and r not in set(excluded[q][excluded[q] >= 0])][:20]
+    assert got[q].tolist() == expected + [-1] * (20 - len(expected))
+
+
+def test_row_pools_sample_from_their_rows_only():
+  corpus = [f"d{i}" for i in range(100)]
+  qrels = {"a": {"d1": 1}, "b": {"d2": 1}}
+  rows = np.array([[1, 10, 11, 12, -1], [20, 21, 22, 23, 24]], np.int32)
+  pools = sampled.RowPools(rows, ["a", "b"], qrels, corpus)
+  assert pools.pool("a") == ["d1", "d10", "d11", "d12"]
+  rng = np.random.default_rng(0)
+  seen = collections.Counter()
+  for _ in range(50):
+    negatives = pools.sample(["a", "b"], ["d1", "d2"], rng, 3)
+    assert set(negatives[0]) <= {"d10", "d11", "d12"} and len(set(negatives[0])) == 3
+    assert set(negatives[1]) <= {"d20", "d21", "d22", "d23", "d24"}
+    seen.update(negatives[1])
+  assert len(seen) == 5
+  np.testing.assert_array_equal(pools.rows_of(["b", "zzz"]), [[20, 21, 22, 23, 24], [-1] * 5])
+  # A pool one short of n is topped up with a random document, and counted.
+  pools.sample(["a"], ["d1"], rng, 4)
+  assert pools.stats()["fallback_negatives"] == 1
+
+
+class _FixedEncoder:
+  """An encoder whose vectors are given: the miner's wiring without a model."""
+
+  def __init__(self, doc_emb, query_emb, qids):
+    self.doc_emb, self.query_emb, self.qids = doc_emb, query_emb, qids
+    self.query_max_length, self.doc_max_length = 8, 8
+
+  def corpus(self, params, progress=False):
+    return self.doc_emb
+
+  def queries(self, params, qids):
+    return self.query_emb[[self.qids.index(q) for q in qids]]
+
+
+def test_dense_static_pools_are_the_top_minus_positives(tmp_path):
+  """STAR's static negatives: the top (top_n + mine_extra) of the starting towers, positives dropped, the
+  first top_n kept, as rows; what the sampler draws from and what the diagnostics compare."""
+  rng = np.random.default_rng(4)
+  corpus = {f"d{i}": None for i in range(120)}
+  qids = [f"q{i}" for i in range(15)]
+  doc_emb = rng.normal(size=(120, 8)).astype(np.float32)
+  query_emb = rng.normal(size=(15, 8)).astype(np.float32)
+  top, _ = brute_force(doc_emb, query_emb, 14)
+  # Each query's positives: two of its own top 14 and one far down the list.
+  qrels = {q: {f"d{top[i, 1]}": 1, f"d{top[i, 6]}": 1, f"d{top[i, 0] if i % 2 else 119}": 0}
+           for i, q in enumerate(qids)}
+  data = type("Data", (), {"corpus": corpus, "train_qrels": qrels, "queries": {q: q for q in qids}})()
+  config = ml_collections.ConfigDict({"negatives": {"top_n": 10, "mine_extra": 4, "mine_backend": "faiss",
+                                                    "corpus_dtype": "float32"}})
+  out = sources._dense_static(config, data, tmp_path, _FixedEncoder(doc_emb, query_emb, qids), None)
+  got = out.pools_in_use(qids)
+  for i in range(15):
+    positives = {top[i, 1], top[i, 6]}
+    expected = [int(r) for r in top[i] if r not in positives][:10]
+    assert got[i].tolist() == expected, i
+  assert list((tmp_path / "cache").glob("dense_static-top14-*.npy")), "the mined rows are cached"
