@@ -4,14 +4,22 @@
 the evaluation, the dense miners of STAR's static negatives and ADORE's index, and ANCE's refresh all
 encode through it (and through `jdr.corpus` underneath), so there is one encode path.
 
-`Evaluator` retrieves for the evaluation queries and scores the run. When the document tower does not
-train (ADORE / LTRe), the corpus is encoded once and the fixed index is reused at every evaluation.
+`Evaluator` scores the evaluation queries' rankings, and each evaluation says which kind it is:
+  full corpus   every document encoded (in shards kept in the workdir until the evaluation ends, so a killed
+                one resumes where it stopped), indexed and searched; the default at the end of training
+  candidates    each query's BM25 top-k, or a run file's, re-ranked by the model: only the distinct candidates
+                are encoded (`jdr.eval_candidates`), so the cost follows the queries scored, not the corpus
+When the document tower does not train (ADORE / LTRe), the corpus (or the candidates) is encoded once and
+reused at every evaluation.
 """
 
 from __future__ import annotations
 
+import os
+import pathlib
+import shutil
 import sys
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import ml_collections
@@ -20,16 +28,22 @@ import tqdm
 
 from jdr import corpus as corpus_lib
 from jdr import corpus_cache
+from jdr import eval_candidates
 from jdr import index as index_lib
 from jdr import metrics as metrics_lib
 from jdr import parallel
 from jdr import reranking
 from jdr.data import formats
+from jdr.data import prepared
 from jdr.data import text as text_lib
 from jdr.models import towers
 from jdr.models.towers import TwoTower
 from jdr.negatives import retrieved
 from jdr.negatives import sampled
+
+
+# Documents a shard of a resumable full-corpus encoding: a killed evaluation redoes at most this many.
+SHARD_DOCS = 10_000
 
 
 class TowerEncoder:
@@ -87,17 +101,23 @@ class TowerEncoder:
           self.doc_max_length)
     return self._doc_tokens
 
-  def corpus(self, params, progress: bool = False) -> np.ndarray:
-    """float32 [N, D], rows in `self.doc_ids` order, on every host."""
+  def corpus(self, params, progress: bool = False, shards_dir: str | os.PathLike | None = None) -> np.ndarray:
+    """float32 [N, D], rows in `self.doc_ids` order, on every host.
+
+    With `shards_dir` (one host) the corpus is encoded a shard at a time into a folder of it named for
+    everything that made the vectors (`_encode_in_shards`), and a call that finds shards there, left by one
+    killed midway, encodes only the rest."""
+    encode = (lambda: self._encode_corpus(params, progress)) if shards_dir is None or self.hosts > 1 else (
+        lambda: self._encode_in_shards(params, pathlib.Path(os.fspath(shards_dir))))
     if self.cache is None:
-      return self._encode_corpus(params, progress)
+      return encode()
     name = corpus_cache.entry_name(
         doc_weights=corpus_cache.weights_digest(corpus_cache.doc_side(params)), tower=repr(self._model.doc),
         tokens=self._doc_tokens_digest(),
         batching=f"{self.doc_max_length} {self.tokens_per_batch} {self.rows_multiple}")
     emb = self.cache.get(name)
     if emb is None:
-      emb = self._encode_corpus(params, progress)
+      emb = encode()
       self.cache.put(name, emb)
     else:
       print(f"corpus vectors of this document side read from {self.cache.folder}/{name}.npy", file=sys.stderr)
@@ -107,6 +127,37 @@ class TowerEncoder:
     if self._tokens_digest is None:
       self._tokens_digest = corpus_cache.tokens_digest(self.doc_tokens)
     return self._tokens_digest
+
+  def _encode_in_shards(self, params, root: pathlib.Path) -> np.ndarray:
+    """`jdr.corpus.encode_corpus` into root/NAME (resumable by shard), read back whole. NAME digests the
+    document side's weights and settings, the corpus and the batching, so shards of other weights are never
+    mixed in: they are an earlier evaluation's, killed before it ended, and are removed."""
+    corpus = self.data.corpus
+    if isinstance(corpus, prepared.PreparedCorpus) and prepared.tokenizer_fingerprint(self.tokenizer):
+      # The prepared corpus's key names its file; its token ids are the tokenizer's (nothing read per document).
+      tokens = f"{corpus.manifest['key']} {prepared.tokenizer_fingerprint(self.tokenizer)}"
+    else:
+      tokens = self._doc_tokens_digest()
+    name = corpus_cache.entry_name(
+        doc_weights=corpus_cache.weights_digest(corpus_cache.doc_side(params)), tower=repr(self._model.doc),
+        tokens=tokens, batching=f"{self.doc_max_length} {self.tokens_per_batch} {self.rows_multiple} "
+                                f"{SHARD_DOCS}")
+    if root.is_dir():
+      for stale in root.iterdir():
+        if stale.name != name:
+          shutil.rmtree(stale, ignore_errors=True)
+    runtime = corpus_lib.EncoderRuntime(self.encode_doc, self._serving(params), self.tokenizer, self.doc_max_length,
+                                        {}, rows_multiple=self.rows_multiple)
+    corpus_lib.encode_corpus(runtime, corpus, root / name, shard_size=SHARD_DOCS,
+                             tokens_per_batch=self.tokens_per_batch, settings={"entry": name})
+    emb, _, _ = corpus_lib.load_embeddings(root / name)
+    return emb
+
+  def documents(self, params, token_ids: Sequence[np.ndarray]) -> np.ndarray:
+    """float32 [n, D]: the document tower's vectors of already tokenized documents (evaluation candidates)."""
+    runtime = corpus_lib.EncoderRuntime(self.encode_doc, self._serving(params), self.tokenizer, self.doc_max_length,
+                                        {}, rows_multiple=self.rows_multiple)
+    return corpus_lib.encode_tokens(runtime, token_ids, tokens_per_batch=self.tokens_per_batch)
 
   def _encode_corpus(self, params, progress: bool) -> np.ndarray:
     if self.hosts == 1:
@@ -245,7 +296,7 @@ class TrainingDiagnostics:
     if not self.qids:
       return {}
     n = min(self.n, len(doc_emb))
-    rows = retrieved.exact_top_rows(doc_emb, self.encoder.queries(params, self.qids), n)
+    rows, _ = retrieved.exact_top_rows(doc_emb, self.encoder.queries(params, self.qids), n)
     out = {f"overlap_bm25@{n}": retrieved.overlap(rows, self.bm25_rows()[:, :n])}
     if self.negatives is not None and self.negatives.pools_in_use is not None:
       out[f"overlap_negatives@{n}"] = retrieved.overlap(rows, self.negatives.pools_in_use(self.qids)[:, :n])
