@@ -22,6 +22,7 @@ Row padding (to a multiple of devices x block_rows) carries a -inf bias, so a pa
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -102,37 +103,66 @@ def padded_size(num_docs: int, devices: int, block_rows: int) -> int:
   return max(unit, -(-num_docs // unit) * unit)
 
 
+PUT_CHUNK_BYTES = 256 << 20  # host memory a placement holds at once, whatever the corpus size
+
+
 def put_corpus(matrix: np.ndarray, mesh, dtype: str = "auto",
                block_rows: int = DEFAULT_BLOCK_ROWS) -> ShardedCorpus:
   """Places a host [N, D] matrix on the mesh, each device copying only its own rows (so every host of a
-  multi-host job may pass the same full matrix). Rows are padded to a multiple of devices x block_rows."""
+  multi-host job may pass the same full matrix). Rows are padded to a multiple of devices x block_rows.
+
+  The host side holds one chunk of rows at a time (`PUT_CHUNK_BYTES`, converted to the storage dtype there),
+  never a device's whole shard: at MS MARCO's size a shard is gigabytes, and `matrix` is typically a
+  memory-mapped encoding that should stay on disk. Each device's rows are filled in place (a donated update
+  of a zero buffer), so the device holds one copy too."""
   dtype = resolve_dtype(dtype, mesh.devices.flat[0].platform)
   if block_rows < 1:
     raise ValueError(f"block_rows must be positive, got {block_rows}")
-  matrix = np.asarray(matrix)
   n, dim = matrix.shape
   padded = padded_size(n, int(mesh.devices.size), block_rows)
   rows_sharding, bias_sharding = row_shardings(mesh)
+  chunk = max(1, PUT_CHUNK_BYTES // max(1, 4 * dim))
 
-  def rows_of(source, store_dtype, width):
-    def block(index):
+  def placed(convert, store_dtype, width):
+    """A [padded, width] array sharded as rows_sharding, row r = convert(matrix[r]) (zeros past n)."""
+    shape = (padded, width)
+    shards = []
+    for device, index in rows_sharding.addressable_devices_indices_map(shape).items():
       start = index[0].start or 0
       stop = padded if index[0].stop is None else index[0].stop
-      part = np.zeros((stop - start, width), store_dtype)
-      real = source[start:min(stop, n)]
-      part[:len(real)] = np.asarray(real).astype(store_dtype)
-      return part
-    return jax.make_array_from_callback((padded, width), rows_sharding, block)
+      buffer = _zeros((stop - start, width), store_dtype, device)
+      for lo in range(start, min(stop, n), chunk):
+        hi = min(stop, n, lo + chunk)
+        part = jax.device_put(convert(np.asarray(matrix[lo:hi], np.float32)).astype(store_dtype), device)
+        buffer = _fill(buffer, part, lo - start)
+      shards.append(buffer)
+    return jax.make_array_from_single_device_arrays(shape, rows_sharding, shards)
 
-  if dtype == "int8":
-    values, scale = quantize_int8(matrix)
-    rows = QuantizedRows(rows_of(values, np.int8, dim), rows_of(scale, np.float32, 1))
+  if dtype == "int8":  # one scale per row: quantizing a chunk is quantizing its rows
+    rows = QuantizedRows(placed(lambda x: quantize_int8(x)[0], np.int8, dim),
+                         placed(lambda x: quantize_int8(x)[1], np.float32, 1))
   else:
     store = jnp.bfloat16 if dtype == "bfloat16" else np.float32
-    rows = rows_of(matrix, store, dim)
+    rows = placed(lambda x: x, store, dim)
   bias = np.where(np.arange(padded) < n, 0.0, -np.inf).astype(np.float32)
   device_bias = jax.make_array_from_callback(bias.shape, bias_sharding, lambda index: bias[index])
   return ShardedCorpus(rows, device_bias, n, dtype, block_rows)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _zeros_jit(shape, dtype, device_name):  # pylint: disable=unused-argument  (one cache entry a device)
+  return jnp.zeros(shape, dtype)
+
+
+def _zeros(shape, dtype, device) -> jax.Array:
+  """Zeros made on the device itself: a host-side zeros array would be the shard-sized copy avoided here."""
+  with jax.default_device(device):
+    return _zeros_jit(tuple(shape), jnp.dtype(dtype), str(device))
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _fill(buffer: jax.Array, part: jax.Array, at) -> jax.Array:
+  return jax.lax.dynamic_update_slice(buffer, part, (at, 0))
 
 
 def abstract_corpus(num_docs: int, dim: int, mesh, dtype: str = "auto",

@@ -44,6 +44,7 @@ _CHECK = textwrap.dedent("""
     sys.path.insert(0, sys.argv[2])
     from jdr import topk
     from test_topk import CASES, tied_data
+    topk.PUT_CHUNK_BYTES = 4 * 8 * 37  # 37 rows a chunk: every shard filled in several pieces
     out = {"devices": jax.device_count(), "cases": []}
     meshes = [jax.make_mesh((jax.device_count(),), ("docs",))]
     if jax.device_count() == 8:
@@ -136,3 +137,20 @@ def test_abstract_corpus_is_what_put_corpus_places(dtype):
   rows, bias = topk.abstract_corpus(300, 8, mesh, dtype, block_rows=64)
   describe = lambda tree: jax.tree.map(lambda a: (a.shape, a.dtype, a.sharding), tree)  # noqa: E731
   assert describe((rows, bias)) == describe((placed.rows, placed.bias))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_placing_in_chunks_stores_every_row(monkeypatch, dtype):
+  """A corpus placed a few rows at a time holds exactly the rows placed whole: the values stored (as the
+  dtype rounds them), zeros in the padding, from a memory-mapped matrix as from an array."""
+  rng = np.random.default_rng(5)
+  docs = rng.normal(size=(301, 8)).astype(np.float32)
+  mesh = jax.make_mesh((1,), ("docs",))
+  whole = topk.put_corpus(docs, mesh, dtype, block_rows=16)
+  monkeypatch.setattr(topk, "PUT_CHUNK_BYTES", 4 * 8 * 10)
+  chunked = topk.put_corpus(docs, mesh, dtype, block_rows=16)
+  for a, b in zip(jax.tree.leaves(whole.rows), jax.tree.leaves(chunked.rows)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  stored = np.asarray(topk.dequantize(chunked.rows))
+  np.testing.assert_allclose(stored[:301], docs, atol={"float32": 0, "bfloat16": 0.02, "int8": 0.03}[dtype])
+  assert not stored[301:].any() and chunked.padded_rows == 304
