@@ -186,7 +186,11 @@ def score_corpus(spec: Spec, params, batch, rngs, corpus, bias):
     rows = batch["cand_rows"]
   # One rule for both paths, so host Faiss and in-step retrieval build the same candidate list.
   rows, labels, retrieved_labels = retrieved.candidates(rows, batch["positive_rows"], spec.missing_positive)
-  docs = retrieved.gather_rows(corpus, rows, spec.mesh)
+  if "cand_vectors" in batch:  # host retrieval: the matrix stays on the host, the batch brings the vectors
+    docs = retrieved.vectors_of(rows, batch["cand_rows"], batch["cand_vectors"], batch["positive_rows"],
+                                batch["positive_vectors"])
+  else:
+    docs = retrieved.gather_rows(corpus, rows, spec.mesh)
   scores = jnp.einsum("bd,bnd->bn", q, docs)
   aux = retrieved.retrieval_diagnostics(retrieved_labels, batch["positive_rows"])
   return contrastive(spec, scores, {"labels": labels, "valid": rows >= 0}, labels > 0, aux)

@@ -126,3 +126,40 @@ def test_dense_static_pools_are_the_top_minus_positives(tmp_path):
     expected = [int(r) for r in top[i] if r not in positives][:10]
     assert got[i].tolist() == expected, i
   assert list((tmp_path / "cache").glob("dense_static-top14-*.npy")), "the mined rows are cached"
+
+
+@pytest.mark.parametrize("rule", ["append", "replace_last"])
+def test_host_vectors_serve_every_missing_positive_rule(rule):
+  """The step's candidates' vectors from the batch (host retrieval) equal a lookup in the whole matrix."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(6)
+  matrix = rng.normal(size=(60, 4)).astype(np.float32)
+  cand_rows = np.stack([rng.permutation(60)[:8] for _ in range(5)]).astype(np.int32)
+  positive_rows = np.full((5, 3), -1, np.int32)
+  positive_rows[:, 0] = rng.integers(0, 60, size=5)
+  positive_rows[1, 1] = cand_rows[1, 3]  # a retrieved positive
+  positive_rows[2, :2] = cand_rows[2, :2]
+  vectors = retrieved.HostVectors(matrix=matrix)
+  rows, _, _ = retrieved.candidates(jnp.asarray(cand_rows), jnp.asarray(positive_rows), rule)
+  got = retrieved.vectors_of(rows, jnp.asarray(cand_rows), jnp.asarray(vectors(cand_rows)),
+                             jnp.asarray(positive_rows), jnp.asarray(vectors(positive_rows)))
+  rows = np.asarray(rows)
+  expected = np.where((rows >= 0)[..., None], matrix[np.maximum(rows, 0)], 0.0)
+  np.testing.assert_array_equal(np.asarray(got), expected)
+
+
+def test_compressed_host_index_decodes_what_it_searches():
+  """A compressed index keeps codes, not a decoded matrix: the vectors it hands out are its reconstruction
+  (sa_decode of sa_encode), and its search finds the rows faiss's own index finds."""
+  rng = np.random.default_rng(7)
+  emb = rng.normal(size=(3000, 16)).astype(np.float32)
+  index = retrieved.HostIndex(emb, "OPQ4,IVF1,PQ4", seed=0, train_size=2000)
+  assert index.vectors.matrix is None and index.vectors.codes.shape == (3000, index.vectors.codes.shape[1])
+  rows = rng.integers(-1, 3000, size=(4, 6))
+  got = index.vectors(rows)
+  assert not got[rows < 0].any()
+  retriever, decoded = retrieved.reconstruct(emb, "OPQ4,IVF1,PQ4", train_size=2000)
+  np.testing.assert_allclose(got[rows >= 0], decoded[rows[rows >= 0]], rtol=1e-6, atol=1e-6)
+  queries = rng.normal(size=(5, 16)).astype(np.float32)
+  _, ids = retriever.search(queries, 10)
+  np.testing.assert_array_equal(index.search(queries, 10), np.array(ids, dtype=np.int64))

@@ -19,13 +19,16 @@ and the candidates, in one of three forms (`Negatives.candidates` names it; jdr/
   pretraining (data.kind="pretrain", jdr/data/pretrain_batches.py) is the tokens form with C = B: doc b is
   row b's (ICT / BFS / WLP) document, and valid is False only on other columns holding the same document.
 
-  corpus (candidates are rows of a fixed corpus matrix held on the devices; ADORE / LTRe):
+  corpus (candidates are rows of a fixed corpus matrix, on the devices or the host; ADORE / LTRe):
     positive_rows         int32 [B, P]    the query's relevant corpus rows, its batch positive first, -1 padded
     query_index           int32 [B]       row of the query in the sorted training queries
     cand_rows             int32 [B, n]    optional: retrieved top-n rows (host retrieval); absent = the step
                                           retrieves them itself (JAX back-end). The step then applies the
                                           `negatives.missing_positive` rule (positives appended: n + P
                                           columns; or the last replaced: n) and builds labels and valid.
+    cand_vectors          float32 [B, n, D]  with host retrieval: the vectors of cand_rows, and
+    positive_vectors      float32 [B, P, D]  those of positive_rows (the matrix then stays on the host and
+                                          the step reads the candidates' vectors from the batch)
 
   pairs (a cross-encoder, model.architecture=cross_encoder: no query tower, each query joined with each of
   its own candidates; `jdr.data.text.pair_tokens` builds [CLS] q [SEP] d [SEP]):

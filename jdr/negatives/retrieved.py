@@ -15,12 +15,16 @@ Where the retrieval runs is a config value (`negatives.retrieval_backend`):
          any Faiss index (flat, or OPQ+PQ), and hands the ids to the step as the batch field `cand_rows`;
   jax    inside the jitted step: `sharded_top_k` (`jdr.topk`) over the corpus matrix sharded by rows
          across the mesh, each device searching its own rows.
-Either way the step then runs the same code: `candidates` (the missing-positive rule), `gather_rows`,
-scores, loss.
+Either way the step then runs the same code: `candidates` (the missing-positive rule), the candidates'
+vectors, scores, loss.
 
-With a compressed index the corpus matrix the step scores against is the index's own reconstruction of the
-documents (faiss sa_encode then sa_decode), so the query tower learns the index it will be served with
-(LTRe Table 4).
+One copy of the corpus matrix: with faiss the matrix stays on the host (the encoding, memory-mapped) and
+nothing goes to the devices: Flat retrieval is `faiss.knn` over it in place, and `HostVectors` hands the step
+the batch's candidates' vectors (`cand_vectors`, `positive_vectors`). With jax the matrix lives on the devices
+(`put_corpus`) and the host keeps only the map. With a compressed index the vectors the step scores against
+are the index's own reconstruction of the documents (faiss sa_decode of their codes, decoded per batch from
+the N x code-size codes), so the query tower learns the index it will be served with (LTRe Table 4), and no
+decoded N x D matrix is ever held.
 
 Row -1 marks "no document" (padding) everywhere.
 """
@@ -155,37 +159,121 @@ def retrieval_diagnostics(retrieved_labels: jax.Array, positive_rows: jax.Array)
 # ------------------------------------------------------------------------------------------------ on the host
 
 
-def reconstruct(embeddings: np.ndarray, factory: str, *, seed: int = 0, train_size: int = 100_000):
-  """(A Faiss retriever over the embeddings, the index's own reconstruction of every document [N, D]).
+def is_flat(factory: str) -> bool:
+  return factory.strip().lower() == "flat"
 
-  For "Flat" the reconstruction is the embeddings themselves; for a compressed index it is what the index
-  stores (sa_encode then sa_decode), which is what its scores are computed from.
-  """
+
+class HostVectors:
+  """float32 vectors of corpus rows, read on the host a batch at a time (zeros for row -1): the stored matrix
+  itself (memory-mapped, not copied), or a compressed index's reconstruction decoded from its codes."""
+
+  def __init__(self, matrix: np.ndarray | None = None, codes: np.ndarray | None = None, decode=None,
+               dim: int | None = None):
+    self.matrix, self.codes, self.decode = matrix, codes, decode
+    self.dim = matrix.shape[1] if matrix is not None else dim
+
+  def __call__(self, rows: np.ndarray) -> np.ndarray:
+    rows = np.asarray(rows)
+    flat = rows.reshape(-1)
+    out = np.zeros((len(flat), self.dim), np.float32)
+    real = flat >= 0
+    picked = flat[real]
+    if len(picked):
+      # Sorted reads are sequential on a memory-mapped file; the order is restored after.
+      order = np.argsort(picked, kind="stable")
+      found = (self.matrix[picked[order]] if self.matrix is not None
+               else self.decode(np.ascontiguousarray(self.codes[picked[order]])))
+      values = np.empty((len(picked), self.dim), np.float32)
+      values[order] = found
+      out[real] = values
+    return out.reshape(*rows.shape, self.dim)
+
+
+class HostIndex:
+  """The fixed index on the host: `search(queries, n)` -> rows [Q, n], `vectors` the candidates' vectors.
+
+  Flat: exact inner product by `faiss.knn` over the embeddings where they lie (no index copy). Compressed
+  (e.g. OPQ48,IVF1,PQ48): a Faiss index of that factory, and its codes of every document kept beside it for
+  the vectors (N x code size bytes: 48 a document for PQ48)."""
+
+  def __init__(self, embeddings: np.ndarray, factory: str, *, seed: int = 0, train_size: int = 100_000):
+    self.factory, self.num_docs = factory, len(embeddings)
+    if is_flat(factory):
+      self.matrix, self.retriever = embeddings, None
+      self.vectors = HostVectors(matrix=embeddings)
+      return
+    from jdr import index as index_lib  # pylint: disable=g-import-not-at-top
+    self.matrix = None
+    self.retriever = index_lib.FaissRetriever(embeddings.shape[1], factory=factory, train_size=train_size,
+                                              seed=seed, use_gpu="auto")
+    sample = embeddings
+    if len(embeddings) > train_size:  # the sample FaissRetriever.add trains on
+      sample = embeddings[np.sort(np.random.default_rng(seed).choice(len(embeddings), train_size, replace=False))]
+    self.retriever.train(sample)
+    # The Faiss index itself, added to and searched by row: the retriever's string ids are N Python objects.
+    self._index = self.retriever._index  # pylint: disable=protected-access
+    cpu = self.retriever._cpu  # pylint: disable=protected-access  (the trained CPU index holds the codecs)
+    codes = []
+    for start in range(0, len(embeddings), 65536):
+      block = np.ascontiguousarray(embeddings[start:start + 65536], np.float32)
+      codes.append(cpu.sa_encode(block))
+      self._index.add(block)
+    self.vectors = HostVectors(codes=np.concatenate(codes), decode=cpu.sa_decode, dim=embeddings.shape[1])
+
+  def search(self, queries: np.ndarray, n: int) -> np.ndarray:
+    """int32 rows [Q, n] of each query's top n, -1 where the index finds fewer."""
+    if self.retriever is None:
+      return exact_top_rows(self.matrix, queries, n, "faiss")[0]
+    queries = np.ascontiguousarray(queries, np.float32)
+    rows = np.full((len(queries), n), -1, np.int32)
+    k = min(n, self.num_docs)
+    for start in range(0, len(queries), 1024):
+      _, found = self._index.search(queries[start:start + 1024], k)
+      rows[start:start + len(found), :k] = found
+    return rows
+
+
+def reconstruct(embeddings: np.ndarray, factory: str, *, seed: int = 0, train_size: int = 100_000):
+  """(A Faiss retriever over the embeddings, the index's own reconstruction of every document [N, D]): the
+  whole decoded matrix, for the benchmarks that compare against it; training uses `HostIndex`."""
   from jdr import index as index_lib  # pylint: disable=g-import-not-at-top
-  retriever = index_lib.FaissRetriever(embeddings.shape[1], factory=factory, train_size=train_size,
-                                       seed=seed, use_gpu="auto")
-  ids = [str(i) for i in range(len(embeddings))]
-  retriever.add(embeddings, ids)
-  if factory.strip().lower() == "flat":
+  retriever = index_lib.FaissRetriever(embeddings.shape[1], factory=factory, train_size=train_size, seed=seed,
+                                       use_gpu="auto")
+  retriever.add(embeddings, [str(i) for i in range(len(embeddings))])
+  if is_flat(factory):
     return retriever, np.asarray(embeddings, np.float32)
-  cpu = retriever._cpu  # pylint: disable=protected-access  (the trained CPU index holds the codecs)
-  vectors = np.ascontiguousarray(embeddings, np.float32)
-  decoded = np.empty_like(vectors)
-  for start in range(0, len(vectors), 65536):
-    block = vectors[start:start + 65536]
-    decoded[start:start + len(block)] = cpu.sa_decode(cpu.sa_encode(block))
-  return retriever, decoded
+  return retriever, HostIndex(embeddings, factory, seed=seed, train_size=train_size).vectors(
+      np.arange(len(embeddings)))
+
+
+def vectors_of(rows: jax.Array, cand_rows: jax.Array, cand_vectors: jax.Array, positive_rows: jax.Array,
+               positive_vectors: jax.Array) -> jax.Array:
+  """float32 [B, m, D] vectors of the candidate rows [B, m] the missing-positive rule made, from the vectors
+  the host gave with the batch (the retrieved rows' and the positives'): each row's vector is that of the
+  same row among them, zeros for -1, so every rule's list is served without the corpus on the devices."""
+  pool_rows = jnp.concatenate([cand_rows, positive_rows], axis=1)
+  pool = jnp.concatenate([cand_vectors, positive_vectors], axis=1)
+  match = (rows[:, :, None] == pool_rows[:, None, :]) & (rows[:, :, None] >= 0)
+  picked = jnp.take_along_axis(pool, jnp.argmax(match, axis=2)[:, :, None], axis=1)
+  return jnp.where(jnp.any(match, axis=2)[:, :, None], picked, 0.0)
+
+
+def with_vectors(batch: dict, rows: np.ndarray, vectors: HostVectors) -> dict:
+  """The batch with `cand_rows` and the vectors the step scores: the candidates' and the positives'."""
+  return {**batch, "cand_rows": rows, "cand_vectors": vectors(rows),
+          "positive_vectors": vectors(batch["positive_rows"])}
 
 
 class HostRetrieval:
-  """Faiss retrieval between steps: adds `cand_rows` [B, n] to a batch, from the current query tower.
+  """Faiss retrieval between steps: adds `cand_rows` [B, n] to a batch, from the current query tower, and
+  the vectors of the candidates and positives (`with_vectors`).
 
   `encode_queries(state, query_ids, query_mask)` must produce exactly the query vectors the step
   will compute (same params, same dropout rng), so the ranking searched is the ranking the loss sees.
   """
 
-  def __init__(self, retriever, top_n: int, encode_queries: Callable, mesh):
-    self.retriever, self.top_n, self.encode_queries, self.mesh = retriever, top_n, encode_queries, mesh
+  def __init__(self, index: HostIndex, top_n: int, encode_queries: Callable, mesh):
+    self.index, self.top_n, self.encode_queries, self.mesh = index, top_n, encode_queries, mesh
     self.seconds = 0.0
 
   def __call__(self, batch: dict[str, np.ndarray], state) -> dict[str, np.ndarray]:
@@ -195,9 +283,10 @@ class HostRetrieval:
     start = time.perf_counter()
     q = np.asarray(jax.device_get(self.encode_queries(state, batch["query_ids"], batch["query_mask"])),
                    np.float32)
-    rows = top_rows(self.retriever, q, self.top_n)
+    rows = self.index.search(q, self.top_n)
+    out = with_vectors(batch, rows, self.index.vectors)
     self.seconds += time.perf_counter() - start
-    return {**batch, "cand_rows": rows}
+    return out
 
 
 def top_rows(retriever, queries: np.ndarray, n: int) -> np.ndarray:
