@@ -13,7 +13,8 @@ from jdr.data import shared as shared_lib
 from jdr.defaults import get_config  # noqa: F401
 
 BEIR = "corpus.jsonl, queries.jsonl, qrels/train.tsv, qrels/dev.tsv"
-MSMARCO_PASSAGE = ("data/msmarco-passage", f"MS MARCO passage ranking, BEIR layout: {BEIR}")
+MSMARCO_PASSAGE = ("data/msmarco-passage", f"MS MARCO passage ranking, BEIR layout ({BEIR}) or MS MARCO's own "
+                   "files (collection.tsv, queries.train.tsv, qrels.train.tsv, ...; then data.eval_split=dev.small)")
 MSMARCO_DOC = ("data/msmarco-doc", f"MS MARCO document ranking, BEIR layout: {BEIR}")
 REQA_SQUAD = ("data/reqa-squad", "ReQA SQuAD, BEIR layout: corpus.jsonl of sentences with their paragraph, "
               "queries.jsonl, qrels/train.tsv and qrels/test.tsv of a question split")

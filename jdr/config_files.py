@@ -27,10 +27,12 @@ class ConfigError(ValueError):
 
 
 # What each input key holds, for the refusal when a recipe leaves data.description / model.description empty.
-DATASET = "a BEIR-layout directory: corpus.jsonl, queries.jsonl, qrels/SPLIT.tsv"
+DATASET = ("a BEIR directory (corpus.jsonl, queries.jsonl, qrels/SPLIT.tsv) or MS MARCO's own files (collection.tsv, "
+           "queries.SPLIT.tsv, qrels.SPLIT.tsv)")
 ARTICLES = "a MediaWiki XML dump: .xml, .xml.bz2 or .xml.gz"
 MODEL = "a Hugging Face model directory, a jdr workdir or export, or minilm"
 TEACHER = "a cross-encoder: configs/cross_encoder.py's workdir or export, or a Hugging Face directory"
+TRIPLES = "MS MARCO's triples.train.small.tsv: query, positive and negative passage texts a line"
 
 
 def not_found(key: str, value: str, what: str, kind: str = "directory") -> str:
@@ -65,6 +67,15 @@ def check_inputs(config: ml_collections.ConfigDict) -> None:
   teacher = config.distill.teacher
   if teacher not in ("", "minilm") and not paths.as_path(teacher).exists():
     raise ConfigError(not_found("distill.teacher", teacher, TEACHER))
+  neg = config.negatives
+  if neg.triples_file and neg.source != "triples":
+    raise ConfigError(f"negatives.triples_file={neg.triples_file} is read by negatives.source=triples only; "
+                      f"negatives.source is {neg.source!r}")
+  if neg.source == "triples" and data.kind == "pairs":
+    triples = neg.triples_file or ("" if data.dataset == "builtin" else
+                                   str(paths.as_path(data.dataset) / "triples.train.small.tsv"))
+    if not triples or not paths.as_path(triples).is_file():
+      raise ConfigError(not_found("negatives.triples_file", triples, TRIPLES, kind="file"))
 
 
 def load_config_file(spec: str) -> ml_collections.ConfigDict:

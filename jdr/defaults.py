@@ -17,12 +17,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # --- data ---
   c.data = ml_collections.ConfigDict()
   c.data.kind = "pairs"  # "pairs" (supervised qrels) | "pretrain" (ICT / BFS / WLP pairs from articles)
+  # A BEIR directory (corpus.jsonl, queries.jsonl, qrels/SPLIT.tsv) or MS MARCO's own files (collection.tsv,
+  # queries.SPLIT.tsv, qrels.SPLIT.tsv: split dev.small reads qrels.dev.small.tsv; jdr/data/msmarco.py)
   c.data.dataset = "builtin"  # "builtin" (stdlib docstrings) or a BEIR / MS MARCO directory
-  c.data.description = ""  # what the recipe's data is, said when it is missing ("" = any BEIR-layout directory)
+  c.data.description = ""  # what the recipe's data is, said when it is missing ("" = any dataset directory)
   c.data.source = "files"  # "files" (read the directory) or "tfds" (the jdr TFDS builder's array_record)
   c.data.tfds_data_dir = ""  # where TFDS keeps prepared data ("" = WORKDIR/tfds)
-  c.data.train_split = "train"  # qrels/SPLIT.tsv of the training pairs
-  c.data.eval_split = "test"  # qrels/SPLIT.tsv evaluated before, during and after training ("" = none)
+  c.data.train_split = "train"  # qrels/SPLIT.tsv (MS MARCO: qrels.SPLIT.tsv) of the training pairs
+  c.data.eval_split = "test"  # the qrels evaluated before, during and after training ("" = none)
   c.data.train_fraction = 1.0  # < 1 trains on a fixed subset of the training queries (by a hash of the id)
   c.data.query_max_length = 32  # training tokens per query (an export serves longer ones)
   c.data.doc_max_length = 128  # training tokens per document (a cross-encoder: per pair)
@@ -60,12 +62,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   # --- negatives and loss: together they are the method ---
   c.negatives = ml_collections.ConfigDict()
-  c.negatives.source = "none"  # none | random | bm25 | bm25_random | static | dense_static | ance | retrieval
+  c.negatives.source = "none"  # none | random | bm25 | bm25_random | static | triples | dense_static | ance | retrieval
   c.negatives.per_query = 0  # sampled negatives per query
   c.negatives.in_batch = True  # other queries' documents in the batch are negatives too
   c.negatives.hardest_in_batch = False  # NCE Neg: keep only the highest-scored negative per query
   c.negatives.bm25_top_k = 100  # BM25 pool the hard negatives are drawn from (ANCE / DPR: top 100)
   c.negatives.static_run = ""  # TREC run of a warm-up model (static source)
+  # triples: each query's negatives from its lines of MS MARCO's triples.train.small.tsv (query, positive and
+  # negative passage texts), mapped to rows once and cached beside the prepared corpus (jdr/data/triples.py)
+  c.negatives.triples_file = ""  # triples source: the file ("" = data.dataset's triples.train.small.tsv)
+  c.negatives.triples_skip_invalid = False  # triples source: count and skip unmatched or bad lines, not stop
   c.negatives.top_n = 200  # pool / retrieval depth of dense_static, ance and retrieval (the papers' 200)
   # How pairwise losses weigh a token batch's pairs: none (each query's mean, then the mean over queries) |
   # batch_mean (one mean over every pair of the batch: STAR's code) | alpha (STAR's Eq. 13, random_weight below)

@@ -2,9 +2,11 @@
 
   python -m jdr.bench scale --passages 100000 [--out runs/bench-scale] [--seed 0] [--stages load,bm25_mine,...]
                             [--stage-timeout 7200] [--dense-backend auto|faiss|jax] [--cache DIR] [--keep-work]
-                            [--config.KEY=VALUE ...]
+                            [--layout beir|msmarco] [--config.KEY=VALUE ...]
 
-The data is jdr.data.synthetic's (generated under --out the first time, reused for the same passages and seed).
+The data is jdr.data.synthetic's (generated under --out the first time, reused for the same passages and seed), in
+BEIR's layout or, with --layout msmarco, MS MARCO's own files (collection.tsv, queries and qrels TSVs; evaluated
+on dev.small).
 The model is the full in-batch recipe (configs/inbatch.py) with fresh `tiny` towers (model.init_from="",
 model.fresh=tiny): two layers 64 wide, so the model's compute does not hide the data stages, under the recipe's
 768-wide output head, so the vectors take the room a RoBERTa-base run's take. `--config.KEY=VALUE` changes the
@@ -81,6 +83,7 @@ class Context:
   overrides: list[str]
   dense_backend: str = "auto"
   cache: str = ""  # JDR_CACHE of every stage: where a corpus prepared by one stage is found by the next
+  layout: str = "beir"  # the dataset's files: "beir" or "msmarco" (jdr.data.synthetic's layouts)
 
   def path(self, name: str) -> pathlib.Path:
     return pathlib.Path(self.work) / name
@@ -128,7 +131,8 @@ class _Marks:
 
 def _overrides(ctx: Context, *stage: str) -> list[str]:
   """The recipe's changes: the data and the fresh model, then the user's, then what the stage itself needs."""
-  return [f"data.dataset={ctx.data}", "model.init_from=", "model.fresh=tiny", *ctx.overrides, *stage]
+  split = ["data.eval_split=dev.small"] if ctx.layout == "msmarco" else []  # MS MARCO's name for the dev queries
+  return [f"data.dataset={ctx.data}", *split, "model.init_from=", "model.fresh=tiny", *ctx.overrides, *stage]
 
 
 def _config(ctx: Context, *stage: str):
@@ -159,9 +163,9 @@ def _generate(ctx: Context) -> dict:
   from jdr.data import synthetic  # pylint: disable=g-import-not-at-top
   directory = pathlib.Path(ctx.data)
   start = time.perf_counter()
-  if directory.name != synthetic.name(ctx.passages, ctx.seed):
+  if directory.name != synthetic.name(ctx.passages, ctx.seed, ctx.layout):
     raise ValueError(f"{directory} is not where jdr.data.synthetic keeps {ctx.passages} passages of seed {ctx.seed}")
-  synthetic.dataset(directory.parent, ctx.passages, seed=ctx.seed)
+  synthetic.dataset(directory.parent, ctx.passages, seed=ctx.seed, layout=ctx.layout)
   return {"seconds": time.perf_counter() - start}
 
 
@@ -249,12 +253,13 @@ def _encode_corpus(ctx: Context) -> dict:
 def _dense_mine(ctx: Context) -> dict:
   from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
   from jdr.data import formats  # pylint: disable=g-import-not-at-top
+  from jdr.data import msmarco  # pylint: disable=g-import-not-at-top
   from jdr.negatives import retrieved  # pylint: disable=g-import-not-at-top
-  data = pathlib.Path(ctx.data)
+  where = msmarco.files(ctx.data, "train")
   start = time.perf_counter()
   doc_emb, _, _ = corpus_lib.load_embeddings(ctx.path("encoding"))
-  queries = formats.read_queries(data / "queries.jsonl")
-  qrels = formats.read_qrels(data / "qrels" / "train.tsv")
+  queries = formats.read_queries(where.train_queries)
+  qrels = formats.read_qrels(where.train_qrels)
   qids = sorted(q for q, docs in qrels.items() if any(r > 0 for r in docs.values()))  # as the miners do
   loaded = time.perf_counter()
   runtime = corpus_lib.load_runtime(str(ctx.path("tiny-model")), side="query")
@@ -552,6 +557,8 @@ def main(argv=None) -> None:
                       help="JDR_CACHE of the stages (prepared corpora); default: a new folder in the run's work, so "
                            "the first stage to read the corpus prepares it, as a user's first command does")
   parser.add_argument("--keep-work", action="store_true", help="keep the stages' outputs and logs")
+  parser.add_argument("--layout", choices=synthetic.LAYOUTS, default="beir",
+                      help="the dataset's files: BEIR's, or MS MARCO's own (collection.tsv, queries and qrels TSVs)")
   args = parser.parse_args(rest)
   asked = [s.strip() for s in args.stages.split(",") if s.strip()]
   unknown = [s for s in asked if s not in STAGES]
@@ -564,12 +571,13 @@ def main(argv=None) -> None:
   timeout = args.stage_timeout or None
 
   out = pathlib.Path(args.out).absolute()
-  data = out / synthetic.name(args.passages, args.seed)
+  data = out / synthetic.name(args.passages, args.seed, args.layout)
   work = out / f"work-N{args.passages}-{os.getpid()}"
   work.mkdir(parents=True, exist_ok=True)
   train_queries, dev_queries = synthetic.query_counts(args.passages)
   ctx = Context(str(data), str(work), args.passages, args.seed, train_queries, dev_queries, overrides,
-                args.dense_backend, str(pathlib.Path(args.cache).absolute() if args.cache else work / "cache"))
+                args.dense_backend, str(pathlib.Path(args.cache).absolute() if args.cache else work / "cache"),
+                args.layout)
   stages: dict[str, dict] = {}
   # A terminated bench ends its stage too (run_stage kills the stage's process group on the way out), as an
   # interrupted one does: a stage runs in a session of its own, which signals to the bench do not reach.
@@ -602,7 +610,7 @@ def main(argv=None) -> None:
       "units": "seconds; *_gib: GiB (peak_rss: the stage process's VmHWM, group_peak_pss: its processes' "
                "summed PSS, sampled); bytes_per_passage (_per_query): (the larger peak - baseline) / passages "
                "(queries)",
-      "passages": args.passages, "seed": args.seed, "dataset": str(data),
+      "passages": args.passages, "seed": args.seed, "dataset": str(data), "layout": args.layout,
       "counts": {"passages": args.passages, "train_queries": train_queries, "dev_queries": dev_queries,
                  **{k: manifest[k] for k in ("train_pairs", "dev_pairs", "words_per_passage", "words_per_query")
                     if k in manifest}},

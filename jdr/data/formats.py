@@ -234,10 +234,12 @@ def already(what: str, key, line: int) -> str:
 
 
 def corpus_file(path: PathLike) -> paths.epath.Path:
-  """The corpus file a path names: itself, or a BEIR directory's corpus.jsonl."""
+  """The corpus file a path names: itself, or a directory's corpus.jsonl (BEIR), else its collection.tsv (MS
+  MARCO's own files)."""
   path = paths.as_path(path)
   if path.is_dir():
-    path = path / "corpus.jsonl"
+    beir, msmarco = path / "corpus.jsonl", path / "collection.tsv"
+    path = msmarco if msmarco.exists() and not beir.exists() else beir
   return path
 
 
@@ -355,8 +357,13 @@ def read_corpus(path: PathLike, *, skip_invalid: bool = False, part: int = 0, pa
   return {doc.id: doc for doc in iter_corpus(path, skip_invalid=skip_invalid, part=part, parts=parts)}
 
 
-def iter_queries(path: PathLike, *, skip_invalid: bool = False) -> Iterator[tuple[str, str]]:
-  """Streams (query id, text) pairs from BEIR queries.jsonl or an MS MARCO queries TSV (`qid\\ttext`)."""
+def iter_queries(path: PathLike, *, skip_invalid: bool = False,
+                 only: Container[str] | None = None) -> Iterator[tuple[str, str]]:
+  """Streams (query id, text) pairs from BEIR queries.jsonl or an MS MARCO queries TSV (`qid\\ttext`).
+
+  With `only`, every line is still validated but only the queries it names are yielded, and only they are
+  checked for duplicates: MS MARCO's queries.train.tsv holds 808,731 queries of which the training qrels judge
+  502,939, and remembering every id's line would cost a Python object per unused query."""
   path = paths.as_path(path)
   jsonl = _is_jsonl(path)
   seen: dict[str, int] = {}
@@ -369,9 +376,13 @@ def iter_queries(path: PathLike, *, skip_invalid: bool = False) -> Iterator[tupl
         else:
           qid, text = _tsv_fields(line, 2, "qid, text")
           _check_id(qid, "query")
-        _check_new(seen, qid, "query id")
+        wanted = only is None or qid in only
+        if wanted:
+          _check_new(seen, qid, "query id")
         if not text.strip():
           raise _Invalid(EMPTY, f"query {qid!r} has empty text")
+        if not wanted:
+          continue
       except _Invalid as e:
         f.bad(lineno, e)
         continue
@@ -379,9 +390,9 @@ def iter_queries(path: PathLike, *, skip_invalid: bool = False) -> Iterator[tupl
       yield qid, text
 
 
-def read_queries(path: PathLike, *, skip_invalid: bool = False) -> Queries:
-  """Reads BEIR queries.jsonl or an MS MARCO queries TSV -> {query id: text}."""
-  return dict(iter_queries(path, skip_invalid=skip_invalid))
+def read_queries(path: PathLike, *, skip_invalid: bool = False, only: Container[str] | None = None) -> Queries:
+  """Reads BEIR queries.jsonl or an MS MARCO queries TSV -> {query id: text} (with `only`, just those ids)."""
+  return dict(iter_queries(path, skip_invalid=skip_invalid, only=only))
 
 
 # ---------------------------------------------------------------------------------------------------------------

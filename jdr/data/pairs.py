@@ -21,6 +21,7 @@ from jdr.data import batch as batch_lib
 from jdr.data import builtin
 from jdr.data import corpus_by_host
 from jdr.data import formats
+from jdr.data import msmarco
 from jdr.data import prepared
 from jdr.data import text as text_lib
 
@@ -34,15 +35,17 @@ class RetrievalData:
   train_qrels: dict  # query id -> {doc id: relevance}
   eval_qrels: dict | None
   name: str
+  files: msmarco.Files | None = None  # where they were read from (None: not from a dataset directory)
 
 
 def load(data_cfg: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> RetrievalData:
   """Reads the dataset a config names, validated; every problem is raised before training starts.
 
-  On one host a local corpus.jsonl is prepared once (jdr.data.prepared: validated, indexed, memory-mapped,
-  in `data.prepared_dir` when the config has one, else the user's cache folder) and read from the map after
-  that: at MS MARCO's size a dict of documents took minutes to read and gigabytes to hold. Several hosts
-  each parse their own part (jdr.data.corpus_by_host); a gzip or object-storage corpus is read whole."""
+  The directory is BEIR's layout or MS MARCO's own (jdr.data.msmarco). On one host a local corpus file
+  (corpus.jsonl or collection.tsv) is prepared once (jdr.data.prepared: validated, indexed, memory-mapped, in
+  `data.prepared_dir` when the config has one, else the user's cache folder) and read from the map after that:
+  at MS MARCO's size a dict of documents took minutes to read and gigabytes to hold. Several hosts each parse
+  their own part (jdr.data.corpus_by_host); a gzip or object-storage corpus is read whole."""
   if data_cfg.dataset == "builtin":
     directory = pathlib.Path(workdir) / "data" / "stdlib-docstrings"
     builtin.write_builtin(directory)
@@ -52,25 +55,31 @@ def load(data_cfg: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> Re
       from jdr import config_files  # pylint: disable=g-import-not-at-top  (the refusal's one wording)
       raise FileNotFoundError(config_files.not_found("data.dataset", data_cfg.dataset,
                                                      data_cfg.get("description") or config_files.DATASET))
+  where = msmarco.files(directory, data_cfg.train_split, data_cfg.eval_split)
+  eval_qrels = None
   if data_cfg.source == "tfds":
     corpus, queries, train_qrels = _load_tfds(directory, data_cfg, workdir)
   elif data_cfg.source == "files":
+    msmarco.check_layout(directory)
     corpus = None
-    if jax.process_count() > 1 and corpus_by_host.readable_by_parts(directory / "corpus.jsonl"):
+    if jax.process_count() > 1 and corpus_by_host.readable_by_parts(where.corpus):
       # Each host parses only its own part; documents are read from the file when asked.
-      corpus = corpus_by_host.read_by_hosts(directory / "corpus.jsonl", workdir)
-    elif jax.process_count() == 1 and prepared.can_prepare(directory / "corpus.jsonl"):
-      corpus = prepared.prepare(directory / "corpus.jsonl", out_dir=data_cfg.get("prepared_dir") or None)
-    corpus, queries, train_qrels = formats.load_beir(directory, data_cfg.train_split, corpus=corpus)
-    queries = formats.read_queries(directory / "queries.jsonl")
+      corpus = corpus_by_host.read_by_hosts(where.corpus, workdir)
+    elif jax.process_count() == 1 and prepared.can_prepare(where.corpus):
+      corpus = prepared.prepare(where.corpus, out_dir=data_cfg.get("prepared_dir") or None)
+    if where.layout == "msmarco":
+      if corpus is None:
+        corpus = formats.read_corpus(where.corpus)
+      queries, train_qrels, eval_qrels = msmarco.read_splits(where, corpus)
+    else:
+      corpus, queries, train_qrels = formats.load_beir(directory, data_cfg.train_split, corpus=corpus)
+      queries = formats.read_queries(where.train_queries)
   else:
     raise ValueError(f"data.source must be 'files' or 'tfds', got {data_cfg.source!r}")
-  eval_qrels = None
-  if data_cfg.eval_split:
-    eval_qrels = formats.read_qrels(directory / "qrels" / f"{data_cfg.eval_split}.tsv",
-                                    doc_ids=corpus, query_ids=queries)
+  if data_cfg.eval_split and eval_qrels is None:
+    eval_qrels = formats.read_qrels(where.eval_qrels, doc_ids=corpus, query_ids=queries)
   train_qrels = keep_fraction(train_qrels, data_cfg.get("train_fraction", 1.0))
-  data = RetrievalData(corpus, queries, train_qrels, eval_qrels, directory.name)
+  data = RetrievalData(corpus, queries, train_qrels, eval_qrels, directory.name, where)
   check(data, directory, data_cfg)
   return data
 
@@ -107,17 +116,16 @@ def _load_tfds(directory: pathlib.Path, data_cfg: ml_collections.ConfigDict, wor
 
 def check(data: RetrievalData, directory: pathlib.Path, data_cfg: ml_collections.ConfigDict) -> None:
   """Refuses data that would train on nothing, with the file to look at."""
-  train_file = directory / "qrels" / f"{data_cfg.train_split}.tsv"
+  where = data.files or msmarco.files(directory, data_cfg.train_split, data_cfg.eval_split)
   positives = sum(1 for q in data.train_qrels.values() for r in q.values() if r > 0)
   if not positives:
-    raise ValueError(f"{train_file}: no (query, document) pair with relevance > 0 to train on")
+    raise ValueError(f"{where.train_qrels}: no (query, document) pair with relevance > 0 to train on")
   overlap = set(data.train_qrels) & set(data.queries)
   if not overlap:
-    raise ValueError(f"{train_file}: none of its {len(data.train_qrels)} query ids is in "
-                     f"{directory / 'queries.jsonl'}; are the qrels from another dataset?")
+    raise ValueError(f"{where.train_qrels}: none of its {len(data.train_qrels)} query ids is in "
+                     f"{where.train_queries}; are the qrels from another dataset?")
   if data.eval_qrels is not None and not set(data.eval_qrels) & set(data.queries):
-    raise ValueError(f"{directory / 'qrels' / (data_cfg.eval_split + '.tsv')}: none of its query ids is "
-                     f"in {directory / 'queries.jsonl'}")
+    raise ValueError(f"{where.eval_qrels}: none of its query ids is in {where.eval_queries}")
 
 
 def training_pairs(qrels: dict) -> list[tuple[str, str]]:

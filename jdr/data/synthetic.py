@@ -1,11 +1,16 @@
 """An MS MARCO-shaped dataset of any size, to measure jdr at its users' scale without the real data.
 
-  python -m jdr.data.synthetic --passages 100000 [--seed 0] [--out runs/synthetic]   (prints its directory)
+  python -m jdr.data.synthetic --passages 100000 [--seed 0] [--out runs/synthetic] [--layout beir|msmarco]
 
 `dataset(root, passages, seed=seed)` returns root/msmarco-synthetic-N{passages}-seed{seed}-v{VERSION}, a BEIR
 directory (corpus.jsonl with _id / title / text, queries.jsonl, qrels/train.tsv, qrels/dev.tsv), generating it
-the first time and reusing it after. What it copies of MS MARCO passage ranking (8,841,823 passages, 502,939
-training queries, 6,980 dev queries):
+the first time and reusing it after. With `layout="msmarco"` (`--layout msmarco`; the name ends in -msmarco) it
+writes the same passages, queries and judgments as MS MARCO distributes them instead: collection.tsv,
+queries.train.tsv (with unjudged queries too, as MS MARCO's 808,731 for 502,939 judged), queries.dev.small.tsv,
+qrels.train.tsv and qrels.dev.small.tsv (TREC), triples.train.small.tsv (each training query's text, a positive's
+and a random passage's, TRIPLES_PER_QUERY lines a query) and top1000.dev.tsv (each dev query's positives and
+random passages, TOP1000 lines a query: `qid\tpid\tquery\tpassage`). What it copies of MS MARCO passage ranking
+(8,841,823 passages, 502,939 training queries, 6,980 dev queries):
 
   counts     training and dev queries in MS MARCO's proportion to the passages (at least MIN_QUERIES each), as
              many positives a query as its qrels have on average (1.06), one relevance level (1); ids are
@@ -39,6 +44,7 @@ import functools
 import itertools
 import json
 import math
+import mmap
 import os
 import pathlib
 import shutil
@@ -59,6 +65,11 @@ MSMARCO_TRAIN_QUERIES = 502_939
 MSMARCO_DEV_QUERIES = 6_980
 MSMARCO_TRAIN_PAIRS = 532_761  # qrels.train.tsv
 MSMARCO_DEV_PAIRS = 7_437  # qrels.dev.small.tsv
+MSMARCO_TRAIN_QUERIES_ALL = 808_731  # queries.train.tsv, judged or not
+MSMARCO_TRIPLES = 39_780_811  # triples.train.small.tsv
+TRIPLES_PER_QUERY = round(MSMARCO_TRIPLES / MSMARCO_TRAIN_QUERIES)  # 79
+TOP1000 = 1000  # top1000.dev.tsv's candidates a query (at most the corpus)
+LAYOUTS = ("beir", "msmarco")
 MIN_QUERIES = 5  # per split: a tiny corpus still has something to train and evaluate on
 MIN_PASSAGES = 100
 
@@ -99,8 +110,8 @@ def query_counts(passages: int) -> tuple[int, int]:
   return train, dev
 
 
-def name(passages: int, seed: int = 0) -> str:
-  return f"msmarco-synthetic-N{passages}-seed{seed}-v{VERSION}"
+def name(passages: int, seed: int = 0, layout: str = "beir") -> str:
+  return f"msmarco-synthetic-N{passages}-seed{seed}-v{VERSION}" + ("" if layout == "beir" else f"-{layout}")
 
 
 def _letters(texts: list[str], width: int) -> np.ndarray:
@@ -231,8 +242,9 @@ class _Plan:
     self.request_word[chosen] = words[np.where(available > 0, nth, anywhere)]
 
 
-def _corpus_block(rng: np.random.Generator, lo: int, n: int, plan: _Plan) -> tuple[bytes, int]:
-  """corpus.jsonl lines of passages lo .. lo + n - 1, and their number of words."""
+def _corpus_block(rng: np.random.Generator, lo: int, n: int, plan: _Plan,
+                  tsv: bool = False) -> tuple[list[bytes], int]:
+  """corpus.jsonl (or, `tsv`, collection.tsv) lines of passages lo .. lo + n - 1, and their number of words."""
   matrix, byte_lengths = vocabulary()
   lengths = passage_lengths(rng, n)
   words = zipf_ranks(rng, int(lengths.sum()))
@@ -244,9 +256,9 @@ def _corpus_block(rng: np.random.Generator, lo: int, n: int, plan: _Plan) -> tup
   word_end = np.cumsum(rows)
   ends = word_end[np.cumsum(lengths) - 1]  # just past each passage's last space
   starts = np.r_[0, ends[:-1]]
-  lines = [b'{"_id": "%d", "title": "", "text": "%s"}\n' % (lo + i, text[s:e - 1])
-           for i, (s, e) in enumerate(zip(starts.tolist(), ends.tolist()))]
-  return b"".join(lines), int(lengths.sum())
+  line = b"%d\t%s\n" if tsv else b'{"_id": "%d", "title": "", "text": "%s"}\n'
+  lines = [line % (lo + i, text[s:e - 1]) for i, (s, e) in enumerate(zip(starts.tolist(), ends.tolist()))]
+  return lines, int(lengths.sum())
 
 
 def _query_texts(plan: _Plan, seed: int) -> list[str]:
@@ -263,37 +275,53 @@ def _query_texts(plan: _Plan, seed: int) -> list[str]:
   return [" ".join(text[bounds[q]:bounds[q + 1]]) for q in range(n)]
 
 
-def generate(directory: str | os.PathLike, passages: int, *, seed: int = 0, progress: bool = True) -> dict:
+def generate(directory: str | os.PathLike, passages: int, *, seed: int = 0, progress: bool = True,
+             layout: str = "beir", triples_per_query: int = TRIPLES_PER_QUERY, top1000: int = TOP1000) -> dict:
   """Writes the dataset into `directory` (created; used as is, so pass a fresh one: `dataset` does) and returns
-  its manifest, which it writes last as synthetic.json."""
+  its manifest, which it writes last as synthetic.json. `layout` "msmarco" writes MS MARCO's own files, with
+  `triples_per_query` lines of triples.train.small.tsv a training query and `top1000` of top1000.dev.tsv a dev
+  query."""
   if passages < MIN_PASSAGES:
     raise ValueError(f"passages must be at least {MIN_PASSAGES}, got {passages}")
+  if layout not in LAYOUTS:
+    raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
   start = time.perf_counter()
   directory = pathlib.Path(directory)
-  (directory / "qrels").mkdir(parents=True, exist_ok=True)
+  tsv = layout == "msmarco"
+  directory.mkdir(parents=True, exist_ok=True)
   plan = _Plan(passages, seed)
   vocabulary()  # built before the bar starts, so the bar's rate is the corpus's
   word_count = 0
-  with open(directory / "corpus.jsonl", "wb") as f, tqdm.tqdm(
+  line_ends = []  # collection.tsv: where each line ends, to read passages back for the triples
+  with open(directory / ("collection.tsv" if tsv else "corpus.jsonl"), "wb") as f, tqdm.tqdm(
       total=passages, unit="passage", unit_scale=True, desc="synthetic corpus", disable=not progress,
       mininterval=1.0 if sys.stderr.isatty() else 30.0) as bar:
     for block, lo in enumerate(range(0, passages, BLOCK)):
       n = min(BLOCK, passages - lo)
-      lines, count = _corpus_block(np.random.default_rng([seed, 1, block]), lo, n, plan)
-      f.write(lines)
+      lines, count = _corpus_block(np.random.default_rng([seed, 1, block]), lo, n, plan, tsv)
+      f.write(b"".join(lines))
+      if tsv:
+        sizes = np.fromiter(map(len, lines), np.int64, len(lines))
+        line_ends.append(f.tell() - sizes.sum() + np.cumsum(sizes))
       word_count += count
       bar.update(n)
   texts = _query_texts(plan, seed)
   qids = [str(q) for q in range(len(texts))]  # training queries first, then dev
-  _write_queries(directory / "queries.jsonl", qids, texts)
   splits = {"train": range(plan.train), "dev": range(plan.train, plan.train + plan.dev)}
-  for split, queries in splits.items():
-    with open(directory / "qrels" / f"{split}.tsv", "w", encoding="ascii") as f:
-      f.write("query-id\tcorpus-id\tscore\n")
-      for q in queries:
-        first = plan.first_positive[q]
-        for p in plan.positives[first:first + plan.positives_per_query[q]].tolist():
-          f.write(f"{q}\t{p}\t1\n")
+  judgments = {split: [(q, p) for q in queries for p in plan.positives[
+      plan.first_positive[q]:plan.first_positive[q] + plan.positives_per_query[q]].tolist()]
+               for split, queries in splits.items()}
+  extra = {}
+  if tsv:
+    extra = _write_msmarco(directory, plan, texts, judgments, np.concatenate(line_ends), seed, triples_per_query,
+                           top1000)
+  else:
+    (directory / "qrels").mkdir(exist_ok=True)
+    _write_queries(directory / "queries.jsonl", qids, texts)
+    for split, pairs in judgments.items():
+      with open(directory / "qrels" / f"{split}.tsv", "w", encoding="ascii") as f:
+        f.write("query-id\tcorpus-id\tscore\n")
+        f.writelines(f"{q}\t{p}\t1\n" for q, p in pairs)
   train_pairs = int(plan.positives_per_query[:plan.train].sum())
   manifest = {
       "generator": "jdr.data.synthetic", "version": VERSION, "passages": passages, "seed": seed,
@@ -302,10 +330,67 @@ def generate(directory: str | os.PathLike, passages: int, *, seed: int = 0, prog
       "words_per_passage": round(word_count / passages, 3),
       "words_per_query": round(float(plan.query_words.mean()), 3),
       "vocabulary": VOCABULARY, "zipf_exponent": ZIPF_EXPONENT, "zipf_offset": ZIPF_OFFSET,
+      **({"layout": layout, **extra} if tsv else {}),
       "seconds": round(time.perf_counter() - start, 3),
   }
   (directory / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
   return manifest
+
+
+def _write_msmarco(directory: pathlib.Path, plan: _Plan, texts: list[str], judgments: dict, line_ends: np.ndarray,
+                   seed: int, triples_per_query: int, top1000: int) -> dict:
+  """MS MARCO's files beside collection.tsv (see the module's docstring); returns the manifest's counts."""
+  passages = len(line_ends)
+  dev = range(plan.train, plan.train + plan.dev)
+  # Queries no qrels judge, as most of queries.train.tsv: words from the Zipf law alone, ids after the dev ones.
+  rng = np.random.default_rng([seed, 3])
+  unjudged = round(plan.train * (MSMARCO_TRAIN_QUERIES_ALL / MSMARCO_TRAIN_QUERIES - 1))
+  lengths = np.clip(1 + rng.poisson(QUERY_WORDS - 1, unjudged), *QUERY_RANGE)
+  words = word_strings(zipf_ranks(rng, int(lengths.sum())))
+  bounds = np.r_[0, np.cumsum(lengths)].tolist()
+  first = len(texts)
+  with open(directory / "queries.train.tsv", "w", encoding="ascii") as f:
+    f.writelines(f"{q}\t{texts[q]}\n" for q in range(plan.train))
+    f.writelines(f"{first + i}\t{' '.join(words[bounds[i]:bounds[i + 1]])}\n" for i in range(unjudged))
+  with open(directory / "queries.dev.small.tsv", "w", encoding="ascii") as f:
+    f.writelines(f"{q}\t{texts[q]}\n" for q in dev)
+  for split, name_ in (("train", "train"), ("dev", "dev.small")):
+    with open(directory / f"qrels.{name_}.tsv", "w", encoding="ascii") as f:
+      f.writelines(f"{q}\t0\t{p}\t1\n" for q, p in judgments[split])
+  with open(directory / "collection.tsv", "rb") as corpus, mmap.mmap(corpus.fileno(), 0, access=mmap.ACCESS_READ) as m:
+    starts = np.r_[0, line_ends[:-1]]
+
+    def passage(row: int) -> bytes:  # its text: after the pid's tab, before the newline
+      line = m[starts[row]:line_ends[row] - 1]
+      return line[line.index(b"\t") + 1:]
+
+    def others(rng: np.random.Generator, q: int, k: int) -> np.ndarray:
+      """k distinct random passages that are not q's positives."""
+      own = plan.positives[plan.first_positive[q]:plan.first_positive[q] + plan.positives_per_query[q]]
+      k = min(k, passages - len(own))
+      picked = rng.choice(passages - len(own), size=k, replace=False)
+      for p in np.sort(own):  # shift past each positive: uniform over the rest
+        picked = picked + (picked >= p)
+      return picked
+
+    triples = 0
+    with open(directory / "triples.train.small.tsv", "wb") as f:
+      for q in range(plan.train):
+        rng = np.random.default_rng([seed, 4, q])
+        own = plan.positives[plan.first_positive[q]:plan.first_positive[q] + plan.positives_per_query[q]]
+        negatives = np.resize(others(rng, q, triples_per_query), triples_per_query)  # repeats only when tiny
+        query = texts[q].encode("ascii")
+        f.writelines(b"%s\t%s\t%s\n" % (query, passage(own[j % len(own)]), passage(n))
+                     for j, n in enumerate(negatives.tolist()))
+        triples += triples_per_query
+    with open(directory / "top1000.dev.tsv", "wb") as f:
+      for q in dev:
+        rng = np.random.default_rng([seed, 5, q])
+        own = plan.positives[plan.first_positive[q]:plan.first_positive[q] + plan.positives_per_query[q]]
+        rows = rng.permutation(np.r_[own, others(rng, q, min(top1000, passages) - len(own))])
+        query = texts[q].encode("ascii")
+        f.writelines(b"%d\t%d\t%s\t%s\n" % (q, r, query, passage(r)) for r in rows.tolist())
+  return {"unjudged_train_queries": unjudged, "triples": triples, "top1000_per_query": min(top1000, passages)}
 
 
 def _write_queries(path: pathlib.Path, qids: list[str], texts: list[str]) -> None:
@@ -313,10 +398,12 @@ def _write_queries(path: pathlib.Path, qids: list[str], texts: list[str]) -> Non
     f.writelines(f'{{"_id": "{q}", "text": "{t}"}}\n' for q, t in zip(qids, texts))
 
 
-def dataset(root: str | os.PathLike, passages: int, *, seed: int = 0, progress: bool = True) -> pathlib.Path:
-  """The dataset's directory under `root`, generated unless a finished one (with synthetic.json) is there."""
+def dataset(root: str | os.PathLike, passages: int, *, seed: int = 0, progress: bool = True,
+            layout: str = "beir", **options) -> pathlib.Path:
+  """The dataset's directory under `root`, generated unless a finished one (with synthetic.json) is there;
+  `options` are generate's triples_per_query and top1000 (a dataset made with others is not told apart)."""
   root = pathlib.Path(root)
-  final = root / name(passages, seed)
+  final = root / name(passages, seed, layout)
   if (final / MANIFEST).exists():
     return final
   if final.exists() and any(final.iterdir()):
@@ -324,7 +411,7 @@ def dataset(root: str | os.PathLike, passages: int, *, seed: int = 0, progress: 
   root.mkdir(parents=True, exist_ok=True)
   tmp = pathlib.Path(tempfile.mkdtemp(dir=root, prefix=f".{final.name}.", suffix=".tmp"))
   try:
-    generate(tmp, passages, seed=seed, progress=progress)
+    generate(tmp, passages, seed=seed, progress=progress, layout=layout, **options)
     try:
       os.rename(tmp, final)
     except OSError:
@@ -345,8 +432,11 @@ def main(argv=None) -> None:
   parser.add_argument("--passages", type=int, required=True)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--out", default="runs/synthetic", help="the folder to make the dataset's folder in")
+  parser.add_argument("--layout", choices=LAYOUTS, default="beir",
+                      help="beir: corpus.jsonl, queries.jsonl, qrels/; msmarco: MS MARCO's own files, triples and "
+                           "top1000 included")
   args = parser.parse_args(argv)
-  print(dataset(args.out, args.passages, seed=args.seed))
+  print(dataset(args.out, args.passages, seed=args.seed, layout=args.layout))
 
 
 if __name__ == "__main__":

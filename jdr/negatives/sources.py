@@ -2,6 +2,7 @@
 
 `negatives.source`:
   none | random | bm25 | bm25_random | static   sampled from fixed pools into token batches (DPR-style)
+  triples        pools = the negatives of a dataset's own triples file (MS MARCO's triples.train.small.tsv)
   dense_static   pools = the starting model's own top-n, mined once and cached (STAR's static hard negatives)
   ance           pools = the model's own top-n, re-mined every `refresh_every` steps in the background (ANCE)
   retrieval      candidates = rows of a fixed corpus index: retrieved at every step (`retrieve_every=1`,
@@ -26,6 +27,7 @@ import numpy as np
 from jdr import atomic
 from jdr import corpus as corpus_lib
 from jdr import paths
+from jdr.negatives import given
 from jdr.negatives import refresh
 from jdr.negatives import retrieved
 from jdr.negatives import sampled
@@ -141,7 +143,7 @@ def _train_qids(data) -> list[str]:
 
 
 def _sampled_source(config, data, workdir, *_) -> Negatives:
-  """none | random | bm25 | bm25_random | static: fixed pools, sampled on the host into token batches."""
+  """none | random | bm25 | bm25_random | static | triples: fixed pools, sampled on the host into token batches."""
   neg = config.negatives
   return Negatives("tokens", sampler=SAMPLERS[neg.source](neg, data, workdir / "cache"))
 
@@ -180,30 +182,32 @@ def _ance(config, data, workdir, encoder, initial_params, *_) -> Negatives:
 
 def _retrieval(config, data, workdir, encoder, initial_params, mesh, step_query_encoder) -> Negatives:
   """ADORE / LTRe: candidates are rows of a fixed corpus index, retrieved at every step (in the jitted step
-  or on the host) or once before training (`retrieve_every=0`)."""
-  neg, cache, corpus_ids, train_qids = config.negatives, workdir / "cache", list(data.corpus), _train_qids(data)
+  or on the host) or once before training (`retrieve_every=0`).
+
+  The corpus matrix exists once: memory-mapped on the host for Faiss (the batch carries its candidates'
+  vectors), or on the devices for the in-step JAX search (the host keeps only the map)."""
+  neg, cache, train_qids = config.negatives, workdir / "cache", _train_qids(data)
+  corpus_ids = sampled.id_sequence(data.corpus)
   emb = corpus_embeddings(neg, encoder, initial_params, cache, corpus_ids)
-  faiss_retriever = None
-  if neg.retrieval_backend == "faiss" or neg.retrieve_every == 0:
-    faiss_retriever, scored = retrieved.reconstruct(emb, neg.index_factory, seed=config.seed)
-  else:
-    scored = emb
-  corpus = retrieved.put_corpus(scored, corpus_ids, mesh, neg.corpus_dtype)
-  out = Negatives("corpus", corpus=corpus, top_n=neg.top_n, doc_emb=emb)
+  out = Negatives("corpus", top_n=neg.top_n, doc_emb=emb)
+  if neg.retrieval_backend == "jax" and neg.retrieve_every != 0:
+    out.corpus = retrieved.put_corpus(emb, corpus_ids, mesh, neg.corpus_dtype)
+    out.retrieve_in_step = True
+    return out
+  index = retrieved.HostIndex(emb, neg.index_factory, seed=config.seed)
   if neg.retrieve_every == 0:
     # Mined once with the starting query tower, then fixed: the ablation that isolates "dynamic".
     path = cache / _cache_name("retrieval_static", neg.top_n, encoder, train_qids)
     if path.exists():
       static = paths.load_npy(path)
     else:
-      static = retrieved.top_rows(faiss_retriever, encoder.queries(initial_params, train_qids), neg.top_n)
+      static = index.search(encoder.queries(initial_params, train_qids), neg.top_n)
       atomic.write_atomic(path, lambda f: np.save(f, static))
-    out.host_fields = lambda batch, state: {**batch, "cand_rows": static[batch["query_index"]]}
+    out.host_fields = lambda batch, state: retrieved.with_vectors(batch, static[batch["query_index"]],
+                                                                  index.vectors)
     out.pools_in_use = lambda qids: static[[train_qids.index(q) for q in qids]]
-  elif neg.retrieval_backend == "jax":
-    out.retrieve_in_step = True
   else:
-    out.host_fields = retrieved.HostRetrieval(faiss_retriever, neg.top_n, step_query_encoder, mesh)
+    out.host_fields = retrieved.HostRetrieval(index, neg.top_n, step_query_encoder, mesh)
   return out
 
 
@@ -229,7 +233,7 @@ def _static(neg, data, cache_dir):
 
 # The host samplers of the fixed-pool sources: (negatives config, data, cache dir) -> NegativeSource | None.
 SAMPLERS = {"none": lambda neg, data, cache_dir: None, "random": _random, "bm25": _bm25,
-            "bm25_random": _bm25_random, "static": _static}
+            "bm25_random": _bm25_random, "static": _static, "triples": given.sampler}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,6 +252,7 @@ SOURCES = {
     "bm25": Source(_sampled_source, fixed_pool=True),
     "bm25_random": Source(_sampled_source),
     "static": Source(_sampled_source, fixed_pool=True),
+    "triples": Source(_sampled_source, fixed_pool=True),
     "dense_static": Source(_dense_static, needs_towers=True, fixed_pool=True),
     "ance": Source(_ance, needs_towers=True),
     "retrieval": Source(_retrieval, candidates="corpus", needs_towers=True),
@@ -320,14 +325,15 @@ def corpus_embeddings(neg, encoder, params, cache: pathlib.Path, corpus_ids: lis
                                f"negatives.corpus_encoding vs data.dataset={encoder.data.name}")
     emb, _, _ = corpus_lib.load_embeddings(neg.corpus_encoding)
     return emb
-  # One name per workdir: the document tower is frozen, so a resumed run's is the starting one.
+  # One name per workdir: the document tower is frozen, so a resumed run's is the starting one. Read back
+  # memory-mapped: the file is the one copy of the matrix the host keeps.
   path = cache / _cache_name("corpus-emb", 0, encoder, corpus_ids)
-  if path.exists():
-    return paths.load_npy(path)
-  retrieved.log(f"encoding the corpus ({len(corpus_ids)} documents) with the starting document tower")
-  emb = encoder.corpus(params, progress=True)
-  atomic.write_atomic(path, lambda f: np.save(f, emb))
-  return emb
+  if not path.exists():
+    retrieved.log(f"encoding the corpus ({len(corpus_ids)} documents) with the starting document tower")
+    emb = encoder.corpus(params, progress=True)
+    atomic.write_atomic(path, lambda f: np.save(f, emb))
+    del emb
+  return paths.load_npy(path, mmap_mode="r")
 
 
 def mine_rows(encoder, params, qids: list[str], n: int, path: pathlib.Path | None,
