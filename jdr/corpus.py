@@ -37,6 +37,7 @@ from jdr import granularity
 from jdr import index as index_lib
 from jdr import parallel
 from jdr import paths
+from jdr import sharded_rows
 from jdr.data import corpus_by_host
 from jdr.data import prepared
 from jdr.data import text as text_lib
@@ -493,15 +494,19 @@ def _documents(ids: list[str], meta: dict) -> int:
 
 
 def load_embeddings(enc_dir: str | os.PathLike) -> tuple[np.ndarray, list[str], dict]:
-  """Reads a finished encoding directory: (embeddings [N, D], ids, meta)."""
+  """Reads a finished encoding directory: (embeddings [N, D], ids, meta).
+
+  The embeddings are the shards memory-mapped (on local disk), one shard as a memmap and several as one
+  `sharded_rows.ShardedRows`: nothing is concatenated, so the matrix is not held twice on its way to an
+  index or the devices. `np.asarray(emb)` is the whole copy where a caller needs one."""
   enc_dir = paths.as_path(enc_dir)
   meta = read_meta(enc_dir)
   embs, ids = [], []
   for shard in range(meta["num_shards"]):
     emb_path, ids_path = _shard_paths(enc_dir, shard)
-    embs.append(paths.load_npy(emb_path))
+    embs.append(paths.load_npy(emb_path, mmap_mode="r"))
     ids.extend(ids_path.read_text().splitlines())
-  emb = np.concatenate(embs)
+  emb = embs[0] if len(embs) == 1 else sharded_rows.ShardedRows(embs)
   if emb.shape[0] != len(ids) or _documents(ids, meta) != meta["num_docs"]:
     raise ValueError(f"{enc_dir}: {emb.shape[0]} embeddings, {len(ids)} ids, meta says "
                      f"{meta['num_docs']} documents: the directory is corrupt")
@@ -559,7 +564,8 @@ def build_index(embeddings: np.ndarray, ids: Sequence[str],
   the embedding matrix sharded by rows over `mesh` (default: all devices) and takes only "Flat"; `jax_dtype`
   is its storage (see index.JaxRetriever).
   """
-  embeddings = np.asarray(embeddings)
+  if not isinstance(embeddings, sharded_rows.ShardedRows):
+    embeddings = np.asarray(embeddings)
   if embeddings.ndim != 2:
     raise ValueError(f"embeddings must be [N, D], got shape {embeddings.shape}")
   if backend == "faiss":

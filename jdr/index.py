@@ -25,6 +25,7 @@ import numpy as np
 
 from jdr import atomic
 from jdr import paths
+from jdr import sharded_rows
 from jdr import topk
 
 _META = "meta.json"
@@ -62,6 +63,8 @@ class Retriever(Protocol):
 
 
 def _as_vectors(x: np.ndarray, dim: int, what: str) -> np.ndarray:
+  if isinstance(x, sharded_rows.ShardedRows) and x.shape[1] == dim and x.dtype == np.float32:
+    return x  # an encoding's mapped shards: added a shard at a time, never concatenated
   x = np.asarray(x)
   if x.ndim != 2 or x.shape[1] != dim:
     raise ValueError(f"{what} must have shape [n, {dim}], got {x.shape}")
@@ -254,8 +257,9 @@ class FaissRetriever:
       if len(embeddings) > self.train_size:
         rows = np.random.default_rng(self.seed).choice(len(embeddings), self.train_size, replace=False)
         sample = embeddings[np.sort(rows)]
-      self.train(sample)
-    self._index.add(embeddings)
+      self.train(np.asarray(sample))
+    for _, piece in sharded_rows.pieces(embeddings):
+      self._index.add(np.ascontiguousarray(piece, np.float32))
     self._ids.extend(ids)
     self._id_array = None
 
@@ -411,7 +415,8 @@ class JaxRetriever:
       else:
         parts.append(np.asarray(rows, dtype=np.float32)[:n_built])
     parts.extend(self._pending)
-    return np.concatenate(parts) if len(parts) > 1 else parts[0]
+    # One part (the usual single add) goes to the devices as it is: a mapped encoding is read a chunk at a time.
+    return np.concatenate([np.asarray(p) for p in parts]) if len(parts) > 1 else parts[0]
 
   def _materialize(self) -> None:
     """Moves pending documents to the devices (rebuilding the sharded matrix once per batch of adds)."""
@@ -464,7 +469,7 @@ class JaxRetriever:
         "score_budget_bytes": self.score_budget_bytes, "precision": self.precision,
         "block_rows": self.block_rows, "ntotal": len(self._ids)})
     matrix = self._host_matrix() if self._ids else np.zeros((0, self.dim), np.float32)
-    atomic.write_atomic(path / "embeddings.npy", lambda f: np.save(f, matrix.astype(np.float32)))
+    atomic.write_atomic(path / "embeddings.npy", lambda f: np.save(f, np.asarray(matrix, np.float32)))
 
   @classmethod
   def load(cls, directory: str | pathlib.Path, mesh=None, devices=None) -> "JaxRetriever":

@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jdr import sharded_rows
 from jdr import topk
 
 
@@ -334,11 +335,23 @@ def exact_top_rows(doc_emb: np.ndarray, queries: np.ndarray, n: int, backend: st
     bar = tqdm.tqdm(total=num, desc=progress, unit="query", file=sys.stderr, disable=jax.process_index() != 0)
   if backend == "faiss":
     import faiss  # pylint: disable=g-import-not-at-top
-    matrix = np.ascontiguousarray(doc_emb, dtype=np.float32)  # a float32 memmap stays the memmap
+    # A float32 memmap stays the memmap; an encoding's shards are searched one at a time and merged.
+    pieces = [(first, np.ascontiguousarray(piece, dtype=np.float32))
+              for first, piece in sharded_rows.pieces(doc_emb)]
     for lo in range(0, num, batch):
       part = np.ascontiguousarray(queries[lo:lo + batch], dtype=np.float32)
-      found_scores, found = faiss.knn(part, matrix, k, metric=faiss.METRIC_INNER_PRODUCT)
-      rows[lo:lo + len(part), :k], scores[lo:lo + len(part), :k] = found, found_scores
+      found = [(first, *faiss.knn(part, piece, min(k, len(piece)), metric=faiss.METRIC_INNER_PRODUCT))
+               for first, piece in pieces if len(piece)]
+      if len(found) == 1:
+        first, found_scores, found_rows = found[0]
+        found_rows = found_rows + first
+      else:  # each shard's top k, merged: the best k of their union, ties to the earlier shard
+        found_scores = np.concatenate([f[1] for f in found], axis=1)
+        found_rows = np.concatenate([f[2] + f[0] for f in found], axis=1)
+        order = np.argsort(-found_scores, axis=1, kind="stable")[:, :k]
+        found_scores = np.take_along_axis(found_scores, order, axis=1)
+        found_rows = np.take_along_axis(found_rows, order, axis=1)
+      rows[lo:lo + len(part), :k], scores[lo:lo + len(part), :k] = found_rows, found_scores
       if bar is not None:
         bar.update(len(part))
   else:
