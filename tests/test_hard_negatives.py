@@ -144,7 +144,9 @@ def test_adore_trains_query_tower_only(tmp_path, backend):
   end = jax.device_get(result["state"].params)
   records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
   assert any("train/retrieval_mrr@10" in r for r in records)
-  cached = np.load(next((workdir / "cache").glob("corpus-emb-*.npy")))
+  from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+  (encoding,) = (workdir / "cache" / "encoding").iterdir()  # the starting tower's shards, kept for a resume
+  cached = np.asarray(corpus_lib.load_embeddings(encoding)[0])
   from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
   built = build_lib.build(config.model, config.data)
   start = train.initial_params(built.model, built, config, jax.random.PRNGKey(config.seed), None)

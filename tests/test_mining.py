@@ -97,7 +97,7 @@ class _FixedEncoder:
     self.doc_emb, self.query_emb, self.qids = doc_emb, query_emb, qids
     self.query_max_length, self.doc_max_length = 8, 8
 
-  def corpus(self, params, progress=False):
+  def corpus(self, params, progress=False, shards_dir=None):
     return self.doc_emb
 
   def queries(self, params, qids):

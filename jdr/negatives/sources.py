@@ -154,7 +154,7 @@ def _dense_static(config, data, workdir, encoder, initial_params, *_) -> Negativ
   depth = neg.top_n + neg.mine_extra
   rows = mine_rows(encoder, initial_params, train_qids, depth,
                    workdir / "cache" / _cache_name("dense_static", depth, encoder, train_qids),
-                   neg.mine_backend, neg.corpus_dtype)
+                   neg.mine_backend, neg.corpus_dtype, shards_dir=workdir / "cache" / "encoding")
   # STAR's prepare_hardneg.py mines the top 210 and keeps the first 200 that are not positives.
   rows = sampled.drop_rows(rows, positive_rows(data, train_qids), neg.top_n)
   sampler = sampled.RowPools(rows, train_qids, data.train_qrels, data.corpus, "dense_static")
@@ -169,7 +169,8 @@ def _ance(config, data, workdir, encoder, initial_params, *_) -> Negatives:
     # Runs in the refresher's worker thread, beside training (jitted calls release the GIL); on several
     # hosts on the trainer's thread (inline), so the gather of the hosts' corpus parts, a collective, is
     # issued in the same order as the step's own on every host.
-    return mine_rows(encoder, params, qid_list, neg.top_n, None, neg.mine_backend, neg.corpus_dtype)
+    return mine_rows(encoder, params, qid_list, neg.top_n, None, neg.mine_backend, neg.corpus_dtype,
+                     shards_dir=workdir / "ance" / "encoding")
 
   max_wait = float("inf") if neg.refresh_max_wait_s < 0 else float(neg.refresh_max_wait_s)
   refresher = refresh.AsyncRefresher(mine, every=neg.refresh_every, delay=neg.refresh_delay,
@@ -325,27 +326,23 @@ def corpus_embeddings(neg, encoder, params, cache: pathlib.Path, corpus_ids: lis
                                f"negatives.corpus_encoding vs data.dataset={encoder.data.name}")
     emb, _, _ = corpus_lib.load_embeddings(neg.corpus_encoding)
     return emb
-  # One name per workdir: the document tower is frozen, so a resumed run's is the starting one. Read back
-  # memory-mapped: the file is the one copy of the matrix the host keeps.
-  path = cache / _cache_name("corpus-emb", 0, encoder, corpus_ids)
-  if not path.exists():
-    retrieved.log(f"encoding the corpus ({len(corpus_ids)} documents) with the starting document tower")
-    emb = encoder.corpus(params, progress=True)
-    atomic.write_atomic(path, lambda f: np.save(f, emb))
-    del emb
-  return paths.load_npy(path, mmap_mode="r")
+  # Encoded a shard at a time into the workdir (resumable; named for the weights, so a resumed run finds the
+  # starting tower's) and read back memory-mapped: the shards are the one copy of the matrix the host keeps.
+  retrieved.log(f"the corpus ({len(corpus_ids)} documents) under the starting document tower, in {cache / 'encoding'}")
+  return encoder.corpus(params, progress=True, shards_dir=cache / "encoding")
 
 
 def mine_rows(encoder, params, qids: list[str], n: int, path: pathlib.Path | None,
-              backend: str = "auto", dtype: str = "auto") -> np.ndarray:
+              backend: str = "auto", dtype: str = "auto", shards_dir: pathlib.Path | None = None) -> np.ndarray:
   """int32 [Q, n] corpus rows of each query's top n under `params` (both towers), exact inner product, searched
   where `negatives.mine_backend` says (the JAX top-k on the devices, or Faiss on the host).
 
   With `path`, the result is cached there: what the starting weights mined stays what a resumed run uses.
+  With `shards_dir`, the corpus is encoded into shards there and searched memory-mapped, never held whole.
   """
   if path is not None and path.exists():
     return paths.load_npy(path)
-  doc_emb = encoder.corpus(params, progress=path is not None)
+  doc_emb = encoder.corpus(params, progress=path is not None, shards_dir=shards_dir)
   rows, _ = retrieved.exact_top_rows(doc_emb, encoder.queries(params, qids), n, backend, dtype,
                                      progress="mining" if path is not None else None)
   if path is not None:
