@@ -146,6 +146,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval = ml_collections.ConfigDict()
   c.eval.metrics = "ndcg@10,mrr@10,recall@100"  # jdr.metrics names, comma-separated
   c.eval.top_k = 100  # documents retrieved per evaluation query
+  # What the evaluations before and during training score (jdr/evaluation.py: Evaluator, periodic_kind):
+  # full = the whole corpus, encoded each time; bm25 / run = each query's BM25 / run-file candidates, re-ranked
+  # (only they are encoded: the cost follows the queries, not the corpus; metrics prefixed "bm25-top100/");
+  # auto = run when eval.candidates_run is set, else full when queries x depth >= documents or the document
+  # tower is frozen, else bm25
+  c.eval.candidates = "auto"  # auto | full | bm25 | run (see above)
+  # 100: ANCE / DPR's BM25 depth, 10x cheaper than 1,000; @10 metrics come out near the full corpus's
+  # (docs/performance.md), recall@depth is the candidates' own: 1000 to follow recall@100
+  c.eval.candidates_depth = 100  # candidates per query (see above)
+  c.eval.candidates_run = ""  # eval.candidates=run: a TREC run or MS MARCO top1000.dev.tsv (jdr/data/run_arrays.py)
+  c.eval.final = "full"  # the end of training: full (streamed, resumable; plus the periodic kind) | candidates
   c.eval.backend = "jax"  # jax (exact top-k on the mesh) | faiss
   c.eval.corpus_dtype = "float32"  # backend=jax storage: float32 keeps reported metrics exact on every platform
   # (auto = bfloat16 on GPU/TPU, as negatives.corpus_dtype; int8 approximate)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import shutil
 import sys
 from typing import Callable, Sequence
 
@@ -32,6 +31,7 @@ from jdr import eval_candidates
 from jdr import index as index_lib
 from jdr import metrics as metrics_lib
 from jdr import parallel
+from jdr import paths
 from jdr import reranking
 from jdr.data import formats
 from jdr.data import prepared
@@ -106,9 +106,9 @@ class TowerEncoder:
 
     With `shards_dir` (one host) the corpus is encoded a shard at a time into a folder of it named for
     everything that made the vectors (`_encode_in_shards`), and a call that finds shards there, left by one
-    killed midway, encodes only the rest."""
+    killed midway, encodes only the rest; the matrix is then those shards memory-mapped (`jdr.sharded_rows`)."""
     encode = (lambda: self._encode_corpus(params, progress)) if shards_dir is None or self.hosts > 1 else (
-        lambda: self._encode_in_shards(params, pathlib.Path(os.fspath(shards_dir))))
+        lambda: self._encode_in_shards(params, paths.as_path(shards_dir)))
     if self.cache is None:
       return encode()
     name = corpus_cache.entry_name(
@@ -128,10 +128,10 @@ class TowerEncoder:
       self._tokens_digest = corpus_cache.tokens_digest(self.doc_tokens)
     return self._tokens_digest
 
-  def _encode_in_shards(self, params, root: pathlib.Path) -> np.ndarray:
-    """`jdr.corpus.encode_corpus` into root/NAME (resumable by shard), read back whole. NAME digests the
+  def _encode_in_shards(self, params, root) -> np.ndarray:
+    """`jdr.corpus.encode_corpus` into root/NAME (resumable by shard), read back mapped. NAME digests the
     document side's weights and settings, the corpus and the batching, so shards of other weights are never
-    mixed in: they are an earlier evaluation's, killed before it ended, and are removed."""
+    mixed in: they are an earlier encoding's (other weights, killed before it ended), and are removed."""
     corpus = self.data.corpus
     if isinstance(corpus, prepared.PreparedCorpus) and prepared.tokenizer_fingerprint(self.tokenizer):
       # The prepared corpus's key names its file; its token ids are the tokenizer's (nothing read per document).
@@ -142,10 +142,10 @@ class TowerEncoder:
         doc_weights=corpus_cache.weights_digest(corpus_cache.doc_side(params)), tower=repr(self._model.doc),
         tokens=tokens, batching=f"{self.doc_max_length} {self.tokens_per_batch} {self.rows_multiple} "
                                 f"{SHARD_DOCS}")
-    if root.is_dir():
+    if root.exists():
       for stale in root.iterdir():
         if stale.name != name:
-          shutil.rmtree(stale, ignore_errors=True)
+          stale.rmtree(missing_ok=True) if stale.is_dir() else stale.unlink(missing_ok=True)
     runtime = corpus_lib.EncoderRuntime(self.encode_doc, self._serving(params), self.tokenizer, self.doc_max_length,
                                         {}, rows_multiple=self.rows_multiple)
     corpus_lib.encode_corpus(runtime, corpus, root / name, shard_size=SHARD_DOCS,
@@ -198,18 +198,66 @@ class TowerEncoder:
                                     tokens_per_batch=self.tokens_per_batch)
 
 
-class Evaluator:
-  """Encodes the corpus with the document tower, indexes it, retrieves for the eval queries, scores.
+# The values of eval.candidates and eval.final (jdr/defaults.py says what each means).
+CANDIDATES = ("auto", "full", "bm25", "run")
+FINAL = ("full", "candidates")
 
-  `eval.factories` lists Faiss index factories to evaluate on, ';'-separated (the first one's metrics are
-  unprefixed, later ones are prefixed "FACTORY/"), e.g. "OPQ48,IVF1,PQ48;Flat" for an ADORE run trained on
-  a compressed index. With backend "jax" the first is always the exact JAX top-k.
-  `diagnostics(params, doc_emb)` hooks, when given, add the training diagnostics computed from the same
-  corpus encoding (overlaps of top-200 lists).
+
+def periodic_kind(eval_config: ml_collections.ConfigDict, num_queries: int, num_docs: int,
+                  doc_tower_frozen: bool) -> str:
+  """What eval.candidates makes of this run's evaluations before and during training: "full", "bm25" or "run".
+
+  auto is "run" when eval.candidates_run names a file; else "full" where the candidates could cover the
+  corpus anyway (queries x depth >= documents: encoding them would cost what the corpus costs, and the full
+  evaluation is exact) or where the document tower is frozen (the corpus is encoded once, and searched on the
+  index the model serves from, eval.factories); else "bm25"."""
+  kind, run = eval_config.candidates, eval_config.candidates_run
+  if kind not in CANDIDATES:
+    raise ValueError(f"eval.candidates={kind!r}: must be one of {', '.join(CANDIDATES)}")
+  if eval_config.final not in FINAL:
+    raise ValueError(f"eval.final={eval_config.final!r}: must be one of {', '.join(FINAL)}")
+  if eval_config.candidates_depth < 1:
+    raise ValueError(f"eval.candidates_depth={eval_config.candidates_depth}: must be >= 1")
+  if run and kind not in ("auto", "run"):
+    raise ValueError(f"eval.candidates_run={run} is set but eval.candidates={kind!r}; set eval.candidates=run "
+                     "(or auto) to evaluate on the run's candidates, or clear eval.candidates_run")
+  if kind == "run" and not run:
+    raise ValueError("eval.candidates=run needs eval.candidates_run (a TREC run or MS MARCO top1000 file)")
+  if kind != "auto":
+    return kind
+  if run:
+    return "run"
+  if doc_tower_frozen or num_queries * eval_config.candidates_depth >= num_docs:
+    return "full"
+  return "bm25"
+
+
+class Evaluator:
+  """Scores the evaluation queries' rankings: of the whole corpus, or of each query's candidates.
+
+  `evaluator(params)` is the periodic kind (eval.candidates, resolved by `periodic_kind`); `evaluator(params,
+  final=True)` the end of training's: with eval.final="full" the full corpus, plus the periodic kind when that
+  is candidates (cheap), so the curve's last point is comparable with the ones before it. `describe(final)`
+  says which kinds a call runs. Full-corpus metrics keep their bare names ("ndcg@10"); candidate metrics are
+  prefixed with the kind and depth ("bm25-top100/ndcg@10", "run-top1000/ndcg@10").
+
+  Full corpus: the document tower encodes the corpus (in resumable shards under `cache_dir`/eval-corpus when
+  given, removed once the evaluation ends unless the tower is frozen), it is indexed and searched. `eval.factories` lists Faiss index
+  factories to evaluate on, ';'-separated (the first one's metrics are unprefixed, later ones are prefixed
+  "FACTORY/"), e.g. "OPQ48,IVF1,PQ48;Flat" for an ADORE run trained on a compressed index. With backend "jax"
+  the first is always the exact JAX top-k. `diagnostics(params, doc_emb)` hooks, when given, add the training
+  diagnostics computed from the same corpus encoding (overlaps of top-200 lists): full evaluations only.
+
+  Candidates (`jdr.eval_candidates`): BM25's top eval.candidates_depth (mined once from `bm25_index()`, the
+  index the BM25 negatives or diagnostics hold, else one built once and kept in `cache_dir`), or a run
+  file's. Exact dot products; the factories do not apply.
+
+  With a frozen document tower the corpus, or the candidates, is encoded once (or taken from `fixed_doc_emb`).
   """
 
   def __init__(self, encoder: TowerEncoder, config: ml_collections.ConfigDict, mesh, *,
-               doc_tower_frozen: bool = False, diagnostics=None, fixed_doc_emb: np.ndarray | None = None):
+               doc_tower_frozen: bool = False, diagnostics=None, fixed_doc_emb: np.ndarray | None = None,
+               cache_dir: str | os.PathLike | None = None, bm25_index: Callable | None = None):
     self.encoder, self.config, self.mesh = encoder, config, mesh
     self.data = encoder.data
     self.metric_names = [m.strip() for m in config.eval.metrics.split(",") if m.strip()]
@@ -225,13 +273,38 @@ class Evaluator:
     self._fixed: dict[str, index_lib.Retriever] = {}
     # A frozen document tower's corpus vectors, when the caller already has them (ADORE's fixed index).
     self._fixed_emb = fixed_doc_emb if doc_tower_frozen else None
+    self._shards_dir = paths.as_path(cache_dir) / "eval-corpus" if cache_dir is not None else None
+    self.periodic = periodic_kind(config.eval, len(qids), len(encoder.doc_ids), doc_tower_frozen)
+    self.candidates = None
+    depth = config.eval.candidates_depth
+    if self.periodic == "bm25":  # mined now: a problem shows before training, and the cache holds it after
+      index = bm25_index() if bm25_index is not None else BM25IndexOf(self.data, None, cache_dir)()
+      self.candidates = eval_candidates.bm25_candidates(index, [self.data.queries[q] for q in qids], qids, depth,
+                                                        cache_dir)
+    elif self.periodic == "run":
+      self.candidates = eval_candidates.run_candidates(config.eval.candidates_run, qids, self.data.corpus, depth)
+    self._candidate_tokens = None  # tokenized once: the candidate set does not change
+    self._candidate_emb = None  # a frozen document tower's candidate vectors, encoded once
+
+  def kinds(self, final: bool = False) -> list[str]:
+    """The kinds of evaluation a call runs, in order: "full", "bm25", "run"."""
+    if not final or self.config.eval.final == "candidates":
+      return [self.periodic]
+    return ["full"] + ([self.periodic] if self.periodic != "full" else [])
+
+  def describe(self, final: bool = False) -> str:
+    """What a call evaluates, for its line: "full corpus, 5,183 documents, 300 queries" or "candidates: BM25
+    top-100 of 300 queries, 4,120 documents"."""
+    return "; ".join(self.candidates.describe() if kind != "full" else
+                     f"full corpus, {len(self.encoder.doc_ids):,} documents, {len(self.qids):,} queries"
+                     for kind in self.kinds(final))
 
   def corpus_embeddings(self, params) -> np.ndarray:
     if self.doc_tower_frozen:
       if self._fixed_emb is None:
-        self._fixed_emb = self.encoder.corpus(params, progress=True)
+        self._fixed_emb = self.encoder.corpus(params, progress=True, shards_dir=self._shards_dir)
       return self._fixed_emb
-    return self.encoder.corpus(params, progress=True)
+    return self.encoder.corpus(params, progress=True, shards_dir=self._shards_dir)
 
   def _retriever(self, factory: str, doc_emb: np.ndarray, first: bool):
     if self.doc_tower_frozen and factory in self._fixed:
@@ -245,9 +318,18 @@ class Evaluator:
       self._fixed[factory] = retriever
     return retriever
 
-  def __call__(self, params) -> dict[str, float]:
-    doc_emb = self.corpus_embeddings(params)
+  def __call__(self, params, final: bool = False) -> dict[str, float]:
     query_emb = self.encoder.queries(params, self.qids)
+    results, doc_emb = {}, None
+    for kind in self.kinds(final):
+      if kind == "full":
+        doc_emb = self.corpus_embeddings(params)
+        results.update(self._full_corpus(params, doc_emb, query_emb))
+      else:
+        results.update(self._on_candidates(params, query_emb, doc_emb))
+    return results
+
+  def _full_corpus(self, params, doc_emb: np.ndarray, query_emb: np.ndarray) -> dict[str, float]:
     qrels = {q: self.data.eval_qrels[q] for q in self.qids}
     results = {}
     for i, factory in enumerate(self.factories):
@@ -259,7 +341,51 @@ class Evaluator:
       results.update({prefix + k: v for k, v in scored.items()})
     if self.diagnostics is not None:
       results.update(self.diagnostics(params, doc_emb))
+    if self._shards_dir is not None and not self.doc_tower_frozen and jax.process_index() == 0:
+      # Finished: nothing left to resume (a frozen tower's shards are its vectors, mapped, for every evaluation).
+      self._shards_dir.rmtree(missing_ok=True)
     return results
+
+  def _on_candidates(self, params, query_emb: np.ndarray, doc_emb: np.ndarray | None) -> dict[str, float]:
+    cands = self.candidates
+    whole = doc_emb if doc_emb is not None else self._fixed_emb  # this call's corpus vectors, or the fixed ones
+    if whole is not None:
+      vectors = whole[cands.unique]
+    elif self._candidate_emb is not None:
+      vectors = self._candidate_emb
+    else:
+      if self._candidate_tokens is None:
+        self._candidate_tokens = eval_candidates.tokenize(self.encoder.tokenizer, self.data.corpus,
+                                                          self.encoder.doc_ids, cands.unique,
+                                                          self.encoder.doc_max_length)
+      vectors = self.encoder.documents(params, self._candidate_tokens)
+      if self.doc_tower_frozen:
+        self._candidate_emb = vectors
+    run = eval_candidates.rerank(cands, self.qids, query_emb, vectors, self.encoder.doc_ids,
+                                 self.config.eval.top_k)
+    scored = metrics_lib.evaluate({q: self.data.eval_qrels[q] for q in self.qids}, run, self.metric_names)
+    return {cands.prefix + k: v for k, v in scored.items()}
+
+
+class BM25IndexOf:
+  """The corpus's BM25 index, looked up once and shared (the evaluation's candidates, the diagnostics): the
+  one the BM25 negatives already hold, else this process's or `cache_dir`'s (`jdr.bm25`), built only when
+  there is none. Once, because naming a corpus's index hashes all of its texts."""
+
+  def __init__(self, data, negatives, cache_dir=None):
+    self.data, self.negatives, self.cache_dir = data, negatives, cache_dir
+    self._index = None
+
+  def __call__(self):
+    if self._index is None:
+      from jdr import bm25  # pylint: disable=g-import-not-at-top  (only BM25 users need numba)
+      index = sampled.bm25_index_of(getattr(self.negatives, "sampler", None))
+      if index is None:
+        index = bm25.corpus_index(self.data.corpus, cache_dir=self.cache_dir)
+      if len(index) != len(self.data.corpus):
+        raise ValueError(f"the BM25 index holds {len(index)} documents, the corpus {len(self.data.corpus)}")
+      self._index = index
+    return self._index
 
 
 class TrainingDiagnostics:
@@ -267,24 +393,24 @@ class TrainingDiagnostics:
   queries: overlap of the model's real-time top-n with BM25's top-n (LTRe Fig. 3c), and with the
   negatives in use (STAR Fig. 4a: how far static or refreshed negatives lag the model).
 
-  BM25's top-n is retrieved once, from the index the BM25 negatives already hold, else this process's or
-  `cache_dir`'s index of the corpus (`jdr.bm25`), built only when there is none."""
+  BM25's top-n is retrieved once, from `bm25_index()` (a `BM25IndexOf`, shared with the evaluation's
+  candidates): the index the BM25 negatives already hold, else this process's or `cache_dir`'s index of the
+  corpus (`jdr.bm25`), built only when there is none."""
 
   def __init__(self, encoder: TowerEncoder, data, negatives, config: ml_collections.ConfigDict, *,
-               cache_dir=None):
+               cache_dir=None, bm25_index: Callable | None = None):
     self.encoder, self.data, self.negatives = encoder, data, negatives
     self.n = config.negatives.top_n or 200
     train_qids = sorted(q for q, docs in data.train_qrels.items() if any(r > 0 for r in docs.values()))
     self.qids = train_qids[:config.eval.diagnostic_queries] if config.eval.diagnostic_queries else []
     self.cache_dir = cache_dir
+    self.bm25_index = bm25_index or BM25IndexOf(data, negatives, cache_dir)
     self._bm25 = None
 
   def bm25_rows(self) -> np.ndarray:
     if self._bm25 is None:
       from jdr import bm25  # pylint: disable=g-import-not-at-top  (only BM25 users need numba)
-      index = sampled.bm25_index_of(getattr(self.negatives, "sampler", None))
-      if index is None:
-        index = bm25.corpus_index(self.data.corpus, cache_dir=self.cache_dir)
+      index = self.bm25_index()
       if len(index) != len(self.encoder.doc_ids):
         raise ValueError(f"the BM25 index holds {len(index)} documents, the encoded corpus "
                          f"{len(self.encoder.doc_ids)}")
@@ -341,7 +467,13 @@ class RerankEvaluator:
   def _bm25(self, k: int) -> dict:
     return sampled.bm25_run(self.data.corpus, self.data.queries, self.qids, k)
 
-  def __call__(self, params) -> dict[str, float]:
+  def describe(self, final: bool = False) -> str:
+    del final  # every evaluation of a cross-encoder is this one
+    first = pathlib.Path(self.config.eval.rerank_run).name if self.config.eval.rerank_run else "BM25"
+    return f"reranking: {first} top-{self.depth} of {len(self.qids):,} queries"
+
+  def __call__(self, params, final: bool = False) -> dict[str, float]:
+    del final
     score = reranking.make_scorer(self.model, params, self.tokenizer, max_length=self.config.data.doc_max_length,
                                   batch_size=self.config.eval.rerank_batch_size or None,
                                   query_max_length=self.config.data.query_max_length)
@@ -350,6 +482,10 @@ class RerankEvaluator:
     return metrics_lib.evaluate(qrels, run, self.metric_names)
 
 
+def metrics_line(title: str, scores: dict[str, float]) -> str:
+  return f"{title}: " + "  ".join(f"{k}={v:.4f}" for k, v in scores.items())
+
+
 def print_metrics(title: str, scores: dict[str, float]) -> None:
   if jax.process_index() == 0:
-    print(f"{title}: " + "  ".join(f"{k}={v:.4f}" for k, v in scores.items()), flush=True, file=sys.stdout)
+    print(metrics_line(title, scores), flush=True, file=sys.stdout)

@@ -135,15 +135,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   evaluator = None
   if data.eval_qrels and negatives.candidates == "pairs":  # a cross-encoder reranks a first stage
     evaluator = evaluation.RerankEvaluator(model, built.tokenizer, data, config)
-  elif data.eval_qrels:
-    diagnostics = evaluation.TrainingDiagnostics(encoder, data, negatives, config, cache_dir=workdir / "cache")
+  elif data.eval_qrels:  # periodic: eval.candidates (the corpus, or each query's candidates); final: eval.final
+    bm25_index = evaluation.BM25IndexOf(data, negatives, workdir / "cache")  # one lookup for both users
+    diagnostics = evaluation.TrainingDiagnostics(encoder, data, negatives, config, cache_dir=workdir / "cache",
+                                                 bm25_index=bm25_index)
     evaluator = evaluation.Evaluator(encoder, config, mesh, doc_tower_frozen=query_only,
-                                     diagnostics=diagnostics, fixed_doc_emb=negatives.doc_emb)
+                                     diagnostics=diagnostics, fixed_doc_emb=negatives.doc_emb,
+                                     cache_dir=workdir / "cache", bm25_index=bm25_index)
   results = {}
   if evaluator and start == 0 and config.eval_before_training:
     results["before"] = evaluator(state.params)
     writer.write(0, {f"eval/{k}": v for k, v in results["before"].items()})
-    evaluation.print_metrics("before training", results["before"])
+    evaluation.print_metrics(f"before training, eval ({evaluator.describe()})", results["before"])
 
   # ---------------------------------------------------------------- loop
   bar = tqdm.tqdm(total=config.num_train_steps, initial=start, unit="step", desc="train",
@@ -180,7 +183,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
       if evaluator and config.eval_every and done % config.eval_every == 0 and done < config.num_train_steps:
         scores = evaluator(state.params)
         writer.write(done, {f"eval/{k}": v for k, v in scores.items()})
-        bar.write(f"step {done}: " + ", ".join(f"{k}={v:.4f}" for k, v in scores.items()))
+        bar.write(evaluation.metrics_line(f"step {done}, eval ({evaluator.describe()})", scores))
       if stop.requested():
         break
   finally:
@@ -195,11 +198,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     raise preemption.Stopped(stop.signum, int(state.step), workdir)
 
   if evaluator:
-    results["after"] = evaluator(state.params)
+    results["after"] = evaluator(state.params, final=True)
     writer.write(int(state.step), {f"eval/{k}": v for k, v in results["after"].items()})
     if "before" in results:
-      evaluation.print_metrics("before training", results["before"])
-    evaluation.print_metrics(f"after {int(state.step)} steps", results["after"])
+      evaluation.print_metrics(f"before training, eval ({evaluator.describe()})", results["before"])
+    evaluation.print_metrics(f"after {int(state.step)} steps, eval ({evaluator.describe(final=True)})",
+                             results["after"])
   writer.close()
   results["state"] = state
   return results

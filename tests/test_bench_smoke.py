@@ -157,3 +157,16 @@ def test_compiled_kernels_of_the_host_and_a_config_override(capsys):
     with pytest.raises(SystemExit) as exit_info:
       compiled_kernels.main(["--target", "h200"])
     assert exit_info.value.code == 2 and "needs jax's CUDA plugin" in capsys.readouterr().err
+
+
+def test_eval_candidates_bench_small(tmp_path, capsys):
+  """`python -m jdr.bench eval-candidates` on a synthetic corpus with a fresh tiny model: both kinds run and the
+  JSON line compares them."""
+  from jdr.bench import eval_candidates  # pylint: disable=g-import-not-at-top
+  eval_candidates.main(["--passages", "300", "--model", "", "--doc-max-length", "32", "--depth", "20",
+                        "--root", str(tmp_path)])
+  result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert result["documents"] == 300 and result["depth"] == 20 and result["queries"] >= 5
+  assert result["candidates"].keys() == result["full"].keys() == {"ndcg@10", "mrr@10", "recall@100"}
+  assert 0 < result["candidate_documents"] <= result["queries"] * 20
+  assert result["jdr"] > 0 and result["reference"] > 0

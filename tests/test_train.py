@@ -294,7 +294,9 @@ def test_train_then_evaluate_end_to_end(tmp_path):
   proc = _run_train(tmp_path, *_train_cmd(tmp_path / "w", data, "--config.num_train_steps=10",
                                           "--config.checkpoint_every=5")[3:])
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "before training: ndcg@10=" in proc.stdout and "after 10 steps: ndcg@10=" in proc.stdout
+  # Each evaluation line says which kind it is: a corpus this small is evaluated whole.
+  assert "before training, eval (full corpus, 40 documents, 10 queries): ndcg@10=" in proc.stdout
+  assert "after 10 steps, eval (full corpus, 40 documents, 10 queries): ndcg@10=" in proc.stdout
   records = [json.loads(l) for l in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
   evals = [r for r in records if "eval/ndcg@10" in r]
   assert [r["step"] for r in evals] == [0, 10]

@@ -14,6 +14,7 @@ BENCHMARKS = {
     "cross-encoder": "jdr.bench.cross_encoder",
     "device": "jdr.bench.device",
     "encode": "jdr.bench.encode_speed",
+    "eval-candidates": "jdr.bench.eval_candidates",
     "fgd-ablation": "jdr.bench.fgd_ablation",
     "fgd-step": "jdr.bench.fgd_step",
     "pretrain": "jdr.bench.pretrain_speed",

@@ -277,7 +277,10 @@ def _evaluate(ctx: Context) -> dict:
   marks.wrap(evaluation.Evaluator, "__call__", "evaluate")
   marks.wrap(evaluation.TowerEncoder, "corpus", "encode_corpus")
   marks.wrap(evaluation.TrainingDiagnostics, "__call__", "diagnostics")
-  config = _config(ctx, "num_train_steps=0", "eval_before_training=false", "checkpoint_every=0")
+  # The full-corpus evaluation, as the end of training runs it (python -m jdr.bench eval-candidates times the
+  # candidates the evaluations during training score).
+  config = _config(ctx, "num_train_steps=0", "eval_before_training=false", "checkpoint_every=0",
+                   "eval.candidates=full")
   start = time.perf_counter()
   results = train.train_and_evaluate(config, ctx.path("evaluate"))
   if "evaluate" not in marks.first_start:
