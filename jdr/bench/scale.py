@@ -25,6 +25,8 @@ memory is its own:
   encode_corpus     python -m jdr.encode of the corpus with that model
   dense_mine        jdr.negatives.retrieved.exact_top_rows: the top 200 of every training query over
                     encode_corpus's vectors (load_s: reading them, encode_queries_s: the queries' vectors)
+  adore_index       ADORE's fixed index as the trainer holds it (Faiss): encode_corpus's vectors memory-mapped,
+                    searched and gathered for a few batches; matrix_copies = its added peak in float32 matrices
   evaluate          the trainer's evaluation of the dev queries: jdr.train at step 0, timed around its evaluator,
                     of which encode_corpus_s and diagnostics_s are parts (setup_s: the trainer before it)
 
@@ -271,6 +273,35 @@ def _dense_mine(ctx: Context) -> dict:
           "queries": len(qids), "top_n": int(rows.shape[1]), "backend": ctx.dense_backend}
 
 
+ADORE_STEPS = 4  # host retrievals timed by adore_index, each a batch of 32 queries
+
+
+def _adore_index(ctx: Context) -> dict:
+  """ADORE's fixed index as the trainer holds it with Faiss (negatives.source=retrieval, the default back-end):
+  the encoding memory-mapped, retrieval over it and the batch's candidates' vectors, for ADORE_STEPS batches.
+  `matrix_copies` is the peak memory this adds over the process before loading, in float32 matrices."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+  from jdr.negatives import retrieved  # pylint: disable=g-import-not-at-top
+  before = peak_rss_bytes()
+  start = time.perf_counter()
+  emb, _, _ = corpus_lib.load_embeddings(ctx.path("encoding"))
+  index = retrieved.HostIndex(emb, "Flat")
+  built = time.perf_counter()
+  rng = np.random.default_rng(ctx.seed)
+  for _ in range(ADORE_STEPS):
+    # Documents' own vectors stand in for the query tower's: the same width and norms.
+    queries = np.asarray(emb[np.sort(rng.choice(len(emb), 32, replace=False))], np.float32)
+    batch = {"positive_rows": rng.integers(0, len(emb), size=(32, 1)).astype(np.int32)}
+    rows = index.search(queries, TOP_N)
+    retrieved.with_vectors(batch, rows, index.vectors)
+  end = time.perf_counter()
+  matrix_bytes = len(emb) * emb.shape[1] * 4
+  return {"seconds": end - start, "index_s": built - start, "step_s": (end - built) / ADORE_STEPS,
+          "matrix_gib": matrix_bytes / GIB, "matrix_copies": (peak_rss_bytes() - before) / matrix_bytes,
+          "steps": ADORE_STEPS}
+
+
 def _evaluate(ctx: Context) -> dict:
   from jdr import evaluation, train  # pylint: disable=g-import-not-at-top
   marks = _Marks()
@@ -300,6 +331,7 @@ STAGES = {
     "encode_corpus": Stage(_encode_corpus, needs=("generate", "tiny_model"), requires=("jdr.encode:main",)),
     "dense_mine": Stage(_dense_mine, per="query", needs=("encode_corpus", "tiny_model"),
                         requires=("jdr.negatives.retrieved:exact_top_rows",)),
+    "adore_index": Stage(_adore_index, needs=("encode_corpus",), requires=("jdr.negatives.retrieved:HostIndex",)),
     "evaluate": Stage(_evaluate, per="query", needs=("generate",),
                       requires=("jdr.evaluation:Evaluator", "jdr.evaluation:TowerEncoder",
                                 "jdr.evaluation:TrainingDiagnostics")),
