@@ -28,11 +28,11 @@ import tqdm
 from jdr import corpus as corpus_lib
 from jdr import corpus_cache
 from jdr import eval_candidates
-from jdr import index as index_lib
 from jdr import metrics as metrics_lib
 from jdr import parallel
 from jdr import paths
 from jdr import reranking
+from jdr import topk
 from jdr.data import formats
 from jdr.data import prepared
 from jdr.data import text as text_lib
@@ -63,7 +63,7 @@ class TowerEncoder:
     self._model = model
     self.query_max_length, self.doc_max_length = query_max_length, doc_max_length
     self.tokens_per_batch = tokens_per_batch or None
-    self.doc_ids = list(data.corpus)
+    self.doc_ids = sampled.id_sequence(data.corpus)  # a prepared corpus's ids stay in its map
     self._doc_tokens = None
     self._query_tokens: dict[str, np.ndarray] = {}
     doc = lambda p, i, m: model.apply({"params": p}, i, m, method=TwoTower.encode_doc)
@@ -94,11 +94,10 @@ class TowerEncoder:
   @property
   def doc_tokens(self):
     """Token ids of this host's part of the corpus (`self.part`; the whole corpus on one host)."""
-    if self._doc_tokens is None:  # tokenized once per run, on first use
+    if self._doc_tokens is None:  # once per run, on first use: a prepared corpus's rows of its map
       lo, hi = self.part
-      self._doc_tokens = text_lib.tokenize(
-          self.tokenizer, [text_lib.doc_text(self.data.corpus[d]) for d in self.doc_ids[lo:hi]],
-          self.doc_max_length)
+      self._doc_tokens = corpus_lib.document_tokens(self.tokenizer, self.data.corpus, self.doc_max_length, lo, hi,
+                                                    progress=self.host == 0)
     return self._doc_tokens
 
   def corpus(self, params, progress: bool = False, shards_dir: str | os.PathLike | None = None) -> np.ndarray:
@@ -257,7 +256,8 @@ class Evaluator:
 
   def __init__(self, encoder: TowerEncoder, config: ml_collections.ConfigDict, mesh, *,
                doc_tower_frozen: bool = False, diagnostics=None, fixed_doc_emb: np.ndarray | None = None,
-               cache_dir: str | os.PathLike | None = None, bm25_index: Callable | None = None):
+               cache_dir: str | os.PathLike | None = None, bm25_index: Callable | None = None,
+               fixed_corpus: retrieved.CorpusMatrix | None = None):
     self.encoder, self.config, self.mesh = encoder, config, mesh
     self.data = encoder.data
     self.metric_names = [m.strip() for m in config.eval.metrics.split(",") if m.strip()]
@@ -270,9 +270,12 @@ class Evaluator:
     self.factories = [f.strip() for f in _split_factories(config.eval.factories)] or ["Flat"]
     self.doc_tower_frozen = doc_tower_frozen
     self.diagnostics = diagnostics
-    self._fixed: dict[str, index_lib.Retriever] = {}
-    # A frozen document tower's corpus vectors, when the caller already has them (ADORE's fixed index).
+    self._fixed: dict[str, retrieved.HostIndex] = {}
+    # A frozen document tower's corpus vectors, when the caller already has them (ADORE's fixed index), and
+    # their copy on the devices, when its step searches there: searched here too, never copied again.
     self._fixed_emb = fixed_doc_emb if doc_tower_frozen else None
+    self._fixed_corpus = fixed_corpus if doc_tower_frozen else None
+    self._fixed_search = {}
     self._shards_dir = paths.as_path(cache_dir) / "eval-corpus" if cache_dir is not None else None
     self.periodic = periodic_kind(config.eval, len(qids), len(encoder.doc_ids), doc_tower_frozen)
     self.candidates = None
@@ -306,17 +309,28 @@ class Evaluator:
       return self._fixed_emb
     return self.encoder.corpus(params, progress=True, shards_dir=self._shards_dir)
 
-  def _retriever(self, factory: str, doc_emb: np.ndarray, first: bool):
-    if self.doc_tower_frozen and factory in self._fixed:
-      return self._fixed[factory]
-    if first and self.config.eval.backend == "jax":
-      retriever = corpus_lib.build_index(doc_emb, self.encoder.doc_ids, "jax", mesh=self.mesh,
-                                         jax_dtype=self.config.eval.corpus_dtype)
-    else:
-      retriever = corpus_lib.build_index(doc_emb, self.encoder.doc_ids, "faiss", factory)
-    if self.doc_tower_frozen:
-      self._fixed[factory] = retriever
-    return retriever
+  def _search(self, factory: str, doc_emb, query_emb: np.ndarray, k: int, first: bool):
+    """(rows [Q, k], scores) of the corpus's top k on `factory`, by row: no index holds ids or a copy of a
+    Flat matrix. Flat is the exact search, on the mesh (eval.backend=jax, the first factory) or by faiss.knn
+    over the vectors where they lie (memory-mapped shards); a compressed factory is a Faiss index of its
+    codes, kept for every evaluation when the document tower is frozen."""
+    if retrieved.is_flat(factory):
+      if first and self._fixed_corpus is not None:  # ADORE's matrix on the devices: its own placement
+        corpus = self._fixed_corpus
+        if k not in self._fixed_search:
+          placed = topk.ShardedCorpus(corpus.device, corpus.bias, corpus.num_docs, "", corpus.block_rows)
+          self._fixed_search[k] = topk.search_fn(placed, k, self.mesh)
+        scores, rows = jax.device_get(self._fixed_search[k](np.asarray(query_emb, np.float32)))
+        return np.asarray(rows, np.int32), np.asarray(scores, np.float32)
+      backend = self.config.eval.backend if first else "faiss"
+      return retrieved.exact_top_rows(doc_emb, query_emb, k, backend, self.config.eval.corpus_dtype,
+                                      mesh=self.mesh if backend == "jax" else None)
+    index = self._fixed.get(factory)
+    if index is None:
+      index = retrieved.HostIndex(doc_emb, factory, seed=self.config.seed)
+      if self.doc_tower_frozen:
+        self._fixed[factory] = index
+    return index.search_scored(query_emb, k)
 
   def __call__(self, params, final: bool = False) -> dict[str, float]:
     query_emb = self.encoder.queries(params, self.qids)
@@ -332,10 +346,11 @@ class Evaluator:
   def _full_corpus(self, params, doc_emb: np.ndarray, query_emb: np.ndarray) -> dict[str, float]:
     qrels = {q: self.data.eval_qrels[q] for q in self.qids}
     results = {}
+    k = min(self.config.eval.top_k, len(self.encoder.doc_ids))
     for i, factory in enumerate(self.factories):
-      retriever = self._retriever(factory, doc_emb, i == 0)
-      scores, ids = retriever.search(query_emb, min(self.config.eval.top_k, len(self.encoder.doc_ids)))
-      run = index_lib.to_run(self.qids, scores, ids)
+      rows, scores = self._search(factory, doc_emb, query_emb, k, i == 0)
+      run = {q: {self.encoder.doc_ids[int(r)]: float(v) for r, v in zip(row, score) if r >= 0}
+             for q, row, score in zip(self.qids, rows, scores)}
       scored = metrics_lib.evaluate(qrels, run, self.metric_names)
       prefix = "" if i == 0 else f"{factory}/"
       results.update({prefix + k: v for k, v in scored.items()})

@@ -141,7 +141,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
                                                  bm25_index=bm25_index)
     evaluator = evaluation.Evaluator(encoder, config, mesh, doc_tower_frozen=query_only,
                                      diagnostics=diagnostics, fixed_doc_emb=negatives.doc_emb,
-                                     cache_dir=workdir / "cache", bm25_index=bm25_index)
+                                     fixed_corpus=negatives.corpus, cache_dir=workdir / "cache",
+                                     bm25_index=bm25_index)
   results = {}
   if evaluator and start == 0 and config.eval_before_training:
     results["before"] = evaluator(state.params)

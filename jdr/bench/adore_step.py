@@ -9,9 +9,9 @@ of the tower's width (384) at each size, on the mesh as `jdr.negatives.retrieved
 each query's positive is a random row: retrieval costs the same whatever the vectors mean.
 
   faiss  per step, (a) the host retrieval exactly as the trainer runs it (`HostRetrieval`: the extra query
-         forward with the step's dropout rng, then the Faiss search) and (b) the jitted step given those
-         `cand_rows`; share = a / (a + b). Compressed indexes are trained on at most 100k vectors
-         (`reconstruct`'s train_size) and the step scores against their reconstruction, as in training.
+         forward with the step's dropout rng, the Faiss search, the candidates' vectors) and (b) the jitted
+         step given those `cand_rows` and vectors; share = a / (a + b). Compressed indexes are trained on at
+         most 100k vectors (`HostIndex`'s train_size) and the step scores their reconstruction, as in training.
   jax    (exact, so Flat only) the jitted step retrieving inside itself (`sharded_top_k`) vs the same step
          given precomputed `cand_rows`; share = (t_in_step - t_given) / t_in_step.
 
@@ -124,11 +124,12 @@ class Bench:
 
   def faiss(self, emb: np.ndarray, positives: np.ndarray, factory: str) -> dict:
     start = time.perf_counter()
-    retriever, scored = self.retrieved.reconstruct(emb, factory, seed=0, train_size=self.args.train_size)
+    index = self.retrieved.HostIndex(emb, factory, seed=0, train_size=self.args.train_size)
     build_s = time.perf_counter() - start
-    corpus = self.retrieved.put_corpus(scored, [str(i) for i in range(len(emb))], self.mesh)
-    del scored
-    host = self.retrieved.HostRetrieval(retriever, self.args.top_n, self.query_vectors, self.mesh)
+    # The jitted step takes a corpus argument; with the batch's candidate vectors (what the host retrieval
+    # adds, as in training) it scores those and never reads it.
+    corpus = self.retrieved.put_corpus(emb[:1], ["0"], self.mesh)
+    host = self.retrieved.HostRetrieval(index, self.args.top_n, self.query_vectors, self.mesh)
     batch = {**self.queries, "positive_rows": positives}
     retrieval, step = [], []
     for i in range(2 + self.args.steps):
@@ -141,7 +142,7 @@ class Bench:
         step.append(b)
     a, b = float(np.median(retrieval)), float(np.median(step))
     return {"retrieval_share": a / (a + b), "retrieval_s": a, "step_s": b, "index_build_s": build_s,
-            "faiss_gpu": bool(getattr(retriever, "_want_gpu", False))}
+            "faiss_gpu": bool(getattr(index.retriever, "_want_gpu", False))}
 
   def jax(self, corpus, num_docs: int, positives: np.ndarray) -> dict:
     """`corpus`: anything with the step's `device` rows and `bias` (retrieved.put_corpus, or Placed)."""

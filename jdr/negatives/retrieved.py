@@ -54,13 +54,13 @@ class CorpusMatrix:
 
   `device` holds the rows sharded over every mesh axis (`jdr.topk`: float32, bfloat16 by default on
   accelerators, or int8 with a scale per row; padding rows are zeros) and `bias` [N_pad] is 0 for documents,
-  -inf for padding rows, so padding never wins a top-k. `host` keeps the float32 numpy copy the host-side
-  paths need (Faiss, positives' vectors).
+  -inf for padding rows, so padding never wins a top-k. `host` is the matrix it was placed from, as given (a
+  memory-mapped encoding: not a second copy).
   """
   host: np.ndarray
   device: object
   bias: jax.Array
-  ids: list[str]
+  ids: object  # the doc ids in row order: a list, or a prepared corpus's lazy sequence
   block_rows: int = topk.DEFAULT_BLOCK_ROWS
 
   @property
@@ -68,10 +68,11 @@ class CorpusMatrix:
     return len(self.ids)
 
 
-def put_corpus(matrix: np.ndarray, ids: list[str], mesh, dtype: str = "auto") -> CorpusMatrix:
-  matrix = np.ascontiguousarray(matrix, np.float32)
+def put_corpus(matrix: np.ndarray, ids, mesh, dtype: str = "auto") -> CorpusMatrix:
+  """The matrix on the devices (`topk.put_corpus`: a chunk at a time from the host); `ids` is kept as given
+  (a prepared corpus's ids stay a lazy sequence), and `host` is `matrix` itself, not a copy of it."""
   placed = topk.put_corpus(matrix, mesh, dtype)
-  return CorpusMatrix(matrix, placed.rows, placed.bias, list(ids), placed.block_rows)
+  return CorpusMatrix(matrix, placed.rows, placed.bias, ids, placed.block_rows)
 
 
 def corpus_shardings(mesh):
@@ -223,15 +224,21 @@ class HostIndex:
 
   def search(self, queries: np.ndarray, n: int) -> np.ndarray:
     """int32 rows [Q, n] of each query's top n, -1 where the index finds fewer."""
+    return self.search_scored(queries, n)[0]
+
+  def search_scored(self, queries: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(rows int32 [Q, n], scores float32 [Q, n]): -1 and -inf where the index finds fewer."""
     if self.retriever is None:
-      return exact_top_rows(self.matrix, queries, n, "faiss")[0]
+      return exact_top_rows(self.matrix, queries, n, "faiss")
     queries = np.ascontiguousarray(queries, np.float32)
     rows = np.full((len(queries), n), -1, np.int32)
+    scores = np.full((len(queries), n), -np.inf, np.float32)
     k = min(n, self.num_docs)
     for start in range(0, len(queries), 1024):
-      _, found = self._index.search(queries[start:start + 1024], k)
+      found_scores, found = self._index.search(queries[start:start + 1024], k)
       rows[start:start + len(found), :k] = found
-    return rows
+      scores[start:start + len(found), :k] = np.where(found < 0, -np.inf, found_scores)
+    return rows, scores
 
 
 def reconstruct(embeddings: np.ndarray, factory: str, *, seed: int = 0, train_size: int = 100_000):
