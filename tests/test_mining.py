@@ -163,3 +163,28 @@ def test_compressed_host_index_decodes_what_it_searches():
   queries = rng.normal(size=(5, 16)).astype(np.float32)
   _, ids = retriever.search(queries, 10)
   np.testing.assert_array_equal(index.search(queries, 10), np.array(ids, dtype=np.int64))
+
+
+def test_the_evaluator_searches_adores_device_matrix_and_the_mapped_one_alike(tmp_path):
+  """A frozen document tower's evaluation searches the matrix the step placed (no second placement) and,
+  for the other factories, the vectors where they lie: both give numpy's exact top k."""
+  import types  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  from jdr import evaluation  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(8)
+  emb = rng.normal(size=(400, 8)).astype(np.float32)
+  np.save(tmp_path / "emb.npy", emb)
+  mapped = np.load(tmp_path / "emb.npy", mmap_mode="r")
+  queries = rng.normal(size=(7, 8)).astype(np.float32)
+  mesh = jax.make_mesh((1,), ("docs",))
+  placed = retrieved.put_corpus(mapped, [str(i) for i in range(400)], mesh, "float32")
+  config = ml_collections.ConfigDict({"seed": 0, "eval": {"backend": "jax", "corpus_dtype": "float32"}})
+  me = types.SimpleNamespace(_fixed_corpus=placed, _fixed_search={}, mesh=mesh, config=config, _fixed={},
+                             doc_tower_frozen=True)
+  expected_rows, expected_scores = brute_force(emb, queries, 12)
+  for fixed in (placed, None):  # the step's device copy, then the mapped file by faiss.knn
+    me._fixed_corpus = fixed  # pylint: disable=protected-access
+    for first in (True, False):
+      rows, scores = evaluation.Evaluator._search(me, "Flat", mapped, queries, 12, first)  # pylint: disable=protected-access
+      np.testing.assert_array_equal(rows, expected_rows)
+      np.testing.assert_allclose(scores, expected_scores, rtol=1e-5, atol=1e-5)
