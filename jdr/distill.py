@@ -58,6 +58,12 @@ def levels(config: ml_collections.ConfigDict) -> list[tuple[str, int]]:
   return [(g, int(sizes[g])) for g in names]
 
 
+def piece_counts(config: ml_collections.ConfigDict) -> dict[str, int]:
+  """K per level: the pieces of a document of data.doc_max_length tokens (the [CLS] left out), the width of
+  the batch's teacher_<level>_pos / _neg fields."""
+  return {name: max(1, -(-(config.data.doc_max_length - 1) // size)) for name, size in levels(config)}
+
+
 def check(config: ml_collections.ConfigDict) -> None:
   """Refuses distillation settings the trainer cannot run, before anything is loaded."""
   if not enabled(config):
@@ -221,7 +227,7 @@ class TeacherScores:
     self.config, self.data, self.tokenizer = config, data, tokenizer
     self.doc_tokens, self.query_tokens = dict(doc_tokens), dict(query_tokens)
     self.levels = levels(config)
-    self.counts = {name: max(1, -(-(config.data.doc_max_length - 1) // size)) for name, size in self.levels}
+    self.counts = piece_counts(config)
     self._score_fn = None
     self.late = 0
     key = hashlib.sha256(json.dumps([str(paths.absolute(config.distill.teacher)), data.name,

@@ -4,8 +4,14 @@ Lowers and compiles the configured train step for the configured mesh, on abstra
 no weights are loaded, nothing is allocated), and reports per device: the bytes of the parameters and of the
 optimizer state (from their shardings), the step's compiled memory (XLA's memory analysis: arguments,
 outputs, temporaries, i.e. activations and gradients) and the FLOPs each device executes per step (XLA's
-cost analysis of the partitioned module). Token batches (in-batch, sampled negatives, pretraining pairs); ADORE's corpus batches also need the
-corpus, whose size `corpus_matrix_bytes` gives.
+cost analysis of the partitioned module). Token batches (in-batch, sampled negatives, pretraining pairs) and
+ADORE / LTRe's corpus batches; masked-LM pretraining is not covered.
+
+ADORE / LTRe score against a fixed corpus matrix of N rows (`corpus_rows`, by default MS MARCO passage's
+8,841,823, the size their full recipes train on), which is abstract here too (jdr.topk.abstract_corpus). With
+`negatives.retrieval_backend=jax` its row shard is an argument of the step, so the step's total per device
+includes it; with Faiss (the recipes' default) the matrix stays memory-mapped on the host, the batch carries
+the candidates' vectors, and the report gives the host's bytes beside the devices'.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from jdr import distill
 from jdr import optimizers
 from jdr import parallel
 from jdr import step as step_lib
@@ -44,6 +51,10 @@ def corpus_matrix_bytes(num_docs: int, dim: int, devices: int, dtype: str = "flo
   return rows * dim * jnp.dtype(dtype).itemsize
 
 
+# MS MARCO passage ranking's corpus: the rows ADORE / LTRe's full recipes search at every step.
+MSMARCO_PASSAGES = 8_841_823
+
+
 def abstract_batch(config: ml_collections.ConfigDict, sharding) -> dict:
   b = config.batch_size
   lq, ld = config.data.query_max_length, config.data.doc_max_length
@@ -55,6 +66,12 @@ def abstract_batch(config: ml_collections.ConfigDict, sharding) -> dict:
     c = b * (1 + config.negatives.per_query) if config.data.kind != "pretrain" else b
     shapes = {"query_ids": ((b, lq), jnp.int32), "query_mask": ((b, lq), jnp.int32),
               "doc_ids": ((c, ld), jnp.int32), "doc_mask": ((c, ld), jnp.int32), "valid": ((b, c), jnp.bool_)}
+    if distill.enabled(config):  # the teacher's scores of each query's own candidates (distill.Distiller)
+      n = config.negatives.per_query
+      shapes["teacher_doc"] = ((b, 1 + n), jnp.float32)
+      for name, k in distill.piece_counts(config).items():
+        shapes[f"teacher_{name}_pos"] = ((b, k), jnp.float32)
+        shapes[f"teacher_{name}_neg"] = ((b, n, k), jnp.float32)
   return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for k, (shape, dtype) in shapes.items()}
 
 
@@ -69,6 +86,12 @@ GPU_TARGETS = {
                  l2=52_428_800, shared_per_sm=233_472, shared_per_block_optin=232_448, clock_ghz=1.98,
                  compute_capability=(9, 0)),
 }
+
+
+# Compiling for a GPU without one, XLA cannot autotune: its Triton GEMM fusions then take untuned tile sizes,
+# and for some of BERT-base's gradient matmuls it finds none and fails. Matmuls go to cuBLAS instead, as
+# autotuning chose for BERT-base's on an H200 (docs/performance.md).
+DEVICELESS_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 
 
 def gpu_target_config(name: str) -> str:
@@ -101,9 +124,20 @@ device_description_str: "{g["name"]}"
 """
 
 
-def gpu_target_devices(name: str) -> list:
-  """One device of a GPU of GPU_TARGETS, for compiling for it on a host without it; needs jax's CUDA plugin
-  (pip install 'jax[cuda12]'), which compiles without a GPU when JAX_SKIP_CUDA_CONSTRAINTS_CHECK is set."""
+def gpu_target(topology: str) -> tuple[str, int] | None:
+  """(GPU of GPU_TARGETS, GPUs on the host) of a topology name "h100" or "h200:8" (eight on one host); None
+  for any other name (a TPU slice)."""
+  name, _, count = topology.partition(":")
+  if name not in GPU_TARGETS:
+    return None
+  if count and not (count.isdigit() and int(count) >= 1):
+    raise ValueError(f"--topology {topology}: the GPUs of one host come after the colon, e.g. {name}:8")
+  return name, int(count or 1)
+
+
+def gpu_target_devices(name: str, count: int = 1) -> list:
+  """`count` GPUs of GPU_TARGETS on one host, for compiling for them on a host without them; needs jax's CUDA
+  plugin (pip install 'jax[cuda12]'), which compiles without a GPU when JAX_SKIP_CUDA_CONSTRAINTS_CHECK is set."""
   import os  # pylint: disable=g-import-not-at-top
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   if name not in GPU_TARGETS:
@@ -111,7 +145,8 @@ def gpu_target_devices(name: str) -> list:
   # Without a GPU the plugin's start-up check of the CUDA driver fails and jax drops the plugin.
   os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
   try:
-    return list(topologies.get_topology_desc(topology_name=name, platform="cuda", topology="1x1x1",
+    # The CUDA topology is slices x hosts a slice x GPUs a host.
+    return list(topologies.get_topology_desc(topology_name=name, platform="cuda", topology=f"1x1x{count}",
                                              target_config=gpu_target_config(name)).devices)
   except Exception as e:  # pylint: disable=broad-except  (the plugin absent: say what it takes)
     raise ValueError(f"GPU target {name}: no CUDA topology description ({type(e).__name__}: "
@@ -131,22 +166,26 @@ def topology_devices(name: str) -> list:
                      "name such as v5e:2x2 or v4:2x2x1") from None
 
 
-def size_step(config: ml_collections.ConfigDict, topology: str | None = None) -> dict:
+def size_step(config: ml_collections.ConfigDict, topology: str | None = None,
+              corpus_rows: int = MSMARCO_PASSAGES) -> dict:
   """Compiles the step of `config` for its mesh; returns the per-device figures (module docstring).
 
-  With `topology` (a TPU slice name, or a GPU of GPU_TARGETS) the mesh is built from that slice's devices (the
-  GPU's one) and the step compiled for them ahead of time, with that platform's defaults (model.dtype auto =
-  bfloat16, fused attention)."""
+  With `topology` (a TPU slice name, or a GPU of GPU_TARGETS: "h100", or "h100:8" for eight on one host) the
+  mesh is built from that slice's devices (the host's GPUs) and the step compiled for them ahead of time, with
+  that platform's defaults (model.dtype auto = bfloat16, fused attention). `corpus_rows`: the rows of ADORE /
+  LTRe's fixed corpus (other steps have none)."""
   if topology is None:
-    return _size_step(config, None)
-  if topology in GPU_TARGETS:
-    devices, platform = gpu_target_devices(topology), "gpu"
-    kind = GPU_TARGETS[topology]["name"]
+    return _size_step(config, None, corpus_rows)
+  options = None
+  gpu = gpu_target(topology)
+  if gpu:
+    devices, platform = gpu_target_devices(*gpu), "gpu"
+    kind, options = GPU_TARGETS[gpu[0]]["name"], DEVICELESS_GPU_OPTIONS
   else:
     devices, platform = topology_devices(topology), "tpu"
     kind = devices[0].device_kind
   with parallel.compiling_for(platform):
-    return {**_size_step(config, devices), "topology": topology, "device_kind": kind}
+    return {**_size_step(config, devices, corpus_rows, options), "topology": topology, "device_kind": kind}
 
 
 @dataclasses.dataclass
@@ -175,16 +214,24 @@ class CompiledStep:
   mesh: Any
   abstract: step_lib.TrainState
   batch: dict
+  # Corpus steps (ADORE / LTRe): the abstract (rows, bias) on the devices, None when the host serves the
+  # candidates; the corpus's rows and width, and where its candidates come from (CORPUS_RETRIEVAL).
+  corpus: Any = None
+  corpus_rows: int | None = None
+  corpus_dim: int | None = None
+  retrieval: str | None = None
 
 
-def compile_step(config: ml_collections.ConfigDict, devices=None, compiler_options: dict | None = None
-                 ) -> CompiledStep:
-  """Compiles the step of `config` for its mesh over `devices` (default: this host's) on abstract values."""
+def compile_step(config: ml_collections.ConfigDict, devices=None, compiler_options: dict | None = None,
+                 corpus_rows: int = MSMARCO_PASSAGES) -> CompiledStep:
+  """Compiles the step of `config` for its mesh over `devices` (default: this host's) on abstract values;
+  corpus candidates (ADORE / LTRe) against a corpus of `corpus_rows` rows, retrieved as the config says."""
   sources.check(config)
   candidates = sources.candidates(config)
-  if candidates == "corpus" or pretrain_batches.is_masked_lm(config):
-    raise ValueError("--compile-only sizes token-batch steps; ADORE / LTRe corpus batches and masked-LM are not "
-                     "covered yet (their corpus matrix: jdr.sizing.corpus_matrix_bytes)")
+  if pretrain_batches.is_masked_lm(config):
+    raise ValueError("--compile-only sizes token-batch and corpus steps; masked-LM pretraining is not covered yet")
+  if candidates == "corpus":
+    return compile_corpus_step(config, devices, corpus_rows, corpus_retrieval(config), compiler_options)
   setup = abstract_model(config, devices)
   parallel.check_batch_size(config.batch_size, setup.mesh)
   step = step_lib.make_train_step(setup.model, setup.tx, config, setup.mesh, candidates)
@@ -194,8 +241,63 @@ def compile_step(config: ml_collections.ConfigDict, devices=None, compiler_optio
   return CompiledStep(compiled, setup.mesh, setup.abstract, batch)
 
 
-def _size_step(config: ml_collections.ConfigDict, devices) -> dict:
-  step = compile_step(config, devices)
+# Where a corpus step's candidates come from: "in_step" (the JAX top-k inside the step, the matrix on the
+# devices), "host" (Faiss between steps: the batch carries the candidates' and positives' vectors, the matrix
+# stays on the host), "given" (candidate rows in the batch, vectors gathered from the matrix on the devices:
+# what the benchmarks time to tell the retrieval's share of a step; the trainer never runs it).
+CORPUS_RETRIEVAL = ("in_step", "host", "given")
+
+
+def corpus_retrieval(config: ml_collections.ConfigDict) -> str:
+  """The trainer's choice for `config` (jdr.negatives.sources: the JAX back-end retrieves in the step unless
+  the candidates are fixed before training, which, like Faiss, serves them from the host)."""
+  neg = config.negatives
+  return "in_step" if neg.retrieval_backend == "jax" and neg.retrieve_every != 0 else "host"
+
+
+def compile_corpus_step(config: ml_collections.ConfigDict, devices, corpus_rows: int, retrieval: str,
+                        compiler_options: dict | None = None, positives: int = 1) -> CompiledStep:
+  """ADORE / LTRe's step (the query tower against a fixed corpus of `corpus_rows` rows, its document tower
+  never run) compiled on abstract values; `retrieval` is one of CORPUS_RETRIEVAL. `positives` is the batch's
+  positive_rows width P (the most positives of a training query; each column beyond the first adds B x D
+  float32 of positive vectors with host retrieval). The corpus, when on the devices, is CompiledStep.corpus."""
+  from jdr import topk  # pylint: disable=g-import-not-at-top
+  if retrieval not in CORPUS_RETRIEVAL:
+    raise ValueError(f"retrieval must be one of {CORPUS_RETRIEVAL}, got {retrieval!r}")
+  setup = abstract_model(config, devices)
+  mesh = setup.mesh
+  parallel.check_batch_size(config.batch_size, mesh)
+  batch_sharding = parallel.batch_sharding(mesh)
+  b, length, n = config.batch_size, config.data.query_max_length, config.negatives.top_n
+  shapes = {"query_ids": ((b, length), jnp.int32), "query_mask": ((b, length), jnp.int32),
+            "positive_rows": ((b, positives), jnp.int32)}
+  dim = int(jax.eval_shape(step_lib.make_step_query_vectors(setup.model),
+                           setup.abstract, jax.ShapeDtypeStruct((b, length), jnp.int32),
+                           jax.ShapeDtypeStruct((b, length), jnp.int32)).shape[-1])
+  if retrieval != "in_step":
+    shapes["cand_rows"] = ((b, n), jnp.int32)
+  if retrieval == "host":
+    shapes["cand_vectors"] = ((b, n, dim), jnp.float32)
+    shapes["positive_vectors"] = ((b, positives, dim), jnp.float32)
+  batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding) for k, (shape, dtype) in shapes.items()}
+  step = step_lib.make_train_step(setup.model, setup.tx, config, mesh, "corpus", retrieval == "in_step")
+  if retrieval == "host":
+    compiled = step_lib.jit_step(step, setup.shardings, mesh).lower(setup.abstract, batch).compile(
+        compiler_options)
+    return CompiledStep(compiled, mesh, setup.abstract, batch, corpus=None, corpus_rows=corpus_rows,
+                        corpus_dim=dim, retrieval=retrieval)
+  corpus, bias = topk.abstract_corpus(corpus_rows, dim, mesh, config.negatives.corpus_dtype)
+  rows_sharding, bias_sharding = topk.row_shardings(mesh)
+  jitted = step_lib.jit(step, in_shardings=(setup.shardings, batch_sharding, rows_sharding, bias_sharding),
+                        out_shardings=(setup.shardings, parallel.replicated(mesh)), donate_argnums=(0,))
+  compiled = jitted.lower(setup.abstract, batch, corpus, bias).compile(compiler_options)
+  return CompiledStep(compiled, mesh, setup.abstract, batch, corpus=(corpus, bias), corpus_rows=corpus_rows,
+                      corpus_dim=dim, retrieval=retrieval)
+
+
+def _size_step(config: ml_collections.ConfigDict, devices, corpus_rows: int = MSMARCO_PASSAGES,
+               compiler_options: dict | None = None) -> dict:
+  step = compile_step(config, devices, compiler_options, corpus_rows=corpus_rows)
   compiled, mesh, abstract, batch = step.compiled, step.mesh, step.abstract, step.batch
   memory = compiled.memory_analysis()
   cost = compiled.cost_analysis()
@@ -217,7 +319,20 @@ def _size_step(config: ml_collections.ConfigDict, devices) -> dict:
       # XLA's cost analysis of the SPMD-partitioned module: what one device executes, replicated work (a
       # data-parallel optimizer update) included, so the sum over devices exceeds the model's own count.
       "flops_per_device": flops, "flops_all_devices": flops * devices if flops is not None else None,
+      **_corpus_figures(step),
   }
+
+
+def _corpus_figures(step: CompiledStep) -> dict:
+  """A corpus step's matrix: its row shard per device (inside argument_bytes when on the devices) and what
+  the host holds instead with Faiss (the float32 encoding, memory-mapped)."""
+  if step.retrieval is None:
+    return {}
+  on_devices = per_device_bytes(step.corpus) if step.corpus is not None else 0
+  return {"corpus_rows": step.corpus_rows, "corpus_dim": step.corpus_dim, "retrieval": step.retrieval,
+          "corpus_dtype": str(jax.tree.leaves(step.corpus)[0].dtype) if step.corpus is not None else None,
+          "corpus_bytes_per_device": on_devices,
+          "corpus_host_bytes": 0 if step.corpus is not None else step.corpus_rows * step.corpus_dim * 4}
 
 
 def report(sizes: dict, file=None) -> None:
@@ -231,4 +346,11 @@ def report(sizes: dict, file=None) -> None:
             f"{sizes['flops_per_device'] / 1e12:.3f} TFLOP per device per step"
             if sizes["flops_per_device"] is not None else "FLOPs not reported by this compiler"),
         file=file)
+  if sizes.get("retrieval"):
+    where = (f"on the devices, {sizes['corpus_dtype']}: {mib(sizes['corpus_bytes_per_device'])} per device, inside "
+             "the step total" if sizes["retrieval"] != "host" else
+             f"on the host (Faiss, float32, memory-mapped): {sizes['corpus_host_bytes'] / 2**30:,.2f} GiB; none on "
+             "the devices")
+    print(f"corpus {sizes['corpus_rows']:,} x {sizes['corpus_dim']}, candidates {sizes['retrieval']}, {where}",
+          file=file)
   print(json.dumps(sizes), file=file)

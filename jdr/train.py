@@ -276,7 +276,7 @@ def main(argv=None) -> None:
     parser.add_argument("--topology", default=None,
                         help="with --compile-only: compile for this TPU slice's devices instead of the local ones, "
                              "e.g. v5e:2x2 or v4:2x2x1 (ahead of time, from any host with libtpu installed), or for "
-                             "one GPU: h100, h200 (from any host with jax's CUDA plugin)")
+                             "the GPUs of one host: h100, h200:8 (from any host with jax's CUDA plugin)")
     args = parser.parse_args(rest)
     if args.topology and not args.compile_only:
       parser.error("--topology goes with --compile-only")

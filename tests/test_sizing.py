@@ -17,9 +17,9 @@ TINY = ["--config.model.init_from=", "--config.model.fresh=tiny", "--config.batc
         "--config.data.query_max_length=16", "--config.data.doc_max_length=32"]
 
 
-def _sizes(*extra):
+def _sizes(*extra, config="demo.py"):
   env = cpu_devices_env(8, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-  out = subprocess.run([sys.executable, "-m", "jdr.train", "--config", str(ROOT / "configs" / "demo.py"),
+  out = subprocess.run([sys.executable, "-m", "jdr.train", "--config", str(ROOT / "configs" / config),
                         "--compile-only", *TINY, *extra], env=env, capture_output=True, text=True, timeout=600,
                        check=True)
   return json.loads(out.stdout.strip().splitlines()[-1])
@@ -40,6 +40,37 @@ def test_compile_only_reports_per_device_memory_and_flops(tmp_path):
   # optimizer update that fully sharded devices split.
   assert dp["flops_per_device"] > fsdp["flops_per_device"]
   assert not (tmp_path / "w").exists()  # nothing written: no workdir was given
+
+
+def test_adore_and_ltre_compile_against_an_abstract_ms_marco_corpus():
+  """ADORE's full recipe (Faiss on the host) and LTRe's with the JAX search in the step compile with
+  --compile-only against MS MARCO's 8,841,823 rows without creating them; the bytes are checked against the
+  shapes the step takes (jdr/data/batch.py's corpus form, jdr.topk's padded row shards)."""
+  n, d, b, lq, top, devices = sizing.MSMARCO_PASSAGES, 32, 16, 16, 200, 8
+  tiny = ["--config.model.projection_dim=32", "--config.mesh.shape=(8,1,1)"]
+  host = _sizes(*tiny, config="adore.py")
+  assert host["retrieval"] == "host" and host["corpus_rows"] == n and host["corpus_dim"] == d
+  assert host["corpus_bytes_per_device"] == 0 and host["corpus_host_bytes"] == n * d * 4  # float32, memory-mapped
+  # A device's rows of the batch: query ids and mask, the positive's row, the 200 candidates' rows and vectors
+  # and the positive's vector (float32), all split over the 8 devices.
+  per_row = 2 * lq * 4 + 4 + top * 4 + top * d * 4 + d * 4
+  assert host["batch_bytes_per_device"] == b // devices * per_row
+  in_step = _sizes(*tiny, config="ltre.py:jax")
+  assert in_step["retrieval"] == "in_step" and in_step["corpus_dtype"] == "float32"  # auto is float32 on CPUs
+  rows = -(-n // (devices * 128)) * 128  # each device's shard, padded to whole 128-row blocks
+  assert in_step["corpus_bytes_per_device"] == rows * d * 4 + rows * 4  # the rows and their -inf/0 bias
+  assert in_step["batch_bytes_per_device"] == b // devices * (2 * lq * 4 + 4)
+  # The shard is an argument of the step, so its total holds it; the host keeps nothing.
+  assert in_step["argument_bytes"] >= in_step["corpus_bytes_per_device"] and in_step["corpus_host_bytes"] == 0
+  assert in_step["total_bytes_per_device"] > in_step["corpus_bytes_per_device"] > host["total_bytes_per_device"]
+  assert in_step["params_bytes_per_device"] == host["params_bytes_per_device"]
+
+
+def test_gpu_targets_name_the_gpus_of_one_host():
+  assert sizing.gpu_target("h100") == ("h100", 1) and sizing.gpu_target("h200:8") == ("h200", 8)
+  assert sizing.gpu_target("v5e:2x4") is None
+  with pytest.raises(ValueError, match="the GPUs of one host come after the colon, e.g. h100:8"):
+    sizing.gpu_target("h100:two")
 
 
 def test_tpu_slices_compile_ahead_of_time_with_tpu_defaults():

@@ -17,6 +17,7 @@ BENCHMARKS = {
     "eval-candidates": "jdr.bench.eval_candidates",
     "fgd-ablation": "jdr.bench.fgd_ablation",
     "fgd-step": "jdr.bench.fgd_step",
+    "plan": "jdr.bench.plan",
     "pretrain": "jdr.bench.pretrain_speed",
     "pretrain-ablation": "jdr.bench.pretrain_ablation",
     "scale": "jdr.bench.scale",

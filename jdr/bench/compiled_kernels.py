@@ -46,7 +46,6 @@ from jdr import config_files
 from jdr import defaults
 from jdr import parallel
 from jdr import sizing
-from jdr import step as step_lib
 from jdr.bench import kernel_profile
 
 PROGRAMS = ("forward", "train", "adore", "adore-given")
@@ -160,25 +159,9 @@ def compile_adore(config: ml_collections.ConfigDict, devices, corpus_rows: int, 
                   compiler_options: dict | None):
   """ADORE's step (configs/adore.py: the query tower trains against the fixed corpus) with its top-n over
   [corpus_rows, dim] retrieved inside the step, or given as candidate rows (what the device benchmark's
-  ADORE section times, to tell the retrieval's share)."""
-  from jdr import topk  # pylint: disable=g-import-not-at-top
-  setup = sizing.abstract_model(config, devices)
-  mesh = setup.mesh
-  batch_sharding = parallel.batch_sharding(mesh)
-  b, length = config.batch_size, config.data.query_max_length
-  batch = {"query_ids": ((b, length), jnp.int32), "query_mask": ((b, length), jnp.int32),
-           "positive_rows": ((b, 1), jnp.int32)}
-  if not retrieval_in_step:
-    batch["cand_rows"] = ((b, config.negatives.top_n), jnp.int32)
-  batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding) for k, (shape, dtype) in batch.items()}
-  dim = int(jax.eval_shape(step_lib.make_step_query_vectors(setup.model), setup.abstract, batch["query_ids"],
-                           batch["query_mask"]).shape[-1])
-  corpus, bias = topk.abstract_corpus(corpus_rows, dim, mesh, config.negatives.corpus_dtype)
-  rows_sharding, bias_sharding = topk.row_shardings(mesh)
-  step = step_lib.jit(step_lib.make_train_step(setup.model, setup.tx, config, mesh, "corpus", retrieval_in_step),
-                      in_shardings=(setup.shardings, batch_sharding, rows_sharding, bias_sharding),
-                      out_shardings=(setup.shardings, parallel.replicated(mesh)), donate_argnums=(0,))
-  return step.lower(setup.abstract, batch, corpus, bias).compile(compiler_options)
+  ADORE section times, to tell the retrieval's share): jdr.sizing.compile_corpus_step, as --compile-only."""
+  return sizing.compile_corpus_step(config, devices, corpus_rows, "in_step" if retrieval_in_step else "given",
+                                    compiler_options).compiled
 
 
 def adore_config(fresh: str, batch: int, query_length: int, top_n: int, overrides: list[str]):
@@ -225,7 +208,7 @@ def main(argv=None) -> None:
       parser.error(str(e))
     bandwidth = sizing.GPU_TARGETS[args.target]["bandwidth"]
     device_kind = sizing.GPU_TARGETS[args.target]["name"]
-    options = {"xla_gpu_enable_triton_gemm": False}
+    options = dict(sizing.DEVICELESS_GPU_OPTIONS)
   # The PTX XLA makes for the GPU, read for its Triton (Pallas) kernels; one folder per program.
   dump = None
   config = make_config(args.fresh, args.train_batch, args.query_length, args.doc_length, overrides)
