@@ -183,19 +183,24 @@ class RowPools(_PoolNegatives):
     self.corpus_ids = self.fallback.corpus_ids
     self._index = {q: i for i, q in enumerate(self.qids)}
 
+  def current_rows(self) -> np.ndarray:
+    """The pools in force (a refreshed source's change over time; these stay)."""
+    return self.rows
+
   def pool(self, qid: str) -> list[str]:
     i = self._index.get(qid)
     if i is None:
       return []
-    return [self.corpus_ids[int(r)] for r in self.rows[i] if r >= 0]
+    return [self.corpus_ids[int(r)] for r in self.current_rows()[i] if r >= 0]
 
   def rows_of(self, qids: Sequence[str]) -> np.ndarray:
     """The pools of `qids` as rows [len(qids), n] (-1 for a query without one): the diagnostics' view."""
-    out = np.full((len(qids), self.rows.shape[1]), -1, np.int32)
+    current = self.current_rows()
+    out = np.full((len(qids), current.shape[1]), -1, np.int32)
     for b, q in enumerate(qids):
       i = self._index.get(q)
       if i is not None:
-        out[b] = self.rows[i]
+        out[b] = current[i]
     return out
 
 

@@ -282,17 +282,6 @@ class RefreshedNegatives(sampled.RowPools):
                        "(training queries x negatives.top_n): its directory is another run's")
     return rows
 
-  def pool(self, qid: str) -> list[str]:
-    i = self._index.get(qid)
-    if i is None:
-      return []
-    return [self.corpus_ids[int(r)] for r in self.current_rows()[i] if r >= 0]
-
-  def rows_of(self, qids) -> np.ndarray:
-    current = self.current_rows()
-    return np.stack([current[self._index[q]] if q in self._index else np.full(self.top_n, -1, np.int32)
-                     for q in qids]) if len(qids) else np.zeros((0, self.top_n), np.int32)
-
   def generation(self, step: int) -> tuple[int, int]:
     """The generation in force at `step` and its first step by the schedule (the triples' order follows it)."""
     return self.refresher.generation(step)
