@@ -2,7 +2,8 @@
 
   python -m jdr.bench scale --passages 100000 [--out runs/bench-scale] [--seed 0] [--stages load,bm25_mine,...]
                             [--stage-timeout 7200] [--dense-backend auto|faiss|jax] [--cache DIR] [--keep-work]
-                            [--layout beir|msmarco] [--config.KEY=VALUE ...]
+                            [--layout beir|msmarco] [--vectors encode|random] [--dense-queries 0]
+                            [--config.KEY=VALUE ...]
 
 The data is jdr.data.synthetic's (generated under --out the first time, reused for the same passages and seed), in
 BEIR's layout or, with --layout msmarco, MS MARCO's own files (collection.tsv, queries and qrels TSVs; evaluated
@@ -17,14 +18,21 @@ memory is its own:
   load              jdr.data.pairs.load, the dataset as jdr.train reads it; `text` has the characters, words and
                     word pieces (the fresh model's tokenizer) per passage and query of its first thousand
   train_first_step  python -m jdr.train with num_train_steps=1 and no evaluation: seconds until the first step's
-                    log line (total_s: until the command returns, its last checkpoint written)
+                    log line (total_s: until the command returns, its last checkpoint written); the first
+                    command on a corpus prepares it (prepare_index_s, prepare_tokens_s: its two passes)
+  first_step_prepared  the same command again in a new workdir: the start of every later run, the corpus
+                    already prepared
   bm25_mine         BM25Negatives' top 200 of every training query; load_s is reading the dataset first, and
                     index_s / mine_s the library's index and mining calls inside it, where this jdr has them
   tiny_model        a fresh model saved as a training workdir (0 steps, on the builtin data), for the stages
                     that read a model; run whenever one of them is
-  encode_corpus     python -m jdr.encode of the corpus with that model
-  dense_mine        jdr.negatives.retrieved.exact_top_rows: the top 200 of every training query over
-                    encode_corpus's vectors (load_s: reading them, encode_queries_s: the queries' vectors)
+  encode_corpus     python -m jdr.encode of the corpus with that model; with --vectors random, seeded random unit
+                    vectors written in jdr.encode's layout instead (its shards, ids and meta.json), for sizes where
+                    the tiny model's encoding alone would take hours: the later stages read them as they read an
+                    encoding, and what they measure (memory, search) does not depend on the vectors' values
+  dense_mine        jdr.negatives.retrieved.exact_top_rows: the top 200 of every training query (--dense-queries N:
+                    a seeded sample of N of them) over encode_corpus's vectors (load_s: reading them,
+                    encode_queries_s: the queries' vectors; seconds_per_query: the search's)
   adore_index       ADORE's fixed index as the trainer holds it (Faiss): encode_corpus's vectors memory-mapped,
                     searched and gathered for a few batches; matrix_copies = its added peak in float32 matrices
   evaluate          the trainer's evaluation of the dev queries: jdr.train at step 0, timed around its evaluator,
@@ -86,6 +94,8 @@ class Context:
   dense_backend: str = "auto"
   cache: str = ""  # JDR_CACHE of every stage: where a corpus prepared by one stage is found by the next
   layout: str = "beir"  # the dataset's files: "beir" or "msmarco" (jdr.data.synthetic's layouts)
+  vectors: str = "encode"  # encode_corpus: "encode" (jdr.encode with the tiny model) or "random"
+  dense_queries: int = 0  # dense_mine: training queries searched (0: all)
 
   def path(self, name: str) -> pathlib.Path:
     return pathlib.Path(self.work) / name
@@ -199,16 +209,26 @@ def text_sample(data, count: int = 1000) -> dict:
   return out
 
 
-def _train_first_step(ctx: Context) -> dict:
+def _train_first_step(ctx: Context, workdir_name: str = "train") -> dict:
   from jdr import metric_writers, train  # pylint: disable=g-import-not-at-top
-  workdir = ctx.path("train")
+  from jdr.data import prepared  # pylint: disable=g-import-not-at-top
+  workdir = ctx.path(workdir_name)
   argv = _train_command(ctx, workdir, "data.eval_split=", "num_train_steps=1", "log_every=1",
                         "eval_before_training=false", "checkpoint_every=0")
+  marks = _Marks()  # the preparing passes, which run only where the corpus is not prepared yet
+  marks.wrap(prepared._Indexer, "run", "index")  # pylint: disable=protected-access
+  marks.wrap(prepared._Tokenizer, "run", "tokenize")  # pylint: disable=protected-access
   wall, start = time.time(), time.perf_counter()
   train.main(argv)
   total = time.perf_counter() - start
   first = next(r for r in metric_writers.read(workdir) if "train/loss" in r)
-  return {"seconds": first["time"] - wall, "total_s": total, "loss": first["train/loss"]}
+  return {"seconds": first["time"] - wall, "total_s": total, "prepare_index_s": marks.seconds["index"],
+          "prepare_tokens_s": marks.seconds["tokenize"],
+          "loss": first["train/loss"]}
+
+
+def _first_step_prepared(ctx: Context) -> dict:
+  return _train_first_step(ctx, "train-again")
 
 
 def _bm25_mine(ctx: Context) -> dict:
@@ -245,11 +265,42 @@ def _encode_corpus(ctx: Context) -> dict:
   from jdr import encode  # pylint: disable=g-import-not-at-top
   out = ctx.path("encoding")
   start = time.perf_counter()
-  encode.main(["--model", str(ctx.path("tiny-model")), "--corpus", ctx.data, "--out", str(out)])
+  if ctx.vectors == "random":
+    random_encoding(ctx.data, out, seed=ctx.seed)
+  else:
+    encode.main(["--model", str(ctx.path("tiny-model")), "--corpus", ctx.data, "--out", str(out)])
   seconds = time.perf_counter() - start
   meta = json.loads((out / "meta.json").read_text())
-  return {"seconds": seconds, "dim": meta["dim"], "max_length": meta["max_length"],
+  return {"seconds": seconds, "vectors": ctx.vectors, "dim": meta["dim"], "max_length": meta.get("max_length"),
           "disk_bytes": sum(p.stat().st_size for p in out.iterdir())}
+
+
+RANDOM_DIM = 768  # the recipe's output head: the width a RoBERTa-base run's vectors have
+SHARD_SIZE = 10_000  # jdr.encode's default
+
+
+def random_encoding(corpus: str, out: pathlib.Path, *, seed: int = 0, dim: int = RANDOM_DIM) -> dict:
+  """An encoding directory as jdr.encode writes one (float32 shards, their ids, meta.json marked complete and
+  `vectors: random`), of seeded random unit vectors for the corpus' documents in corpus order."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tqdm  # pylint: disable=g-import-not-at-top
+  from jdr import atomic  # pylint: disable=g-import-not-at-top
+  from jdr.data import formats  # pylint: disable=g-import-not-at-top
+  docs = formats.read_corpus(corpus)
+  ids = docs.id_sequence() if hasattr(docs, "id_sequence") else list(docs)
+  out.mkdir(parents=True, exist_ok=True)
+  num_shards = -(-len(ids) // SHARD_SIZE)
+  rng = np.random.default_rng(seed)
+  for shard in tqdm.tqdm(range(num_shards), desc="random vectors", unit="shard", mininterval=1.0):
+    lo, hi = shard * SHARD_SIZE, min(len(ids), (shard + 1) * SHARD_SIZE)
+    emb = rng.standard_normal((hi - lo, dim), dtype=np.float32)
+    emb /= np.linalg.norm(emb, axis=1, keepdims=True)
+    atomic.write_text(out / f"ids-{shard:05d}.txt", "".join(i + "\n" for i in ids[lo:hi]))
+    atomic.write_atomic(out / f"emb-{shard:05d}.npy", lambda f, emb=emb: np.save(f, emb))
+  meta = {"num_docs": len(ids), "shard_size": SHARD_SIZE, "num_shards": num_shards, "vectors": "random",
+          "seed": seed, "corpus": str(pathlib.Path(corpus).absolute()), "complete": True, "dim": dim}
+  atomic.write_text(out / "meta.json", json.dumps(meta, indent=1))
+  return meta
 
 
 def _dense_mine(ctx: Context) -> dict:
@@ -263,6 +314,11 @@ def _dense_mine(ctx: Context) -> dict:
   queries = formats.read_queries(where.train_queries)
   qrels = formats.read_qrels(where.train_qrels)
   qids = sorted(q for q, docs in qrels.items() if any(r > 0 for r in docs.values()))  # as the miners do
+  total = len(qids)
+  if 0 < ctx.dense_queries < total:
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    picked = np.sort(np.random.default_rng(ctx.seed).choice(total, ctx.dense_queries, replace=False))
+    qids = [qids[i] for i in picked]
   loaded = time.perf_counter()
   runtime = corpus_lib.load_runtime(str(ctx.path("tiny-model")), side="query")
   query_emb = corpus_lib.encode_texts(runtime, [queries[q] for q in qids])
@@ -270,7 +326,8 @@ def _dense_mine(ctx: Context) -> dict:
   rows, _ = retrieved.exact_top_rows(doc_emb, query_emb, TOP_N, ctx.dense_backend)
   end = time.perf_counter()
   return {"seconds": end - encoded, "load_s": loaded - start, "encode_queries_s": encoded - loaded,
-          "queries": len(qids), "top_n": int(rows.shape[1]), "backend": ctx.dense_backend}
+          "queries": len(qids), "training_queries": total, "seconds_per_query": (end - encoded) / len(qids),
+          "top_n": int(rows.shape[1]), "backend": ctx.dense_backend}
 
 
 ADORE_STEPS = 4  # host retrievals timed by adore_index, each a batch of 32 queries
@@ -325,6 +382,7 @@ STAGES = {
     "generate": Stage(_generate, per="fixed", requires=("jdr.data.synthetic:dataset",), internal=True),
     "load": Stage(_load, needs=("generate",), requires=("jdr.data.pairs:load",)),
     "train_first_step": Stage(_train_first_step, needs=("generate",), requires=("jdr.train:main",)),
+    "first_step_prepared": Stage(_first_step_prepared, needs=("train_first_step",), requires=("jdr.train:main",)),
     "bm25_mine": Stage(_bm25_mine, per="query", needs=("generate",),
                        requires=("jdr.negatives.sampled:BM25Negatives",)),
     "tiny_model": Stage(_tiny_model, per="fixed", requires=("jdr.train:main",), internal=True),
@@ -594,6 +652,11 @@ def main(argv=None) -> None:
   parser.add_argument("--keep-work", action="store_true", help="keep the stages' outputs and logs")
   parser.add_argument("--layout", choices=synthetic.LAYOUTS, default="beir",
                       help="the dataset's files: BEIR's, or MS MARCO's own (collection.tsv, queries and qrels TSVs)")
+  parser.add_argument("--vectors", choices=("encode", "random"), default="encode",
+                      help="encode_corpus: the tiny model's encoding (jdr.encode), or seeded random unit vectors in "
+                           "its layout, for the stages that read an encoding at sizes where encoding takes hours")
+  parser.add_argument("--dense-queries", type=int, default=0,
+                      help="dense_mine: search a seeded sample of this many training queries (0: all of them)")
   args = parser.parse_args(rest)
   asked = [s.strip() for s in args.stages.split(",") if s.strip()]
   unknown = [s for s in asked if s not in STAGES]
@@ -603,6 +666,8 @@ def main(argv=None) -> None:
     parser.error(f"--passages must be at least {synthetic.MIN_PASSAGES}")
   if args.stage_timeout < 0:
     parser.error("--stage-timeout must be >= 0")
+  if args.dense_queries < 0:
+    parser.error("--dense-queries must be >= 0")
   timeout = args.stage_timeout or None
 
   out = pathlib.Path(args.out).absolute()
@@ -612,7 +677,7 @@ def main(argv=None) -> None:
   train_queries, dev_queries = synthetic.query_counts(args.passages)
   ctx = Context(str(data), str(work), args.passages, args.seed, train_queries, dev_queries, overrides,
                 args.dense_backend, str(pathlib.Path(args.cache).absolute() if args.cache else work / "cache"),
-                args.layout)
+                args.layout, args.vectors, args.dense_queries)
   stages: dict[str, dict] = {}
   # A terminated bench ends its stage too (run_stage kills the stage's process group on the way out), as an
   # interrupted one does: a stage runs in a session of its own, which signals to the bench do not reach.
@@ -650,7 +715,8 @@ def main(argv=None) -> None:
                  **{k: manifest[k] for k in ("train_pairs", "dev_pairs", "words_per_passage", "words_per_query")
                     if k in manifest}},
       "model": {"recipe": f"configs/{RECIPE}.py", "overrides": _overrides(ctx)[1:]},
-      "stage_timeout_s": timeout, "dense_backend": args.dense_backend,
+      "stage_timeout_s": timeout, "dense_backend": args.dense_backend, "vectors": args.vectors,
+      "dense_queries": args.dense_queries or train_queries,
       "baseline_rss_gib": round(baseline / GIB, 3),
       "hardware": {**hardware(), **{k: base[k] for k in ("platform", "device", "devices")}},
       "versions": versions(),
