@@ -65,9 +65,12 @@ def check_inputs(config: ml_collections.ConfigDict) -> None:
   if model.init_from not in ("", "minilm") and not paths.as_path(model.init_from).exists():
     raise ConfigError(not_found("model.init_from", model.init_from, model.description or MODEL))
   teacher = config.distill.teacher
-  if teacher not in ("", "minilm") and not paths.as_path(teacher).exists():
+  if teacher not in ("", "minilm", "mined") and not paths.as_path(teacher).exists():
     raise ConfigError(not_found("distill.teacher", teacher, TEACHER))
   neg = config.negatives
+  if neg.source == "mined" and neg.mined and not paths.as_path(neg.mined).exists():
+    raise ConfigError(not_found("negatives.mined", neg.mined, "the --out of python -m jdr.mine, or a Tevatron or "
+                                "sentence-transformers file", kind="directory or file"))
   if neg.triples_file and neg.source != "triples":
     raise ConfigError(f"negatives.triples_file={neg.triples_file} is read by negatives.source=triples only; "
                       f"negatives.source is {neg.source!r}")

@@ -62,7 +62,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   # --- negatives and loss: together they are the method ---
   c.negatives = ml_collections.ConfigDict()
-  c.negatives.source = "none"  # none | random | bm25 | bm25_random | static | triples | dense_static | ance | retrieval
+  c.negatives.source = "none"  # none | random | bm25 | bm25_random | static | triples | mined | dense_static | ance
+  # | retrieval
   c.negatives.per_query = 0  # sampled negatives per query
   c.negatives.in_batch = True  # other queries' documents in the batch are negatives too
   c.negatives.hardest_in_batch = False  # NCE Neg: keep only the highest-scored negative per query
@@ -72,6 +73,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # negative passage texts), mapped to rows once and cached beside the prepared corpus (jdr/data/triples.py)
   c.negatives.triples_file = ""  # triples source: the file ("" = data.dataset's triples.train.small.tsv)
   c.negatives.triples_skip_invalid = False  # triples source: count and skip unmatched or bad lines, not stop
+  # mined source: a `python -m jdr.mine` directory, or a file of training records with negatives: Tevatron's
+  # JSONL (v1, v2), sentence-transformers' rows (JSONL, Parquet); see jdr/negatives/training_files.py
+  c.negatives.mined = ""
   c.negatives.top_n = 200  # pool / retrieval depth of dense_static, ance and retrieval (the papers' 200)
   # How pairwise losses weigh a token batch's pairs: none (each query's mean, then the mean over queries) |
   # batch_mean (one mean over every pair of the batch: STAR's code) | alpha (STAR's Eq. 13, random_weight below)
@@ -105,8 +109,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # --- gradient caching (jdr/gradcache.py): encode the batch in chunks of this many rows; 0 = off ---
   # --- distillation from a cross-encoder (jdr/distill.py): FGD and document-level KD ---
   c.distill = ml_collections.ConfigDict()
-  c.distill.teacher = ""  # a cross-encoder (jdr workdir / export, HF directory); "" = no distillation
-  c.distill.document = False  # document-level KD (the "brute-force" baseline, FGD Eq. 5)
+  c.distill.teacher = ""  # a cross-encoder (jdr workdir / export, HF directory) | mined (negatives.mined's
+  # scores); "" = no distillation
+  c.distill.document = False  # document-level KD (the "brute-force" baseline, FGD Eq. 5): listwise KL
+  c.distill.margin_mse = False  # MarginMSE over each query's positive and negatives (Hofstaetter et al., 2020)
   c.distill.granularities = "passage,sentence"  # FGD levels (Eq. 12); "" = none
   c.distill.passage_tokens = 128  # FGD passage windows, in tokens
   c.distill.sentence_tokens = 64  # FGD sentence windows, in tokens

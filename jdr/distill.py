@@ -3,9 +3,13 @@ long documents) and its document-level baseline.
 
 What a config turns on (`distill.*`, see jdr/defaults.py):
 
-  teacher          a cross-encoder (jdr workdir / export, Hugging Face sequence classifier); "" = off
-  document         document-level KD (Eq. 5, the "brute-force" baseline): KL between the teacher's and the
-                   student's distributions over each query's own candidates (its positive and negatives)
+  teacher          a cross-encoder (jdr workdir / export, Hugging Face sequence classifier), or "mined": the
+                   cross-encoder scores a `python -m jdr.mine` directory holds for its negatives and positives
+                   (negatives.source=mined); "" = off
+  document         document-level KD (Eq. 5, the "brute-force" baseline; listwise KL): KL between the teacher's
+                   and the student's distributions over each query's own candidates (its positive and negatives)
+  margin_mse       MarginMSE (Hofstaetter et al., 2020): the squared difference of the student's and the
+                   teacher's margins (positive minus each negative) over the same candidates
   granularities    FGD's levels, "passage,sentence": each a window of `passage_tokens` / `sentence_tokens`
                    tokens of the document (the paper's 128 / 64); for every piece k of the positive
                    document a distribution over it and the pieces of the query's negative documents at the
@@ -41,7 +45,12 @@ from jdr import paths
 from jdr import reranking
 from jdr.data import text as text_lib
 from jdr.models import cross
+from jdr.negatives import mining
 from jdr.negatives import sources
+from jdr.negatives import training_files
+
+
+MINED = "mined"  # distill.teacher: the scores of negatives.mined
 
 
 def enabled(config: ml_collections.ConfigDict) -> bool:
@@ -70,9 +79,12 @@ def check(config: ml_collections.ConfigDict) -> None:
     return
   d, neg = config.distill, config.negatives
   levels(config)
-  if not d.document and not levels(config):
-    raise ValueError("distill.teacher is set but neither distill.document nor distill.granularities asks for "
-                     "a distillation term")
+  if not d.document and not d.margin_mse and not levels(config):
+    raise ValueError("distill.teacher is set but none of distill.document, distill.margin_mse and "
+                     "distill.granularities asks for a distillation term")
+  if d.teacher == MINED and (neg.source != "mined" or levels(config)):
+    raise ValueError("distill.teacher=mined reads the document-level scores of negatives.mined: set "
+                     "negatives.source=mined and distill.granularities=\"\" (pieces need a cross-encoder)")
   if config.model.architecture != "two_tower" or config.data.kind != "pairs":
     raise ValueError("distillation trains two towers on supervised pairs (model.architecture=two_tower, "
                      "data.kind=pairs)")
@@ -135,10 +147,11 @@ def hierarchical_negatives(scores: Sequence, valid: Sequence, sizes: Sequence[in
 
 def loss_terms(config: ml_collections.ConfigDict):
   """The step's distillation terms (jdr/step.py adds them to the contrastive loss):
-  (q [B, D], spans [C, sum K, D], scores [B, C], valid [B, C], batch) -> {"kd_document": .., "fgd_<level>": ..},
-  document-level KD and FGD's per-level KD over each query's own candidates (its positive, then its own
+  (q [B, D], spans [C, sum K, D], scores [B, C], valid [B, C], batch) -> {"kd_document": .., "kd_margin_mse": ..,
+  "fgd_<level>": ..}, document-level KD, MarginMSE and FGD's per-level KD over each query's own candidates (its positive, then its own
   negatives: batch columns B + b * n ...)."""
   doc_level, level_sizes, keep = config.distill.document, levels(config), config.distill.negative_pieces
+  margin = config.distill.margin_mse
   # The student's scores on the scale its contrastive loss uses (loss.temperature: cosine towers need
   # ~0.05), the teacher's logits at distill.temperature (the paper's 1).
   s_scale, t_scale = config.loss.temperature, config.distill.temperature
@@ -150,11 +163,14 @@ def loss_terms(config: ml_collections.ConfigDict):
                            num_q + jnp.arange(num_q)[:, None] * per + jnp.arange(per)[None, :]], axis=1)
     own_valid = jnp.take_along_axis(valid, own, axis=1)
     out = {}
-    if doc_level:
+    if doc_level or margin:
       teacher = batch["teacher_doc"]
       ok = own_valid & jnp.isfinite(teacher)
-      out["kd_document"] = jnp.mean(losses.distillation_kl(
-          jnp.take_along_axis(scores, own, axis=1) / s_scale, jnp.where(ok, teacher, 0.0) / t_scale, ok))
+      student, teacher = jnp.take_along_axis(scores, own, axis=1) / s_scale, jnp.where(ok, teacher, 0.0) / t_scale
+      if doc_level:
+        out["kd_document"] = jnp.mean(losses.distillation_kl(student, teacher, ok))
+      if margin:
+        out["kd_margin_mse"] = jnp.mean(losses.margin_mse(student, teacher, ok))
     per_level = _level_scores(q, spans, batch, level_sizes, num_q, per, own_valid)
     if keep:
       kept = hierarchical_negatives([lv[5] for lv in per_level], [lv[6] for lv in per_level],
@@ -305,8 +321,46 @@ class TeacherScores:
   def doc(self, q: str, d: str) -> float:
     return self.scores[(q, d)]["doc"]
 
+  def docs(self, pairs: Sequence[tuple[str, str]]) -> np.ndarray:
+    return np.array([self.scores[p]["doc"] for p in pairs], np.float32)
+
   def pieces(self, q: str, d: str, name: str) -> np.ndarray:
     return np.array([np.nan if v is None else v for v in self.scores[(q, d)][name]], np.float32)
+
+
+class MinedTeacher:
+  """The cross-encoder scores of a `python -m jdr.mine` directory: each query's mined negatives and labeled
+  positives, looked up by corpus row. A pair it lacks (a random top-up of a short pool) is NaN, which the loss
+  terms leave out, and is counted in `missing`."""
+
+  def __init__(self, mined: mining.Mined, corpus):
+    if mined.teacher is None:
+      raise ValueError(f"distill.teacher=mined: {mined.meta.get('data') or mined.meta.get('source')} holds no "
+                       "teacher scores (mine with --cross-encoder, or give a file with a 'score' column)")
+    if not hasattr(corpus, "row_of"):
+      raise ValueError("distill.teacher=mined looks documents up by corpus row: it needs a prepared corpus")
+    self.mined, self.corpus, self.missing = mined, corpus, 0
+    self._index = {q: i for i, q in enumerate(mined.qids)}
+    self._tables: dict[str, dict[int, float]] = {}
+
+  def _table(self, qid: str) -> dict[int, float]:
+    if qid not in self._tables:
+      i, table = self._index.get(qid), {}
+      if i is not None:
+        for rows, scores in ((self.mined.rows[i], self.mined.teacher[i]),
+                             (self.mined.positives[i], self.mined.positive_teacher[i])):
+          table.update((r, s) for r, s in zip(rows.tolist(), scores.tolist()) if r >= 0 and np.isfinite(s))
+      self._tables[qid] = table
+    return self._tables[qid]
+
+  def ensure(self, pairs) -> None:
+    del pairs  # the scores are what the directory holds
+
+  def docs(self, pairs: Sequence[tuple[str, str]]) -> np.ndarray:
+    rows = self.corpus.row_of([d for _, d in pairs], missing=-1).tolist()
+    out = np.array([self._table(q).get(r, np.nan) for (q, _), r in zip(pairs, rows)], np.float32)
+    self.missing += int(np.isnan(out).sum())
+    return out
 
 
 class Distiller:
@@ -317,6 +371,10 @@ class Distiller:
   def __init__(self, config, data, tokenizer, batches, sampler, cache: pathlib.Path):
     self.config, self.batches = config, batches
     self.per_query = config.negatives.per_query
+    if config.distill.teacher == MINED:
+      mined = training_files.load(config.negatives.mined, data.corpus, data.queries, data.train_qrels)
+      self.teacher, self.levels = MinedTeacher(mined, data.corpus), []
+      return
     doc_max, query_max = config.data.doc_max_length, config.data.query_max_length
     qids = sorted({q for q, _ in batches.pairs})
     docs_of = {q: sorted({d for d, r in data.train_qrels[q].items() if r > 0} | set(sampler.pool(q))) for q in qids}
@@ -335,8 +393,8 @@ class Distiller:
     own = [[doc_ids[b]] + doc_ids[num + b * n:num + (b + 1) * n] for b in range(lo, hi)]
     self.teacher.ensure([(qids[b], d) for b, cols in zip(range(lo, hi), own) for d in cols])
     batch = dict(batch)
-    batch["teacher_doc"] = np.array([[self.teacher.doc(qids[b], d) for d in cols]
-                                     for b, cols in zip(range(lo, hi), own)], np.float32)
+    batch["teacher_doc"] = self.teacher.docs([(qids[b], d) for b, cols in zip(range(lo, hi), own) for d in cols]
+                                             ).reshape(hi - lo, 1 + n)
     for name, _ in self.levels:
       batch[f"teacher_{name}_pos"] = np.stack([self.teacher.pieces(qids[b], cols[0], name)
                                                for b, cols in zip(range(lo, hi), own)])

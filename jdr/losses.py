@@ -366,6 +366,20 @@ def distillation_kl(student: Array, teacher: Array, valid: Array, *, temperature
   return jnp.sum(terms, axis=-1)
 
 
+def margin_mse(student: Array, teacher: Array, valid: Array) -> Array:
+  """MarginMSE (Hofstaetter et al., 2020, Eq. 1) per row [...]: the mean over the row's valid negatives j >= 1
+  of ((s_0 - s_j) - (t_0 - t_j))^2, column 0 the positive; the student learns the teacher's margins, not its
+  scale. A row whose positive or every negative is invalid gives 0."""
+  valid = valid.astype(bool)
+  student = student.astype(jnp.float32)
+  teacher = jax.lax.stop_gradient(teacher.astype(jnp.float32))
+  pairs = valid[..., 1:] & valid[..., :1]
+  s_margin = student[..., :1] - student[..., 1:]
+  t_margin = jnp.where(pairs, teacher[..., :1] - teacher[..., 1:], 0.0)
+  err = jnp.where(pairs, s_margin - t_margin, 0.0)
+  return jnp.sum(err * err, axis=-1) / jnp.maximum(jnp.sum(pairs, axis=-1), 1)
+
+
 def granular_distillation(student: Array, teacher: Array, valid: Array, *, temperature: float = 1.0) -> Array:
   """FGD's local-aligned distillation at one granularity (Eq. 12), per query [B]: the mean over the
   positive document's pieces k (those with a distribution) of KL(p_teacher || p_student), each piece's

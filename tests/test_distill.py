@@ -139,3 +139,54 @@ def test_pairs_outside_the_pools_are_scored_when_a_batch_needs_them(tmp_path, se
                              rtol=1e-5, equal_nan=True)
   scores.ensure([(q, outside)])
   assert scores.late == 1  # scored once
+
+
+def test_mined_teacher_scores_train_margin_mse_and_listwise_kl(tmp_path, setup):
+  """`python -m jdr.mine --cross-encoder` writes the teacher's score beside each negative and positive (the
+  scores the cross-encoder gives those pairs when asked again); a student trains on them with MarginMSE and
+  listwise KL as loss terms, nothing scored during training."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  from jdr import reranking, train  # pylint: disable=g-import-not-at-top
+  from jdr.data import prepared  # pylint: disable=g-import-not-at-top
+  from jdr.models import cross  # pylint: disable=g-import-not-at-top
+  from jdr.negatives import mining  # pylint: disable=g-import-not-at-top
+  beir, teacher = setup
+  out = tmp_path / "mined"
+  proc = subprocess.run([sys.executable, "-m", "jdr.mine", "--data", str(beir), "--out", str(out), "--depth", "6",
+                         "--cross-encoder", str(teacher), "--ce-max-length", "64"],
+                        capture_output=True, text=True, timeout=600, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  mined = mining.read(out)
+  assert mined.teacher is not None and np.isfinite(mined.positive_teacher[:, 0]).all()
+  model, params, tokenizer = cross.load_cross_encoder(teacher)
+  score = reranking.make_scorer(model, jax.device_put(params), tokenizer, max_length=64)
+  corpus = prepared.prepare(beir / "corpus.jsonl")
+  from jdr.data import formats  # pylint: disable=g-import-not-at-top
+  queries = formats.read_queries(beir / "queries.jsonl")
+  for i in (0, 7):
+    q, row = mined.qids[i], int(mined.rows[i, 1])
+    pairs = [(queries[q], corpus.texts([row])[0]), (queries[q], corpus.texts([int(mined.positives[i, 0])])[0])]
+    np.testing.assert_allclose(score(pairs), [mined.teacher[i, 1], mined.positive_teacher[i, 0]], rtol=1e-4,
+                               atol=1e-5)
+  config = _student_config(beir, "mined", ["negatives.source=mined", f"negatives.mined={out}",
+                                            "distill.granularities=", "distill.document=True",
+                                            "distill.margin_mse=True", "distill.contrastive_weight=0"])
+  train.train_and_evaluate(config, tmp_path / "s")
+  logged = [r for r in _records(tmp_path / "s") if "train/loss" in r]
+  assert len(logged) == 2
+  for r in logged:
+    terms = [r[f"train/loss/{k}"] for k in ("kd_document", "kd_margin_mse")]
+    assert all(np.isfinite(terms)) and terms[1] > 0
+    np.testing.assert_allclose(r["train/loss"], sum(terms), rtol=1e-5)  # alone: contrastive weight 0
+  assert not list((tmp_path / "s" / "cache").glob("teacher-*.json"))  # nothing scored in training
+
+
+def test_a_mined_teacher_needs_mined_negatives():
+  from jdr import config_files, defaults, distill  # pylint: disable=g-import-not-at-top
+  config = defaults.get_config()
+  config_files.apply_overrides(config, ["distill.teacher=mined", "distill.margin_mse=True", "negatives.source=bm25",
+                                        "negatives.per_query=1", "distill.granularities="])
+  with pytest.raises(ValueError, match="negatives.source=mined"):
+    distill.check(config)

@@ -766,3 +766,35 @@ def test_distillation_kl_gradient_moves_the_student_only():
   ps, pt = np.exp(s) / np.exp(s).sum(), np.exp(t) / np.exp(t).sum()
   np.testing.assert_allclose(np.asarray(gs), ps - pt, rtol=1e-5, atol=1e-6)
   assert float(losses.distillation_kl(t, t, v).sum()) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_margin_mse_against_loops_and_its_gradient():
+  """MarginMSE (Hofstaetter et al. 2020): mean over a row's valid negatives of ((s+ - s-) - (t+ - t-))^2, in
+  float64 loops; rows without a valid positive or negative give 0; the teacher gets no gradient."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jdr import losses  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(11)
+  b, n = 6, 5
+  student, teacher = rng.normal(size=(b, n)) * 2, rng.normal(size=(b, n)) * 4
+  valid = rng.random((b, n)) < 0.7
+  valid[:, 0] = True
+  valid[1, 0] = False  # no positive: nothing to compare
+  valid[2, 1:] = False  # no negative
+  teacher[3, 2] = np.nan  # a missing teacher score on an invalid column must not leak
+  valid[3, 2] = False
+  got = np.asarray(losses.margin_mse(student.astype(np.float32), teacher.astype(np.float32), valid))
+  grad_s, grad_t = jax.grad(lambda s, t: losses.margin_mse(s, t, valid).sum(), argnums=(0, 1))(
+      student.astype(np.float32), np.nan_to_num(teacher).astype(np.float32))
+  for q in range(b):
+    errs = [(student[q, 0] - student[q, j]) - (teacher[q, 0] - teacher[q, j]) for j in range(1, n)
+            if valid[q, 0] and valid[q, j]]
+    np.testing.assert_allclose(got[q], np.mean(np.square(errs)) if errs else 0.0, rtol=1e-5, atol=1e-6)
+    # d/ds_0 = mean of 2 err; d/ds_j = -2 err_j / count.
+    want = np.zeros(n)
+    js = [j for j in range(1, n) if valid[q, 0] and valid[q, j]]
+    for j in js:
+      e = (student[q, 0] - student[q, j]) - (teacher[q, 0] - teacher[q, j])
+      want[0] += 2 * e / len(js)
+      want[j] -= 2 * e / len(js)
+    np.testing.assert_allclose(np.asarray(grad_s)[q], want, rtol=1e-4, atol=1e-5)
+  assert got[1] == 0.0 and got[2] == 0.0 and np.all(np.asarray(grad_t) == 0)

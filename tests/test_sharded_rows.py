@@ -46,6 +46,22 @@ def test_search_over_shards_equals_search_over_the_whole(tmp_path, backend):
   np.testing.assert_allclose(got_scores, want_scores, rtol=1e-6)
 
 
+def test_ties_across_shards_go_to_the_earlier_row(tmp_path):
+  """Every document the same vector: the top 15 are rows 0-14, as one search of the whole matrix ranks them,
+  however the shards' results are merged."""
+  vector = np.random.default_rng(5).normal(size=(1, 8)).astype(np.float32)
+  mapped = []
+  for i, n in enumerate((4, 1, 7, 9)):
+    np.save(tmp_path / f"same-{i}.npy", np.repeat(vector, n, axis=0))
+    mapped.append(np.load(tmp_path / f"same-{i}.npy", mmap_mode="r"))
+  rows, same = sharded_rows.ShardedRows(mapped), np.repeat(vector, 21, axis=0)
+  queries = np.random.default_rng(6).normal(size=(3, 8)).astype(np.float32)
+  got_rows, _ = retrieved.exact_top_rows(rows, queries, 15, "faiss", "float32")
+  want_rows, _ = retrieved.exact_top_rows(same, queries, 15, "faiss", "float32")
+  np.testing.assert_array_equal(got_rows, want_rows)
+  np.testing.assert_array_equal(got_rows, np.tile(np.arange(15), (3, 1)))
+
+
 def test_placed_and_indexed_without_a_copy_equal_the_whole(tmp_path, monkeypatch):
   rows, whole = shards(tmp_path, sizes=(300, 2, 211), dim=8, seed=3)
   monkeypatch.setattr(topk, "PUT_CHUNK_BYTES", 4 * 8 * 50)  # chunks that straddle shard boundaries

@@ -16,7 +16,9 @@ memory is its own:
 
   generate          the dataset, when --out does not hold it yet
   load              jdr.data.pairs.load, the dataset as jdr.train reads it; `text` has the characters, words and
-                    word pieces (the fresh model's tokenizer) per passage and query of its first thousand
+                    word pieces (the fresh model's tokenizer) per passage and query of its first thousand;
+                    held_anon_bytes_per_passage: the anonymous memory (beyond mapped files) the loaded data holds
+                    once loading is over, per passage
   train_first_step  python -m jdr.train with num_train_steps=1 and no evaluation: seconds until the first step's
                     log line (total_s: until the command returns, its last checkpoint written); the first
                     command on a corpus prepares it (prepare_index_s, prepare_tokens_s: its two passes)
@@ -35,6 +37,10 @@ memory is its own:
                     encode_queries_s: the queries' vectors; seconds_per_query: the search's)
   adore_index       ADORE's fixed index as the trainer holds it (Faiss): encode_corpus's vectors memory-mapped,
                     searched and gathered for a few batches; matrix_copies = its added peak in float32 matrices
+                    (the mapped pages read count), anonymous_copies = its anonymous memory (beyond the map)
+  mine              python -m jdr.mine over BM25's top 200 of every training query, skipping the top 3, dropping
+                    what scores above 0.95 of the positive, keeping 50, with its report on 20% of them (no
+                    cross-encoder: at these sizes on a CPU it would be the whole cost)
   evaluate          the trainer's evaluation of the dev queries: jdr.train at step 0, timed around its evaluator,
                     of which encode_corpus_s and diagnostics_s are parts (setup_s: the trainer before it)
 
@@ -44,8 +50,8 @@ the corpus prepares it (jdr.data.prepared), as a user's first command does, and 
 Every stage reports `status` (ok | failed | timeout | skipped), `seconds` (its own work, without starting Python
 and importing jdr; `process_s` is the whole process) and `peak_rss_gib`, the VmHWM of its process. Worker
 processes have memory of their own: where a stage had several processes, `group_peak_pss_gib` is the peak of
-their summed proportional set sizes (pages they share counted once), sampled twice a second, and
-`group_processes` their largest number. Stages whose memory grows with the corpus report `bytes_per_passage` =
+their summed proportional set sizes (pages they share counted once), sampled every 0.5 s for 10 s and every 2 s
+after, and `group_processes` their largest number. Stages whose memory grows with the corpus report `bytes_per_passage` =
 (the larger of the two peaks - `baseline_rss_gib`, the peak of a process that only imports jax) / passages;
 those whose work is per query also `queries` and `bytes_per_query`. A stage that fails or outlives
 --stage-timeout is reported with the last line it printed (`error`), and the stages that read its output are
@@ -183,12 +189,22 @@ def _generate(ctx: Context) -> dict:
 
 def _load(ctx: Context) -> dict:
   from jdr.data import pairs  # pylint: disable=g-import-not-at-top
+  import gc  # pylint: disable=g-import-not-at-top
   config = _config(ctx)
+  gc.collect()
+  anon_before = anonymous_rss_bytes()
   start = time.perf_counter()
   data = pairs.load(config.data, ctx.path("load"))
   seconds = time.perf_counter() - start
   peak = peak_rss_bytes()  # before the sample below loads a tokenizer
-  return {"seconds": seconds, "peak_rss_bytes": peak, "documents": len(data.corpus),
+  gc.collect()
+  held = {}
+  if anon_before is not None:
+    # What the loaded data holds beyond the maps, once loading is over: the corpus's per-passage cost (and the
+    # queries' and qrels' dicts, which grow with the queries).
+    anon = anonymous_rss_bytes() - anon_before
+    held = {"held_anon_gib": round(anon / GIB, 3), "held_anon_bytes_per_passage": round(anon / len(data.corpus), 1)}
+  return {"seconds": seconds, "peak_rss_bytes": peak, **held, "documents": len(data.corpus),
           "train_queries": len(data.train_qrels), "eval_queries": len(data.eval_qrels or {}),
           "text": text_sample(data)}
 
@@ -286,8 +302,11 @@ def random_encoding(corpus: str, out: pathlib.Path, *, seed: int = 0, dim: int =
   import tqdm  # pylint: disable=g-import-not-at-top
   from jdr import atomic  # pylint: disable=g-import-not-at-top
   from jdr.data import formats  # pylint: disable=g-import-not-at-top
-  docs = formats.read_corpus(corpus)
-  ids = docs.id_sequence() if hasattr(docs, "id_sequence") else list(docs)
+  from jdr.data import prepared  # pylint: disable=g-import-not-at-top
+  corpus_file = formats.corpus_file(corpus)
+  # The prepared corpus's ids, read a shard at a time (a dict of 8.8M documents would take gigabytes).
+  ids = (prepared.prepare(corpus_file).id_sequence() if prepared.can_prepare(corpus_file)
+         else list(formats.read_corpus(corpus)))
   out.mkdir(parents=True, exist_ok=True)
   num_shards = -(-len(ids) // SHARD_SIZE)
   rng = np.random.default_rng(seed)
@@ -340,7 +359,8 @@ def _adore_index(ctx: Context) -> dict:
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
   from jdr.negatives import retrieved  # pylint: disable=g-import-not-at-top
-  before = peak_rss_bytes()
+  before, anon_before = peak_rss_bytes(), anonymous_rss_bytes()
+  anon_peak = anon_before
   start = time.perf_counter()
   emb, _, _ = corpus_lib.load_embeddings(ctx.path("encoding"))
   index = retrieved.HostIndex(emb, "Flat")
@@ -351,12 +371,19 @@ def _adore_index(ctx: Context) -> dict:
     queries = np.asarray(emb[np.sort(rng.choice(len(emb), 32, replace=False))], np.float32)
     batch = {"positive_rows": rng.integers(0, len(emb), size=(32, 1)).astype(np.int32)}
     rows = index.search(queries, TOP_N)
-    retrieved.with_vectors(batch, rows, index.vectors)
+    batch = retrieved.with_vectors(batch, rows, index.vectors)
+    if anon_before is not None:
+      anon_peak = max(anon_peak, anonymous_rss_bytes())
   end = time.perf_counter()
   matrix_bytes = len(emb) * emb.shape[1] * 4
-  return {"seconds": end - start, "index_s": built - start, "step_s": (end - built) / ADORE_STEPS,
-          "matrix_gib": matrix_bytes / GIB, "matrix_copies": (peak_rss_bytes() - before) / matrix_bytes,
-          "steps": ADORE_STEPS}
+  out = {"seconds": end - start, "index_s": built - start, "step_s": (end - built) / ADORE_STEPS,
+         "matrix_gib": matrix_bytes / GIB, "matrix_copies": (peak_rss_bytes() - before) / matrix_bytes,
+         "steps": ADORE_STEPS}
+  if anon_before is not None:
+    # Beyond the mapped encoding (whose pages count in the peak while read, up to the memory the host has):
+    # what the index and the steps hold of their own, sampled after each step.
+    out["anonymous_copies"] = (anon_peak - anon_before) / matrix_bytes
+  return out
 
 
 def _evaluate(ctx: Context) -> dict:
@@ -378,6 +405,19 @@ def _evaluate(ctx: Context) -> dict:
           "queries": ctx.dev_queries, "split": config.data.eval_split, "metrics": results.get("after", {})}
 
 
+def _mine(ctx: Context) -> dict:
+  from jdr import mine  # pylint: disable=g-import-not-at-top
+  out = ctx.path("mined")
+  start = time.perf_counter()
+  mine.main(["--data", ctx.data, "--out", str(out), "--depth", str(TOP_N), "--skip-ranks", "3",
+             "--positive-fraction", "0.95", "--keep", "50"])
+  seconds = time.perf_counter() - start
+  report = json.loads((out / "meta.json").read_text())["report"]
+  return {"seconds": seconds, "queries": report["queries"], "negatives": report["negatives"],
+          "dropped": report["training"]["dropped"], "disk_bytes": sum(p.stat().st_size for p in out.iterdir()
+                                                                     if p.is_file())}
+
+
 STAGES = {
     "generate": Stage(_generate, per="fixed", requires=("jdr.data.synthetic:dataset",), internal=True),
     "load": Stage(_load, needs=("generate",), requires=("jdr.data.pairs:load",)),
@@ -390,6 +430,7 @@ STAGES = {
     "dense_mine": Stage(_dense_mine, per="query", needs=("encode_corpus", "tiny_model"),
                         requires=("jdr.negatives.retrieved:exact_top_rows",)),
     "adore_index": Stage(_adore_index, needs=("encode_corpus",), requires=("jdr.negatives.retrieved:HostIndex",)),
+    "mine": Stage(_mine, per="query", needs=("generate",), requires=("jdr.mine:main",)),
     "evaluate": Stage(_evaluate, per="query", needs=("generate",),
                       requires=("jdr.evaluation:Evaluator", "jdr.evaluation:TowerEncoder",
                                 "jdr.evaluation:TrainingDiagnostics")),
@@ -443,6 +484,19 @@ def peak_rss_bytes() -> int:
   import resource  # pylint: disable=g-import-not-at-top
   peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
   return peak if sys.platform == "darwin" else peak * 1024
+
+
+def anonymous_rss_bytes() -> int | None:
+  """This process's resident anonymous memory now (RssAnon): what it holds beyond mapped files, so beyond a
+  prepared corpus's map. None where /proc has no such line."""
+  try:
+    with open("/proc/self/status", encoding="ascii") as f:
+      for line in f:
+        if line.startswith("RssAnon:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return None
 
 
 def _stage_process(argv: list[str]) -> None:
@@ -526,7 +580,11 @@ def run_stage(name: str, ctx: Context, timeout: float | None) -> dict:
 
   def sample():
     nonlocal group_peak, group_size
-    while not done.wait(0.5):
+    # Twice a second for the first 10 s, then every 2 s: reading a large process's smaps_rollup walks its page
+    # tables, and at half-second intervals that took a tenth of this 2-core host from the stage it measures.
+    waited = 0.0
+    while not done.wait(0.5 if waited < 10 else 2.0):
+      waited += 0.5 if waited < 10 else 2.0
       found = group_memory_bytes(process.pid)
       if found:
         group_peak, group_size = max(group_peak, found[0]), max(group_size, found[1])

@@ -92,7 +92,7 @@ def load(path: formats.PathLike, queries: Mapping[str, str], qrels: Mapping[str,
   if path.suffix == ".gz":
     raise ValueError(f"{path}: a gzip file cannot be resumed by byte offset; decompress it first")
   qids = sorted(queries)
-  texts = _CorpusTexts(corpus)
+  texts = CorpusTexts(corpus)
   key = _key(path, texts, queries, qids, qrels, skip_invalid)
   folder = _root(corpus, cache_dir) / f"{_name(path)}-{key[:20]}"
   if not (folder / MANIFEST).exists():
@@ -131,7 +131,7 @@ def _name(path: pathlib.Path) -> str:
   return "".join(c if c.isalnum() or c in "-_." else "_" for c in path.stem)[:40]
 
 
-def _key(path: pathlib.Path, texts: _CorpusTexts, queries: Mapping[str, str], qids: list[str],
+def _key(path: pathlib.Path, texts: CorpusTexts, queries: Mapping[str, str], qids: list[str],
          qrels: Mapping[str, Mapping[str, int]], skip_invalid: bool) -> str:
   digest = hashlib.sha1(json.dumps([FORMAT, prepared.fingerprint(path), texts.identity(), skip_invalid]).encode())
   for qid in qids:
@@ -141,7 +141,7 @@ def _key(path: pathlib.Path, texts: _CorpusTexts, queries: Mapping[str, str], qi
   return digest.hexdigest()
 
 
-class _CorpusTexts:
+class CorpusTexts:
   """The passage texts of a corpus by row: a prepared corpus reads them from its file, a mapping by its ids."""
 
   def __init__(self, corpus: Mapping):
@@ -180,66 +180,29 @@ class _CorpusTexts:
     return np.array([self._row.get(d, -1) for d in doc_ids], np.int64)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The mapping pass
-# ---------------------------------------------------------------------------------------------------------------
+class PassageRows:
+  """Passage texts to corpus rows, by their 64-bit hashes: every corpus text hashed once into a sorted array,
+  searched a chunk of texts at a time. A hit is confirmed against the corpus: the length always, the whole text
+  the first time a row is hit; rows sharing a hash are compared one by one."""
 
-
-def _shown(text: str) -> str:
-  return repr(text if len(text) <= _SHOWN else text[:_SHOWN] + "...")
-
-
-class _Mapper:
-  """Streams the file once: lines are parsed here, their passages looked up a chunk at a time."""
-
-  def __init__(self, path, folder, qids, queries, qrels, texts: _CorpusTexts, skip_invalid, progress):
-    self.path, self.folder, self.qids, self.qrels = path, folder, qids, qrels
-    self.texts, self.skip_invalid, self.progress = texts, skip_invalid, progress
-    self.partial = folder / PARTIAL
-    self.query_of: dict[str, int] = {}  # query text -> index in qids; texts several queries share -> -1
-    self.shared: dict[str, list[int]] = {}
-    for i, qid in enumerate(qids):
-      text = queries[qid]
-      if text in self.shared:
-        self.shared[text].append(i)
-      elif text in self.query_of:
-        self.shared[text] = [self.query_of[text], i]
-        self.query_of[text] = -1
-      else:
-        self.query_of[text] = i
-    self.counts: collections.Counter = collections.Counter()  # skipped lines per reason
-    self.first: dict[str, int] = {}
-    self.same_text = 0  # passages whose text several rows share (the first or a judged one taken)
-    self._positives: dict[int, np.ndarray] = {}
-
-  # ---------------------------------------------------------------------------------- the corpus's hashes
-
-  def _hash_corpus(self) -> None:
-    n = len(self.texts)
+  def __init__(self, texts: CorpusTexts, *, progress: bool = True, desc: str = "hash the corpus"):
+    self.texts = texts
+    n = len(texts)
     hashes, lengths = np.empty(n, np.int64), np.empty(n, np.int32)
-    bar = tqdm.tqdm(total=n, unit="passage", mininterval=1.0, disable=not self.progress,
-                    desc=f"triples {self.path.name}: hash the corpus")
+    bar = tqdm.tqdm(total=n, unit="passage", mininterval=1.0, disable=not progress, desc=desc)
     at = 0
-    for texts in self.texts.chunks():
+    for chunk in texts.chunks():
       # Python's str hash (64 bits, salted per process): the table lives only as long as this pass.
-      hashes[at:at + len(texts)] = np.fromiter(map(hash, texts), np.int64, len(texts))
-      lengths[at:at + len(texts)] = np.fromiter(map(len, texts), np.int32, len(texts))
-      at += len(texts)
-      bar.update(len(texts))
+      hashes[at:at + len(chunk)] = np.fromiter(map(hash, chunk), np.int64, len(chunk))
+      lengths[at:at + len(chunk)] = np.fromiter(map(len, chunk), np.int32, len(chunk))
+      at += len(chunk)
+      bar.update(len(chunk))
     bar.close()
     order = np.argsort(hashes, kind="stable")  # rows of equal hashes stay in row order: the first comes first
     self.hashes, self.rows, self.lengths = hashes[order], order.astype(np.int32), lengths
     self.verified = np.zeros(n, bool)
 
-  def _query_positives(self, q: int) -> np.ndarray:
-    if q not in self._positives:
-      judged = [d for d, r in self.qrels.get(self.qids[q], {}).items() if r > 0]
-      self._positives[q] = self.texts.rows_of(judged)
-    return self._positives[q]
-
-  # ---------------------------------------------------------------------------------- lookups
-
-  def _lookup(self, texts: list[str]) -> tuple[np.ndarray, dict[int, list[int]]]:
+  def lookup(self, texts: list[str]) -> tuple[np.ndarray, dict[int, list[int]]]:
     """Each text's corpus row: int64 [n], -1 where no row holds exactly it and -2 where several do, their rows
     then in the dict by position."""
     wanted = np.fromiter(map(hash, texts), np.int64, len(texts))
@@ -270,12 +233,51 @@ class _Mapper:
         several[i] = same
     return out, several
 
+
+# ---------------------------------------------------------------------------------------------------------------
+# The mapping pass
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _shown(text: str) -> str:
+  return repr(text if len(text) <= _SHOWN else text[:_SHOWN] + "...")
+
+
+class _Mapper:
+  """Streams the file once: lines are parsed here, their passages looked up a chunk at a time."""
+
+  def __init__(self, path, folder, qids, queries, qrels, texts: CorpusTexts, skip_invalid, progress):
+    self.path, self.folder, self.qids, self.qrels = path, folder, qids, qrels
+    self.texts, self.skip_invalid, self.progress = texts, skip_invalid, progress
+    self.partial = folder / PARTIAL
+    self.query_of: dict[str, int] = {}  # query text -> index in qids; texts several queries share -> -1
+    self.shared: dict[str, list[int]] = {}
+    for i, qid in enumerate(qids):
+      text = queries[qid]
+      if text in self.shared:
+        self.shared[text].append(i)
+      elif text in self.query_of:
+        self.shared[text] = [self.query_of[text], i]
+        self.query_of[text] = -1
+      else:
+        self.query_of[text] = i
+    self.counts: collections.Counter = collections.Counter()  # skipped lines per reason
+    self.first: dict[str, int] = {}
+    self.same_text = 0  # passages whose text several rows share (the first or a judged one taken)
+    self._positives: dict[int, np.ndarray] = {}
+
+  def _query_positives(self, q: int) -> np.ndarray:
+    if q not in self._positives:
+      judged = [d for d, r in self.qrels.get(self.qids[q], {}).items() if r > 0]
+      self._positives[q] = self.texts.rows_of(judged)
+    return self._positives[q]
+
   def _settle(self, lines: list[tuple[int, int, str, str, str]]) -> tuple[np.ndarray, ...]:
     """(query, positive, negative) int32 arrays of a chunk's parsed lines, the lines that fail counted or
     raised (the earliest first)."""
     query = np.fromiter((q for _, q, _, _, _ in lines), np.int64, len(lines))
-    positive, several_positive = self._lookup([p for _, _, _, p, _ in lines])
-    negative, several_negative = self._lookup([n for _, _, _, _, n in lines])
+    positive, several_positive = self.passages.lookup([p for _, _, _, p, _ in lines])
+    negative, several_negative = self.passages.lookup([n for _, _, _, _, n in lines])
     keep = (positive != -1) & (negative != -1)
     problems = []
     for i in np.nonzero(~keep)[0].tolist():
@@ -338,7 +340,7 @@ class _Mapper:
 
   def run(self) -> None:
     self.partial.mkdir(parents=True, exist_ok=True)
-    self._hash_corpus()
+    self.passages = PassageRows(self.texts, progress=self.progress, desc=f"triples {self.path.name}: hash the corpus")
     done, offset, lineno = self._resume()
     size = self.path.stat().st_size
     bar = tqdm.tqdm(total=size, initial=offset, unit="B", unit_scale=True, mininterval=1.0,

@@ -347,18 +347,27 @@ def exact_top_rows(doc_emb: np.ndarray, queries: np.ndarray, n: int, backend: st
               for first, piece in sharded_rows.pieces(doc_emb)]
     for lo in range(0, num, batch):
       part = np.ascontiguousarray(queries[lo:lo + batch], dtype=np.float32)
-      found = [(first, *faiss.knn(part, piece, min(k, len(piece)), metric=faiss.METRIC_INNER_PRODUCT))
-               for first, piece in pieces if len(piece)]
-      if len(found) == 1:
-        first, found_scores, found_rows = found[0]
-        found_rows = found_rows + first
-      else:  # each shard's top k, merged: the best k of their union, ties to the earlier shard
-        found_scores = np.concatenate([f[1] for f in found], axis=1)
-        found_rows = np.concatenate([f[2] + f[0] for f in found], axis=1)
-        order = np.argsort(-found_scores, axis=1, kind="stable")[:, :k]
+      # Each shard's top k merged into the best k so far as the shards go (ties to the lower row: the earlier
+      # shard's come first in the stable sort): [batch, 2k] at a time, not [batch, shards x k] (8.8M rows are 884
+      # shards, whose results together would be gigabytes).
+      best_scores = best_rows = None
+      for first, piece in pieces:
+        if not len(piece):
+          continue
+        found_scores, found_rows = faiss.knn(part, piece, min(k, len(piece)), metric=faiss.METRIC_INNER_PRODUCT)
+        # Faiss lists tied documents in no fixed order: by score, then row, so a search's ties do not depend
+        # on how the corpus is sharded.
+        order = np.lexsort((found_rows, -found_scores), axis=-1)
         found_scores = np.take_along_axis(found_scores, order, axis=1)
-        found_rows = np.take_along_axis(found_rows, order, axis=1)
-      rows[lo:lo + len(part), :k], scores[lo:lo + len(part), :k] = found_rows, found_scores
+        found_rows = np.take_along_axis(found_rows, order, axis=1) + first
+        if best_scores is not None:
+          found_scores = np.concatenate([best_scores, found_scores], axis=1)
+          found_rows = np.concatenate([best_rows, found_rows], axis=1)
+          order = np.argsort(-found_scores, axis=1, kind="stable")[:, :k]
+          found_scores = np.take_along_axis(found_scores, order, axis=1)
+          found_rows = np.take_along_axis(found_rows, order, axis=1)
+        best_scores, best_rows = found_scores, found_rows
+      rows[lo:lo + len(part), :k], scores[lo:lo + len(part), :k] = best_rows, best_scores
       if bar is not None:
         bar.update(len(part))
   else:

@@ -3,6 +3,8 @@
 `negatives.source`:
   none | random | bm25 | bm25_random | static   sampled from fixed pools into token batches (DPR-style)
   triples        pools = the negatives of a dataset's own triples file (MS MARCO's triples.train.small.tsv)
+  mined          pools = a `python -m jdr.mine` directory's filtered negatives, or a Tevatron or
+                 sentence-transformers file's (`negatives.mined`, jdr.negatives.training_files)
   dense_static   pools = the starting model's own top-n, mined once and cached (STAR's static hard negatives)
   ance           pools = the model's own top-n, re-mined every `refresh_every` steps in the background (ANCE)
   retrieval      candidates = rows of a fixed corpus index: retrieved at every step (`retrieve_every=1`,
@@ -28,9 +30,11 @@ from jdr import atomic
 from jdr import corpus as corpus_lib
 from jdr import paths
 from jdr.negatives import given
+from jdr.negatives import mining
 from jdr.negatives import refresh
 from jdr.negatives import retrieved
 from jdr.negatives import sampled
+from jdr.negatives import training_files
 
 @dataclasses.dataclass
 class Negatives:
@@ -233,8 +237,26 @@ def _static(neg, data, cache_dir):
 
 
 # The host samplers of the fixed-pool sources: (negatives config, data, cache dir) -> NegativeSource | None.
+def _mined(neg, data, cache_dir):
+  del cache_dir
+  if not neg.mined:
+    raise ValueError("negatives.source='mined' needs negatives.mined (the --out of python -m jdr.mine, or a "
+                     "Tevatron or sentence-transformers file)")
+  mined = training_files.load(neg.mined, data.corpus, data.queries, data.train_qrels)
+  qids, rows = mined.qids, mined.rows
+  if not paths.as_path(neg.mined).is_dir():
+    retrieved.log(f"negatives from {neg.mined} ({mined.meta['schema']}): {len(qids)} queries, "
+                  f"{int((rows >= 0).sum())} negatives; {mined.meta['dropped_positives']} dropped as judged relevant")
+  train = {q for q, docs in data.train_qrels.items() if any(r > 0 for r in docs.values())}
+  without = len(train - set(qids))
+  if without:
+    retrieved.log(f"{without} of {len(train)} training queries have no negatives in {neg.mined} (theirs are "
+                  "random, counted in negatives stats)")
+  return sampled.RowPools(rows, qids, data.train_qrels, data.corpus, "mined")
+
+
 SAMPLERS = {"none": lambda neg, data, cache_dir: None, "random": _random, "bm25": _bm25,
-            "bm25_random": _bm25_random, "static": _static, "triples": given.sampler}
+            "bm25_random": _bm25_random, "static": _static, "triples": given.sampler, "mined": _mined}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,6 +276,7 @@ SOURCES = {
     "bm25_random": Source(_sampled_source),
     "static": Source(_sampled_source, fixed_pool=True),
     "triples": Source(_sampled_source, fixed_pool=True),
+    "mined": Source(_sampled_source, fixed_pool=True),
     "dense_static": Source(_dense_static, needs_towers=True, fixed_pool=True),
     "ance": Source(_ance, needs_towers=True),
     "retrieval": Source(_retrieval, candidates="corpus", needs_towers=True),

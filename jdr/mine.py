@@ -1,0 +1,320 @@
+"""Mine hard negatives for training queries, with false-negative filters chosen on dev: `python -m jdr.mine`.
+
+  python -m jdr.mine --data DIR --out MINED [--split train] [--dev-split dev | --dev-fraction 0.2]
+                     [--retriever bm25 | --retriever model --model M [--encoding ENC] | --retriever run --run R]
+                     [--depth 200] [--skip-ranks R] [--positive-fraction F]
+                     [--cross-encoder CE [--ce-threshold T | --ce-margin M]] [--keep N]
+
+For every training query (qrels/SPLIT with a positive), the retriever's top --depth documents are the
+candidates; its labeled positives go, then the filters run in order (jdr.negatives.mining's docstring says
+each). With a cross-encoder, every candidate the cheap filters keep and every positive get its score, written
+beside the negatives as the teacher's (for MarginMSE or listwise distillation), whether or not a cross-encoder
+filter is on. With --dev-split (held-out training queries, e.g. python -m jdr.reproduce's dev split), each
+filter is measured alone on those queries at a grid of thresholds: the share of candidates it drops and the
+false-negative rate it leaves (labeled positives among what it keeps); without it, on a fixed 20% of the
+training queries (--dev-fraction). Choose thresholds there, never on test.
+
+The output directory (jdr.negatives.mining's layout) is what `jdr.train --config.negatives.source=mined
+--config.negatives.mined=MINED` reads. A killed run resumes: the retriever's candidates are cached
+(BM25's arrays, the corpus encoding's shards) and the filtered chunks of queries are kept as they finish.
+Standard output gets a report of what each filter dropped and the dev table, and, last, one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+from collections.abc import Iterable
+
+import numpy as np
+
+from jdr import cli
+from jdr import defaults
+from jdr.data import pairs
+from jdr.negatives import mining
+
+RETRIEVERS = ("bm25", "model", "run")
+
+
+def _parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="python -m jdr.mine", description=__doc__.splitlines()[0])
+  parser.add_argument("--data", required=True, help="dataset directory (BEIR's layout or MS MARCO's own files)")
+  parser.add_argument("--out", required=True, help="output directory (resumes if it holds an unfinished run)")
+  parser.add_argument("--split", default="train", help="the training queries' qrels split")
+  parser.add_argument("--dev-split", default="",
+                      help="held-out training queries' qrels split for the filters' dev report (e.g. jdr.reproduce's "
+                           "dev); without it, --dev-fraction of the training queries")
+  parser.add_argument("--dev-fraction", type=float, default=0.2,
+                      help="without --dev-split: the report's queries, a fixed fraction of the training queries (by a "
+                           "hash of the id; they are mined too); 0: no report")
+  parser.add_argument("--retriever", choices=RETRIEVERS, default="bm25")
+  parser.add_argument("--model", default=None, help="--retriever model: a jdr model, Hugging Face dir or minilm")
+  parser.add_argument("--encoding", default=None,
+                      help="--retriever model: the corpus's jdr.encode directory (default: encoded into OUT)")
+  parser.add_argument("--run", default=None, help="--retriever run: a TREC run or MS MARCO top1000 file")
+  parser.add_argument("--depth", type=int, default=200, help="candidates a query, before filtering")
+  parser.add_argument("--skip-ranks", type=int, default=0, help="drop each query's best R candidates")
+  parser.add_argument("--positive-fraction", type=float, default=None,
+                      help="drop candidates scoring above F x the query's lowest positive retriever score")
+  parser.add_argument("--cross-encoder", default=None, help="a jdr cross-encoder (workdir or export) or HF dir")
+  parser.add_argument("--ce-threshold", type=float, default=None, help="drop candidates the cross-encoder scores above T")
+  parser.add_argument("--ce-margin", type=float, default=None,
+                      help="drop candidates the cross-encoder scores above the lowest positive's score - M")
+  parser.add_argument("--keep", type=int, default=0, help="at most N negatives a query (0: all that are left)")
+  parser.add_argument("--query-max-length", type=int, default=32)
+  parser.add_argument("--doc-max-length", type=int, default=256)
+  parser.add_argument("--ce-max-length", type=int, default=256, help="tokens per (query, document) pair")
+  parser.add_argument("--chunk", type=int, default=4096, help="queries filtered (and saved) at a time")
+  cli.add_skip_invalid_flag(parser)
+  return parser
+
+
+def _check(args, parser) -> mining.Filters:
+  if args.depth < 1 or args.chunk < 1:
+    parser.error("--depth and --chunk must be >= 1")
+  if not 0 <= args.dev_fraction <= 1:
+    parser.error("--dev-fraction must be in [0, 1]")
+  if args.retriever == "model" and not args.model:
+    parser.error("--retriever model needs --model")
+  if args.retriever == "run" and not args.run:
+    parser.error("--retriever run needs --run")
+  if (args.ce_threshold is not None or args.ce_margin is not None) and not args.cross_encoder:
+    parser.error("--ce-threshold and --ce-margin need --cross-encoder")
+  try:
+    return mining.Filters(args.skip_ranks, args.positive_fraction, args.ce_threshold, args.ce_margin, args.keep)
+  except ValueError as e:
+    parser.error(str(e))
+
+
+class Retriever:
+  """Candidates and the positives' scores from the chosen first stage."""
+
+  def __init__(self, args, data, out: pathlib.Path):
+    self.args, self.data, self.out, self.kind = args, data, out, args.retriever
+    self._index = self._doc_emb = self._query_runtime = None
+
+  def candidates(self, qids: list[str], tag: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(rows int32 [Q, depth], scores float32 [Q, depth], query vectors or None)."""
+    depth, texts = self.args.depth, [self.data.queries[q] for q in qids]
+    if self.kind == "bm25":
+      from jdr import bm25  # pylint: disable=g-import-not-at-top  (only BM25 users need numba)
+      if self._index is None:
+        self._index = bm25.corpus_index(self.data.corpus, cache_dir=self.out / "cache")
+      mined = bm25.mine(self._index, texts, min(depth, len(self._index)), self.out / "cache", query_ids=qids,
+                        desc=f"BM25 candidates ({tag})")
+      return np.asarray(mined.rows, np.int32), np.asarray(mined.scores, np.float32), None
+    if self.kind == "run":
+      from jdr.data import run_arrays  # pylint: disable=g-import-not-at-top
+      ranked = run_arrays.read(self.args.run, qids, self.data.corpus, depth=depth,
+                               skip_invalid=self.args.skip_invalid)
+      missing = [q for q, n in zip(qids, ranked.lengths.tolist()) if n == 0]
+      if missing:
+        print(f"jdr.mine: {self.args.run} ranks nothing for {len(missing)} of the {len(qids)} {tag} queries "
+              f"(e.g. {missing[:3]}): they get no negatives", file=sys.stderr)
+      return ranked.rows, np.where(ranked.rows >= 0, ranked.scores, np.nan).astype(np.float32), None
+    from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+    from jdr.negatives import retrieved  # pylint: disable=g-import-not-at-top
+    doc_emb = self.doc_emb()
+    if self._query_runtime is None:
+      self._query_runtime = corpus_lib.load_runtime(self.args.model, side="query",
+                                                    max_length=self.args.query_max_length)
+    query_emb = corpus_lib.encode_texts(self._query_runtime, texts)
+    rows, scores = retrieved.exact_top_rows(doc_emb, query_emb, depth, progress=f"dense candidates ({tag})")
+    return rows, np.where(rows >= 0, scores, np.nan).astype(np.float32), query_emb
+
+  def doc_emb(self):
+    from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+    if self._doc_emb is None:
+      encoding = self.args.encoding
+      if encoding:
+        corpus_lib.check_ids_match(encoding, self.data.corpus, f"--encoding vs --data {self.args.data}")
+      else:
+        encoding = self.out / "encoding"
+        runtime = corpus_lib.load_runtime(self.args.model, side="doc", max_length=self.args.doc_max_length)
+        corpus_lib.encode_corpus(runtime, self.data.corpus, encoding, settings={"model": str(self.args.model)})
+      self._doc_emb, _, _ = corpus_lib.load_embeddings(encoding)
+    return self._doc_emb
+
+  def positive_scores(self, qids: list[str], positives: np.ndarray, rows: np.ndarray, scores: np.ndarray,
+                      query_emb) -> np.ndarray:
+    if self.kind == "bm25":
+      return mining.bm25_scores(self._index, [self.data.queries[q] for q in qids], positives)
+    if self.kind == "model":
+      return mining.dot_scores(query_emb, self.doc_emb(), positives)
+    return mining.run_scores(rows, scores, positives)  # a run scores only what it ranks
+
+
+def positive_rows(qrels, corpus, qids: list[str]) -> np.ndarray:
+  """int32 [Q, P] each query's labeled positives (relevance > 0) as corpus rows, -1 padded."""
+  positives = [sorted(d for d, r in qrels.get(q, {}).items() if r > 0) for q in qids]
+  width = max((len(p) for p in positives), default=0)
+  flat = [d for p in positives for d in p]
+  found = corpus.row_of(flat, missing=-1) if hasattr(corpus, "row_of") else np.asarray(
+      [{d: i for i, d in enumerate(corpus)}.get(d, -1) for d in flat], np.int64)
+  out, at = np.full((len(qids), max(width, 1)), -1, np.int32), 0
+  for b, p in enumerate(positives):
+    out[b, :len(p)] = found[at:at + len(p)]
+    at += len(p)
+  return out
+
+
+def _scorer(args):
+  if not args.cross_encoder:
+    return None
+  import jax  # pylint: disable=g-import-not-at-top
+  from jdr import reranking  # pylint: disable=g-import-not-at-top
+  from jdr.models import cross  # pylint: disable=g-import-not-at-top
+  model, params, tokenizer = cross.load_cross_encoder(args.cross_encoder)
+  if args.ce_max_length > model.config.max_length:
+    raise ValueError(f"--ce-max-length {args.ce_max_length} exceeds the cross-encoder's "
+                     f"{model.config.max_length} positions")
+  return reranking.make_scorer(model, jax.device_put(params), tokenizer, max_length=args.ce_max_length)
+
+
+def _cheap(filters: mining.Filters) -> mining.Filters:
+  """The filters before the cross-encoder's: what it need not score."""
+  return mining.Filters(filters.skip_ranks, filters.positive_fraction)
+
+
+def mine_queries(args, data, out: pathlib.Path, retriever: Retriever, score, filters: mining.Filters,
+                 qids: list[str]) -> tuple[dict, dict]:
+  """Filters the training queries chunk by chunk (resumable) and writes the directory; (dropped, no_bound)."""
+  rows, scores, query_emb = retriever.candidates(qids, "training")
+  positives = positive_rows(data.train_qrels, data.corpus, qids)
+  pos_scores = None
+  if filters.positive_fraction is not None:
+    pos_scores = retriever.positive_scores(qids, positives, rows, scores, query_emb)
+  width = filters.keep or rows.shape[1]
+  plan = {"retriever": args.retriever, "model": args.model, "run": args.run, "depth": args.depth,
+          "filters": vars(filters) if hasattr(filters, "__dict__") else str(filters),
+          "cross_encoder": args.cross_encoder, "ce_max_length": args.ce_max_length}
+  chunks = mining.Chunks(out, plan, len(qids), args.chunk)
+  bounds = chunks.bounds()
+  done = sum(1 for k in range(len(bounds)) if chunks.done(k))
+  bar = mining.progress(len(qids), sum(hi - lo for lo, hi in bounds[:done]), "filter")
+  for k, (lo, hi) in enumerate(bounds):
+    if chunks.done(k):
+      continue
+    part = slice(lo, hi)
+    part_pos_scores = None if pos_scores is None else pos_scores[part]
+    teacher = pos_teacher = None
+    if score is not None:
+      cheap = mining.apply(rows[part], scores[part], positives[part], _cheap(filters),
+                           positive_scores=part_pos_scores, qids=qids[part])
+      texts = [data.queries[q] for q in qids[part]]
+      teacher = mining.teacher_scores(score, data.corpus, texts, rows[part], cheap.alive)
+      pos_teacher = mining.teacher_scores(score, data.corpus, texts, positives[part])
+    result = mining.apply(rows[part], scores[part], positives[part], filters, positive_scores=part_pos_scores,
+                          teacher=teacher, positive_teacher=pos_teacher, qids=qids[part])
+    kept = mining.compact(result.alive, rows[part], scores[part], *([teacher] if teacher is not None else []),
+                          width=width, fill=(-1, np.nan))
+    arrays = {"rows": kept[0], "scores": kept[1], "dropped": np.asarray([result.dropped.get(f, 0)
+                                                                         for f in mining.FILTERS], np.int64),
+              "no_bound": np.asarray([result.no_bound.get(f, 0) for f in mining.FILTERS], np.int64)}
+    if teacher is not None:
+      arrays["teacher"], arrays["positive_teacher"] = kept[2], pos_teacher
+    chunks.save(k, **arrays)
+    bar.update(hi - lo)
+  bar.close()
+  parts = [chunks.load(k) for k in range(len(bounds))]
+  join = lambda name: np.concatenate([p[name] for p in parts]) if parts else None
+  dropped = dict(zip(mining.FILTERS, np.sum([p["dropped"] for p in parts], axis=0).tolist()))
+  no_bound = dict(zip(mining.FILTERS, np.sum([p["no_bound"] for p in parts], axis=0).tolist()))
+  teacher = join("teacher") if score is not None else None
+  return (dict(rows=join("rows"), scores=join("scores"), positives=positives, teacher=teacher,
+               positive_teacher=join("positive_teacher") if score is not None else None, chunks=chunks),
+          {"dropped": {f: v for f, v in dropped.items() if f == "positives" or _is_on(filters, f)},
+           "no_bound": {f: v for f, v in no_bound.items() if v}, "candidates": int((rows >= 0).sum())})
+
+
+def _is_on(filters: mining.Filters, name: str) -> bool:
+  value = getattr(filters, name)
+  return value is not None and value != 0
+
+
+def dev_queries(args, data, retriever: Retriever, score, filters: mining.Filters) -> dict | None:
+  if args.dev_split:
+    qrels, what = data.eval_qrels or {}, f"--dev-split {args.dev_split}"
+  elif args.dev_fraction > 0:
+    qrels, what = pairs.keep_fraction(data.train_qrels, args.dev_fraction), f"--dev-fraction {args.dev_fraction}"
+  else:
+    return None
+  qids = sorted(q for q, docs in qrels.items() if any(r > 0 for r in docs.values()) and q in data.queries)
+  if not qids:
+    raise ValueError(f"{what}: no query with a positive")
+  rows, scores, query_emb = retriever.candidates(qids, "dev")
+  positives = positive_rows(qrels, data.corpus, qids)
+  pos_scores = retriever.positive_scores(qids, positives, rows, scores, query_emb)
+  teacher = pos_teacher = None
+  if score is not None:
+    texts = [data.queries[q] for q in qids]
+    teacher = mining.teacher_scores(score, data.corpus, texts, rows)
+    pos_teacher = mining.teacher_scores(score, data.corpus, texts, positives)
+  return mining.dev_report(rows, scores, positives, filters, positive_scores=pos_scores, teacher=teacher,
+                           positive_teacher=pos_teacher)
+
+
+def describe(report: dict) -> str:
+  """The report as text: what each filter dropped, then the dev table."""
+  lines = [f"{report['queries']} training queries, {report['training']['candidates']} candidates "
+           f"({report['retriever']}, depth {report['depth']})"]
+  for name, count in report["training"]["dropped"].items():
+    lines.append(f"  {name:<18} dropped {count:>10,}")
+  lines.append(f"  kept {report['negatives']:,} negatives ({report['negatives'] / max(report['queries'], 1):.1f} a "
+               f"query; {report['queries_without_negatives']} queries with none)")
+  dev = report.get("dev")
+  if dev:
+    lines.append(f"dev ({dev['queries']} queries, {dev['candidates']} candidates, {dev['positives_among_candidates']} "
+                 "labeled positives among them): each filter alone")
+    lines.append(f"  {'filter':<18} {'value':>8} {'dropped':>8} {'FN rate':>8} {'pos. dropped':>12}")
+    u = dev["unfiltered"]
+    lines.append(f"  {'none':<18} {'':>8} {u['dropped']:>8.2%} {u['false_negative_rate']:>8.2%} "
+                 f"{u['positives_dropped']:>12.2%}")
+    for name in ("skip_ranks", "positive_fraction", "ce_threshold", "ce_margin"):
+      for value, r in dev.get(name, {}).items():
+        if value == "queries":
+          continue
+        lines.append(f"  {name:<18} {value:>8} {r['dropped']:>8.2%} {r['false_negative_rate']:>8.2%} "
+                     f"{r['positives_dropped']:>12.2%}")
+  return "\n".join(lines)
+
+
+def main(argv: Iterable[str] | None = None) -> None:
+  parser = _parser()
+  args = parser.parse_args(argv)
+  filters = _check(args, parser)
+  out = pathlib.Path(args.out)
+  start = time.perf_counter()
+  with cli.reporting_errors(skip_flag="--skip-invalid"):
+    data_cfg = defaults.get_config().data
+    data_cfg.dataset, data_cfg.train_split, data_cfg.eval_split = args.data, args.split, args.dev_split
+    data = pairs.load(data_cfg, out)
+    qids = sorted(q for q, docs in data.train_qrels.items() if any(r > 0 for r in docs.values()))
+    if data.files is None or not hasattr(data.corpus, "row_of"):
+      raise ValueError(f"--data {args.data}: jdr.mine reads a local corpus file it can prepare (rows by id)")
+    score = _scorer(args)
+    retriever = Retriever(args, data, out)
+    mined, counts = mine_queries(args, data, out, retriever, score, filters, qids)
+    dev = dev_queries(args, data, retriever, score, filters)
+    negatives = int((mined["rows"] >= 0).sum())
+    report = {"queries": len(qids), "retriever": args.retriever, "depth": args.depth, "training": counts,
+              "negatives": negatives, "queries_without_negatives": int((~(mined["rows"] >= 0).any(axis=1)).sum()),
+              "seconds": round(time.perf_counter() - start, 1)}
+    if dev is not None:
+      report["dev"] = {"split": args.dev_split or f"{args.dev_fraction:g} of {args.split}", **dev}
+    meta = {"data": str(pathlib.Path(args.data).absolute()), "split": args.split, "dev_split": args.dev_split,
+            "corpus": data.corpus.manifest.get("source") if hasattr(data.corpus, "manifest") else None,
+            "num_docs": len(data.corpus), "retriever": args.retriever, "model": args.model, "run": args.run,
+            "cross_encoder": args.cross_encoder, "filters": dict(vars(filters)), "report": report}
+    mining.write(out, qids, mined["rows"], mined["scores"], mined["positives"], meta, teacher=mined["teacher"],
+                 positive_teacher=mined["positive_teacher"])
+    mined["chunks"].remove()
+  print(describe(report))
+  print(json.dumps(report))
+
+
+if __name__ == "__main__":
+  main()

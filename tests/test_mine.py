@@ -1,0 +1,299 @@
+"""jdr.negatives.mining's filters against a query-by-query transcription of their definitions, its scores against
+the retrievers' own, and `python -m jdr.mine` end to end: its report, its directory, its resume."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jdr.negatives import mining
+from tests.conftest import write_tiny_beir
+
+
+def _oracle(rows, scores, positives, f, pos_scores, teacher, pos_teacher):
+  """Each query's kept candidates and each filter's drops, one candidate at a time, as the docstring says."""
+  kept_all, dropped = [], dict.fromkeys(mining.FILTERS, 0)
+  for q in range(len(rows)):
+    pos = {int(p) for p in positives[q] if p >= 0}
+    low_pos = min((float(s) for s in pos_scores[q] if np.isfinite(s)), default=None)
+    low_t = min((float(s) for s in pos_teacher[q] if np.isfinite(s)), default=None)
+    left = []
+    for j, r in enumerate(rows[q]):
+      if r < 0:
+        continue
+      if int(r) in pos:
+        dropped["positives"] += 1
+        continue
+      left.append(j)
+    survivors = []
+    for n, j in enumerate(left):
+      if n < f.skip_ranks:
+        dropped["skip_ranks"] += 1
+      else:
+        survivors.append(j)
+    left, survivors = survivors, []
+    for j in left:
+      if f.positive_fraction is not None and low_pos is not None and scores[q, j] > f.positive_fraction * low_pos:
+        dropped["positive_fraction"] += 1
+      elif f.ce_threshold is not None and teacher[q, j] > f.ce_threshold:
+        dropped["ce_threshold"] += 1
+      elif f.ce_margin is not None and low_t is not None and teacher[q, j] > low_t - f.ce_margin:
+        dropped["ce_margin"] += 1
+      else:
+        survivors.append(j)
+    if f.keep:
+      dropped["keep"] += max(0, len(survivors) - f.keep)
+      survivors = survivors[:f.keep]
+    kept_all.append(survivors)
+  return kept_all, dropped
+
+
+def _random_case(seed, q=40, d=30, p=3, docs=60):
+  rng = np.random.default_rng(seed)
+  rows = np.stack([rng.permutation(docs)[:d] for _ in range(q)]).astype(np.int32)
+  rows[rng.random((q, d)) < 0.1] = -1
+  positives = np.full((q, p), -1, np.int32)
+  for i in range(q):
+    k = rng.integers(0, p + 1)
+    positives[i, :k] = rng.choice(docs, k, replace=False)
+  scores = np.sort(rng.random((q, d)).astype(np.float32) * 10, axis=1)[:, ::-1].copy()
+  pos_scores = np.where(positives >= 0, rng.random((q, p)) * 10, np.nan).astype(np.float32)
+  teacher = rng.normal(size=(q, d)).astype(np.float32)
+  pos_teacher = np.where(positives >= 0, rng.normal(size=(q, p)), np.nan).astype(np.float32)
+  return rows, scores, positives, pos_scores, teacher, pos_teacher
+
+
+@pytest.mark.parametrize("filters", [
+    mining.Filters(),
+    mining.Filters(skip_ranks=3),
+    mining.Filters(positive_fraction=0.9, keep=5),
+    mining.Filters(skip_ranks=1, ce_threshold=0.3, keep=7),
+    mining.Filters(positive_fraction=1.2, ce_margin=0.5),
+])
+def test_filters_agree_with_a_query_by_query_transcription(filters):
+  for seed in range(3):
+    rows, scores, positives, pos_scores, teacher, pos_teacher = _random_case(seed)
+    result = mining.apply(rows, scores, positives, filters, positive_scores=pos_scores, teacher=teacher,
+                          positive_teacher=pos_teacher)
+    kept, dropped = _oracle(rows, scores, positives, filters, pos_scores, teacher, pos_teacher)
+    for q in range(len(rows)):
+      assert np.flatnonzero(result.alive[q]).tolist() == kept[q]
+    assert {k: v for k, v in result.dropped.items()} == {k: v for k, v in dropped.items() if k in result.dropped}
+    assert not any(v for k, v in dropped.items() if k not in result.dropped)  # off filters drop nothing
+    [out_rows, out_scores] = mining.compact(result.alive, rows, scores, width=8, fill=(-1, np.nan))
+    for q in range(len(rows)):
+      want = kept[q][:8]
+      assert out_rows[q, :len(want)].tolist() == rows[q, want].tolist()
+      assert (out_rows[q, len(want):] == -1).all() and np.isnan(out_scores[q, len(want):]).all()
+
+
+def test_positive_fraction_refuses_negative_scores():
+  with pytest.raises(ValueError, match="non-negative.*query 'q7' scores -1"):
+    mining.fraction_bound(np.array([[-1.0, 2.0]]), 0.9, ["q7"])
+  with pytest.raises(ValueError, match="one filter"):
+    mining.Filters(ce_threshold=1.0, ce_margin=0.5)
+
+
+def test_dev_report_counts_what_each_threshold_drops_and_leaves():
+  # Query 0: candidates 5, 1 (labeled), 6, 7; query 1: 2 (labeled), 8, 3 (labeled, known), -1.
+  rows = np.array([[5, 1, 6, 7], [2, 8, 3, -1]], np.int32)
+  scores = np.array([[9.0, 8.0, 7.0, 1.0], [9.0, 5.0, 4.0, np.nan]], np.float32)
+  positives = np.array([[1, -1], [3, 2]], np.int32)
+  pos_scores = np.array([[8.0, np.nan], [4.0, 9.0]], np.float32)
+  report = mining.dev_report(rows, scores, positives, mining.Filters(skip_ranks=1, positive_fraction=0.5),
+                             positive_scores=pos_scores)
+  assert report["candidates"] == 7 and report["positives_among_candidates"] == 3
+  assert report["unfiltered"] == {"dropped": 0.0, "false_negative_rate": round(3 / 7, 4), "positives_dropped": 0.0}
+  # skip 1: drops 5 and 2 (a labeled positive); kept 1, 6, 7, 8, 3 of which 1 and 3 are labeled.
+  assert report["skip_ranks"]["1"] == {"dropped": round(2 / 7, 4), "false_negative_rate": 0.4,
+                                       "positives_dropped": round(1 / 3, 4)}
+  # Relative to the known positive (query 1 only: its lowest row, 2, scores 9): 0.9 x 9 = 8.1 drops nothing of
+  # 8 (5.0) and 3 (4.0)... and candidate 2 itself is the known one, out of the count.
+  frac = report["positive_fraction"]
+  assert frac["queries"] == 1 and frac["0.9"]["dropped"] == 0.0 and frac["0.9"]["false_negative_rate"] == 0.5
+  # The chosen 0.5 joins the grid: 0.5 x 9 = 4.5 drops 8 (5.0) and keeps 3 (4.0, the hidden positive).
+  assert frac["0.5"] == {"dropped": 0.5, "false_negative_rate": 1.0, "positives_dropped": 0.0}
+
+
+def test_scores_of_the_positives_match_each_retriever(tmp_path):
+  from jdr import bm25
+  from jdr.data import formats, text
+  beir = write_tiny_beir(tmp_path / "beir", num_docs=30)
+  corpus = formats.read_corpus(beir)
+  texts = [text.doc_text(d) for d in corpus.values()]
+  index = bm25.index_for(texts, len(texts), show_progress=False)
+  queries = list(formats.read_queries(beir / "queries.jsonl").values())[:10]
+  rows, scores = bm25.search(index, queries, 5, n_threads=1)
+  np.testing.assert_allclose(mining.bm25_scores(index, queries, rows), np.where(rows >= 0, scores, np.nan),
+                             rtol=1e-5)
+  rng = np.random.default_rng(0)
+  q, d = rng.normal(size=(4, 8)), rng.normal(size=(20, 8)).astype(np.float32)
+  pick = np.array([[3, -1], [0, 19], [-1, -1], [7, 7]], np.int32)
+  got = mining.dot_scores(q, d, pick)
+  for i in range(4):
+    for j in range(2):
+      want = np.nan if pick[i, j] < 0 else float(q[i] @ d[pick[i, j]])
+      np.testing.assert_allclose(got[i, j], want, rtol=1e-5)
+  ranked = np.array([[4, 2, 9], [1, -1, -1]], np.int32)
+  ranked_scores = np.array([[3.0, 2.0, 1.0], [5.0, np.nan, np.nan]], np.float32)
+  np.testing.assert_array_equal(mining.run_scores(ranked, ranked_scores, np.array([[9, 5], [1, -1]])),
+                                np.array([[1.0, np.nan], [5.0, np.nan]], np.float32))
+
+
+def _overlap_scorer(pairs):
+  """A stand-in cross-encoder: shared words."""
+  return np.array([len(set(q.split()) & set(d.split())) for q, d in pairs], np.float32)
+
+
+def test_teacher_scores_read_each_document_once_and_score_in_place(tmp_path):
+  from jdr.data import prepared
+  beir = write_tiny_beir(tmp_path / "beir", num_docs=20)
+  corpus = prepared.prepare(beir / "corpus.jsonl", out_dir=tmp_path / "cache", progress=False)
+  rows = np.array([[3, 3, -1], [0, 5, 3]], np.int32)
+  alive = np.array([[True, False, False], [True, True, True]])
+  got = mining.teacher_scores(_overlap_scorer, corpus, ["alphaton betalith", "gammavox"], rows, alive)
+  texts = corpus.texts([0, 3, 5])
+  by_row = dict(zip([0, 3, 5], texts))
+  assert got[0, 0] == _overlap_scorer([("alphaton betalith", by_row[3])])[0]
+  assert np.isnan(got[0, 1]) and np.isnan(got[0, 2])
+  assert got[1].tolist() == _overlap_scorer([("gammavox", by_row[r]) for r in (0, 5, 3)]).tolist()
+
+
+@pytest.fixture(scope="module")
+def mine_data(tmp_path_factory):
+  root = tmp_path_factory.mktemp("mine")
+  beir = write_tiny_beir(root / "beir", num_docs=60)
+  # A dev split of held-out training queries, two of them with a second positive.
+  lines = (beir / "qrels" / "train.tsv").read_text().splitlines()
+  head, body = lines[0], lines[1:]
+  (beir / "qrels" / "train.tsv").write_text("\n".join([head] + body[:35]) + "\n")
+  dev = body[35:] + ["q40\td41\t1", "q41\td40\t1"]
+  (beir / "qrels" / "dev.tsv").write_text("\n".join([head] + dev) + "\n")
+  return beir
+
+
+def _mine(*args, env=None):
+  return subprocess.run([sys.executable, "-m", "jdr.mine", *map(str, args)], capture_output=True, text=True,
+                        timeout=600, check=False, env=env)
+
+
+def test_mine_writes_filtered_negatives_and_a_dev_report(mine_data, tmp_path):
+  out = tmp_path / "mined"
+  proc = _mine("--data", mine_data, "--out", out, "--dev-split", "dev", "--depth", "20", "--skip-ranks", "2",
+               "--positive-fraction", "0.95", "--keep", "8")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  report = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert "skip_ranks" in proc.stdout and "FN rate" in proc.stdout
+  mined = mining.read(out)
+  assert mined.qids == sorted(f"q{i}" for i in range(35)) and report["queries"] == 35
+  assert mined.rows.shape == (35, 8) and mined.teacher is None
+  assert set(report["training"]["dropped"]) == {"positives", "skip_ranks", "positive_fraction", "keep"}
+  assert report["negatives"] == int((mined.rows >= 0).sum())
+  for i, q in enumerate(mined.qids):  # a query's own positive is never its negative
+    assert int(q[1:]) not in mined.rows[i].tolist()
+  dev = report["dev"]
+  assert dev["queries"] == 10 and dev["split"] == "dev" and dev["positives_among_candidates"] > 0
+  assert {"0", "1", "2", "3", "10", "30"} == set(dev["skip_ranks"])
+  assert dev["positive_fraction"]["queries"] == 2
+  assert not (out / mining.PARTIAL).exists()
+  # Mined again into the same directory with the same settings: the same arrays.
+  again = _mine("--data", mine_data, "--out", out, "--dev-split", "dev", "--depth", "20", "--skip-ranks", "2",
+                "--positive-fraction", "0.95", "--keep", "8")
+  assert again.returncode == 0, again.stderr[-3000:]
+  np.testing.assert_array_equal(mining.read(out).rows, mined.rows)
+
+
+def test_mine_refuses_bad_flags_with_a_reason(mine_data, tmp_path):
+  proc = _mine("--data", mine_data, "--out", tmp_path / "m", "--ce-threshold", "0.5")
+  assert proc.returncode == 2 and "--ce-threshold and --ce-margin need --cross-encoder" in proc.stderr
+  proc = _mine("--data", tmp_path / "absent", "--out", tmp_path / "m")
+  assert proc.returncode == 2 and "absent" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _tevatron(path, lines):
+  path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+  return path
+
+
+def test_tevatron_files_of_either_schema_read_as_rows(tmp_path):
+  from jdr.data import prepared
+  from jdr.negatives import training_files as negative_files
+  beir = write_tiny_beir(tmp_path / "beir", num_docs=20)
+  corpus = prepared.prepare(beir / "corpus.jsonl", out_dir=tmp_path / "cache", progress=False)
+  qrels = {"q1": {"d1": 1}, "q2": {"d2": 1}}
+  v1 = _tevatron(tmp_path / "v1.jsonl", [
+      {"query_id": "q2", "query": "x", "positive_passages": [{"docid": "d2", "text": "t"}],
+       "negative_passages": [{"docid": "d5", "title": "", "text": "t"}, {"docid": "d2", "text": "t"}]},
+      {"query_id": "q1", "query": "y", "positive_passages": [], "negative_passages": [{"docid": "d7"}]},
+      {"query_id": "q2", "query": "x", "positive_passages": [], "negative_passages": [{"docid": "d9"}, {"docid": "d5"}]},
+  ])
+  queries = {"q1": "y", "q2": "x"}
+  got = negative_files.read(v1, corpus, queries, qrels)
+  assert got.meta["schema"] == "tevatron-v1" and got.qids == ["q1", "q2"] and got.meta["dropped_positives"] == 1
+  assert got.rows.tolist() == [[7, -1], [5, 9]]  # q2's two lines merged, d2 (its positive) dropped
+  assert got.positives.tolist() == [[-1], [2]] and got.teacher is None
+  v2 = _tevatron(tmp_path / "v2.jsonl", [{"query_id": "q1", "query_text": "y", "positive_document_ids": ["d1"],
+                                          "negative_document_ids": ["d3", "d4"]}])
+  assert negative_files.read(v2, corpus, queries, qrels).rows.tolist() == [[3, 4]]
+  from jdr.data import formats
+  bad = _tevatron(tmp_path / "bad.jsonl", [{"query_id": "q1", "negative_document_ids": ["d3"]},
+                                           {"query_id": "q1", "negative_document_ids": ["nope"]}])
+  with pytest.raises(formats.DataFormatError, match=r"bad.jsonl:2: .*'nope' is not in the corpus"):
+    negative_files.read(bad, corpus, queries, qrels)
+  mixed = _tevatron(tmp_path / "mixed.jsonl", [{"query_id": "q1", "negative_document_ids": ["d3"]},
+                                               {"query_id": "q1", "negative_passages": [{"docid": "d3"}]}])
+  with pytest.raises(formats.DataFormatError, match=r"mixed.jsonl:2: .*tevatron-v1 record in a file of tevatron-v2"):
+    negative_files.read(mixed, corpus, queries, qrels)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_sentence_transformers_rows_match_texts_to_rows_and_carry_scores(tmp_path, suffix):
+  from jdr.data import formats, prepared
+  from jdr.negatives import training_files as negative_files
+  beir = write_tiny_beir(tmp_path / "beir", num_docs=20)
+  corpus = prepared.prepare(beir / "corpus.jsonl", out_dir=tmp_path / "cache", progress=False)
+  text = {f"d{i}": json.loads(line)["text"] for i, line in enumerate((beir / "corpus.jsonl").read_text().splitlines())}
+  queries = formats.read_queries(beir / "queries.jsonl")
+  qrels = {"q1": {"d1": 1}, "q2": {"d2": 1}}
+  records = [{"anchor": queries["q1"], "positive": text["d1"], "negative_1": text["d4"], "negative_2": text["d1"],
+              "score": [3.0, 1.5, 2.5]},
+             {"anchor": queries["q2"], "positive": text["d2"], "negative_1": text["d6"], "negative_2": text["d8"],
+              "score": [4.0, -1.0, 0.5]}]
+  path = tmp_path / f"st{suffix}"
+  if suffix == ".parquet":
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.Table.from_pylist(records), path)
+  else:
+    _tevatron(path, records)
+  got = negative_files.read(path, corpus, queries, qrels)
+  assert got.meta["schema"] == "sentence-transformers" and got.qids == ["q1", "q2"]
+  assert got.rows.tolist() == [[4, -1], [6, 8]] and got.meta["dropped_positives"] == 1  # d1 is q1's positive
+  np.testing.assert_array_equal(got.teacher, [[1.5, np.nan], [-1.0, 0.5]])
+  assert got.positives.tolist() == [[1], [2]] and got.positive_teacher.tolist() == [[3.0], [4.0]]
+  records[1]["negative_2"] = "a passage the corpus does not hold"
+  bad = tmp_path / f"bad{suffix}"
+  if suffix == ".parquet":
+    pq.write_table(pa.Table.from_pylist(records), bad)
+  else:
+    _tevatron(bad, records)
+  with pytest.raises(formats.DataFormatError, match=r"bad\.\w+:2: .*negative passage 'a passage the corpus"):
+    negative_files.read(bad, corpus, queries, qrels)
+
+
+def test_training_reads_negatives_from_a_tevatron_file(tmp_path):
+  from jdr import config_files, defaults, train
+  beir = write_tiny_beir(tmp_path / "beir", num_docs=40)
+  lines = [{"query_id": f"q{i}", "negative_document_ids": [f"d{(i + 1) % 40}", f"d{(i + 2) % 40}"]}
+           for i in range(30)]
+  given = _tevatron(tmp_path / "train.jsonl", lines)
+  config = defaults.get_config()
+  config_files.apply_overrides(config, [
+      "model.init_from=", "model.fresh=tiny", f"data.dataset={beir}", "data.eval_split=", "batch_size=4",
+      "data.query_max_length=12", "data.doc_max_length=32", "negatives.source=mined", f"negatives.mined={given}",
+      "negatives.per_query=1", "num_train_steps=2", "log_every=1", "eval_before_training=False"])
+  train.train_and_evaluate(config, tmp_path / "w")
+  records = [json.loads(l) for l in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
+  assert [r for r in records if "train/loss" in r]
