@@ -59,16 +59,19 @@ FIGURES = {
     "faiss_flat_s_per_million": Figure(0.769, "2-core x86 CPU, Faiss Flat top-200 of 32 queries per million "
                                               "documents (`python -m jdr.bench adore-step --backends jax,faiss "
                                               "--factories Flat --sizes 1000000 --steps 5`)"),
-    "tokenize_docs_per_s": Figure(5_183 / 1.109, "2-core x86 CPU, jdr.data.text.tokenize of SciFact's 5,183 "
-                                                 "documents at 256 tokens in 1.109 s (`python -m jdr.bench encode "
-                                                 "--num-docs 5183`)"),
+    "prepare_s": Figure(68.1 + 751.3, "2-core x86 CPU, preparing MS MARCO-shaped 8,841,823 passages: loading "
+                                      "them with the index pass (68.1 s) and their token ids at up to 120 tokens "
+                                      "(751.3 s), `python -m jdr.bench scale --passages 8841823`"),
+    "prepare_tokens_per_doc": Figure(100.2, "the word pieces of those passages (same run)"),
+    "bm25_index_s": Figure(722.5, "2-core x86 CPU, jdr.bm25's index of those 8,841,823 passages (same run)"),
+    "bm25_queries_per_s": Figure(502_939 / 971.0, "2-core x86 CPU, jdr.bm25's top-200 of 502,939 queries over "
+                                                  "that index in 971.0 s (same run)"),
     "fgd_step_factor": Figure(19.16 / 16.70, "2-core x86 CPU, MiniLM: the FGD step (passage and sentence KD) over "
                                              "the contrastive one (`python -m jdr.bench fgd-step --batch-size 8 "
                                              "--negatives 3 --doc-length 512 --steps 3`)"),
 }
 QUERIES_PER_SEARCH = 32  # the queries of one measured top-k (topk_s, faiss_flat_s_per_million)
 GPUS = 8
-SCALE_TABLE = "not measured at this size (the scale table)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +133,29 @@ def _encode(docs: int, doc_tokens: int, corpus: Corpus) -> tuple[float, str]:
   return docs / scaled, f"{docs:,} / ({rate:,.0f} docs/s x {tokens:.0f} / {doc_tokens} tokens)"
 
 
+def _prepare(corpus: Corpus, doc_tokens: int) -> tuple[float, str]:
+  """Host seconds to prepare the corpus (index pass and token ids), from the 8.84M-passage run: by documents for
+  passages; for MS MARCO documents also by the tokens they fill, tokenizing being most of it (a)."""
+  per_doc = FIGURES["prepare_s"].value / MSMARCO_PASSAGE.docs
+  passage_tokens = FIGURES["prepare_tokens_per_doc"].value
+  if corpus is not MSMARCO_DOC:
+    return corpus.docs * per_doc, f"{corpus.docs:,} x {per_doc * 1e6:.1f} s per million passages (a)"
+  scale = doc_tokens / passage_tokens
+  return (corpus.docs * per_doc * scale,
+          f"{corpus.docs:,} x {per_doc * 1e6:.1f} s per million passages x {doc_tokens} / {passage_tokens:.0f} tokens (a)")
+
+
+def _bm25(corpus: Corpus, queries: int, indexed: bool = False) -> tuple[float | None, str]:
+  """Host seconds of BM25's index (unless the negatives built it) and the top-k of `queries`, measured on MS
+  MARCO-shaped passages (b); documents were not measured."""
+  if corpus is not MSMARCO_PASSAGE:
+    return None, "(b)"
+  rate, index = FIGURES["bm25_queries_per_s"].value, FIGURES["bm25_index_s"].value
+  if indexed:
+    return queries / rate, f"{queries:,} / {rate:,.0f} queries/s, the negatives' index (b)"
+  return index + queries / rate, f"{index:,.0f} s index + {queries:,} / {rate:,.0f} queries/s (b)"
+
+
 def _search(queries: int, docs: int) -> tuple[float, str]:
   """Exact top-k of `queries` over `docs` on one H200, 32 queries a search at the 8.84M-row figure (for a
   smaller corpus an upper bound)."""
@@ -169,15 +195,14 @@ def stages(config: ml_collections.ConfigDict) -> list[Stage]:
   corpus, neg = corpus_of(config), config.negatives
   out = []
   # ---- prepare: the corpus tokenized once into memory-mapped arrays (jdr.data.prepared), on the host.
-  tok = FIGURES["tokenize_docs_per_s"].value
-  out.append(Stage("prepare", "tokenize", corpus.docs / tok, f"{corpus.docs:,} / {tok:,.0f} docs/s (a)", "host"))
+  out.append(Stage("prepare", "index and tokenize", *_prepare(corpus, config.data.doc_max_length), "host"))
   if neg.source == "retrieval":
     s, f = _encode(corpus.docs, config.eval.doc_max_length or config.data.doc_max_length, corpus)
     out.append(Stage("prepare", "encode the fixed index", s, f, "device"))
   # ---- mine
   if neg.source in ("bm25", "bm25_random"):
-    out.append(Stage("mine", f"BM25 index, top-{neg.bm25_top_k} of {corpus.train_queries:,} queries", None,
-                     "(b)", "host"))
+    out.append(Stage("mine", f"BM25 index, top-{neg.bm25_top_k} of {corpus.train_queries:,} queries",
+                     *_bm25(corpus, corpus.train_queries), "host"))
   elif neg.source == "dense_static":
     s, f = _dense_mining(config, corpus)
     out.append(Stage("mine", f"top-{neg.top_n + neg.mine_extra}", s, f, "device"))
@@ -228,7 +253,7 @@ def _evaluation(config: ml_collections.ConfigDict, corpus: Corpus) -> list[Stage
   if sources.candidates(config) == "pairs":
     n = dev * config.eval.rerank_depth
     rate = FIGURES["encode_docs_per_s"].value * FIGURES["encode_tokens_per_doc"].value
-    return [Stage("evaluate", f"BM25 top-{config.eval.rerank_depth}", None, "(b)", "host"),
+    return [Stage("evaluate", f"BM25 top-{config.eval.rerank_depth}", *_bm25(corpus, dev, indexed=False), "host"),
             Stage("evaluate", f"{times} x reranking", times * n * ld / rate,
                   f"{times} x {n:,} pairs x {ld} tokens / {rate / 1e6:.2f}M tokens/s", "device")]
   qs, qs_f = _query_encode(dev, config.data.query_max_length)
@@ -244,7 +269,8 @@ def _evaluation(config: ml_collections.ConfigDict, corpus: Corpus) -> list[Stage
     kind = "full" if dev * depth >= corpus.docs else "bm25"
   if kind == "bm25" and periodic:
     cand, f_cand = _encode(dev * depth, ld, corpus)
-    rows.append(Stage("evaluate", f"BM25 top-{depth}", None, "(b)", "host"))
+    rows.append(Stage("evaluate", f"BM25 top-{depth}",
+                      *_bm25(corpus, dev, indexed=config.negatives.source in ("bm25", "bm25_random")), "host"))
     # The end scores the candidates too, for the curve's last point.
     rows.append(Stage("evaluate", f"{periodic + 1} x BM25 candidates", (periodic + 1) * (cand + qs),
                       f"{periodic + 1} x (at most {f_cand} + {dev:,} queries)", "device"))

@@ -49,9 +49,9 @@ the corpus prepares it (jdr.data.prepared), as a user's first command does, and 
 
 Every stage reports `status` (ok | failed | timeout | skipped), `seconds` (its own work, without starting Python
 and importing jdr; `process_s` is the whole process) and `peak_rss_gib`, the VmHWM of its process. Worker
-processes have memory of their own: where a stage had several processes, `group_peak_pss_gib` is the peak of
-their summed proportional set sizes (pages they share counted once), sampled every 0.5 s for 10 s and every 2 s
-after, and `group_processes` their largest number. Stages whose memory grows with the corpus report `bytes_per_passage` =
+processes have memory of their own: for the stages that start workers (BM25's tokenizing pool),
+`group_peak_pss_gib` is the peak of their summed proportional set sizes (pages they share counted once),
+sampled every 0.5 s for 10 s and every 2 s after, and `group_processes` their largest number. Stages whose memory grows with the corpus report `bytes_per_passage` =
 (the larger of the two peaks - `baseline_rss_gib`, the peak of a process that only imports jax) / passages;
 those whose work is per query also `queries` and `bytes_per_query`. A stage that fails or outlives
 --stage-timeout is reported with the last line it printed (`error`), and the stages that read its output are
@@ -115,6 +115,7 @@ class Stage:
   needs: tuple[str, ...] = ()  # stages whose output it reads: run first, and its reason to skip if they fail
   requires: tuple[str, ...] = ()  # "module:attribute" it calls; absent from this jdr = skipped
   internal: bool = False  # run only for the stages that need it, not by default
+  workers: bool = False  # starts worker processes: their group's memory is sampled (`group_peak_pss_gib`)
 
 
 class _Marks:
@@ -423,14 +424,14 @@ STAGES = {
     "load": Stage(_load, needs=("generate",), requires=("jdr.data.pairs:load",)),
     "train_first_step": Stage(_train_first_step, needs=("generate",), requires=("jdr.train:main",)),
     "first_step_prepared": Stage(_first_step_prepared, needs=("train_first_step",), requires=("jdr.train:main",)),
-    "bm25_mine": Stage(_bm25_mine, per="query", needs=("generate",),
+    "bm25_mine": Stage(_bm25_mine, per="query", needs=("generate",), workers=True,
                        requires=("jdr.negatives.sampled:BM25Negatives",)),
     "tiny_model": Stage(_tiny_model, per="fixed", requires=("jdr.train:main",), internal=True),
     "encode_corpus": Stage(_encode_corpus, needs=("generate", "tiny_model"), requires=("jdr.encode:main",)),
     "dense_mine": Stage(_dense_mine, per="query", needs=("encode_corpus", "tiny_model"),
                         requires=("jdr.negatives.retrieved:exact_top_rows",)),
     "adore_index": Stage(_adore_index, needs=("encode_corpus",), requires=("jdr.negatives.retrieved:HostIndex",)),
-    "mine": Stage(_mine, per="query", needs=("generate",), requires=("jdr.mine:main",)),
+    "mine": Stage(_mine, per="query", needs=("generate",), workers=True, requires=("jdr.mine:main",)),
     "evaluate": Stage(_evaluate, per="query", needs=("generate",),
                       requires=("jdr.evaluation:Evaluator", "jdr.evaluation:TowerEncoder",
                                 "jdr.evaluation:TrainingDiagnostics")),
@@ -575,13 +576,16 @@ def run_stage(name: str, ctx: Context, timeout: float | None) -> dict:
         del tail[:-(1 << 14)]
 
   # Worker processes (a tokenizer pool) have memory of their own, which the stage's VmHWM does not count: the
-  # whole group's is sampled too.
+  # whole group's is sampled too, for the stages that start workers. Only for those: reading a process's
+  # smaps_rollup walks its page tables under its memory-map lock, which its own threads then wait for (a
+  # tokenizing stage sampled twice a second ran at half its unsampled rate).
   group_peak, group_size, done = 0, 0, threading.Event()
 
   def sample():
     nonlocal group_peak, group_size
-    # Twice a second for the first 10 s, then every 2 s: reading a large process's smaps_rollup walks its page
-    # tables, and at half-second intervals that took a tenth of this 2-core host from the stage it measures.
+    if not STAGES.get(name, BASELINE).workers:
+      return
+    # Twice a second for the first 10 s, then every 2 s.
     waited = 0.0
     while not done.wait(0.5 if waited < 10 else 2.0):
       waited += 0.5 if waited < 10 else 2.0
