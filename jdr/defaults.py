@@ -73,9 +73,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # negative passage texts), mapped to rows once and cached beside the prepared corpus (jdr/data/triples.py)
   c.negatives.triples_file = ""  # triples source: the file ("" = data.dataset's triples.train.small.tsv)
   c.negatives.triples_skip_invalid = False  # triples source: count and skip unmatched or bad lines, not stop
-  # mined source: a `python -m jdr.mine` directory, or a file of training records with negatives: Tevatron's
-  # JSONL (v1, v2), sentence-transformers' rows (JSONL, Parquet); see jdr/negatives/training_files.py
-  c.negatives.mined = ""
+  # mined: Tevatron's JSONL (v1, v2) or sentence-transformers' rows (JSONL, Parquet), jdr/negatives/training_files.py
+  c.negatives.mined = ""  # mined source: a `python -m jdr.mine` directory, or a file of training records with negatives
   c.negatives.top_n = 200  # pool / retrieval depth of dense_static, ance and retrieval (the papers' 200)
   # How pairwise losses weigh a token batch's pairs: none (each query's mean, then the mean over queries) |
   # batch_mean (one mean over every pair of the batch: STAR's code) | alpha (STAR's Eq. 13, random_weight below)
