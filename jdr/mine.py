@@ -23,6 +23,7 @@ Standard output gets a report of what each filter dropped and the dev table, and
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import sys
@@ -30,11 +31,13 @@ import time
 from collections.abc import Iterable
 
 import numpy as np
+import tqdm
 
 from jdr import cli
 from jdr import defaults
 from jdr.data import pairs
 from jdr.negatives import mining
+from jdr.negatives import sources
 
 RETRIEVERS = ("bm25", "model", "run")
 
@@ -147,20 +150,6 @@ class Retriever:
     return mining.run_scores(rows, scores, positives)  # a run scores only what it ranks
 
 
-def positive_rows(qrels, corpus, qids: list[str]) -> np.ndarray:
-  """int32 [Q, P] each query's labeled positives (relevance > 0) as corpus rows, -1 padded."""
-  positives = [sorted(d for d, r in qrels.get(q, {}).items() if r > 0) for q in qids]
-  width = max((len(p) for p in positives), default=0)
-  flat = [d for p in positives for d in p]
-  found = corpus.row_of(flat, missing=-1) if hasattr(corpus, "row_of") else np.asarray(
-      [{d: i for i, d in enumerate(corpus)}.get(d, -1) for d in flat], np.int64)
-  out, at = np.full((len(qids), max(width, 1)), -1, np.int32), 0
-  for b, p in enumerate(positives):
-    out[b, :len(p)] = found[at:at + len(p)]
-    at += len(p)
-  return out
-
-
 def _scorer(args):
   if not args.cross_encoder:
     return None
@@ -183,18 +172,19 @@ def mine_queries(args, data, out: pathlib.Path, retriever: Retriever, score, fil
                  qids: list[str]) -> tuple[dict, dict]:
   """Filters the training queries chunk by chunk (resumable) and writes the directory; (dropped, no_bound)."""
   rows, scores, query_emb = retriever.candidates(qids, "training")
-  positives = positive_rows(data.train_qrels, data.corpus, qids)
+  positives = sources.positive_rows(data.train_qrels, data.corpus, qids)
   pos_scores = None
   if filters.positive_fraction is not None:
     pos_scores = retriever.positive_scores(qids, positives, rows, scores, query_emb)
   width = filters.keep or rows.shape[1]
   plan = {"retriever": args.retriever, "model": args.model, "run": args.run, "depth": args.depth,
-          "filters": vars(filters) if hasattr(filters, "__dict__") else str(filters),
+          "filters": dataclasses.asdict(filters),
           "cross_encoder": args.cross_encoder, "ce_max_length": args.ce_max_length}
   chunks = mining.Chunks(out, plan, len(qids), args.chunk)
   bounds = chunks.bounds()
   done = sum(1 for k in range(len(bounds)) if chunks.done(k))
-  bar = mining.progress(len(qids), sum(hi - lo for lo, hi in bounds[:done]), "filter")
+  bar = tqdm.tqdm(total=len(qids), initial=sum(hi - lo for lo, hi in bounds[:done]), desc="filter", unit="query",
+                  mininterval=1.0, file=sys.stderr)
   for k, (lo, hi) in enumerate(bounds):
     if chunks.done(k):
       continue
@@ -246,7 +236,7 @@ def dev_queries(args, data, retriever: Retriever, score, filters: mining.Filters
   if not qids:
     raise ValueError(f"{what}: no query with a positive")
   rows, scores, query_emb = retriever.candidates(qids, "dev")
-  positives = positive_rows(qrels, data.corpus, qids)
+  positives = sources.positive_rows(qrels, data.corpus, qids)
   pos_scores = retriever.positive_scores(qids, positives, rows, scores, query_emb)
   teacher = pos_teacher = None
   if score is not None:
@@ -308,7 +298,7 @@ def main(argv: Iterable[str] | None = None) -> None:
     meta = {"data": str(pathlib.Path(args.data).absolute()), "split": args.split, "dev_split": args.dev_split,
             "corpus": data.corpus.manifest.get("source") if hasattr(data.corpus, "manifest") else None,
             "num_docs": len(data.corpus), "retriever": args.retriever, "model": args.model, "run": args.run,
-            "cross_encoder": args.cross_encoder, "filters": dict(vars(filters)), "report": report}
+            "cross_encoder": args.cross_encoder, "filters": dataclasses.asdict(filters), "report": report}
     mining.write(out, qids, mined["rows"], mined["scores"], mined["positives"], meta, teacher=mined["teacher"],
                  positive_teacher=mined["positive_teacher"])
     mined["chunks"].remove()

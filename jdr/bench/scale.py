@@ -302,6 +302,7 @@ def random_encoding(corpus: str, out: pathlib.Path, *, seed: int = 0, dim: int =
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tqdm  # pylint: disable=g-import-not-at-top
   from jdr import atomic  # pylint: disable=g-import-not-at-top
+  from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
   from jdr.data import formats  # pylint: disable=g-import-not-at-top
   from jdr.data import prepared  # pylint: disable=g-import-not-at-top
   corpus_file = formats.corpus_file(corpus)
@@ -315,8 +316,9 @@ def random_encoding(corpus: str, out: pathlib.Path, *, seed: int = 0, dim: int =
     lo, hi = shard * SHARD_SIZE, min(len(ids), (shard + 1) * SHARD_SIZE)
     emb = rng.standard_normal((hi - lo, dim), dtype=np.float32)
     emb /= np.linalg.norm(emb, axis=1, keepdims=True)
-    atomic.write_text(out / f"ids-{shard:05d}.txt", "".join(i + "\n" for i in ids[lo:hi]))
-    atomic.write_atomic(out / f"emb-{shard:05d}.npy", lambda f, emb=emb: np.save(f, emb))
+    emb_path, ids_path = corpus_lib._shard_paths(out, shard)  # pylint: disable=protected-access  (jdr.encode's layout)
+    atomic.write_text(ids_path, "".join(i + "\n" for i in ids[lo:hi]))
+    corpus_lib._save_npy(emb_path, emb)  # pylint: disable=protected-access
   meta = {"num_docs": len(ids), "shard_size": SHARD_SIZE, "num_shards": num_shards, "vectors": "random",
           "seed": seed, "corpus": str(pathlib.Path(corpus).absolute()), "complete": True, "dim": dim}
   atomic.write_text(out / "meta.json", json.dumps(meta, indent=1))
@@ -473,15 +475,23 @@ def _missing(requires: tuple[str, ...]) -> list[str]:
   return out
 
 
-def peak_rss_bytes() -> int:
-  """This process's peak resident memory (VmHWM), from /proc where there is one, else getrusage."""
+def _status_bytes(field: str) -> int | None:
+  """A memory line of /proc/self/status ("VmHWM", "RssAnon") in bytes; None where there is none."""
   try:
     with open("/proc/self/status", encoding="ascii") as f:
       for line in f:
-        if line.startswith("VmHWM:"):
+        if line.startswith(field + ":"):
           return int(line.split()[1]) * 1024
   except OSError:
     pass
+  return None
+
+
+def peak_rss_bytes() -> int:
+  """This process's peak resident memory (VmHWM), from /proc where there is one, else getrusage."""
+  peak = _status_bytes("VmHWM")
+  if peak is not None:
+    return peak
   import resource  # pylint: disable=g-import-not-at-top
   peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
   return peak if sys.platform == "darwin" else peak * 1024
@@ -490,14 +500,7 @@ def peak_rss_bytes() -> int:
 def anonymous_rss_bytes() -> int | None:
   """This process's resident anonymous memory now (RssAnon): what it holds beyond mapped files, so beyond a
   prepared corpus's map. None where /proc has no such line."""
-  try:
-    with open("/proc/self/status", encoding="ascii") as f:
-      for line in f:
-        if line.startswith("RssAnon:"):
-          return int(line.split()[1]) * 1024
-  except OSError:
-    pass
-  return None
+  return _status_bytes("RssAnon")
 
 
 def _stage_process(argv: list[str]) -> None:

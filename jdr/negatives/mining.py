@@ -39,14 +39,12 @@ import json
 import pathlib
 import shutil
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
-import tqdm
 
 from jdr import atomic
 from jdr.data import prepared
-from jdr.data import text as text_lib
 
 FORMAT = 1
 PARTIAL = "partial"
@@ -253,16 +251,6 @@ def dev_report(rows: np.ndarray, scores: np.ndarray, positives: np.ndarray, filt
 # ------------------------------------------------------------------------------------------------ scores
 
 
-def doc_texts(corpus, rows: Sequence[int]) -> list[str]:
-  """The documents of corpus rows as the encoders and the cross-encoder read them (title and text)."""
-  if isinstance(corpus, prepared.PreparedCorpus):
-    return corpus.texts(rows)
-  ids = corpus.ids if hasattr(corpus, "ids") else None
-  if ids is None:
-    raise TypeError("doc_texts needs a prepared corpus")
-  return [text_lib.doc_text(corpus[i]) for i in ids(rows)]
-
-
 def teacher_scores(score: Callable[[Sequence[tuple[str, str]]], np.ndarray], corpus, query_texts: Sequence[str],
                    rows: np.ndarray, alive: np.ndarray | None = None) -> np.ndarray:
   """float32 [Q, D] the cross-encoder's score of each (query, candidate) (NaN where rows is -1 or not alive),
@@ -274,7 +262,7 @@ def teacher_scores(score: Callable[[Sequence[tuple[str, str]]], np.ndarray], cor
   if not len(qi):
     return out
   unique, inverse = np.unique(rows[qi, di], return_inverse=True)
-  texts = doc_texts(corpus, unique.tolist())
+  texts = corpus.texts(unique.tolist())  # a prepared corpus: read from its file, as the encoders read them
   out[qi, di] = score([(query_texts[q], texts[j]) for q, j in zip(qi.tolist(), inverse.tolist())])
   return out
 
@@ -416,12 +404,3 @@ class Chunks:
 
   def remove(self) -> None:
     shutil.rmtree(self.folder, ignore_errors=True)
-
-
-def progress(total: int, initial: int, desc: str) -> tqdm.tqdm:
-  return tqdm.tqdm(total=total, initial=initial, desc=desc, unit="query", mininterval=1.0, file=sys.stderr)
-
-
-def merge_counts(total: dict, part: Mapping[str, int]) -> None:
-  for k, v in part.items():
-    total[k] = total.get(k, 0) + int(v)

@@ -160,7 +160,7 @@ def _dense_static(config, data, workdir, encoder, initial_params, *_) -> Negativ
                    workdir / "cache" / _cache_name("dense_static", depth, encoder, train_qids),
                    neg.mine_backend, neg.corpus_dtype, shards_dir=workdir / "cache" / "encoding")
   # STAR's prepare_hardneg.py mines the top 210 and keeps the first 200 that are not positives.
-  rows = sampled.drop_rows(rows, positive_rows(data, train_qids), neg.top_n)
+  rows = sampled.drop_rows(rows, positive_rows(data.train_qrels, data.corpus, train_qids), neg.top_n)
   sampler = sampled.RowPools(rows, train_qids, data.train_qrels, data.corpus, "dense_static")
   return Negatives("tokens", sampler=sampler, top_n=neg.top_n, pools_in_use=sampler.rows_of)
 
@@ -313,15 +313,16 @@ class RefreshedNegatives(sampled.RowPools):
 # ------------------------------------------------------------------------------------------------ mining
 
 
-def positive_rows(data, qids: list[str]) -> np.ndarray:
-  """int32 [Q, P] corpus rows of each query's positives (relevance > 0), -1 padded: what a miner drops."""
-  positives = [[d for d, r in data.train_qrels.get(q, {}).items() if r > 0] for q in qids]
+def positive_rows(qrels, corpus, qids: list[str]) -> np.ndarray:
+  """int32 [Q, P] corpus rows of each query's positives (relevance > 0) in `qrels`, -1 padded: what a miner
+  drops."""
+  positives = [[d for d, r in qrels.get(q, {}).items() if r > 0] for q in qids]
   width = max((len(p) for p in positives), default=0)
   flat = [d for p in positives for d in p]
-  if hasattr(data.corpus, "row_of"):
-    found = data.corpus.row_of(flat, missing=-1)
+  if hasattr(corpus, "row_of"):
+    found = corpus.row_of(flat, missing=-1)
   else:
-    row = {d: i for i, d in enumerate(data.corpus)}
+    row = {d: i for i, d in enumerate(corpus)}
     found = np.array([row.get(d, -1) for d in flat], np.int64)
   out, at = np.full((len(qids), max(width, 1)), -1, np.int32), 0
   for b, p in enumerate(positives):
