@@ -4,6 +4,7 @@
                      [--retriever bm25 | --retriever model --model M [--encoding ENC] | --retriever run --run R]
                      [--depth 200] [--skip-ranks R] [--positive-fraction F]
                      [--cross-encoder CE [--ce-threshold T | --ce-margin M]] [--keep N]
+  python -m jdr.mine --from MINED --out MINED2 [--skip-ranks R] [--ce-threshold T | --ce-margin M] [--keep N]
 
 For every training query (qrels/SPLIT with a positive), the retriever's top --depth documents are the
 candidates; its labeled positives go, then the filters run in order (jdr.negatives.mining's docstring says
@@ -12,7 +13,10 @@ beside the negatives as the teacher's (for MarginMSE or listwise distillation), 
 filter is on. With --dev-split (held-out training queries, e.g. python -m jdr.reproduce's dev split), each
 filter is measured alone on those queries at a grid of thresholds: the share of candidates it drops and the
 false-negative rate it leaves (labeled positives among what it keeps); without it, on a fixed 20% of the
-training queries (--dev-fraction). Choose thresholds there, never on test.
+training queries (--dev-fraction). Choose thresholds there, never on test: a filter's value "dev" takes the
+report's choice (`jdr.negatives.mining.choose_on_dev`: the best F1 at dropping the dev queries' hidden
+positives). --from filters a finished directory again, without retrieving or scoring anything: read its dev
+report, then choose (the cross-encoder's scores are kept for every candidate it did not filter).
 
 The output directory (jdr.negatives.mining's layout) is what `jdr.train --config.negatives.source=mined
 --config.negatives.mined=MINED` reads. A killed run resumes: the retriever's candidates are cached
@@ -44,7 +48,10 @@ RETRIEVERS = ("bm25", "model", "run")
 
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="python -m jdr.mine", description=__doc__.splitlines()[0])
-  parser.add_argument("--data", required=True, help="dataset directory (BEIR's layout or MS MARCO's own files)")
+  parser.add_argument("--data", default=None, help="dataset directory (BEIR's layout or MS MARCO's own files)")
+  parser.add_argument("--from", dest="source", default=None,
+                      help="instead of --data: a finished jdr.mine directory to filter again (no retrieval or "
+                           "scoring; --positive-fraction needs the retriever and is refused)")
   parser.add_argument("--out", required=True, help="output directory (resumes if it holds an unfinished run)")
   parser.add_argument("--split", default="train", help="the training queries' qrels split")
   parser.add_argument("--dev-split", default="",
@@ -59,12 +66,13 @@ def _parser() -> argparse.ArgumentParser:
                       help="--retriever model: the corpus's jdr.encode directory (default: encoded into OUT)")
   parser.add_argument("--run", default=None, help="--retriever run: a TREC run or MS MARCO top1000 file")
   parser.add_argument("--depth", type=int, default=200, help="candidates a query, before filtering")
-  parser.add_argument("--skip-ranks", type=int, default=0, help="drop each query's best R candidates")
-  parser.add_argument("--positive-fraction", type=float, default=None,
+  parser.add_argument("--skip-ranks", type=_int_or_dev, default=0, help="drop each query's best R candidates")
+  parser.add_argument("--positive-fraction", type=_float_or_dev, default=None,
                       help="drop candidates scoring above F x the query's lowest positive retriever score")
   parser.add_argument("--cross-encoder", default=None, help="a jdr cross-encoder (workdir or export) or HF dir")
-  parser.add_argument("--ce-threshold", type=float, default=None, help="drop candidates the cross-encoder scores above T")
-  parser.add_argument("--ce-margin", type=float, default=None,
+  parser.add_argument("--ce-threshold", type=_float_or_dev, default=None,
+                      help="drop candidates the cross-encoder scores above T")
+  parser.add_argument("--ce-margin", type=_float_or_dev, default=None,
                       help="drop candidates the cross-encoder scores above the lowest positive's score - M")
   parser.add_argument("--keep", type=int, default=0, help="at most N negatives a query (0: all that are left)")
   parser.add_argument("--query-max-length", type=int, default=32)
@@ -75,7 +83,27 @@ def _parser() -> argparse.ArgumentParser:
   return parser
 
 
-def _check(args, parser) -> mining.Filters:
+DEV = "dev"  # a filter's value chosen on the dev report
+
+
+def _int_or_dev(text: str):
+  return text if text == DEV else int(text)
+
+
+def _float_or_dev(text: str):
+  return text if text == DEV else float(text)
+
+
+def _check(args, parser) -> tuple[mining.Filters, list[str]]:
+  """The filters with every "dev" value left off, and the names of those (chosen once the dev report is in)."""
+  if (args.data is None) == (args.source is None):
+    parser.error("give --data (mine) or --from (filter a finished directory again), one of them")
+  on_dev = [name for name in mining.CHOOSABLE if getattr(args, name) == DEV]
+  if on_dev and args.source is None and args.dev_fraction == 0 and not args.dev_split:
+    parser.error(f"--{on_dev[0].replace('_', '-')} dev needs a dev report: --dev-split or --dev-fraction > 0")
+  if args.source is not None and args.positive_fraction is not None:
+    parser.error("--from: --positive-fraction needs the positives' retriever scores, which a mined directory "
+                 "does not keep; mine again with --data")
   if args.depth < 1 or args.chunk < 1:
     parser.error("--depth and --chunk must be >= 1")
   if not 0 <= args.dev_fraction <= 1:
@@ -84,12 +112,28 @@ def _check(args, parser) -> mining.Filters:
     parser.error("--retriever model needs --model")
   if args.retriever == "run" and not args.run:
     parser.error("--retriever run needs --run")
-  if (args.ce_threshold is not None or args.ce_margin is not None) and not args.cross_encoder:
+  if (args.ce_threshold is not None or args.ce_margin is not None) and not (args.cross_encoder or args.source):
     parser.error("--ce-threshold and --ce-margin need --cross-encoder")
+  values = {name: None if getattr(args, name) == DEV else getattr(args, name) for name in mining.CHOOSABLE}
+  values["skip_ranks"] = values["skip_ranks"] or 0
   try:
-    return mining.Filters(args.skip_ranks, args.positive_fraction, args.ce_threshold, args.ce_margin, args.keep)
+    if args.ce_threshold is not None and args.ce_margin is not None:
+      raise ValueError("ce_threshold and ce_margin are two ways of one filter: give one")
+    return mining.Filters(**values, keep=args.keep), on_dev
   except ValueError as e:
     parser.error(str(e))
+
+
+def choose(filters: mining.Filters, on_dev: list[str], dev: dict | None, where: str) -> mining.Filters:
+  """`filters` with each of `on_dev` set to the dev report's choice."""
+  if not on_dev:
+    return filters
+  if dev is None:
+    raise ValueError(f"{where}: has no dev report to choose {', '.join(on_dev)} on")
+  chosen = {name: mining.choose_on_dev(dev, name) for name in on_dev}
+  if "skip_ranks" in chosen:
+    chosen["skip_ranks"] = int(chosen["skip_ranks"])
+  return dataclasses.replace(filters, **chosen)
 
 
 class Retriever:
@@ -253,13 +297,15 @@ def describe(report: dict) -> str:
            f"({report['retriever']}, depth {report['depth']})"]
   for name, count in report["training"]["dropped"].items():
     lines.append(f"  {name:<18} dropped {count:>10,}")
+  for name, value in (report.get("chosen_on_dev") or {}).items():
+    lines.append(f"  {name} chosen on dev: {value:g}")
   lines.append(f"  kept {report['negatives']:,} negatives ({report['negatives'] / max(report['queries'], 1):.1f} a "
                f"query; {report['queries_without_negatives']} queries with none)")
   dev = report.get("dev")
   if dev:
     lines.append(f"dev ({dev['queries']} queries, {dev['candidates']} candidates, {dev['positives_among_candidates']} "
                  "labeled positives among them): each filter alone")
-    lines.append(f"  {'filter':<18} {'value':>8} {'dropped':>8} {'FN rate':>8} {'pos. dropped':>12}")
+    lines.append(f"  {'filter':<18} {'value':>8} {'dropped':>8} {'FN rate':>8} {'pos. dropped':>12} {'F1':>6}")
     u = dev["unfiltered"]
     lines.append(f"  {'none':<18} {'':>8} {u['dropped']:>8.2%} {u['false_negative_rate']:>8.2%} "
                  f"{u['positives_dropped']:>12.2%}")
@@ -268,17 +314,56 @@ def describe(report: dict) -> str:
         if value == "queries":
           continue
         lines.append(f"  {name:<18} {value:>8} {r['dropped']:>8.2%} {r['false_negative_rate']:>8.2%} "
-                     f"{r['positives_dropped']:>12.2%}")
+                     f"{r['positives_dropped']:>12.2%} {r.get('f1', float('nan')):>6.3f}")
   return "\n".join(lines)
+
+
+def refilter(args, filters: mining.Filters, on_dev: list[str]) -> dict:
+  """--from: the finished directory's negatives through `filters` (on top of its own), written to --out."""
+  source = pathlib.Path(args.source)
+  mined = mining.read(source)
+  old = mined.meta.get("report") or {}
+  filters = choose(filters, on_dev, old.get("dev"), f"--from {source}")
+  if filters.needs_teacher and mined.teacher is None:
+    raise ValueError(f"--from {source}: a cross-encoder filter needs the cross-encoder's scores, which this "
+                     "directory was mined without (--cross-encoder)")
+  rows = np.asarray(mined.rows)
+  result = mining.apply(rows, mined.scores, mined.positives, filters, teacher=mined.teacher,
+                        positive_teacher=mined.positive_teacher, qids=mined.qids)
+  arrays = [rows, mined.scores] + ([mined.teacher] if mined.teacher is not None else [])
+  kept = mining.compact(result.alive, *arrays, width=filters.keep or rows.shape[1], fill=(-1, np.nan))
+  teacher = kept[2] if mined.teacher is not None else None
+  negatives = int((kept[0] >= 0).sum())
+  report = {"queries": len(mined.qids), "retriever": old.get("retriever"), "depth": old.get("depth"),
+            "from": str(source.absolute()),
+            "training": {"candidates": int((rows >= 0).sum()),
+                         "dropped": {f: v for f, v in result.dropped.items() if f == "positives" or _is_on(filters, f)},
+                         "no_bound": {f: v for f, v in result.no_bound.items() if v}},
+            "negatives": negatives, "queries_without_negatives": int((~(kept[0] >= 0).any(axis=1)).sum()),
+            "chosen_on_dev": {name: getattr(filters, name) for name in on_dev}}
+  if old.get("dev"):
+    report["dev"] = old["dev"]
+  meta = {**mined.meta, "from": str(source.absolute()), "filters": dataclasses.asdict(filters),
+          "filters_before": mined.meta.get("filters"), "report": report}
+  for key in ("format", "complete", "queries", "width", "teacher"):
+    meta.pop(key, None)
+  mining.write(pathlib.Path(args.out), mined.qids, kept[0], kept[1], np.asarray(mined.positives), meta,
+               teacher=teacher, positive_teacher=None if teacher is None else np.asarray(mined.positive_teacher))
+  return report
 
 
 def main(argv: Iterable[str] | None = None) -> None:
   parser = _parser()
   args = parser.parse_args(argv)
-  filters = _check(args, parser)
+  filters, on_dev = _check(args, parser)
   out = pathlib.Path(args.out)
   start = time.perf_counter()
   with cli.reporting_errors(skip_flag="--skip-invalid"):
+    if args.source is not None:
+      report = refilter(args, filters, on_dev)
+      print(describe(report))
+      print(json.dumps(report))
+      return
     data_cfg = defaults.get_config().data
     data_cfg.dataset, data_cfg.train_split, data_cfg.eval_split = args.data, args.split, args.dev_split
     data = pairs.load(data_cfg, out)
@@ -287,11 +372,14 @@ def main(argv: Iterable[str] | None = None) -> None:
       raise ValueError(f"--data {args.data}: jdr.mine reads a local corpus file it can prepare (rows by id)")
     score = _scorer(args)
     retriever = Retriever(args, data, out)
-    mined, counts = mine_queries(args, data, out, retriever, score, filters, qids)
+    # The dev report first: a filter whose value is "dev" is chosen on it before the training queries are mined.
     dev = dev_queries(args, data, retriever, score, filters)
+    filters = choose(filters, on_dev, dev, "jdr.mine")
+    mined, counts = mine_queries(args, data, out, retriever, score, filters, qids)
     negatives = int((mined["rows"] >= 0).sum())
     report = {"queries": len(qids), "retriever": args.retriever, "depth": args.depth, "training": counts,
               "negatives": negatives, "queries_without_negatives": int((~(mined["rows"] >= 0).any(axis=1)).sum()),
+              "chosen_on_dev": {name: getattr(filters, name) for name in on_dev},
               "seconds": round(time.perf_counter() - start, 1)}
     if dev is not None:
       report["dev"] = {"split": args.dev_split or f"{args.dev_fraction:g} of {args.split}", **dev}

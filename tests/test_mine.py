@@ -105,16 +105,43 @@ def test_dev_report_counts_what_each_threshold_drops_and_leaves():
   report = mining.dev_report(rows, scores, positives, mining.Filters(skip_ranks=1, positive_fraction=0.5),
                              positive_scores=pos_scores)
   assert report["candidates"] == 7 and report["positives_among_candidates"] == 3
-  assert report["unfiltered"] == {"dropped": 0.0, "false_negative_rate": round(3 / 7, 4), "positives_dropped": 0.0}
+  assert report["unfiltered"] == {"dropped": 0.0, "false_negative_rate": round(3 / 7, 4), "positives_dropped": 0.0,
+                                  "f1": 0.0}
   # skip 1: drops 5 and 2 (a labeled positive); kept 1, 6, 7, 8, 3 of which 1 and 3 are labeled.
+  # F1 as a detector of labeled positives: precision 1/2, recall 1/3.
   assert report["skip_ranks"]["1"] == {"dropped": round(2 / 7, 4), "false_negative_rate": 0.4,
-                                       "positives_dropped": round(1 / 3, 4)}
+                                       "positives_dropped": round(1 / 3, 4), "f1": 0.4}
   # Relative to the known positive (query 1 only: its lowest row, 2, scores 9): 0.9 x 9 = 8.1 drops nothing of
   # 8 (5.0) and 3 (4.0)... and candidate 2 itself is the known one, out of the count.
   frac = report["positive_fraction"]
   assert frac["queries"] == 1 and frac["0.9"]["dropped"] == 0.0 and frac["0.9"]["false_negative_rate"] == 0.5
   # The chosen 0.5 joins the grid: 0.5 x 9 = 4.5 drops 8 (5.0) and keeps 3 (4.0, the hidden positive).
-  assert frac["0.5"] == {"dropped": 0.5, "false_negative_rate": 1.0, "positives_dropped": 0.0}
+  assert frac["0.5"] == {"dropped": 0.5, "false_negative_rate": 1.0, "positives_dropped": 0.0, "f1": 0.0}
+
+
+def test_the_value_chosen_on_dev_is_the_best_detector_of_hidden_positives():
+  rows, scores, positives, pos_scores, teacher, pos_teacher = _random_case(3, q=60, d=30, p=2)
+  hidden = mining.positive_mask(rows, positives)
+  teacher = np.where(hidden, teacher + 1.5, teacher).astype(np.float32)  # the labeled score higher, as a CE's would
+  report = mining.dev_report(rows, scores, positives, mining.Filters(), teacher=teacher, positive_teacher=pos_teacher)
+  alive = rows >= 0
+
+  def f1(t):  # one candidate at a time
+    dropped = [(q, j) for q in range(len(rows)) for j in range(rows.shape[1]) if alive[q, j] and teacher[q, j] > t]
+    caught = sum(hidden[q, j] for q, j in dropped)
+    return 2 * caught / (len(dropped) + hidden.sum())
+
+  grid = [float(v) for v in report["ce_threshold"]]
+  assert len(grid) == len(mining.CE_QUANTILES)
+  best = max(grid, key=lambda t: (round(f1(t), 4), -t))
+  assert mining.choose_on_dev(report, "ce_threshold") == best
+  for t in grid:
+    assert report["ce_threshold"][f"{t:.4g}"]["f1"] == round(f1(t), 4)
+  # Equal F1s go to the value that drops less; a grid the report lacks is refused by name.
+  tie = {"skip_ranks": {"1": {"f1": 0.5, "dropped": 0.2}, "3": {"f1": 0.5, "dropped": 0.1}, "0": {"f1": 0.0, "dropped": 0}}}
+  assert mining.choose_on_dev(tie, "skip_ranks") == 3.0
+  with pytest.raises(ValueError, match="no ce_margin grid"):
+    mining.choose_on_dev(tie, "ce_margin")
 
 
 def test_scores_of_the_positives_match_each_retriever(tmp_path):
@@ -203,6 +230,27 @@ def test_mine_writes_filtered_negatives_and_a_dev_report(mine_data, tmp_path):
                 "--positive-fraction", "0.95", "--keep", "8")
   assert again.returncode == 0, again.stderr[-3000:]
   np.testing.assert_array_equal(mining.read(out).rows, mined.rows)
+
+
+def test_a_finished_directory_filtered_again_is_what_mining_with_those_filters_writes(mine_data, tmp_path):
+  """--from takes the unfiltered directory's dev report and candidates; mining with the same "dev" choice writes
+  the same negatives."""
+  base = ["--data", mine_data, "--dev-split", "dev", "--depth", "20"]
+  assert _mine(*base, "--out", tmp_path / "all").returncode == 0
+  again = _mine("--from", tmp_path / "all", "--out", tmp_path / "again", "--skip-ranks", "dev", "--keep", "8")
+  assert again.returncode == 0, again.stderr[-3000:]
+  direct = _mine(*base, "--out", tmp_path / "direct", "--skip-ranks", "dev", "--keep", "8")
+  assert direct.returncode == 0, direct.stderr[-3000:]
+  chosen = json.loads(direct.stdout.strip().splitlines()[-1])["chosen_on_dev"]
+  assert json.loads(again.stdout.strip().splitlines()[-1])["chosen_on_dev"] == chosen
+  dev = mining.read(tmp_path / "all").meta["report"]["dev"]
+  assert chosen == {"skip_ranks": int(mining.choose_on_dev(dev, "skip_ranks"))} and "chosen on dev" in again.stdout
+  a, b = mining.read(tmp_path / "again"), mining.read(tmp_path / "direct")
+  assert a.qids == b.qids
+  np.testing.assert_array_equal(a.rows, b.rows)
+  np.testing.assert_array_equal(a.scores, b.scores)
+  refused = _mine("--from", tmp_path / "all", "--out", tmp_path / "x", "--ce-threshold", "0.5")
+  assert refused.returncode == 2 and "without (--cross-encoder)" in refused.stderr
 
 
 def test_mine_refuses_bad_flags_with_a_reason(mine_data, tmp_path):
@@ -297,3 +345,27 @@ def test_training_reads_negatives_from_a_tevatron_file(tmp_path):
   train.train_and_evaluate(config, tmp_path / "w")
   records = [json.loads(l) for l in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
   assert [r for r in records if "train/loss" in r]
+
+
+def test_an_unfiltered_bm25_mining_trains_on_what_the_bm25_source_samples(mine_data, tmp_path):
+  """BM25's top k mined by jdr.mine, unfiltered, is the pool negatives.source=bm25 builds: the same negatives
+  drawn from the same random stream, so a filtered mining differs from the BM25-negative recipe only by what
+  its filters dropped."""
+  from jdr import defaults
+  from jdr.data import pairs
+  from jdr.negatives import sources
+  proc = _mine("--data", mine_data, "--out", tmp_path / "mined", "--depth", "12", "--dev-fraction", "0")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  config = defaults.get_config()
+  config.data.dataset, config.data.eval_split = str(mine_data), ""
+  data = pairs.load(config.data, tmp_path / "w")
+  config.negatives.bm25_top_k, config.negatives.mined = 12, str(tmp_path / "mined")
+  bm25 = sources.SAMPLERS["bm25"](config.negatives, data, tmp_path / "cache")
+  mined = sources.SAMPLERS["mined"](config.negatives, data, None)
+  qids = sorted(data.train_qrels)
+  positives = [next(iter(data.train_qrels[q])) for q in qids]
+  for seed in range(3):
+    a = bm25.sample(qids, positives, np.random.default_rng(seed), 2)
+    b = mined.sample(qids, positives, np.random.default_rng(seed), 2)
+    assert a == b
+  assert mined.stats() == bm25.stats() and mined.stats()["sampled_negatives"] >= 3 * len(qids)  # from the pools

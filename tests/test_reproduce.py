@@ -31,7 +31,8 @@ def test_every_row_is_a_recipe_config_at_the_same_budget():
   expect = {"inbatch": ("none", "softmax_nll"), "bm25_neg": ("bm25", "softmax_nll"),
             "star": ("dense_static", "ranknet"), "ance": ("ance", "softmax_nll"), "adore": ("retrieval", "lambdarank"),
             "adore_ranknet": ("retrieval", "ranknet"), "adore_static": ("retrieval", "lambdarank"),
-            "adore_star": ("retrieval", "lambdarank"), "ltre_pq": ("retrieval", "ranknet")}
+            "adore_star": ("retrieval", "lambdarank"), "ltre_pq": ("retrieval", "ranknet"),
+            "bm25_neg_ce": ("mined", "softmax_nll"), "margin_mse": ("mined", "softmax_nll")}
   for row in rows_lib.rows(plan):
     if not row.stages:
       continue
@@ -50,17 +51,30 @@ def test_every_row_is_a_recipe_config_at_the_same_budget():
   assert ltre.eval.factories.split(";") == ["OPQ48,IVF1,PQ48", "Flat"]
   assert [s.method for s in {r.name: r for r in rows_lib.rows(plan)}["adore_star"].stages] == \
       ["bm25_neg", "star", "adore_star"]
+  # The mined rows are the BM25-negative recipe on a mined pool; MarginMSE reads the pool's teacher scores.
+  bm25 = rows_lib.stage_config(plan, "bm25_neg", steps=8, rate=1e-4, seed=0, dataset="OUT/data/D")
+  for method, folder in rows_lib.MINED.items():
+    c = rows_lib.stage_config(plan, method, steps=8, rate=1e-4, seed=0, dataset="OUT/data/D")
+    assert c.negatives.mined == str(pathlib.Path("OUT/data") / folder)
+    assert (c.negatives.per_query, c.negatives.in_batch, c.loss.temperature) == \
+        (bm25.negatives.per_query, bm25.negatives.in_batch, bm25.loss.temperature)
+    assert (c.distill.teacher, c.distill.margin_mse) == (("mined", True) if method == "margin_mse" else ("", False))
+  teacher = rows_lib.teacher_config(plan, "OUT/data/D")
+  assert (teacher.model.architecture, teacher.num_train_steps, teacher.data.eval_split) == ("cross_encoder", 400, "dev")
 
 
 def test_full_table_job_count():
-  """9 trained rows: a 3-rate grid at seed 0, two more seeds at the chosen rate; the three warm-ups
-  (BM25 104 steps, shared by STAR and ANCE; BM25 52 -> STAR 52 before ADORE+STAR) once per seed."""
+  """11 trained rows: a 3-rate grid at seed 0, two more seeds at the chosen rate; the three warm-ups
+  (BM25 104 steps, shared by STAR and ANCE; BM25 52 -> STAR 52 before ADORE+STAR) once per seed; the
+  cross-encoder and the mining once, for the two mined rows."""
   plan = rows_lib.Plan()
   jobs = runs_lib.planned_jobs(plan, rows_lib.row_names(plan), [0, 1, 2])
   trains = {k: v for k, v in jobs.items() if k[0] == "train"}
-  assert len(trains) == 27 + 18 + 3 * 3
-  assert len(jobs) - len(trains) == 9 * 3 + 1
-  assert sum(trains.values()) == 3 * 1560 + 2 * 1560 + 3 * (104 + 52 + 52)
+  assert len(trains) == 33 + 22 + 3 * 3
+  assert {k: v for k, v in jobs.items() if k[0] == "prepare"} == {("prepare", "teacher"): 400, ("prepare", "mined"): 0}
+  assert len(jobs) - len(trains) == 11 * 3 + 1 + 2
+  assert sum(trains.values()) == 3 * 1560 + 2 * 1560 + 3 * (104 + 52 + 52) + 2 * 5 * 208
+  assert not any(k[0] == "prepare" for k in runs_lib.planned_jobs(plan, ["star"], [0]))
   # A row alone still trains the grids its warm-ups' rates come from.
   star = runs_lib.planned_jobs(plan, ["star"], [0])
   assert {k[1][-1][0] for k in star if k[0] == "train"} == {"bm25_neg", "star"}
@@ -123,6 +137,41 @@ def test_tiny_table_end_to_end_and_rerun_skips(tmp_path, monkeypatch, capsys):
   assert json.loads((seed1 / "done.json").read_text())["steps"] == 8
 
 
+@pytest.mark.long
+def test_the_mined_rows_train_a_cross_encoder_then_mine_and_filter_on_dev(tmp_path, capsys):
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jdr.negatives import mining  # pylint: disable=g-import-not-at-top
+  from jdr.reproduce import __main__ as command  # pylint: disable=g-import-not-at-top
+  out = tmp_path / "repro"
+  command.main(["scifact", "--out", str(out), "--tiny", "--methods", "bm25_neg_ce,margin_mse", "--seeds", "0",
+                "--rates", "3e-3", "--zero-shot", "none"])
+  printed = capsys.readouterr().out
+  assert "train the cross-encoder (4 steps)" in printed and "mine BM25's top 20" in printed
+  teacher = json.loads((runs_lib.teacher_dir(out) / "done.json").read_text())
+  assert teacher["steps"] == 4 and "ndcg@10" in teacher["dev"]
+  split = out / "data" / "stdlib-docstrings-dev"
+  everything = mining.read(rows_lib.mined_dir(split, rows_lib.MINED["margin_mse"]))
+  filtered = mining.read(rows_lib.mined_dir(split, rows_lib.MINED["bm25_neg_ce"]))
+  report = everything.meta["report"]
+  assert report["dev"]["split"] == "dev" and everything.teacher is not None
+  threshold = filtered.meta["report"]["chosen_on_dev"]["ce_threshold"]
+  assert threshold == mining.choose_on_dev(report["dev"], "ce_threshold")
+  # The filtered pools are the unfiltered ones without the candidates the cross-encoder scores above it.
+  assert filtered.qids == everything.qids
+  for i in range(len(everything.qids)):
+    alive = everything.rows[i] >= 0
+    keep = alive & ~(everything.teacher[i] > threshold)
+    got = filtered.rows[i][filtered.rows[i] >= 0]
+    np.testing.assert_array_equal(got, everything.rows[i][keep])
+  assert filtered.meta["report"]["training"]["dropped"]["ce_threshold"] > 0
+  table = (out / "table.md").read_text()
+  assert "## The mined rows' cross-encoder and negatives" in table and "(chosen)" in table
+  assert "| BM25 negatives, cross-encoder filtered | 0.003 |" in table
+  assert "| BM25 negatives + MarginMSE from the cross-encoder | 0.003 |" in table
+  log = (out / "runs" / "margin_mse" / "8steps_lr0.003_seed0" / "train.log").read_text()
+  assert "kd_margin_mse" in (out / "runs" / "margin_mse" / "8steps_lr0.003_seed0" / "metrics.jsonl").read_text(), log[-2000:]
+
+
 def test_an_output_directory_keeps_its_plan(tmp_path):
   plan = rows_lib.tiny_plan()
   rows_lib.record_plan(plan, tmp_path)
@@ -164,7 +213,7 @@ def test_claims_are_judged_on_gains_paired_by_seed():
   v = claims.judge(pq, one, "PQ")
   assert v.metric == "PQ/ndcg@10" and v.holds is None and "one seed" in v.line()
   assert "not yet scored" in claims.judge(pq, {}, "PQ").line()
-  assert len(claims.judge_all({}, "PQ")) == len(claims.CLAIMS) == 7
+  assert len(claims.judge_all({}, "PQ")) == len(claims.CLAIMS) == 9
 
 
 def test_a_signal_in_a_run_ends_the_table_with_one_resume_line(tmp_path, monkeypatch, capsys):
@@ -202,7 +251,7 @@ def test_the_eta_prices_only_unfinished_runs_by_their_kind(tmp_path):
   after STAR and ANCE); query-only steps are priced apart from two-tower steps, and ANCE's (with their corpus
   re-encodings) by their own rate, named apart until measured."""
   plan = rows_lib.Plan()
-  jobs = runs_lib.planned_jobs(plan, rows_lib.row_names(plan), [0, 1, 2])
+  jobs = runs_lib.planned_jobs(plan, [r for r in rows_lib.row_names(plan) if r not in rows_lib.MINED], [0, 1, 2])
   out = tmp_path / "repro"
   for name in ("inbatch/208steps_lr2e-05_seed0", "inbatch/208steps_lr0.0001_seed1", "adore/208steps_lr2e-05_seed0",
                "star/104steps_lr5e-05_seed0_after_bm25_neg104lr2e-05"):

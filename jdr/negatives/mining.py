@@ -194,9 +194,29 @@ def _rates(alive_before: np.ndarray, dropped: np.ndarray, hidden: np.ndarray) ->
   the share dropped, and the share of what is left that are labeled positives (the false-negative rate)."""
   total = int(alive_before.sum())
   kept = alive_before & ~dropped
+  positives = int((alive_before & hidden).sum())
+  caught = int((dropped & hidden).sum())
   return {"dropped": round(float(dropped.sum()) / max(total, 1), 4),
           "false_negative_rate": round(float((kept & hidden).sum()) / max(int(kept.sum()), 1), 4),
-          "positives_dropped": round(float((dropped & hidden).sum()) / max(int((alive_before & hidden).sum()), 1), 4)}
+          "positives_dropped": round(caught / max(positives, 1), 4),
+          # F1 of the filter as a detector of the hidden positives: what `choose_on_dev` maximizes.
+          "f1": round(2 * caught / max(int(dropped.sum()) + positives, 1), 4)}
+
+
+CHOOSABLE = ("skip_ranks", "positive_fraction", "ce_threshold", "ce_margin")
+
+
+def choose_on_dev(dev: dict, name: str) -> float:
+  """The value of filter `name` that the dev report (`dev_report`) prefers: the highest F1 of "dropped" as a
+  detector of the dev queries' hidden labeled positives, which weighs the false negatives a threshold removes
+  against the real negatives it throws away; among equal F1s the value that drops least. A value of
+  `dev_report`'s grid, so it was measured on dev and never on test."""
+  grid = {value: r for value, r in (dev.get(name) or {}).items() if value != "queries"}
+  if not grid:
+    raise ValueError(f"choosing {name} on dev: the dev report has no {name} grid (a cross-encoder filter needs "
+                     "--cross-encoder; a relative one needs dev queries with two positives or more)")
+  best = max(grid, key=lambda value: (grid[value]["f1"], -grid[value]["dropped"]))
+  return float(best)
 
 
 def dev_report(rows: np.ndarray, scores: np.ndarray, positives: np.ndarray, filters: Filters, *,
@@ -219,7 +239,8 @@ def dev_report(rows: np.ndarray, scores: np.ndarray, positives: np.ndarray, filt
   if teacher is not None:
     pos_t = np.asarray(positive_teacher, np.float64)
     finite = pos_t[np.isfinite(pos_t)]
-    values = [float(np.quantile(finite, q)) for q in CE_QUANTILES] if len(finite) else []
+    # Rounded before they are measured, so a value read back from the report's keys is the one measured.
+    values = [float(f"{np.quantile(finite, q):.4g}") for q in CE_QUANTILES] if len(finite) else []
     if filters.ce_threshold is not None:
       values.append(filters.ce_threshold)
     out["ce_threshold"] = {f"{t:.4g}": _rates(alive, above_mask(alive, teacher, np.full(len(rows), t)), hidden)

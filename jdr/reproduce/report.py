@@ -104,6 +104,7 @@ def table_markdown(plan: rows_lib.Plan, out: pathlib.Path) -> str:
       lines.append(f"| {labels[name]} | {_stat(col('recall@1'))} | {_stat(col('recall@5'))} | "
                    f"{_stat(col('recall@100'))} | {_stat(col('ndcg@10'))} | {_stat(delta)} |")
     lines.append("")
+  lines += mined_section(out)
   lines += ["## Claims (test, paired by seed)", ""]
   lines += [v.line() for v in claims_lib.judge_all(finals, cq)]
   lines += ["", "A claim that X beats Y holds when the mean paired gain is larger than the sample std of the paired "
@@ -118,6 +119,43 @@ def table_markdown(plan: rows_lib.Plan, out: pathlib.Path) -> str:
         lines.append(f"| {labels[name]} | " + " | ".join(f"{values[r]:.4f}" if r in values else "—" for r in rates)
                      + f" | {float(grid[name]['rate']):g}{' (given)' if grid[name].get('given') else ''} |")
   return "\n".join(lines) + "\n"
+
+
+def mined_section(out: pathlib.Path) -> list[str]:
+  """The cross-encoder and the mining of the mined rows: the teacher's dev figures, what the filter dropped, and
+  the dev report the threshold was chosen on."""
+  teacher = runs_lib.read_json(runs_lib.teacher_dir(out) / "done.json")
+  if teacher is None:
+    return []
+  dev = teacher["dev"]
+  lines = ["## The mined rows' cross-encoder and negatives", "",
+           f"Cross-encoder: configs/cross_encoder.py:runlocal, {teacher['steps']} steps at {teacher['rate']:g}, seed "
+           f"{teacher['seed']}, on the rows' training queries ({teacher['seconds']:.0f} s). Reranking BM25's top 100 "
+           "of the dev queries: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(dev.items())) + ".", ""]
+  done = runs_lib.mined_done(out)
+  if not done.exists():
+    return lines + ["The mining has not finished.", ""]
+  filtered = json.loads(done.read_text())["report"]
+  unfiltered = json.loads((done.parent.parent / rows_lib.MINED["margin_mse"] / "meta.json").read_text())["report"]
+  chosen = filtered["chosen_on_dev"]["ce_threshold"]
+  lines.append(f"Mined: BM25's top {unfiltered['depth']} of {unfiltered['queries']} training queries, "
+               f"{unfiltered['training']['candidates']:,} candidates, {unfiltered['training']['dropped']['positives']:,}"
+               f" of them labeled positives (dropped), {unfiltered['negatives']:,} negatives scored by the "
+               f"cross-encoder ({unfiltered['seconds']:.0f} s). The threshold chosen on dev, {chosen:g}, dropped "
+               f"{filtered['training']['dropped'].get('ce_threshold', 0):,} of them, leaving {filtered['negatives']:,} "
+               f"({filtered['queries_without_negatives']} queries with none).")
+  d = unfiltered.get("dev")
+  if d:
+    lines += ["", f"Dev ({d['queries']} queries, {d['candidates']:,} candidates, {d['positives_among_candidates']} "
+              "labeled positives among them), the cross-encoder threshold alone (FN rate: labeled positives among "
+              "the candidates kept; chosen: the best F1 at dropping them):", "",
+              "| threshold | dropped | FN rate | positives dropped | F1 |", "|---|---|---|---|---|",
+              f"| none | 0.00% | {d['unfiltered']['false_negative_rate']:.2%} | 0.00% | — |"]
+    for value, r in d.get("ce_threshold", {}).items():
+      mark = " (chosen)" if float(value) == chosen else ""
+      lines.append(f"| {value}{mark} | {r['dropped']:.2%} | {r['false_negative_rate']:.2%} | "
+                   f"{r['positives_dropped']:.2%} | {r.get('f1', float('nan')):.3f} |")
+  return lines + [""]
 
 
 def _flat(prefix: str, values: dict) -> dict:

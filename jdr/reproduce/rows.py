@@ -8,6 +8,11 @@ chosen on dev for its own row; the last stage's rate is the row's, chosen from `
 
 Every row is a recipe's ConfigDict with fields set here, never a trainer of its own: `recipe_config` is
 the one place that names a recipe argument.
+
+Two rows train on negatives `python -m jdr.mine` wrote (`MINED`): BM25's top 100 of each training query (the
+BM25-negative row's own pool), scored by a cross-encoder trained on the same training queries (`teacher_config`,
+its steps fixed by the plan), once unfiltered and once with the cross-encoder threshold chosen on the dev
+queries' report. `runs.prepare_mined` makes both before the first of these rows trains.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ class Plan:
   compressed: str = "OPQ48,IVF1,PQ48"  # the LTRe row trains and serves on it; every row is also scored on it
   dev_fraction: float = 0.2
   split_seed: int = 0
+  teacher_steps: int = 400  # the cross-encoder of the mined rows (configs/cross_encoder.py:runlocal, seed 0)
   tiny: bool = False  # a tiny random BERT instead of MiniLM: the command's own test
 
 
@@ -47,7 +53,9 @@ def record_plan(plan: Plan, out: pathlib.Path) -> None:
   path = pathlib.Path(out) / "plan.json"
   fixed = {k: v for k, v in dataclasses.asdict(plan).items() if k not in ("rates", "seeds")}
   if path.exists():
-    old = {k: v for k, v in json.loads(path.read_text()).items() if k not in ("rates", "seeds")}
+    # A field added to the plan after a directory's runs were trained reads as its default there.
+    defaults = {f.name: f.default for f in dataclasses.fields(Plan)}
+    old = {k: v for k, v in {**defaults, **json.loads(path.read_text())}.items() if k not in ("rates", "seeds")}
     if old != fixed:
       changed = ", ".join(f"{k} {old.get(k)!r} -> {v!r}" for k, v in fixed.items() if old.get(k) != v)
       raise ValueError(f"{path}: the runs here were trained under another plan ({changed}); use another "
@@ -67,7 +75,7 @@ def tiny_plan() -> Plan:
   which 1,200 documents can train, and no OPQ: OPQ's rotation took a minute or more to train on the 2-core
   CPU, where the rest of a tiny run takes seconds."""
   return Plan(steps=8, batch_size=8, rates=(1e-3, 3e-3), eval_every=4, query_max_length=16, eval_doc_length=32,
-              compressed="IVF1,PQ16x4", tiny=True)
+              compressed="IVF1,PQ16x4", teacher_steps=4, tiny=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +112,18 @@ def rows(plan: Plan) -> list[Row]:
       Row("adore_star", "ADORE+STAR", (Stage("bm25_neg", quarter), Stage("star", half - quarter),
                                         Stage("adore_star", b - half))),
       Row("ltre_pq", f"LTRe-style on {plan.compressed}", (Stage("ltre_pq", b),)),
+      Row("bm25_neg_ce", "BM25 negatives, cross-encoder filtered", (Stage("bm25_neg_ce", b),)),
+      Row("margin_mse", "BM25 negatives + MarginMSE from the cross-encoder", (Stage("margin_mse", b),)),
   ]
+
+
+# The rows trained on `python -m jdr.mine`'s negatives: the directory each reads, under the dev split's
+# parent (OUT/data). The unfiltered one holds the cross-encoder's score of every candidate (MarginMSE's teacher).
+MINED = {"bm25_neg_ce": "mined-bm25-ce-filtered", "margin_mse": "mined-bm25"}
+
+
+def mined_dir(dataset: pathlib.Path | str, name: str) -> pathlib.Path:
+  return pathlib.Path(dataset).parent / name
 
 
 def row_names(plan: Plan) -> list[str]:
@@ -124,7 +143,8 @@ def budget_text(plan: Plan) -> str:
 def recipe_config(method: str, configs_dir: pathlib.Path = CONFIGS_DIR) -> ml_collections.ConfigDict:
   """The runlocal ConfigDict of the recipe a method runs. The only coupling to recipe argument strings:
   variants of a recipe (RankNet, static, the compressed index) are set as fields by `stage_config`."""
-  recipe = {"adore_ranknet": "adore", "adore_static": "adore", "ltre_pq": "ltre"}.get(method, method)
+  recipe = {"adore_ranknet": "adore", "adore_static": "adore", "ltre_pq": "ltre", "bm25_neg_ce": "bm25_neg",
+            "margin_mse": "bm25_neg", "cross_encoder": "cross_encoder"}.get(method, method)
   path = pathlib.Path(configs_dir) / f"{recipe}.py"
   return config_files.load_config_file(f"{path}:runlocal")
 
@@ -141,6 +161,12 @@ def stage_config(plan: Plan, method: str, *, steps: int, rate: float, seed: int,
     c.negatives.index_factory = plan.compressed
     c.eval.factories = f"{plan.compressed};Flat"  # dev is scored on the index the row serves from
     c.eval.backend = "faiss"
+  elif method in MINED:
+    # One negative a step from the mined pool, as bm25_neg draws from its BM25 top 100.
+    c.negatives.source, c.negatives.mined = "mined", str(mined_dir(dataset, MINED[method]))
+    if method == "margin_mse":  # added to the recipe's contrastive loss, teacher scores read from the pool
+      c.distill.teacher, c.distill.margin_mse = "mined", True
+      c.distill.document, c.distill.granularities = False, ""
   c.data.dataset = str(dataset)
   c.data.train_split, c.data.eval_split = "train", "dev"
   c.seed = seed
@@ -166,9 +192,30 @@ def stage_config(plan: Plan, method: str, *, steps: int, rate: float, seed: int,
     c.model.pooling, c.model.normalize = "mean", 1  # like MiniLM, so the recipes' temperature suits it
     c.data.doc_max_length = plan.eval_doc_length
     c.negatives.top_n = min(c.negatives.top_n, 50)
+    c.negatives.bm25_top_k = min(c.negatives.bm25_top_k, 20)  # and the mined rows' depth: a tiny teacher's pairs
     c.model.init_from, c.model.fresh = "", "tiny"
   if init_from:
     c.model.init_from = init_from
+  return c
+
+
+def teacher_config(plan: Plan, dataset: pathlib.Path, configs_dir: pathlib.Path = CONFIGS_DIR):
+  """The mined rows' cross-encoder: configs/cross_encoder.py:runlocal (MiniLM, a fresh one-logit head, BM25
+  negatives) on the same training queries as every row, `plan.teacher_steps` steps at its own rate, seed 0,
+  scored once at the end by reranking BM25's top 100 of the dev queries."""
+  c = recipe_config("cross_encoder", configs_dir)
+  c.data.dataset = str(dataset)
+  c.data.train_split, c.data.eval_split = "train", "dev"
+  c.seed = 0
+  c.num_train_steps = plan.teacher_steps
+  c.optimizer.warmup_steps = max(1, plan.teacher_steps // 10)
+  c.eval_every = c.checkpoint_every = plan.teacher_steps
+  c.keep_checkpoints = 1
+  c.data.query_max_length = plan.query_max_length
+  c.data.doc_max_length = plan.eval_doc_length
+  if plan.tiny:
+    c.model.init_from, c.model.fresh = "", "tiny"
+    c.batch_size, c.eval.rerank_depth = 4, 20
   return c
 
 

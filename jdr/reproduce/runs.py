@@ -96,6 +96,9 @@ def planned_jobs(plan: rows_lib.Plan, selected: list[str], seeds: list[int],
     for k in range(len(chain)):
       jobs[("train", chain[:k + 1], seed)] = chain[k][1]
 
+  if set(needed_rows(plan, selected)) & set(rows_lib.MINED):
+    jobs[("prepare", "teacher")] = plan.teacher_steps
+    jobs[("prepare", "mined")] = 0
   for name in needed_rows(plan, selected):
     if by_name[name].stages and name not in given:
       for rate in plan.rates:
@@ -123,6 +126,10 @@ def finished_jobs(out: pathlib.Path, plan: rows_lib.Plan, jobs: dict[tuple, int]
   for key in jobs:
     if key == ("score", "start"):
       path = out / "runs" / "start" / "test.json"
+    elif key == ("prepare", "teacher"):
+      path = teacher_dir(out) / "done.json"
+    elif key == ("prepare", "mined"):
+      path = mined_done(out)
     elif key[0] == "score":
       row, seed = by_name[key[1]], key[2]
       if any(s.method not in chosen for s in row.stages):
@@ -155,7 +162,10 @@ def step_kind(method: str) -> str:
 
 
 def job_kind(key: tuple) -> str:
-  """What a `planned_jobs` job's time is priced by: a scoring, or a step of its last stage's kind."""
+  """What a `planned_jobs` job's time is priced by: a scoring, the cross-encoder's steps, the mining, or a step
+  of its last stage's kind."""
+  if key[0] == "prepare":
+    return "cross-encoder step" if key[1] == "teacher" else "mining"
   return "score" if key[0] == "score" else step_kind(key[1][-1][0])
 
 
@@ -170,7 +180,7 @@ class Progress:
     self.left = collections.Counter()
     for key, steps in jobs.items():
       if key not in finished:
-        self.left[job_kind(key)] += steps if key[0] == "train" else 1
+        self.left[job_kind(key)] += steps or 1  # a step count, or one scoring / mining
     self.write = write
     self.index = 0
     self.seconds, self.units = collections.Counter(), collections.Counter()
@@ -189,7 +199,8 @@ class Progress:
     steps = [rates[kind] for kind in ("two-tower step", "query-only step") if kind in rates]
     if steps:  # one of these not timed yet is priced at the other's rate: an upper bound for query-only steps
       rates = {"two-tower step": max(steps), "query-only step": min(steps)} | rates
-    untimed = [f"{n} {'scorings' if kind == 'score' else kind + 's'}" for kind, n in sorted(self.left.items())
+    plural = {"score": "scorings", "mining": "minings"}
+    untimed = [f"{n} {plural.get(kind, kind + 's')}" for kind, n in sorted(self.left.items())
                if n and kind not in rates]
     timed = sum(n * rates[kind] for kind, n in self.left.items() if kind in rates)
     return f"ETA {_duration(timed)}" + "".join(f" + {what} (not timed yet)" for what in untimed)
@@ -426,6 +437,69 @@ def score_start(ctx: Context) -> dict:
   return record
 
 
+def teacher_dir(out: pathlib.Path) -> pathlib.Path:
+  """The mined rows' cross-encoder: a trainer workdir beside the data (not under OUT/runs, whose stages are the
+  table's rows)."""
+  return out / "data" / "cross-encoder"
+
+
+def mined_done(out: pathlib.Path) -> pathlib.Path:
+  """The file whose presence says both mined directories are finished (the filtered one is written last)."""
+  dev = next((out / "data").glob("*-dev"), out / "data" / "none-dev")
+  return rows_lib.mined_dir(dev, rows_lib.MINED["bm25_neg_ce"]) / "meta.json"
+
+
+def train_teacher(ctx: Context) -> dict:
+  """Trains the mined rows' cross-encoder (`rows.teacher_config`) unless it finished before; its done.json holds
+  its dev figures (BM25's top 100 reranked)."""
+  workdir = teacher_dir(ctx.out)
+  done = read_json(workdir / "done.json")
+  first = ctx.progress.first_visit(("prepare", "teacher"))
+  if done is not None:
+    if first:
+      ctx.progress.skip("train the cross-encoder")
+    return done
+  from jdr import train as train_lib  # pylint: disable=g-import-not-at-top
+  config = rows_lib.teacher_config(ctx.plan, ctx.dataset, ctx.configs_dir)
+  ctx.progress.begin(f"train the cross-encoder ({config.num_train_steps} steps) and rerank dev")
+  start = time.perf_counter()
+  with _output_to(workdir / "train.log"):
+    results = train_lib.train_and_evaluate(config, workdir)
+  seconds = time.perf_counter() - start
+  done = {"steps": config.num_train_steps, "rate": config.optimizer.learning_rate, "seed": config.seed,
+          "dev": {k: float(v) for k, v in results["after"].items()}, "seconds": round(seconds, 1)}
+  atomic.write_text(workdir / "done.json", json.dumps(done, indent=1))
+  del results
+  _release()
+  ctx.progress.end("cross-encoder step", config.num_train_steps, seconds)
+  return done
+
+
+def prepare_mined(ctx: Context) -> None:
+  """The mined rows' negatives: `python -m jdr.mine` over the training queries (BM25's top 100, the BM25-negative
+  row's pool, every candidate scored by the cross-encoder; the dev split's report), then the same directory
+  filtered again with the cross-encoder threshold chosen on that report."""
+  train_teacher(ctx)
+  first = ctx.progress.first_visit(("prepare", "mined"))
+  if mined_done(ctx.out).exists():
+    if first:
+      ctx.progress.skip("mine BM25 negatives with the cross-encoder's scores")
+    return
+  from jdr import mine  # pylint: disable=g-import-not-at-top
+  everything = rows_lib.mined_dir(ctx.dataset, rows_lib.MINED["margin_mse"])
+  filtered = rows_lib.mined_dir(ctx.dataset, rows_lib.MINED["bm25_neg_ce"])
+  depth = rows_lib.stage_config(ctx.plan, "bm25_neg", steps=1, rate=0.0, seed=0, dataset=ctx.dataset,
+                                configs_dir=ctx.configs_dir).negatives.bm25_top_k
+  ctx.progress.begin(f"mine BM25's top {depth} with the cross-encoder's scores, then filter on dev")
+  start = time.perf_counter()
+  with _output_to(everything.parent / "mine.log"):
+    mine.main(["--data", str(ctx.dataset), "--out", str(everything), "--dev-split", "dev", "--depth", str(depth),
+               "--cross-encoder", str(teacher_dir(ctx.out)), "--ce-max-length", str(ctx.plan.eval_doc_length)])
+    mine.main(["--from", str(everything), "--out", str(filtered), "--ce-threshold", "dev"])
+  ctx.progress.end("mining", 1, time.perf_counter() - start)
+  _release()
+
+
 def record_given_rates(out: pathlib.Path, given: dict[str, float], selected: list[str]) -> None:
   """Writes rates chosen on dev in an earlier build into OUT/choices.json, marked as given, so the rows
   whose warm-ups they are can be rebuilt without retraining the grids that chose them. A selected row's
@@ -461,6 +535,8 @@ def run_table(ctx: Context, selected: list[str], seeds: list[int]) -> dict:
     if grid.get(name, {}).get("given"):
       choices[name] = float(grid[name]["rate"])
       continue
+    if name in rows_lib.MINED:
+      prepare_mined(ctx)
     grid[name] = choose_rate(ctx, row, choices)
     atomic.write_text(choices_file, json.dumps(grid, indent=1))
     if name in selected:
