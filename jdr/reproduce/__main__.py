@@ -3,7 +3,9 @@
 Every row trains the same budget (208 steps x 32 pairs, warm-ups included) at the learning rate its dev
 nDCG@10 chose from {2e-5, 5e-5, 1e-4}, on 80% of SciFact's training queries (the fixed dev split is the
 rest, written to OUT/data). The final models (three seeds a row) are scored once on test, on Flat and on
-OPQ48,IVF1,PQ48, and zero-shot on reqa-squad-sample. Writes OUT/table.md (also printed), OUT/runs.csv,
+OPQ48,IVF1,PQ48, and zero-shot on reqa-squad-sample. The two mined rows first train a cross-encoder on the same
+training queries and mine BM25's top 100 with it (`python -m jdr.mine`, its threshold chosen on the dev
+queries' report), into OUT/data. Writes OUT/table.md (also printed), OUT/runs.csv,
 OUT/dev_curves.png, OUT/test_ndcg.png. Each run is its own workdir under OUT/runs: run the command again to
 go on after a stop (finished runs are skipped, a killed one resumes from its checkpoint).
 
