@@ -199,8 +199,8 @@ class Progress:
     steps = [rates[kind] for kind in ("two-tower step", "query-only step") if kind in rates]
     if steps:  # one of these not timed yet is priced at the other's rate: an upper bound for query-only steps
       rates = {"two-tower step": max(steps), "query-only step": min(steps)} | rates
-    plural = {"score": "scorings", "mining": "minings"}
-    untimed = [f"{n} {plural.get(kind, kind + 's')}" for kind, n in sorted(self.left.items())
+    noun = {"score": "scoring"}
+    untimed = [f"{n} {noun.get(kind, kind)}{'s' if n > 1 else ''}" for kind, n in sorted(self.left.items())
                if n and kind not in rates]
     timed = sum(n * rates[kind] for kind, n in self.left.items() if kind in rates)
     return f"ETA {_duration(timed)}" + "".join(f" + {what} (not timed yet)" for what in untimed)
