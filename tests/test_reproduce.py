@@ -284,8 +284,8 @@ def test_the_eta_prices_only_unfinished_runs_by_their_kind(tmp_path):
 
 def test_given_warm_up_rates_train_no_grid_and_are_marked(tmp_path, monkeypatch):
   """A row rebuilt on its own takes its warm-ups' rates as given: only its own grid and seeds are trained,
-  choices.json and the dev-grid table say the rates were given, a selected row cannot be given one, and a
-  rate this directory chose on dev is not overridden by a different given one."""
+  choices.json and the dev-grid table say the rates were given, a selected row given its rate trains its
+  seeds only, and a rate this directory chose on dev is not overridden by a different given one."""
   plan = rows_lib.Plan()
   given = {"bm25_neg": 1e-4, "star": 5e-5}
   jobs = runs_lib.planned_jobs(plan, ["adore_star"], [0, 1, 2], given)
@@ -295,8 +295,6 @@ def test_given_warm_up_rates_train_no_grid_and_are_marked(tmp_path, monkeypatch)
   assert sum(jobs[k] for k in trains) == 3 * (52 + 52) + 5 * 104
 
   out = tmp_path / "repro"
-  with pytest.raises(ValueError, match="star is also in --methods"):
-    runs_lib.record_given_rates(out, given, ["star", "adore_star"])
   runs_lib.record_given_rates(out, given, ["adore_star"])
   choices = json.loads((out / "choices.json").read_text())
   assert choices["star"] == {"rate": 5e-5, "given": True, "dev_ndcg@10": {}}
@@ -312,6 +310,14 @@ def test_given_warm_up_rates_train_no_grid_and_are_marked(tmp_path, monkeypatch)
   assert grid["adore_star"]["rate"] == 1e-4 and grid["star"]["given"]
   from jdr.reproduce import report  # pylint: disable=g-import-not-at-top
   assert "| STAR (BM25-neg warm-up) | — | — | — | 5e-05 (given) |" in report.table_markdown(plan, out)
+
+  # A selected row given its rate: its three seeds at that rate, no grid; seed 0's dev figure is the table's.
+  assert [k for k in runs_lib.planned_jobs(plan, ["bm25_neg"], [0, 1, 2], {"bm25_neg": 1e-4}) if k[0] == "train"] \
+      == [("train", (("bm25_neg", 208, ("chosen", "bm25_neg")),), s) for s in (0, 1, 2)]
+  trained.clear()
+  grid = runs_lib.run_table(ctx, ["bm25_neg"], [0, 1, 2])
+  assert [(run.method, run.rate, run.seed) for run in trained] == [("bm25_neg", 1e-4, s) for s in (0, 1, 2)]
+  assert grid["bm25_neg"] == {"rate": 1e-4, "given": True, "dev_ndcg@10": {"0.0001": 1e-4}}
 
   (out / "choices.json").write_text(json.dumps({"star": {"rate": 2e-5, "dev_ndcg@10": {"2e-05": 0.7}}}))
   with pytest.raises(ValueError, match="chosen on dev here as 2e-05, not 5e-05"):

@@ -51,8 +51,8 @@ def main(argv=None) -> str:
   parser.add_argument("--seeds", default="", help="comma-separated seeds of the final runs (default 0,1,2)")
   parser.add_argument("--rates", default="", help="the learning-rate grid (default 2e-5,5e-5,1e-4)")
   parser.add_argument("--given-rates", default="", help="ROW=RATE,...: rates chosen on dev in an earlier "
-                      "build, for rows this one does not select (a selected row's warm-ups): their grids are "
-                      "not retrained, and choices.json and the table mark them as given")
+                      "build of the same plan (a selected row's warm-ups, or a selected row whose recipe has not "
+                      "changed): their grids are not retrained, and choices.json and the table mark them as given")
   parser.add_argument("--records-from", default="", help="a runs.csv an earlier build wrote (such as the "
                       "one docs/ keeps): its runs count as finished here, and a warm-up a new stage needs is "
                       "retrained for its weights")

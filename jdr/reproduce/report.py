@@ -83,7 +83,8 @@ def table_markdown(plan: rows_lib.Plan, out: pathlib.Path) -> str:
       rate, dev = "—", f"{found[0]['dev']['ndcg@10']:.4f}"
     else:
       rate = f"{float(grid[name]['rate']):g}"
-      dev = f"{grid[name]['dev_ndcg@10'][rate]:.4f}"
+      dev = grid[name]["dev_ndcg@10"].get(rate)  # a given rate's: once its seed 0 has trained here
+      dev = "—" if dev is None else f"{dev:.4f}"
     seeds = "—" if name == "start" else ",".join(str(r["seed"]) for r in found)
     lines.append(f"| {labels[name]} | {rate} | {dev} | {_stat(col('ndcg@10'))} | {_stat(col('mrr@10'))} | "
                  f"{_stat(col('recall@100'))} | {_stat(col(f'{cq}/ndcg@10'))} | {seeds} |")

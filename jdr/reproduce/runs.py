@@ -107,7 +107,7 @@ def planned_jobs(plan: rows_lib.Plan, selected: list[str], seeds: list[int],
     if not by_name[name].stages:
       continue
     for seed in seeds:
-      if seed != 0:  # seed 0 at the chosen rate is one of the grid runs
+      if seed != 0 or name in given:  # seed 0 at the chosen rate is one of the grid runs, if there is a grid
         add_chain(by_name[name], ("chosen", name), seed)
       jobs[("score", name, seed)] = 0
   return jobs
@@ -501,15 +501,13 @@ def prepare_mined(ctx: Context) -> None:
 
 
 def record_given_rates(out: pathlib.Path, given: dict[str, float], selected: list[str]) -> None:
-  """Writes rates chosen on dev in an earlier build into OUT/choices.json, marked as given, so the rows
-  whose warm-ups they are can be rebuilt without retraining the grids that chose them. A selected row's
-  rate is chosen here, never given; a rate this directory chose already is kept (and must agree)."""
+  """Writes rates chosen on dev in an earlier build (same plan, same dev split) into OUT/choices.json, marked as
+  given, so the rows whose warm-ups they are can be rebuilt without retraining the grids that chose them, and
+  a selected row whose recipe has not changed trains its final seeds only (its seed 0's dev figure is filled
+  in when it has trained). A rate this directory chose on dev already is kept (and must agree)."""
+  del selected  # a selected row may be given its rate too: it then trains no grid
   if not given:
     return
-  selected_given = sorted(set(given) & set(selected))
-  if selected_given:
-    raise ValueError(f"--given-rates: {', '.join(selected_given)} is also in --methods; a row built here "
-                     "chooses its own rate on dev")
   path = out / "choices.json"
   grid = read_json(path) or {}
   for name, rate in given.items():
@@ -532,17 +530,21 @@ def run_table(ctx: Context, selected: list[str], seeds: list[int]) -> dict:
     if not row.stages:
       score_start(ctx)
       continue
-    if grid.get(name, {}).get("given"):
-      choices[name] = float(grid[name]["rate"])
-      continue
-    if name in rows_lib.MINED:
+    given = grid.get(name, {}).get("given")
+    if name in rows_lib.MINED and (name in selected or not given):
       prepare_mined(ctx)
-    grid[name] = choose_rate(ctx, row, choices)
-    atomic.write_text(choices_file, json.dumps(grid, indent=1))
+    if given:
+      choices[name] = float(grid[name]["rate"])
+    else:
+      grid[name] = choose_rate(ctx, row, choices)
+      atomic.write_text(choices_file, json.dumps(grid, indent=1))
     if name in selected:
       for seed in seeds:
         run = chain_for(row, choices[name], seed, choices)
-        train(ctx, run)
+        record = train(ctx, run)
+        if given and seed == 0:  # the given rate's dev figure, measured here
+          grid[name]["dev_ndcg@10"][f"{choices[name]:g}"] = record["dev"]["ndcg@10"]
+          atomic.write_text(choices_file, json.dumps(grid, indent=1))
         score(ctx, run)
   print(f"rates chosen on dev: {', '.join(f'{k} {v:g}' for k, v in choices.items())}", file=sys.stderr)
   return grid
