@@ -114,11 +114,11 @@ def _check(args, parser) -> tuple[mining.Filters, list[str]]:
     parser.error("--retriever run needs --run")
   if (args.ce_threshold is not None or args.ce_margin is not None) and not (args.cross_encoder or args.source):
     parser.error("--ce-threshold and --ce-margin need --cross-encoder")
+  if args.ce_threshold is not None and args.ce_margin is not None:  # "dev" values are None in Filters: ask here
+    parser.error("ce_threshold and ce_margin are two ways of one filter: give one")
   values = {name: None if getattr(args, name) == DEV else getattr(args, name) for name in mining.CHOOSABLE}
   values["skip_ranks"] = values["skip_ranks"] or 0
   try:
-    if args.ce_threshold is not None and args.ce_margin is not None:
-      raise ValueError("ce_threshold and ce_margin are two ways of one filter: give one")
     return mining.Filters(**values, keep=args.keep), on_dev
   except ValueError as e:
     parser.error(str(e))
@@ -260,13 +260,22 @@ def mine_queries(args, data, out: pathlib.Path, retriever: Retriever, score, fil
   teacher = join("teacher") if score is not None else None
   return (dict(rows=join("rows"), scores=join("scores"), positives=positives, teacher=teacher,
                positive_teacher=join("positive_teacher") if score is not None else None, chunks=chunks),
-          {"dropped": {f: v for f, v in dropped.items() if f == "positives" or _is_on(filters, f)},
-           "no_bound": {f: v for f, v in no_bound.items() if v}, "candidates": int((rows >= 0).sum())})
+          _training(filters, dropped, no_bound, rows))
 
 
-def _is_on(filters: mining.Filters, name: str) -> bool:
-  value = getattr(filters, name)
-  return value is not None and value != 0
+def _training(filters: mining.Filters, dropped: dict, no_bound: dict, rows: np.ndarray) -> dict:
+  """The report's "training" part: the candidates, what each filter that ran dropped, the queries a relative
+  filter could not judge."""
+  on = lambda f: getattr(filters, f) is not None and getattr(filters, f) != 0
+  return {"dropped": {f: v for f, v in dropped.items() if f == "positives" or on(f)},
+          "no_bound": {f: v for f, v in no_bound.items() if v}, "candidates": int((np.asarray(rows) >= 0).sum())}
+
+
+def _kept(rows: np.ndarray, filters: mining.Filters, on_dev: list[str]) -> dict:
+  """The report's figures of the negatives written, and the filter values chosen on dev."""
+  alive = np.asarray(rows) >= 0
+  return {"negatives": int(alive.sum()), "queries_without_negatives": int((~alive.any(axis=1)).sum()),
+          "chosen_on_dev": {name: getattr(filters, name) for name in on_dev}}
 
 
 def dev_queries(args, data, retriever: Retriever, score, filters: mining.Filters) -> dict | None:
@@ -333,14 +342,9 @@ def refilter(args, filters: mining.Filters, on_dev: list[str]) -> dict:
   arrays = [rows, mined.scores] + ([mined.teacher] if mined.teacher is not None else [])
   kept = mining.compact(result.alive, *arrays, width=filters.keep or rows.shape[1], fill=(-1, np.nan))
   teacher = kept[2] if mined.teacher is not None else None
-  negatives = int((kept[0] >= 0).sum())
   report = {"queries": len(mined.qids), "retriever": old.get("retriever"), "depth": old.get("depth"),
-            "from": str(source.absolute()),
-            "training": {"candidates": int((rows >= 0).sum()),
-                         "dropped": {f: v for f, v in result.dropped.items() if f == "positives" or _is_on(filters, f)},
-                         "no_bound": {f: v for f, v in result.no_bound.items() if v}},
-            "negatives": negatives, "queries_without_negatives": int((~(kept[0] >= 0).any(axis=1)).sum()),
-            "chosen_on_dev": {name: getattr(filters, name) for name in on_dev}}
+            "from": str(source.absolute()), "training": _training(filters, result.dropped, result.no_bound, rows),
+            **_kept(kept[0], filters, on_dev)}
   if old.get("dev"):
     report["dev"] = old["dev"]
   meta = {**mined.meta, "from": str(source.absolute()), "filters": dataclasses.asdict(filters),
@@ -376,11 +380,8 @@ def main(argv: Iterable[str] | None = None) -> None:
     dev = dev_queries(args, data, retriever, score, filters)
     filters = choose(filters, on_dev, dev, "jdr.mine")
     mined, counts = mine_queries(args, data, out, retriever, score, filters, qids)
-    negatives = int((mined["rows"] >= 0).sum())
     report = {"queries": len(qids), "retriever": args.retriever, "depth": args.depth, "training": counts,
-              "negatives": negatives, "queries_without_negatives": int((~(mined["rows"] >= 0).any(axis=1)).sum()),
-              "chosen_on_dev": {name: getattr(filters, name) for name in on_dev},
-              "seconds": round(time.perf_counter() - start, 1)}
+              **_kept(mined["rows"], filters, on_dev), "seconds": round(time.perf_counter() - start, 1)}
     if dev is not None:
       report["dev"] = {"split": args.dev_split or f"{args.dev_fraction:g} of {args.split}", **dev}
     meta = {"data": str(pathlib.Path(args.data).absolute()), "split": args.split, "dev_split": args.dev_split,

@@ -152,8 +152,8 @@ def test_the_mined_rows_train_a_cross_encoder_then_mine_and_filter_on_dev(tmp_pa
   teacher = json.loads((runs_lib.teacher_dir(out) / "done.json").read_text())
   assert teacher["steps"] == 4 and "ndcg@10" in teacher["dev"]
   split = out / "data" / "stdlib-docstrings-dev"
-  everything = mining.read(rows_lib.mined_dir(split, rows_lib.MINED["margin_mse"]))
-  filtered = mining.read(rows_lib.mined_dir(split, rows_lib.MINED["bm25_neg_ce"]))
+  everything = mining.read(rows_lib.mined_dir(split.parent, "margin_mse"))
+  filtered = mining.read(rows_lib.mined_dir(split.parent, "bm25_neg_ce"))
   report = everything.meta["report"]
   assert report["dev"]["split"] == "dev" and everything.teacher is not None
   threshold = filtered.meta["report"]["chosen_on_dev"]["ce_threshold"]

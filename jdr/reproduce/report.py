@@ -137,7 +137,7 @@ def mined_section(out: pathlib.Path) -> list[str]:
   if not done.exists():
     return lines + ["The mining has not finished.", ""]
   filtered = json.loads(done.read_text())["report"]
-  unfiltered = json.loads((done.parent.parent / rows_lib.MINED["margin_mse"] / "meta.json").read_text())["report"]
+  unfiltered = json.loads((rows_lib.mined_dir(out / "data", "margin_mse") / "meta.json").read_text())["report"]
   chosen = filtered["chosen_on_dev"]["ce_threshold"]
   lines.append(f"Mined: BM25's top {unfiltered['depth']} of {unfiltered['queries']} training queries, "
                f"{unfiltered['training']['candidates']:,} candidates, {unfiltered['training']['dropped']['positives']:,}"

@@ -117,13 +117,14 @@ def rows(plan: Plan) -> list[Row]:
   ]
 
 
-# The rows trained on `python -m jdr.mine`'s negatives: the directory each reads, under the dev split's
-# parent (OUT/data). The unfiltered one holds the cross-encoder's score of every candidate (MarginMSE's teacher).
+# The rows trained on `python -m jdr.mine`'s negatives: the directory each reads under OUT/data (where the dev
+# split is). The unfiltered one holds the cross-encoder's score of every candidate (MarginMSE's teacher).
 MINED = {"bm25_neg_ce": "mined-bm25-ce-filtered", "margin_mse": "mined-bm25"}
 
 
-def mined_dir(dataset: pathlib.Path | str, name: str) -> pathlib.Path:
-  return pathlib.Path(dataset).parent / name
+def mined_dir(data_root: pathlib.Path | str, method: str) -> pathlib.Path:
+  """The mined directory `method` (a key of MINED) trains on, under OUT/data."""
+  return pathlib.Path(data_root) / MINED[method]
 
 
 def row_names(plan: Plan) -> list[str]:
@@ -163,7 +164,7 @@ def stage_config(plan: Plan, method: str, *, steps: int, rate: float, seed: int,
     c.eval.backend = "faiss"
   elif method in MINED:
     # One negative a step from the mined pool, as bm25_neg draws from its BM25 top 100.
-    c.negatives.source, c.negatives.mined = "mined", str(mined_dir(dataset, MINED[method]))
+    c.negatives.source, c.negatives.mined = "mined", str(mined_dir(pathlib.Path(dataset).parent, method))
     if method == "margin_mse":  # added to the recipe's contrastive loss, teacher scores read from the pool
       c.distill.teacher, c.distill.margin_mse = "mined", True
       c.distill.document, c.distill.granularities = False, ""

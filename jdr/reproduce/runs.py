@@ -445,8 +445,7 @@ def teacher_dir(out: pathlib.Path) -> pathlib.Path:
 
 def mined_done(out: pathlib.Path) -> pathlib.Path:
   """The file whose presence says both mined directories are finished (the filtered one is written last)."""
-  dev = next((out / "data").glob("*-dev"), out / "data" / "none-dev")
-  return rows_lib.mined_dir(dev, rows_lib.MINED["bm25_neg_ce"]) / "meta.json"
+  return rows_lib.mined_dir(out / "data", "bm25_neg_ce") / "meta.json"
 
 
 def train_teacher(ctx: Context) -> dict:
@@ -486,8 +485,8 @@ def prepare_mined(ctx: Context) -> None:
       ctx.progress.skip("mine BM25 negatives with the cross-encoder's scores")
     return
   from jdr import mine  # pylint: disable=g-import-not-at-top
-  everything = rows_lib.mined_dir(ctx.dataset, rows_lib.MINED["margin_mse"])
-  filtered = rows_lib.mined_dir(ctx.dataset, rows_lib.MINED["bm25_neg_ce"])
+  everything = rows_lib.mined_dir(ctx.out / "data", "margin_mse")
+  filtered = rows_lib.mined_dir(ctx.out / "data", "bm25_neg_ce")
   depth = rows_lib.stage_config(ctx.plan, "bm25_neg", steps=1, rate=0.0, seed=0, dataset=ctx.dataset,
                                 configs_dir=ctx.configs_dir).negatives.bm25_top_k
   ctx.progress.begin(f"mine BM25's top {depth} with the cross-encoder's scores, then filter on dev")
