@@ -1,7 +1,7 @@
 """Encode a corpus into sharded embedding files: `python -m jdr.encode --model M --corpus C --out DIR`.
 
 The output directory holds `emb-NNNNN.npy` (float32 [n, D]) and `ids-NNNNN.txt` per shard plus
-`meta.json` (see jdr.corpus, which does the work). A killed run resumes from the last finished shard;
+`meta.json` (see jdr.retrieval.corpus, which does the work). A killed run resumes from the last finished shard;
 a resume with different settings is refused rather than mixing embeddings of two models in one index.
 Launched on several hosts (`python -m jdr.launch.local|slurm|tpu ... -- python -m jdr.encode ...`), each
 process reads, tokenizes, encodes and writes only its own part of the corpus, as shards of the shared output
@@ -16,10 +16,10 @@ from typing import Iterable
 
 import jax
 
-from jdr import cli
-from jdr import corpus as corpus_lib
-from jdr import parallel
-from jdr import paths
+from jdr.runtime import cli
+from jdr.retrieval import corpus as corpus_lib
+from jdr.runtime import parallel
+from jdr.runtime import paths
 from jdr.data import formats
 
 

@@ -37,8 +37,8 @@ from collections.abc import Iterable
 import numpy as np
 import tqdm
 
-from jdr import cli
-from jdr import defaults
+from jdr.runtime import cli
+from jdr.runtime import defaults
 from jdr.data import pairs
 from jdr.negatives import mining
 from jdr.negatives import sources
@@ -147,7 +147,7 @@ class Retriever:
     """(rows int32 [Q, depth], scores float32 [Q, depth], query vectors or None)."""
     depth, texts = self.args.depth, [self.data.queries[q] for q in qids]
     if self.kind == "bm25":
-      from jdr import bm25  # pylint: disable=g-import-not-at-top  (only BM25 users need numba)
+      from jdr.retrieval import bm25  # pylint: disable=g-import-not-at-top  (only BM25 users need numba)
       if self._index is None:
         self._index = bm25.corpus_index(self.data.corpus, cache_dir=self.out / "cache")
       mined = bm25.mine(self._index, texts, min(depth, len(self._index)), self.out / "cache", query_ids=qids,
@@ -162,7 +162,7 @@ class Retriever:
         print(f"jdr.mine: {self.args.run} ranks nothing for {len(missing)} of the {len(qids)} {tag} queries "
               f"(e.g. {missing[:3]}): they get no negatives", file=sys.stderr)
       return ranked.rows, np.where(ranked.rows >= 0, ranked.scores, np.nan).astype(np.float32), None
-    from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+    from jdr.retrieval import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
     from jdr.negatives import retrieved  # pylint: disable=g-import-not-at-top
     doc_emb = self.doc_emb()
     if self._query_runtime is None:
@@ -173,7 +173,7 @@ class Retriever:
     return rows, np.where(rows >= 0, scores, np.nan).astype(np.float32), query_emb
 
   def doc_emb(self):
-    from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+    from jdr.retrieval import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
     if self._doc_emb is None:
       encoding = self.args.encoding
       if encoding:
@@ -198,7 +198,7 @@ def _scorer(args):
   if not args.cross_encoder:
     return None
   import jax  # pylint: disable=g-import-not-at-top
-  from jdr import reranking  # pylint: disable=g-import-not-at-top
+  from jdr.evaluation import reranking  # pylint: disable=g-import-not-at-top
   from jdr.models import cross  # pylint: disable=g-import-not-at-top
   model, params, tokenizer = cross.load_cross_encoder(args.cross_encoder)
   if args.ce_max_length > model.config.max_length:

@@ -4,7 +4,7 @@
 factory string, or the exact JAX back-end); `--save-index` keeps a built Faiss index in DIR/index-NAME so
 that a compressed index is trained once. The query encoder defaults to the settings recorded in
 DIR/meta.json, so queries and documents are embedded the same way unless asked otherwise. The work is
-jdr.corpus'.
+jdr.retrieval.corpus'.
 """
 
 import argparse
@@ -12,8 +12,8 @@ import sys
 import time
 from typing import Iterable
 
-from jdr import cli
-from jdr import corpus as corpus_lib
+from jdr.runtime import cli
+from jdr.retrieval import corpus as corpus_lib
 from jdr.data import formats
 from jdr.models import saved
 

@@ -2,7 +2,7 @@
 
 One trainer for every method: which towers train, where negatives come from and which loss is used are
 config values (see configs/base.py), never a fork of this file. `train_and_evaluate` reads top to bottom:
-mesh, data, model, state (resume | init_from | fresh), negatives, the step (jdr/step.py, jitted once), the
+mesh, data, model, state (resume | init_from | fresh), negatives, the step (jdr/training/step.py, jitted once), the
 loop, evaluation.
 """
 
@@ -21,20 +21,20 @@ import ml_collections
 import numpy as np
 import tqdm
 
-from jdr import atomic
-from jdr import checkpoint
-from jdr import cli
-from jdr import config_files
-from jdr import distill
-from jdr import evaluation
-from jdr import losses
-from jdr import metric_writers
-from jdr import optimizers
-from jdr import parallel
-from jdr import paths
-from jdr import preemption
-from jdr import sizing
-from jdr import step as step_lib
+from jdr.runtime import atomic
+from jdr.training import checkpoint
+from jdr.runtime import cli
+from jdr.runtime import config_files
+from jdr.training import distill
+from jdr.evaluation import periodic
+from jdr.training import losses
+from jdr.training import metric_writers
+from jdr.training import optimizers
+from jdr.runtime import parallel
+from jdr.runtime import paths
+from jdr.training import preemption
+from jdr.training import sizing
+from jdr.training import step as step_lib
 from jdr.data import pairs
 from jdr.data import pretrain_batches
 from jdr.negatives import sources
@@ -96,7 +96,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
                                 rng=jax.device_put(jax.random.PRNGKey(config.seed + 1), state_shardings.rng))
 
   # ---------------------------------------------------------------- negatives (may mine with the weights)
-  encoder = evaluation.TowerEncoder(
+  encoder = periodic.TowerEncoder(
       model, built.tokenizer, data, query_max_length=config.data.query_max_length,
       doc_max_length=config.eval.doc_max_length or config.data.doc_max_length,
       tokens_per_batch=config.eval.tokens_per_batch, mesh=mesh, cache_dir=config.eval.corpus_cache)
@@ -134,12 +134,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   writer = metric_writers.MetricWriter(workdir, start_step=start)  # a resume drops the lines it logs again
   evaluator = None
   if data.eval_qrels and negatives.candidates == "pairs":  # a cross-encoder reranks a first stage
-    evaluator = evaluation.RerankEvaluator(model, built.tokenizer, data, config)
+    evaluator = periodic.RerankEvaluator(model, built.tokenizer, data, config)
   elif data.eval_qrels:  # periodic: eval.candidates (the corpus, or each query's candidates); final: eval.final
-    bm25_index = evaluation.BM25IndexOf(data, negatives, workdir / "cache")  # one lookup for both users
-    diagnostics = evaluation.TrainingDiagnostics(encoder, data, negatives, config, cache_dir=workdir / "cache",
+    bm25_index = periodic.BM25IndexOf(data, negatives, workdir / "cache")  # one lookup for both users
+    diagnostics = periodic.TrainingDiagnostics(encoder, data, negatives, config, cache_dir=workdir / "cache",
                                                  bm25_index=bm25_index)
-    evaluator = evaluation.Evaluator(encoder, config, mesh, doc_tower_frozen=query_only,
+    evaluator = periodic.Evaluator(encoder, config, mesh, doc_tower_frozen=query_only,
                                      diagnostics=diagnostics, fixed_doc_emb=negatives.doc_emb,
                                      fixed_corpus=negatives.corpus, cache_dir=workdir / "cache",
                                      bm25_index=bm25_index)
@@ -147,7 +147,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   if evaluator and start == 0 and config.eval_before_training:
     results["before"] = evaluator(state.params)
     writer.write(0, {f"eval/{k}": v for k, v in results["before"].items()})
-    evaluation.print_metrics(f"before training, eval ({evaluator.describe()})", results["before"])
+    periodic.print_metrics(f"before training, eval ({evaluator.describe()})", results["before"])
 
   # ---------------------------------------------------------------- loop
   bar = tqdm.tqdm(total=config.num_train_steps, initial=start, unit="step", desc="train",
@@ -184,7 +184,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
       if evaluator and config.eval_every and done % config.eval_every == 0 and done < config.num_train_steps:
         scores = evaluator(state.params)
         writer.write(done, {f"eval/{k}": v for k, v in scores.items()})
-        bar.write(evaluation.metrics_line(f"step {done}, eval ({evaluator.describe()})", scores))
+        bar.write(periodic.metrics_line(f"step {done}, eval ({evaluator.describe()})", scores))
       if stop.requested():
         break
   finally:
@@ -202,8 +202,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     results["after"] = evaluator(state.params, final=True)
     writer.write(int(state.step), {f"eval/{k}": v for k, v in results["after"].items()})
     if "before" in results:
-      evaluation.print_metrics(f"before training, eval ({evaluator.describe()})", results["before"])
-    evaluation.print_metrics(f"after {int(state.step)} steps, eval ({evaluator.describe(final=True)})",
+      periodic.print_metrics(f"before training, eval ({evaluator.describe()})", results["before"])
+    periodic.print_metrics(f"after {int(state.step)} steps, eval ({evaluator.describe(final=True)})",
                              results["after"])
   writer.close()
   results["state"] = state
@@ -262,17 +262,17 @@ def main(argv=None) -> None:
   argv = sys.argv[1:] if argv is None else list(argv)
   try:
     rest, overrides = config_files.split_config_args(argv)
-    from jdr import config_help  # pylint: disable=g-import-not-at-top
+    from jdr.runtime import config_help  # pylint: disable=g-import-not-at-top
     parser = argparse.ArgumentParser(
         prog="python -m jdr.train", description=__doc__.splitlines()[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="config keys, set with --config.KEY=VALUE (the defaults of jdr/defaults.py; a recipe changes "
+        epilog="config keys, set with --config.KEY=VALUE (the defaults of jdr/runtime/defaults.py; a recipe changes "
                "some):\n" + config_help.describe())
     parser.add_argument("--config", required=True, help="configs/X.py[:arg]")
     parser.add_argument("--workdir", default=None, help="checkpoints, logs; an existing one resumes")
     parser.add_argument("--compile-only", action="store_true",
                         help="compile the step for the configured mesh and print its per-device memory and FLOPs "
-                             "(jdr/sizing.py); no data is read and nothing trains")
+                             "(jdr/training/sizing.py); no data is read and nothing trains")
     parser.add_argument("--topology", default=None,
                         help="with --compile-only: compile for this TPU slice's devices instead of the local ones, "
                              "e.g. v5e:2x2 or v4:2x2x1 (ahead of time, from any host with libtpu installed), or for "

@@ -27,7 +27,7 @@ TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
 if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
 
-# jax's CUDA plugin, where it is installed on a host without a GPU (to compile for one: jdr.sizing.GPU_TARGETS),
+# jax's CUDA plugin, where it is installed on a host without a GPU (to compile for one: jdr.training.sizing.GPU_TARGETS),
 # checks the CUDA driver when jax first starts its backends and drops itself when that fails; the tests that
 # compile for a GPU need it kept, whichever test starts the backends first.
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")

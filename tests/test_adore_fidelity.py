@@ -62,8 +62,10 @@ class QueryTable:
 
 
 def _step_loss(corpus, queries, positive_rows, *, cut, n, cand_rows=None, **config_overrides):
-  """(loss, d loss / d queries) of `jdr.step.score_corpus` on the fake tower, as the trainer builds it."""
-  from jdr import defaults, parallel, step  # pylint: disable=g-import-not-at-top
+  """(loss, d loss / d queries) of `jdr.training.step.score_corpus` on the fake tower, as the trainer builds it."""
+  from jdr.runtime import defaults  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import parallel
+  from jdr.training import step
   from jdr.negatives import retrieved  # pylint: disable=g-import-not-at-top
   config = defaults.get_config()
   config.model.train_towers = "query"
@@ -162,7 +164,7 @@ def test_gradient_is_the_derivative_of_the_loss():
 
 def test_ltre_keeps_replace_last():
   """configs/ltre.py runs LTRe's Algorithm 1: the n-th retrieved row replaced, no appended columns."""
-  from jdr import config_files  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import config_files  # pylint: disable=g-import-not-at-top
   from jdr.negatives import retrieved  # pylint: disable=g-import-not-at-top
   root = pathlib.Path(__file__).resolve().parents[1] / "configs"
   ltre = config_files.load_config_file(str(root / "ltre.py:runlocal"))

@@ -127,7 +127,7 @@ def test_plan_adds_the_stages_a_stage_reads():
 
 
 def test_random_vectors_read_back_as_an_encoding_of_the_corpus(small, tmp_path):
-  from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
   meta = scale.random_encoding(str(small), tmp_path / "a", seed=3, dim=16)
   emb, ids, read = corpus_lib.load_embeddings(tmp_path / "a")
   assert read == meta and meta["vectors"] == "random" and meta["num_shards"] == 1

@@ -1,4 +1,4 @@
-"""jdr.bm25 against a brute-force float64 BM25 written from Lucene's formula, over bm25s's own tokens."""
+"""jdr.retrieval.bm25 against a brute-force float64 BM25 written from Lucene's formula, over bm25s's own tokens."""
 
 import collections
 import json
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from bm25s.stopwords import STOPWORDS_EN
 
-from jdr import bm25
-from jdr import paths
+from jdr.retrieval import bm25
+from jdr.runtime import paths
 from jdr.data.formats import Doc
 from jdr.negatives import sampled
 
@@ -294,8 +294,8 @@ def _diagnostics(negatives, cache_dir=None, n=5):
   data = types.SimpleNamespace(corpus=CORPUS, queries=QUERY_TEXTS, train_qrels=QRELS)
   encoder = types.SimpleNamespace(doc_ids=list(CORPUS))
   config = ml_collections.ConfigDict({"negatives": {"top_n": n}, "eval": {"diagnostic_queries": 6}})
-  from jdr import evaluation  # pylint: disable=g-import-not-at-top  (imports JAX)
-  return evaluation.TrainingDiagnostics(encoder, data, negatives, config, cache_dir=cache_dir)
+  from jdr.evaluation import periodic  # pylint: disable=g-import-not-at-top  (imports JAX)
+  return periodic.TrainingDiagnostics(encoder, data, negatives, config, cache_dir=cache_dir)
 
 
 def test_the_evaluation_diagnostics_use_the_negatives_index(tmp_path, builds):
@@ -322,7 +322,7 @@ def test_the_evaluation_diagnostics_use_the_negatives_index(tmp_path, builds):
 
 def test_an_object_storage_cache_is_built_locally_and_uploaded(tmp_path, monkeypatch, builds):
   """Memory maps need local disk: entries are built in a local folder, uploaded when finished, and a new
-  machine downloads them instead of building (object storage played by a folder jdr.paths takes as remote)."""
+  machine downloads them instead of building (object storage played by a folder jdr.runtime.paths takes as remote)."""
   remote = tmp_path / "bucket"
   local = paths.is_local
   monkeypatch.setattr(paths, "is_local", lambda p: not str(p).startswith(str(remote)) and local(p))
@@ -345,7 +345,7 @@ def test_an_object_storage_cache_is_built_locally_and_uploaded(tmp_path, monkeyp
 
 KILLED_MINE = """
 import sys, time
-from jdr import bm25
+from jdr.retrieval import bm25
 texts, queries, cache = eval(sys.argv[1]), eval(sys.argv[2]), sys.argv[3]
 index = bm25.index_for(texts, len(texts), cache_dir=cache, show_progress=False)
 score = bm25._Scorer.__call__

@@ -1,4 +1,4 @@
-"""jdr.corpus without a real model: encoding order, encoding directories, id checks, indexes and runs."""
+"""jdr.retrieval.corpus without a real model: encoding order, encoding directories, id checks, indexes and runs."""
 
 import json
 import types
@@ -6,7 +6,7 @@ import types
 import numpy as np
 import pytest
 
-from jdr import corpus as corpus_lib
+from jdr.retrieval import corpus as corpus_lib
 from jdr.data import formats
 
 
@@ -183,7 +183,7 @@ def test_maxp_scores_a_document_by_its_best_passage(tmp_path):
                  "--passages", str(passages), "--shard-size", "7"])
     retrieve.main(["--index", str(out), "--queries", str(tmp_path / "beir"), "--run", str(tmp_path / "r.trec"),
                    "--top-k", "10", "--max-length", "16"])
-    from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+    from jdr.retrieval import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
     emb, ids, meta = corpus_lib.load_embeddings(out)
     runtime = corpus_lib.load_runtime("minilm", max_length=16)
     q_emb = corpus_lib.encode_texts(runtime, list(queries.values()))
@@ -206,8 +206,9 @@ def test_maxp_scores_a_document_by_its_best_passage(tmp_path):
 def test_eq16_ensemble_from_stored_pieces(tmp_path):
   """jdr.encode --pieces stores each document's window vectors (Eq. 7, the same as the tower's own span
   output); jdr.retrieve --ensemble-gamma ranks by s(q, d) + gamma x sum of the best window per level."""
-  from jdr import encode, granularity, retrieve  # pylint: disable=g-import-not-at-top
-  from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+  from jdr import encode, retrieve  # pylint: disable=g-import-not-at-top
+  from jdr.data import granularity
+  from jdr.retrieval import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
   from jdr.data import formats, text  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(1)
   words = [f"w{i}" for i in range(200)]

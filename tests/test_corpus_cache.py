@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from conftest import write_tiny_beir
-from jdr import config_files
-from jdr import corpus_cache
-from jdr import defaults
-from jdr import evaluation
+from jdr.runtime import config_files
+from jdr.retrieval import corpus_cache
+from jdr.runtime import defaults
+from jdr.evaluation import periodic
 from jdr import train
 from jdr.data import pairs
 from jdr.models import build
@@ -33,7 +33,7 @@ def tiny(tmp_path_factory):
 def _encoder(tiny, cache_dir, **kwargs):
   built, data, _ = tiny
   settings = dict(query_max_length=16, doc_max_length=32, tokens_per_batch=96) | kwargs
-  return evaluation.TowerEncoder(built.model, built.tokenizer, data, cache_dir=str(cache_dir), **settings)
+  return periodic.TowerEncoder(built.model, built.tokenizer, data, cache_dir=str(cache_dir), **settings)
 
 
 def _no_encoding(*args, **kwargs):

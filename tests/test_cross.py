@@ -128,7 +128,8 @@ CROSS = ["model.architecture=cross_encoder", "model.init_from=", "model.fresh=ti
 
 
 def _cross_config(data, extra=()):
-  from jdr import config_files, defaults  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import config_files  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import defaults
   config = defaults.get_config()
   config_files.apply_overrides(config, CROSS + [f"data.dataset={data}", *extra])
   return config

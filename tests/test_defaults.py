@@ -1,9 +1,9 @@
-"""jdr.defaults is the recipes' base config, importable without putting configs/ on sys.path."""
+"""jdr.runtime.defaults is the recipes' base config, importable without putting configs/ on sys.path."""
 
 import importlib.util
 import pathlib
 
-from jdr import defaults
+from jdr.runtime import defaults
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -19,7 +19,9 @@ def setup(tmp_path_factory):
 
 
 def _teacher(tmp_path, beir):
-  from jdr import config_files, defaults, train  # pylint: disable=g-import-not-at-top
+  from jdr import train  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import config_files
+  from jdr.runtime import defaults
   config = defaults.get_config()
   config_files.apply_overrides(config, CROSS + [f"data.dataset={beir}", "num_train_steps=1",
                                                 "data.doc_max_length=64", "eval_before_training=False"])
@@ -29,7 +31,8 @@ def _teacher(tmp_path, beir):
 
 
 def _student_config(beir, teacher, extra=()):
-  from jdr import config_files, defaults  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import config_files  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import defaults
   config = defaults.get_config()
   config_files.apply_overrides(config, [
       "model.init_from=", "model.fresh=tiny", "model.pooling=cls", "model.normalize=0", f"data.dataset={beir}",
@@ -77,7 +80,8 @@ def test_fgd_and_document_kd_train_with_cached_teacher_scores(tmp_path, setup):
 
 
 def test_teacher_pieces_are_the_students_windows_and_negatives_come_from_negative_documents(tmp_path, setup):
-  from jdr import distill, granularity  # pylint: disable=g-import-not-at-top
+  from jdr.training import distill  # pylint: disable=g-import-not-at-top
+  from jdr.data import granularity
   config, data, tokenizer, sampler, batches = _distiller_inputs(tmp_path, setup)
   distiller = distill.Distiller(config, data, tokenizer, batches, sampler, tmp_path / "cache")
   # Scored once: a second distiller on the same data reads the cache and gets the same scores.
@@ -107,7 +111,7 @@ def test_teacher_pieces_are_the_students_windows_and_negatives_come_from_negativ
 
 def test_hierarchical_negatives_keep_the_best_inside_kept_parents():
   """Eq. 14-15: the top m negative passages, then the top m sentences among those inside a kept passage."""
-  from jdr import distill  # pylint: disable=g-import-not-at-top
+  from jdr.training import distill  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(5)
   b, n, kp, ks, m = 3, 2, 4, 8, 3
   sp, ss = rng.normal(size=(b, n, kp)).astype(np.float32), rng.normal(size=(b, n, ks)).astype(np.float32)
@@ -125,7 +129,7 @@ def test_hierarchical_negatives_keep_the_best_inside_kept_parents():
 def test_pairs_outside_the_pools_are_scored_when_a_batch_needs_them(tmp_path, setup):
   """A random top-up of a short pool is a (query, document) pair the up-front pass never saw: `ensure` scores
   it on demand (the GPU ablation's KeyError), exactly as the up-front pass would have, and counts it."""
-  from jdr import distill  # pylint: disable=g-import-not-at-top
+  from jdr.training import distill  # pylint: disable=g-import-not-at-top
   config, data, tokenizer, sampler, batches = _distiller_inputs(tmp_path, setup)
   scores = distill.Distiller(config, data, tokenizer, batches, sampler, tmp_path / "cache").teacher
   q = next(iter({q for q, _ in scores.scores}))
@@ -148,7 +152,8 @@ def test_mined_teacher_scores_train_margin_mse_and_listwise_kl(tmp_path, setup):
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
-  from jdr import reranking, train  # pylint: disable=g-import-not-at-top
+  from jdr import train  # pylint: disable=g-import-not-at-top
+  from jdr.evaluation import reranking
   from jdr.data import prepared  # pylint: disable=g-import-not-at-top
   from jdr.models import cross  # pylint: disable=g-import-not-at-top
   from jdr.negatives import mining  # pylint: disable=g-import-not-at-top
@@ -184,7 +189,9 @@ def test_mined_teacher_scores_train_margin_mse_and_listwise_kl(tmp_path, setup):
 
 
 def test_a_mined_teacher_needs_mined_negatives():
-  from jdr import config_files, defaults, distill  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import config_files  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import defaults
+  from jdr.training import distill
   config = defaults.get_config()
   config_files.apply_overrides(config, ["distill.teacher=mined", "distill.margin_mse=True", "negatives.source=bm25",
                                         "negatives.per_query=1", "distill.granularities="])

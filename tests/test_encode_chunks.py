@@ -6,7 +6,9 @@ import numpy as np
 import optax
 import pytest
 
-from jdr import defaults, distill, step
+from jdr.runtime import defaults
+from jdr.training import distill
+from jdr.training import step
 from jdr.models.bert import EncoderConfig
 from jdr.models.towers import TowerConfig, TwoTower
 

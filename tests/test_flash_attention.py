@@ -148,7 +148,8 @@ def test_kernels_compile_for_an_h200_on_tensor_cores_without_ptxas_warnings(tmp_
   """Compiled for an NVIDIA H200 (from this host, through jax's CUDA plugin), the forward and both backward
   kernels, dropout on, use tensor cores and ptxas warns of nothing: the dK/dV kernel computed query-major had
   its wgmma instructions serialized (C7515) at 64-wide heads."""
-  from jdr import parallel, sizing  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import parallel  # pylint: disable=g-import-not-at-top
+  from jdr.training import sizing
   from jdr.bench import compiled_kernels  # pylint: disable=g-import-not-at-top
   try:
     (device,) = sizing.gpu_target_devices("h200")
@@ -186,7 +187,7 @@ def test_sharded_flash_attention_equals_one_device():
   script = textwrap.dedent("""
       import jax, jax.numpy as jnp, numpy as np
       from test_flash_attention import TINY, _inputs
-      from jdr import parallel
+      from jdr.runtime import parallel
       from jdr.models.bert import Encoder
       assert jax.device_count() == 8, jax.devices()
       ids, mask = _inputs()

@@ -15,8 +15,8 @@ import pytest
 from conftest import run_on_cpu_devices
 from flax import linen as nn
 
-from jdr import gradcache
-from jdr import losses
+from jdr.training import gradcache
+from jdr.training import losses
 from jdr.models.bert import EncoderConfig
 from jdr.models.towers import TowerConfig, TwoTower
 
@@ -165,7 +165,7 @@ def test_sharded_over_eight_devices_equals_one_device():
       import jax
       from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
       from test_gradcache import O0, setup, assert_same
-      from jdr import gradcache
+      from jdr.training import gradcache
       assert jax.device_count() == 8, jax.devices()
       mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
       rows, repl = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())

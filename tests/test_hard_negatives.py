@@ -24,7 +24,7 @@ TINY = ["model.init_from=", "model.fresh=tiny", "model.pooling=mean", "model.dro
 
 
 def _config(recipe: str, data, *overrides):
-  from jdr import config_files  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import config_files  # pylint: disable=g-import-not-at-top
   config = config_files.load_config_file(str(ROOT / "configs" / recipe))
   config_files.apply_overrides(config, TINY + [f"data.dataset={data}", *overrides])
   return config
@@ -82,7 +82,7 @@ def test_append_positives_rule():
 _IN_STEP = textwrap.dedent("""
     import json, sys
     import jax, jax.numpy as jnp, numpy as np
-    from jdr import parallel
+    from jdr.runtime import parallel
     from jdr.negatives import retrieved
     rng = np.random.default_rng(0)
     corpus = rng.normal(size=(1003, 16)).astype(np.float32)
@@ -135,7 +135,7 @@ def test_host_retrieval_equals_brute_force():
 def test_adore_trains_query_tower_only(tmp_path, backend):
   """ADORE: the document tower and the corpus vectors are bitwise unchanged; the query tower learns."""
   from jdr import train  # pylint: disable=g-import-not-at-top
-  from jdr.evaluation import TowerEncoder  # pylint: disable=g-import-not-at-top
+  from jdr.evaluation.periodic import TowerEncoder  # pylint: disable=g-import-not-at-top
   data = write_tiny_beir(tmp_path / "data")
   config = _config(f"adore.py:runlocal{',jax' if backend == 'jax' else ''}", data, "num_train_steps=4",
                    "checkpoint_every=100", "eval_before_training=false")
@@ -144,7 +144,7 @@ def test_adore_trains_query_tower_only(tmp_path, backend):
   end = jax.device_get(result["state"].params)
   records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
   assert any("train/retrieval_mrr@10" in r for r in records)
-  from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
   (encoding,) = (workdir / "cache" / "encoding").iterdir()  # the starting tower's shards, kept for a resume
   cached = np.asarray(corpus_lib.load_embeddings(encoding)[0])
   from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
@@ -177,7 +177,8 @@ def test_faiss_and_jax_retrieval_train_alike(tmp_path):
 
 
 def test_mismatched_encoding_is_refused_before_step_0(tmp_path):
-  from jdr import corpus as corpus_lib, train  # pylint: disable=g-import-not-at-top
+  from jdr import train  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import corpus as corpus_lib
   data = write_tiny_beir(tmp_path / "data")
   enc = tmp_path / "enc"
   enc.mkdir()
@@ -227,7 +228,7 @@ def test_killed_and_resumed_equals_uninterrupted(tmp_path, recipe, extra):
   saved = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
   assert 12 in saved and 24 not in saved, saved
   subprocess.run(_cmd(recipe, workdir, data, common), env=_env(), check=True, capture_output=True, timeout=600)
-  from jdr import checkpoint  # pylint: disable=g-import-not-at-top
+  from jdr.training import checkpoint  # pylint: disable=g-import-not-at-top
   straight = jax.tree.leaves(checkpoint.latest_params(tmp_path / "straight"))
   resumed = jax.tree.leaves(checkpoint.latest_params(workdir))
   for a, b in zip(straight, resumed):
@@ -236,7 +237,7 @@ def test_killed_and_resumed_equals_uninterrupted(tmp_path, recipe, extra):
 
 def test_star_weights_make_the_two_parts():
   """STAR Eq. 13: with the weights, the mean pairwise loss is L_s (own hard negatives) + alpha * L_r."""
-  from jdr import losses  # pylint: disable=g-import-not-at-top
+  from jdr.training import losses  # pylint: disable=g-import-not-at-top
   from jdr.data import pairs  # pylint: disable=g-import-not-at-top
   from jdr.negatives import candidate_mask  # pylint: disable=g-import-not-at-top
   qids = ["a", "b", "c"]
@@ -287,7 +288,8 @@ def test_adore_on_8_devices_equals_one(tmp_path):
   data = write_tiny_beir(tmp_path / "data")
   script = textwrap.dedent(f"""
       import numpy as np, jax
-      from jdr import config_files, train
+      from jdr import train
+      from jdr.runtime import config_files
       base = {TINY!r} + ["data.dataset={data}", "data.eval_split=", "num_train_steps=6", "checkpoint_every=100"]
       for name, extra in {{"single": ["mesh.shape=(1,1,1)"], "jax8": ["mesh.shape=(8,1,1)"],
                           "faiss8": ["mesh.shape=(2,4,1)", "mesh.rules=fsdp",

@@ -1,4 +1,4 @@
-"""jdr.index: Faiss and JAX retrievers against brute-force numpy, persistence, compressed indexes."""
+"""jdr.retrieval.index: Faiss and JAX retrievers against brute-force numpy, persistence, compressed indexes."""
 
 import os
 import pathlib
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import cpu_devices_env
-from jdr import index
+from jdr.retrieval import index
 
 pytest.importorskip("faiss")
 
@@ -78,7 +78,7 @@ _SHARDED_CHECK = textwrap.dedent("""
     import numpy as np
     sys.path.insert(0, sys.argv[1])
     sys.path.insert(0, sys.argv[2])
-    from jdr import index
+    from jdr.retrieval import index
     from test_index import _unit, assert_exact_topk
 
     assert jax.device_count() == 8, jax.devices()

@@ -62,7 +62,7 @@ def test_two_hosts_encode_disjoint_shards_equal_to_one(tmp_path):
   import sys  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from conftest import write_tiny_beir  # pylint: disable=g-import-not-at-top
-  from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
   data = write_tiny_beir(tmp_path / "data")
   encode = [sys.executable, "-m", "jdr.encode", "--model", "minilm", "--corpus", str(data), "--max-length", "16",
             "--shard-size", "7"]

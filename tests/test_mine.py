@@ -145,7 +145,7 @@ def test_the_value_chosen_on_dev_is_the_best_detector_of_hidden_positives():
 
 
 def test_scores_of_the_positives_match_each_retriever(tmp_path):
-  from jdr import bm25
+  from jdr.retrieval import bm25
   from jdr.data import formats, text
   beir = write_tiny_beir(tmp_path / "beir", num_docs=30)
   corpus = formats.read_corpus(beir)
@@ -332,7 +332,9 @@ def test_sentence_transformers_rows_match_texts_to_rows_and_carry_scores(tmp_pat
 
 
 def test_training_reads_negatives_from_a_tevatron_file(tmp_path):
-  from jdr import config_files, defaults, train
+  from jdr import train
+  from jdr.runtime import config_files
+  from jdr.runtime import defaults
   beir = write_tiny_beir(tmp_path / "beir", num_docs=40)
   lines = [{"query_id": f"q{i}", "negative_document_ids": [f"d{(i + 1) % 40}", f"d{(i + 2) % 40}"]}
            for i in range(30)]
@@ -351,7 +353,7 @@ def test_an_unfiltered_bm25_mining_trains_on_what_the_bm25_source_samples(mine_d
   """BM25's top k mined by jdr.mine, unfiltered, is the pool negatives.source=bm25 builds: the same negatives
   drawn from the same random stream, so a filtered mining differs from the BM25-negative recipe only by what
   its filters dropped."""
-  from jdr import defaults
+  from jdr.runtime import defaults
   from jdr.data import pairs
   from jdr.negatives import sources
   proc = _mine("--data", mine_data, "--out", tmp_path / "mined", "--depth", "12", "--dev-fraction", "0")

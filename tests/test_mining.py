@@ -170,7 +170,7 @@ def test_the_evaluator_searches_adores_device_matrix_and_the_mapped_one_alike(tm
   for the other factories, the vectors where they lie: both give numpy's exact top k."""
   import types  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
-  from jdr import evaluation  # pylint: disable=g-import-not-at-top
+  from jdr.evaluation import periodic  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(8)
   emb = rng.normal(size=(400, 8)).astype(np.float32)
   np.save(tmp_path / "emb.npy", emb)
@@ -185,6 +185,6 @@ def test_the_evaluator_searches_adores_device_matrix_and_the_mapped_one_alike(tm
   for fixed in (placed, None):  # the step's device copy, then the mapped file by faiss.knn
     me._fixed_corpus = fixed  # pylint: disable=protected-access
     for first in (True, False):
-      rows, scores = evaluation.Evaluator._search(me, "Flat", mapped, queries, 12, first)  # pylint: disable=protected-access
+      rows, scores = periodic.Evaluator._search(me, "Flat", mapped, queries, 12, first)  # pylint: disable=protected-access
       np.testing.assert_array_equal(rows, expected_rows)
       np.testing.assert_allclose(scores, expected_scores, rtol=1e-5, atol=1e-5)

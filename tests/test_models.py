@@ -295,7 +295,7 @@ def test_model_dtype_auto_is_float32_on_cpu_and_bad_names_are_refused():
 
 def test_attention_dropout_follows_model_dropout_unless_set():
   """model.attention_dropout (-1: model.dropout) reaches the encoders; hidden dropout stays model.dropout."""
-  from jdr import defaults  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import defaults  # pylint: disable=g-import-not-at-top
   from jdr.models import build  # pylint: disable=g-import-not-at-top
   config = defaults.get_config()
   config.model.init_from, config.model.fresh, config.model.pooling = "", "tiny", "mean"

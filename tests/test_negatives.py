@@ -7,7 +7,7 @@ import bm25s
 import numpy as np
 import pytest
 
-from jdr import bm25 as bm25_lib
+from jdr.retrieval import bm25 as bm25_lib
 from jdr.data.formats import Doc, write_run
 from jdr.data.text import doc_text
 from jdr.negatives import (BM25Negatives, MixedNegatives, RandomNegatives, StaticNegatives, candidate_mask,

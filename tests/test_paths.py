@@ -1,4 +1,4 @@
-"""Object storage through the same code as local disk (jdr.paths, etils.epath): data files, encodings,
+"""Object storage through the same code as local disk (jdr.runtime.paths, etils.epath): data files, encodings,
 indexes, runs and metric logs on a `gs://` bucket served from memory (the `fake_gcs` fixture) equal the same
 work on local disk. Orbax checkpoints reach gs:// through orbax's own GCS support, which needs a real bucket."""
 
@@ -7,11 +7,11 @@ import types
 import numpy as np
 import pytest
 
-from jdr import atomic
-from jdr import corpus as corpus_lib
-from jdr import index as index_lib
-from jdr import metric_writers
-from jdr import paths
+from jdr.runtime import atomic
+from jdr.retrieval import corpus as corpus_lib
+from jdr.retrieval import index as index_lib
+from jdr.training import metric_writers
+from jdr.runtime import paths
 from jdr.data import formats
 from test_corpus import _fake_runtime
 

@@ -15,7 +15,7 @@ import pytest
 import transformers
 
 from conftest import write_tiny_beir
-from jdr import corpus as corpus_lib
+from jdr.retrieval import corpus as corpus_lib
 from jdr import encode
 from jdr import retrieve
 from jdr.data import formats
@@ -175,7 +175,8 @@ def test_train_export_then_encode_with_the_trained_towers(tmp_path):
 
 def _tiny_trained(tmp_path, *overrides):
   """A tiny random two-tower model trained 2 steps on 16-token queries: its workdir."""
-  from jdr import config_files, train  # pylint: disable=g-import-not-at-top
+  from jdr import train  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import config_files
   data = write_tiny_beir(tmp_path / "data")
   config = config_files.load_config_file(str(ROOT / "configs" / "demo.py:tiny"))
   config_files.apply_overrides(config, [f"data.dataset={data}", "num_train_steps=2", "batch_size=4",
@@ -260,7 +261,8 @@ def test_export_declares_the_document_length_or_the_base_models():
 
 
 def test_a_model_built_on_minilm_exports_minilms_max_length():
-  from jdr import defaults, export  # pylint: disable=g-import-not-at-top
+  from jdr import export  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import defaults
   from jdr.models import build  # pylint: disable=g-import-not-at-top
   config = defaults.get_config()  # init_from=minilm, doc_max_length 128
   description = build.build(config.model, config.data).description

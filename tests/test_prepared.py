@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import write_tiny_beir
-from jdr import corpus as corpus_lib
+from jdr.retrieval import corpus as corpus_lib
 from jdr.data import formats
 from jdr.data import pairs
 from jdr.data import prepared

@@ -36,7 +36,7 @@ def write_articles(directory) -> pathlib.Path:
 
 
 def _config(recipe: str, overrides):
-  from jdr import config_files  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import config_files  # pylint: disable=g-import-not-at-top
   config = config_files.load_config_file(f"{ROOT / 'configs' / recipe}.py:runlocal")
   config_files.apply_overrides(config, TINY + list(overrides))
   return config
@@ -250,7 +250,8 @@ def test_logq_correction_against_brute_force():
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
-  from jdr import defaults, step  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import defaults  # pylint: disable=g-import-not-at-top
+  from jdr.training import step
   from jdr.models.bert import EncoderConfig  # pylint: disable=g-import-not-at-top
   from jdr.models.towers import TowerConfig, TwoTower  # pylint: disable=g-import-not-at-top
   tower = TowerConfig(EncoderConfig(vocab_size=50, hidden_size=16, num_layers=1, num_heads=2,
@@ -324,7 +325,8 @@ def test_grad_cache_chunking_does_not_change_dropout(tmp_path):
 
 
 def test_grad_cache_refuses_corpus_candidates():
-  from jdr import defaults, step  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import defaults  # pylint: disable=g-import-not-at-top
+  from jdr.training import step
   config = defaults.get_config()
   config.grad_cache.chunk_size = 4
   with pytest.raises(ValueError, match="grad_cache"):

@@ -220,7 +220,7 @@ def test_claims_are_judged_on_gains_paired_by_seed():
 def test_a_signal_in_a_run_ends_the_table_with_one_resume_line(tmp_path, monkeypatch, capsys):
   """SIGTERM in a run: the trainer saved its step; the table says where, and that the same command resumes
   it, with the signal's status and no traceback. Ctrl-C while scoring: one line, status 130."""
-  from jdr import preemption  # pylint: disable=g-import-not-at-top
+  from jdr.training import preemption  # pylint: disable=g-import-not-at-top
   from jdr.reproduce import __main__ as command  # pylint: disable=g-import-not-at-top
   argv = ["scifact", "--out", str(tmp_path / "repro"), "--tiny", "--methods", "inbatch", "--seeds", "0"]
   workdir = tmp_path / "repro" / "runs" / "inbatch" / "w"

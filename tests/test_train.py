@@ -52,7 +52,8 @@ def test_sharded_runs_equal_one_device(tmp_path):
   data = write_tiny_beir(tmp_path / "data")
   script = textwrap.dedent(f"""
       import json, sys, numpy as np, jax
-      from jdr import config_files, train
+      from jdr import train
+      from jdr.runtime import config_files
       runs = {{"single": ["mesh.shape=(1,1,1)"],
                "data_parallel": ["mesh.shape=(8,1,1)", "mesh.rules=dp"],
                "fully_sharded": ["mesh.shape=(2,4,1)", "mesh.rules=fsdp"],
@@ -177,7 +178,7 @@ def test_signalled_run_saves_its_step_and_resumes_exactly(tmp_path, signum, extr
   assert f"after step {saved[0]}" in last and "resume with: python -m jdr.train" in last, last
 
   subprocess.run(_train_cmd(workdir, data, *common), env=_env(), check=True, capture_output=True, timeout=600)
-  from jdr import checkpoint  # pylint: disable=g-import-not-at-top
+  from jdr.training import checkpoint  # pylint: disable=g-import-not-at-top
   straight = jax.tree.leaves(checkpoint.latest_params(tmp_path / "straight"))
   resumed = jax.tree.leaves(checkpoint.latest_params(workdir))
   for a, b in zip(straight, resumed):
@@ -187,7 +188,7 @@ def test_signalled_run_saves_its_step_and_resumes_exactly(tmp_path, signum, extr
 
 def test_preemption_handler_stops_once_then_leaves_the_default():
   """The first signal only asks to stop; it puts back the default action, so a second one ends the process."""
-  from jdr import preemption  # pylint: disable=g-import-not-at-top
+  from jdr.training import preemption  # pylint: disable=g-import-not-at-top
   before = signal.getsignal(signal.SIGINT)
   with preemption.StopRequests() as stop:
     assert not stop.requested()
@@ -252,7 +253,7 @@ def test_cpu_devices_split_the_host_and_are_refused_once_jax_runs(tmp_path):
                                           "--config.mesh.cpu_devices=8")[3:], devices=1)
   assert proc.returncode != 0
   assert "batch_size=12 is not divisible by the 8 data-parallel devices" in proc.stderr
-  from jdr import parallel  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import parallel  # pylint: disable=g-import-not-at-top
   have = len(jax.devices("cpu"))
   parallel.use_cpu_devices(have)  # the count it has: nothing to change
   parallel.use_cpu_devices(0)
@@ -273,7 +274,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
   bad_step = int(proc.stderr.split("at step ")[1].split(";")[0])
   saved = sorted(int(p.name) for p in (tmp_path / "w" / "checkpoints").iterdir() if p.name.isdigit())
   assert saved and max(saved) == bad_step - 1
-  from jdr import checkpoint  # pylint: disable=g-import-not-at-top
+  from jdr.training import checkpoint  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(checkpoint.latest_params(tmp_path / "w")))
 
@@ -309,7 +310,8 @@ def test_train_then_evaluate_end_to_end(tmp_path):
 def test_every_recipe_trains(tmp_path, recipe):
   """Each method's config runs through the one trainer: negatives sampled, masked and scored. (With
   checkpoint_every=0: no periodic checkpoint, the last step's alone.)"""
-  from jdr import config_files, train  # pylint: disable=g-import-not-at-top
+  from jdr import train  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import config_files
   data = write_tiny_beir(tmp_path / "data")
   config = config_files.load_config_file(f"{ROOT / 'configs' / recipe}.py:runlocal")
   config_files.apply_overrides(config, [a[len("--config."):] for a in TINY] + [
@@ -326,7 +328,8 @@ def test_every_recipe_trains(tmp_path, recipe):
 
 def test_query_tower_only_leaves_document_tower_untouched(tmp_path):
   """model.train_towers=query (ADORE / LTRe): separate towers, and the document tower never moves."""
-  from jdr import config_files, train  # pylint: disable=g-import-not-at-top
+  from jdr import train  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import config_files
   import jax  # pylint: disable=g-import-not-at-top
   data = write_tiny_beir(tmp_path / "data")
   config = config_files.load_config_file(str(ROOT / "configs" / "demo.py"))
@@ -347,7 +350,8 @@ def test_query_tower_only_leaves_document_tower_untouched(tmp_path):
 def test_init_from_jdr_model_applies_model_settings(tmp_path):
   """Starting from a trained shared tower: model.shared=False splits it (ADORE's start), dropout and
   dtype come from the new config, and an override the weights fix (pooling) is refused, not ignored."""
-  from jdr import config_files, train  # pylint: disable=g-import-not-at-top
+  from jdr import train  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import config_files
   from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   data = write_tiny_beir(tmp_path / "data")
@@ -371,7 +375,9 @@ def test_init_from_jdr_model_applies_model_settings(tmp_path):
 
 
 def test_help_lists_every_config_key_with_its_default_and_meaning(capsys):
-  from jdr import config_files, defaults, train  # pylint: disable=g-import-not-at-top
+  from jdr import train  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import config_files
+  from jdr.runtime import defaults
   with pytest.raises(SystemExit) as e:
     train.main(["--help"])
   assert e.value.code == 0

@@ -12,8 +12,8 @@ import threading
 
 import pytest
 
-from jdr import atomic
-from jdr import cli
+from jdr.runtime import atomic
+from jdr.runtime import cli
 from jdr.data import formats
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -89,7 +89,7 @@ _LATE_REPORTS = """
 import os, resource, sys, time
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
 import numpy as np, orbax.checkpoint as ocp
-from jdr import checkpoint
+from jdr.training import checkpoint
 rng = np.random.default_rng(0)
 params = {f"w{i}": rng.random((1000, 1000), dtype=np.float32) for i in range(8)}  # incompressible, 32 MB
 try:

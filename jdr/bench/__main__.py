@@ -5,7 +5,7 @@ import importlib
 import os
 import sys
 
-from jdr import host_memory
+from jdr.runtime import host_memory
 
 BENCHMARKS = {
     "adore-step": "jdr.bench.adore_step",

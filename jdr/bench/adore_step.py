@@ -33,7 +33,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from jdr import step as step_lib
+from jdr.training import step as step_lib
 from jdr.models.build import FRESH
 from jdr.bench import recipes
 
@@ -85,7 +85,9 @@ class Bench:
   """The model, its state and the two jitted steps, built once and reused for every corpus."""
 
   def __init__(self, args, mesh=None):
-    from jdr import optimizers, parallel, train  # pylint: disable=g-import-not-at-top
+    from jdr import train  # pylint: disable=g-import-not-at-top
+    from jdr.training import optimizers
+    from jdr.runtime import parallel
     from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
     from jdr.negatives import retrieved  # pylint: disable=g-import-not-at-top
     self.args, self.parallel, self.retrieved = args, parallel, retrieved

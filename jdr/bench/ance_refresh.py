@@ -107,7 +107,8 @@ def main(argv=None) -> None:
   if args.workdir and pathlib.Path(args.workdir).exists() and any(pathlib.Path(args.workdir).iterdir()):
     parser.error(f"--workdir {args.workdir} is not empty (the trainer would resume from it)")
 
-  from jdr import metric_writers, train  # pylint: disable=g-import-not-at-top
+  from jdr import train  # pylint: disable=g-import-not-at-top
+  from jdr.training import metric_writers
   workdir = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="jdr-ance-refresh-"))
   try:
     start = time.perf_counter()

@@ -30,7 +30,7 @@ all together as the last JSON line; a section that fails is reported as its erro
           one-batch forward with it and with the default (cuDNN's kernel), then the train section's step with
           it (attention dropout drawn inside), its speed-up over the default step and its ratio to the
           reference when the train section ran first in the same command.
-  topk    exact top-200 of 32 queries: jdr.topk (bf16 on accelerators, also int8) against torch.mm +
+  topk    exact top-200 of 32 queries: jdr.retrieval.topk (bf16 on accelerators, also int8) against torch.mm +
           torch.topk on the same matrix, with the bound and the two's agreement on the rows; whether jdr's
           rows are those of one lax.top_k over all the scores, and that plain search's time.
   adore   the ADORE recipe's step (configs/adore.py with in-step JAX retrieval) with and without its retrieval,
@@ -54,8 +54,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdr import step as step_lib
-from jdr import topk
+from jdr.training import step as step_lib
+from jdr.retrieval import topk
 from jdr.bench import peak as peak_lib
 
 SECTIONS = ("peak", "encode", "train", "topk", "adore", "int8-scifact", "flash")
@@ -196,7 +196,7 @@ def section_encode(size: dict, torch_device: str, model_dir: str, shape: dict, p
   from sentence_transformers import SentenceTransformer  # pylint: disable=g-import-not-at-top
   # Not sentence_transformers.models: deprecated since 6.2, and 6.0 already has this path.
   from sentence_transformers.sentence_transformer import modules  # pylint: disable=g-import-not-at-top
-  from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
   from jdr.bench import encode_speed  # pylint: disable=g-import-not-at-top
   from jdr.data import text as text_lib  # pylint: disable=g-import-not-at-top
   texts = _scifact_texts(size["encode_docs"])
@@ -265,7 +265,7 @@ def section_encode(size: dict, torch_device: str, model_dir: str, shape: dict, p
 
 
 def _train_config(size: dict, model_dir: str):
-  from jdr import defaults  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import defaults  # pylint: disable=g-import-not-at-top
   c = defaults.get_config()
   c.model.init_from = model_dir
   c.model.pooling = "mean"
@@ -288,7 +288,8 @@ def _token_batch(b: int, query_length: int, doc_length: int) -> dict[str, np.nda
 
 def jdr_train_step_seconds(config, batch: dict, size: dict, label: str) -> tuple[float, dict | None]:
   """(median seconds of jdr's jitted train step, its kernel breakdown when --profile asked for it)."""
-  from jdr import optimizers, train  # pylint: disable=g-import-not-at-top
+  from jdr import train  # pylint: disable=g-import-not-at-top
+  from jdr.training import optimizers
   from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
   built = build_lib.build(config.model, config.data)
   tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps)
@@ -422,7 +423,7 @@ def section_flash(size: dict, model_dir: str, shape: dict, peak_flops: float, tr
   if jax.default_backend() != "gpu":
     raise RuntimeError("the flash section times a Triton kernel: GPUs only (elsewhere it runs interpreted)")
   import dataclasses  # pylint: disable=g-import-not-at-top
-  from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
   from jdr.models import hf  # pylint: disable=g-import-not-at-top
   from jdr.models import towers  # pylint: disable=g-import-not-at-top
   # Inference first (no dropout, where the default is cuDNN's kernel and the transposes jax puts around it):
@@ -563,7 +564,8 @@ def _topk_row(row: dict, n: int, dim: int, dtype: str, k: int, queries, size: di
 def section_int8_scifact(mesh, k: int = 200) -> dict:
   """Real vectors: SciFact encoded by the bundled MiniLM, its test queries' top-k from float32 (exact),
   bfloat16 and int8 storage; Recall@k of each against exact, and each one's nDCG@10."""
-  from jdr import corpus as corpus_lib, metrics  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+  from jdr.evaluation import metrics
   from jdr.data import formats, shared, text  # pylint: disable=g-import-not-at-top
   path = shared.shared_dataset("scifact")
   if path is None:
@@ -643,7 +645,7 @@ def main(argv=None) -> None:
     jax.config.update("jax_compilation_cache_dir", cache.name)
   import transformers  # pylint: disable=g-import-not-at-top
   transformers.logging.set_verbosity_error()  # its load reports would bury the sections' lines
-  from jdr import parallel  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import parallel  # pylint: disable=g-import-not-at-top
   mesh = parallel.make_mesh((-1, 1, 1))
   result = {"benchmark": "device", "device": jax.devices()[0].device_kind, "platform": platform,
             "devices": jax.device_count(), "reference_device": torch_device,

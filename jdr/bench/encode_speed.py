@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from jdr import corpus as corpus_lib
+from jdr.retrieval import corpus as corpus_lib
 from jdr.bench import peak as peak_lib
 from jdr.data import formats
 from jdr.data import shared

@@ -3,7 +3,7 @@
   python -m jdr.bench eval-candidates [--depth 100] [--model minilm] [--max-queries 0]
   python -m jdr.bench eval-candidates --passages 1000000      # a synthetic MS MARCO-shaped corpus instead
 
-Both kinds are `jdr.evaluation.Evaluator`'s, as `jdr.train` runs them: "bm25" (BM25's top `--depth` of each
+Both kinds are `jdr.evaluation.periodic.Evaluator`'s, as `jdr.train` runs them: "bm25" (BM25's top `--depth` of each
 evaluation query, only the distinct candidates encoded, re-ranked by dot product) and "full" (every document
 encoded, in resumable shards, and searched exactly). Data: SciFact's test split from the shared data folder,
 or with `--passages N` the dev split of `jdr.data.synthetic`'s dataset of N passages (made under --root once).
@@ -24,11 +24,11 @@ import time
 import jax
 import numpy as np
 
-from jdr import config_files
-from jdr import corpus as corpus_lib
-from jdr import defaults
-from jdr import eval_candidates
-from jdr import evaluation
+from jdr.runtime import config_files
+from jdr.retrieval import corpus as corpus_lib
+from jdr.runtime import defaults
+from jdr.evaluation import eval_candidates
+from jdr.evaluation import periodic
 from jdr import train
 from jdr.bench import encode_speed
 from jdr.data import pairs
@@ -47,7 +47,7 @@ def _config(args, dataset: pathlib.Path, split: str):
   return config
 
 
-def _warm_up(encoder: evaluation.TowerEncoder, params, candidates, qids) -> float:
+def _warm_up(encoder: periodic.TowerEncoder, params, candidates, qids) -> float:
   """Compiles the shapes the full corpus, the candidates and the queries are encoded in; returns seconds."""
   start = time.perf_counter()
   corpus = encoder.data.corpus
@@ -95,17 +95,17 @@ def main(argv=None) -> None:
   built = build.build(config.model, config.data)
   data = pairs.load(config.data, root)
   params = train.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
-  encoder = evaluation.TowerEncoder(built.model, built.tokenizer, data, query_max_length=config.data.query_max_length,
+  encoder = periodic.TowerEncoder(built.model, built.tokenizer, data, query_max_length=config.data.query_max_length,
                                     doc_max_length=config.eval.doc_max_length,
                                     tokens_per_batch=config.eval.tokens_per_batch)
   cache = root / "cache"
 
   config.eval.candidates = "bm25"
   start = time.perf_counter()
-  on_candidates = evaluation.Evaluator(encoder, config, None, cache_dir=cache)
+  on_candidates = periodic.Evaluator(encoder, config, None, cache_dir=cache)
   setup_s = time.perf_counter() - start
   config.eval.candidates = "full"
-  full = evaluation.Evaluator(encoder, config, None, cache_dir=cache)
+  full = periodic.Evaluator(encoder, config, None, cache_dir=cache)
   compile_s = _warm_up(encoder, params, on_candidates.candidates, on_candidates.qids)
 
   timed = {}

@@ -104,7 +104,7 @@ def _dense_row(row: str, seed: int, steps: int, out: pathlib.Path) -> dict:
 
 
 def _bm25_row() -> dict:
-  from jdr import metrics  # pylint: disable=g-import-not-at-top
+  from jdr.evaluation import metrics  # pylint: disable=g-import-not-at-top
   from jdr.data import formats  # pylint: disable=g-import-not-at-top
   from jdr.negatives import sampled  # pylint: disable=g-import-not-at-top
   result = {}

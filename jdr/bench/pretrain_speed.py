@@ -9,7 +9,7 @@ and document 128 tokens; in-batch sampled softmax on raw dot products, dropout 0
 clipping at 1.0.
 
 1. The batch B is the largest whose un-cached step fits `--budget-mib` of XLA's compiled memory on this
-   backend (`jdr.gradcache.largest_batch`; `--batch-size` sets it instead). The largest batch the cached step
+   backend (`jdr.training.gradcache.largest_batch`; `--batch-size` sets it instead). The largest batch the cached step
    reaches within the same budget is reported too.
 2. jdr trains B pairs a step through `jdr.step_lib.make_train_step`, without caching and with
    grad_cache.chunk_size = `--chunk-size`.
@@ -35,8 +35,8 @@ import jax
 import ml_collections
 import numpy as np
 
-from jdr import defaults
-from jdr import step as step_lib
+from jdr.runtime import defaults
+from jdr.training import step as step_lib
 from jdr.bench import peak as peak_lib
 
 
@@ -66,7 +66,7 @@ def _median_seconds(run_step, steps: int) -> float:
 
 
 def largest_batches(model, budget_bytes: int, chunk_size: int, max_batch: int) -> dict:
-  from jdr import gradcache  # pylint: disable=g-import-not-at-top
+  from jdr.training import gradcache  # pylint: disable=g-import-not-at-top
   out = {}
   for name, chunk in (("uncached", None), ("cached", chunk_size)):
     best, stats = gradcache.largest_batch(model, budget_bytes, query_len=32, doc_len=128, chunk_size=chunk,
@@ -77,7 +77,8 @@ def largest_batches(model, budget_bytes: int, chunk_size: int, max_batch: int) -
 
 
 def jdr_seconds(built, config, batches, steps: int) -> float:
-  from jdr import optimizers, train  # pylint: disable=g-import-not-at-top
+  from jdr import train  # pylint: disable=g-import-not-at-top
+  from jdr.training import optimizers
   tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps)
   params = train.initial_params(built.model, built, config, jax.random.PRNGKey(config.seed), None)
   state = {"s": step_lib.TrainState(step=jax.numpy.int32(0), params=params, opt_state=tx.init(params),

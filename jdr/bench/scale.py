@@ -155,7 +155,7 @@ def _overrides(ctx: Context, *stage: str) -> list[str]:
 
 
 def _config(ctx: Context, *stage: str):
-  from jdr import config_files  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import config_files  # pylint: disable=g-import-not-at-top
   from jdr.bench import recipes  # pylint: disable=g-import-not-at-top
   config = recipes.load(RECIPE)
   config_files.apply_overrides(config, _overrides(ctx, *stage))
@@ -227,7 +227,8 @@ def text_sample(data, count: int = 1000) -> dict:
 
 
 def _train_first_step(ctx: Context, workdir_name: str = "train") -> dict:
-  from jdr import metric_writers, train  # pylint: disable=g-import-not-at-top
+  from jdr import train  # pylint: disable=g-import-not-at-top
+  from jdr.training import metric_writers
   from jdr.data import prepared  # pylint: disable=g-import-not-at-top
   workdir = ctx.path(workdir_name)
   argv = _train_command(ctx, workdir, "data.eval_split=", "num_train_steps=1", "log_every=1",
@@ -257,8 +258,8 @@ def _bm25_mine(ctx: Context) -> dict:
   load_s = time.perf_counter() - start
   # BM25Negatives indexes and mines in its constructor: timing the library's two calls splits it.
   marks = _Marks()
-  marks.wrap_if_present("jdr.bm25", "corpus_index", "index")
-  marks.wrap_if_present("jdr.bm25", "mine", "mine")
+  marks.wrap_if_present("jdr.retrieval.bm25", "corpus_index", "index")
+  marks.wrap_if_present("jdr.retrieval.bm25", "mine", "mine")
   start = time.perf_counter()
   negatives = sampled.BM25Negatives(data.corpus, data.queries, data.train_qrels, top_k=TOP_N,
                                     cache_dir=ctx.path("bm25-cache"))
@@ -301,8 +302,8 @@ def random_encoding(corpus: str, out: pathlib.Path, *, seed: int = 0, dim: int =
   `vectors: random`), of seeded random unit vectors for the corpus' documents in corpus order."""
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tqdm  # pylint: disable=g-import-not-at-top
-  from jdr import atomic  # pylint: disable=g-import-not-at-top
-  from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import atomic  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
   from jdr.data import formats  # pylint: disable=g-import-not-at-top
   from jdr.data import prepared  # pylint: disable=g-import-not-at-top
   corpus_file = formats.corpus_file(corpus)
@@ -326,7 +327,7 @@ def random_encoding(corpus: str, out: pathlib.Path, *, seed: int = 0, dim: int =
 
 
 def _dense_mine(ctx: Context) -> dict:
-  from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
   from jdr.data import formats  # pylint: disable=g-import-not-at-top
   from jdr.data import msmarco  # pylint: disable=g-import-not-at-top
   from jdr.negatives import retrieved  # pylint: disable=g-import-not-at-top
@@ -360,7 +361,7 @@ def _adore_index(ctx: Context) -> dict:
   the encoding memory-mapped, retrieval over it and the batch's candidates' vectors, for ADORE_STEPS batches.
   `matrix_copies` is the peak memory this adds over the process before loading, in float32 matrices."""
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
   from jdr.negatives import retrieved  # pylint: disable=g-import-not-at-top
   before, anon_before = peak_rss_bytes(), anonymous_rss_bytes()
   anon_peak = anon_before
@@ -390,11 +391,12 @@ def _adore_index(ctx: Context) -> dict:
 
 
 def _evaluate(ctx: Context) -> dict:
-  from jdr import evaluation, train  # pylint: disable=g-import-not-at-top
+  from jdr import train  # pylint: disable=g-import-not-at-top
+  from jdr.evaluation import periodic
   marks = _Marks()
-  marks.wrap(evaluation.Evaluator, "__call__", "evaluate")
-  marks.wrap(evaluation.TowerEncoder, "corpus", "encode_corpus")
-  marks.wrap(evaluation.TrainingDiagnostics, "__call__", "diagnostics")
+  marks.wrap(periodic.Evaluator, "__call__", "evaluate")
+  marks.wrap(periodic.TowerEncoder, "corpus", "encode_corpus")
+  marks.wrap(periodic.TrainingDiagnostics, "__call__", "diagnostics")
   # The full-corpus evaluation, as the end of training runs it (python -m jdr.bench eval-candidates times the
   # candidates the evaluations during training score).
   config = _config(ctx, "num_train_steps=0", "eval_before_training=false", "checkpoint_every=0",
@@ -435,8 +437,8 @@ STAGES = {
     "adore_index": Stage(_adore_index, needs=("encode_corpus",), requires=("jdr.negatives.retrieved:HostIndex",)),
     "mine": Stage(_mine, per="query", needs=("generate",), workers=True, requires=("jdr.mine:main",)),
     "evaluate": Stage(_evaluate, per="query", needs=("generate",),
-                      requires=("jdr.evaluation:Evaluator", "jdr.evaluation:TowerEncoder",
-                                "jdr.evaluation:TrainingDiagnostics")),
+                      requires=("jdr.evaluation.periodic:Evaluator", "jdr.evaluation.periodic:TowerEncoder",
+                                "jdr.evaluation.periodic:TrainingDiagnostics")),
 }
 BASELINE = Stage(_baseline)
 
@@ -695,7 +697,7 @@ def main(argv=None) -> None:
   if argv[:1] == ["--stage"]:  # a stage's own process (run_stage)
     _stage_process(argv)
     return
-  from jdr import config_files  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import config_files  # pylint: disable=g-import-not-at-top
   from jdr.data import synthetic  # pylint: disable=g-import-not-at-top
   rest, overrides = config_files.split_config_args(argv)
   public = [name for name, stage in STAGES.items() if not stage.internal]

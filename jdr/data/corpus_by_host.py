@@ -22,8 +22,8 @@ from typing import Iterator
 
 import numpy as np
 
-from jdr import parallel
-from jdr import paths
+from jdr.runtime import parallel
+from jdr.runtime import paths
 from jdr.data import formats
 
 

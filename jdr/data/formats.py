@@ -27,8 +27,8 @@ import sys
 from collections.abc import Container, Iterator, Mapping
 from typing import NamedTuple
 
-from jdr import atomic
-from jdr import paths
+from jdr.runtime import atomic
+from jdr.runtime import paths
 
 PathLike = str | os.PathLike
 

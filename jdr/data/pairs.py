@@ -52,7 +52,7 @@ def load(data_cfg: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> Re
   else:
     directory = pathlib.Path(data_cfg.dataset)
     if not directory.is_dir():
-      from jdr import config_files  # pylint: disable=g-import-not-at-top  (the refusal's one wording)
+      from jdr.runtime import config_files  # pylint: disable=g-import-not-at-top  (the refusal's one wording)
       raise FileNotFoundError(config_files.not_found("data.dataset", data_cfg.dataset,
                                                      data_cfg.get("description") or config_files.DATASET))
   where = msmarco.files(directory, data_cfg.train_split, data_cfg.eval_split)

@@ -62,8 +62,8 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 import tqdm
 
-from jdr import atomic
-from jdr import paths
+from jdr.runtime import atomic
+from jdr.runtime import paths
 from jdr.data import formats
 from jdr.data import text as text_lib
 

@@ -35,7 +35,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from jdr import paths
+from jdr.runtime import paths
 from jdr.data import formats
 from jdr.data import prepared
 

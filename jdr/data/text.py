@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jdr import paths
+from jdr.runtime import paths
 
 
 def load_tokenizer(path: str | pathlib.Path):

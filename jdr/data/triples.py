@@ -46,8 +46,8 @@ from collections.abc import Mapping
 import numpy as np
 import tqdm
 
-from jdr import atomic
-from jdr import paths
+from jdr.runtime import atomic
+from jdr.runtime import paths
 from jdr.data import formats
 from jdr.data import prepared
 

@@ -3,7 +3,7 @@
 The module tree mirrors Hugging Face's layer by layer (`embeddings`, `layer_0` ... `layer_{n-1}`) so that
 `jdr.models.hf` converts weights with a flat name table and no model surgery. Every parameter carries
 logical axis names ("vocab", "embed", "mlp", "heads", "kv", "position", "type") through
-`nn.with_logical_partitioning`: sharding is decided by a rule table in `jdr.parallel`, never here.
+`nn.with_logical_partitioning`: sharding is decided by a rule table in `jdr.runtime.parallel`, never here.
 
 Mixed precision: parameters are always float32; `EncoderConfig.dtype` is the compute dtype of matmuls and the
 residual stream. Attention logits, softmax and LayerNorm statistics stay in float32 and the encoder's output
@@ -20,7 +20,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jdr import parallel
+from jdr.runtime import parallel
 from jdr.models.dropout import Dropout
 
 # Hugging Face model_type values whose checkpoints use RoBERTa's embeddings (padding-offset positions).

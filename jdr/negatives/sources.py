@@ -26,9 +26,9 @@ import jax
 import ml_collections
 import numpy as np
 
-from jdr import atomic
-from jdr import corpus as corpus_lib
-from jdr import paths
+from jdr.runtime import atomic
+from jdr.retrieval import corpus as corpus_lib
+from jdr.runtime import paths
 from jdr.negatives import given
 from jdr.negatives import mining
 from jdr.negatives import refresh

@@ -26,7 +26,7 @@ import dataclasses
 import pathlib
 import sys
 
-from jdr import cli
+from jdr.runtime import cli
 from jdr.data import shared
 from jdr.reproduce import devsplit
 from jdr.reproduce import report
@@ -116,7 +116,7 @@ def main(argv=None) -> str:
       progress = runs_lib.Progress(jobs, write=lambda line: print(line, flush=True),
                                    finished=runs_lib.finished_jobs(out, plan, jobs))
       ctx = runs_lib.Context(plan=plan, out=out, dataset=dataset, zero_shot=zero_shot, progress=progress)
-      from jdr import preemption  # pylint: disable=g-import-not-at-top  (JAX starts with the runs)
+      from jdr.training import preemption  # pylint: disable=g-import-not-at-top  (JAX starts with the runs)
       try:
         runs_lib.run_table(ctx, selected, list(plan.seeds))
       except preemption.Stopped as stopped:  # SIGTERM / SIGINT in a run: its step is saved, the rest resumes

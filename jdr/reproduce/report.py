@@ -12,7 +12,7 @@ import json
 import pathlib
 import statistics
 
-from jdr import atomic
+from jdr.runtime import atomic
 from jdr.reproduce import claims as claims_lib
 from jdr.reproduce import rows as rows_lib
 from jdr.reproduce import runs as runs_lib

@@ -23,8 +23,8 @@ import pathlib
 
 import ml_collections
 
-from jdr import atomic
-from jdr import config_files
+from jdr.runtime import atomic
+from jdr.runtime import config_files
 
 CONFIGS_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
 

@@ -24,8 +24,8 @@ import sys
 import time
 from typing import Callable
 
-from jdr import atomic
-from jdr import metric_writers
+from jdr.runtime import atomic
+from jdr.training import metric_writers
 from jdr.reproduce import rows as rows_lib
 
 TEST_METRICS = ("ndcg@10", "mrr@10", "recall@100")
@@ -239,7 +239,7 @@ class Context:
 
   @property
   def vector_cache(self) -> pathlib.Path:
-    """Corpus vectors by document side (`jdr.corpus_cache`), shared by every run and scoring: a model's last
+    """Corpus vectors by document side (`jdr.retrieval.corpus_cache`), shared by every run and scoring: a model's last
     evaluation, its scoring, its successor's mining and fixed index, and every start from MiniLM encode the
     same corpus with the same tower (minutes each on the 2-core CPU)."""
     return self.out / "data" / "corpus-vectors"
@@ -351,15 +351,15 @@ def evaluate_on(model, params, tokenizer, dataset: pathlib.Path, split: str, met
   the others "FACTORY/metric"), encoded by the trainer's own TowerEncoder and read from the trainer's cache
   where a run encoded the corpus with this document side before (its last evaluation, or the start's)."""
   import hashlib  # pylint: disable=g-import-not-at-top
-  from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
-  from jdr import evaluation  # pylint: disable=g-import-not-at-top
-  from jdr import index as index_lib  # pylint: disable=g-import-not-at-top
-  from jdr import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+  from jdr.evaluation import periodic  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import index as index_lib  # pylint: disable=g-import-not-at-top
+  from jdr.evaluation import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
   from jdr.data import formats  # pylint: disable=g-import-not-at-top
   from jdr.data import pairs  # pylint: disable=g-import-not-at-top
   corpus, queries, qrels = formats.load_beir(dataset, split)
   data = pairs.RetrievalData(corpus, queries, {}, qrels, pathlib.Path(dataset).name)
-  encoder = evaluation.TowerEncoder(model, tokenizer, data, query_max_length=query_max_length,
+  encoder = periodic.TowerEncoder(model, tokenizer, data, query_max_length=query_max_length,
                                     doc_max_length=doc_max_length, cache_dir=str(vector_cache))
   doc_emb = encoder.corpus(params, progress=True)
   qids = sorted(qrels)

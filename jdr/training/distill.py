@@ -1,7 +1,7 @@
 """Distillation from a cross-encoder teacher into two towers: FGD (Zhou et al., fine-grained distillation for
 long documents) and its document-level baseline.
 
-What a config turns on (`distill.*`, see jdr/defaults.py):
+What a config turns on (`distill.*`, see jdr/runtime/defaults.py):
 
   teacher          a cross-encoder (jdr workdir / export, Hugging Face sequence classifier), or "mined": the
                    cross-encoder scores a `python -m jdr.mine` directory holds for its negatives and positives
@@ -39,10 +39,10 @@ import ml_collections
 import numpy as np
 import tqdm
 
-from jdr import atomic
-from jdr import losses
-from jdr import paths
-from jdr import reranking
+from jdr.runtime import atomic
+from jdr.training import losses
+from jdr.runtime import paths
+from jdr.evaluation import reranking
 from jdr.data import text as text_lib
 from jdr.models import cross
 from jdr.negatives import mining
@@ -105,7 +105,7 @@ def check(config: ml_collections.ConfigDict) -> None:
 
 
 def span_masks(doc_mask, level_sizes: Sequence[tuple[str, int]]):
-  """In-step jnp version of jdr.granularity.windows for every level, concatenated: [C, sum K, L] (float32)."""
+  """In-step jnp version of jdr.data.granularity.windows for every level, concatenated: [C, sum K, L] (float32)."""
   length = doc_mask.shape[1]
   position = jnp.arange(length)
   out = []
@@ -146,7 +146,7 @@ def hierarchical_negatives(scores: Sequence, valid: Sequence, sizes: Sequence[in
 
 
 def loss_terms(config: ml_collections.ConfigDict):
-  """The step's distillation terms (jdr/step.py adds them to the contrastive loss):
+  """The step's distillation terms (jdr/training/step.py adds them to the contrastive loss):
   (q [B, D], spans [C, sum K, D], scores [B, C], valid [B, C], batch) -> {"kd_document": .., "kd_margin_mse": ..,
   "fgd_<level>": ..}, document-level KD, MarginMSE and FGD's per-level KD over each query's own candidates (its positive, then its own
   negatives: batch columns B + b * n ...)."""
@@ -214,7 +214,7 @@ def _level_kl(k, t_pos, t_neg, s_pos, s_neg, neg_ok, num_q, per, s_scale, t_scal
 
 def windows_of(token_ids: np.ndarray, size: int, count: int) -> list[np.ndarray]:
   """The content tokens (no [CLS] / [SEP]) of windows 0..count-1 over positions 1.. of one document's ids,
-  the windows jdr.granularity.windows makes for the student; [] for a window past the document's end."""
+  the windows jdr.data.granularity.windows makes for the student; [] for a window past the document's end."""
   content = token_ids[1:-1] if len(token_ids) >= 2 else token_ids[:0]
   return [content[s * size:(s + 1) * size] for s in range(count)]
 

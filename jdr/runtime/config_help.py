@@ -1,6 +1,6 @@
 """The config keys, their defaults and one-line meanings: what `python -m jdr.train --help` lists.
 
-The meanings are the comments beside each key in jdr/defaults.py, read from its source, so the help and the
+The meanings are the comments beside each key in jdr/runtime/defaults.py, read from its source, so the help and the
 defaults cannot drift apart. A recipe (configs/X.py) changes some of the values, never the keys.
 """
 
@@ -9,7 +9,7 @@ import inspect
 import io
 import tokenize
 
-from jdr import defaults
+from jdr.runtime import defaults
 
 
 def _key(target: ast.expr) -> str | None:
@@ -22,7 +22,7 @@ def _key(target: ast.expr) -> str | None:
 
 
 def meanings() -> dict[str, str]:
-  """{key: the comment on its line in jdr/defaults.py} for every key set there."""
+  """{key: the comment on its line in jdr/runtime/defaults.py} for every key set there."""
   source = inspect.getsource(defaults)
   comments = {tok.start[0]: tok.string.lstrip("#").strip()
               for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
@@ -35,7 +35,7 @@ def meanings() -> dict[str, str]:
 
 
 def describe() -> str:
-  """One line per key: `key = default  meaning`, in the order jdr/defaults.py sets them."""
+  """One line per key: `key = default  meaning`, in the order jdr/runtime/defaults.py sets them."""
   config = defaults.get_config()
   lines = []
   for key, meaning in meanings().items():

@@ -18,7 +18,7 @@ embeddings of two models in one index.
 
 Library functions here raise exceptions (ValueError, FileNotFoundError), never SystemExit: a
 background refresh calling them must not end the trainer. Command lines turn errors into exit codes
-(jdr.cli).
+(jdr.runtime.cli).
 """
 
 import dataclasses
@@ -32,12 +32,12 @@ import jax
 import numpy as np
 import tqdm
 
-from jdr import atomic
-from jdr import granularity
-from jdr import index as index_lib
-from jdr import parallel
-from jdr import paths
-from jdr import sharded_rows
+from jdr.runtime import atomic
+from jdr.data import granularity
+from jdr.retrieval import index as index_lib
+from jdr.runtime import parallel
+from jdr.runtime import paths
+from jdr.retrieval import sharded_rows
 from jdr.data import corpus_by_host
 from jdr.data import prepared
 from jdr.data import text as text_lib
@@ -386,7 +386,7 @@ def encode_corpus(runtime: EncoderRuntime, docs: dict, out_dir: str | os.PathLik
                        f"(key: (old, new)) {diff}; use a new output directory")
   if count > 1:
     # Every host has read meta.json before host 0 rewrites it.
-    multihost_utils.sync_global_devices("jdr.corpus.encode_corpus: settings checked")
+    multihost_utils.sync_global_devices("jdr.retrieval.corpus.encode_corpus: settings checked")
     _check_ids_unique_across_parts(out_dir, doc_ids, index, count)
   if index == 0:
     atomic.write_text(meta_path, json.dumps({**meta, "complete": False}, indent=1))
@@ -428,7 +428,7 @@ def encode_corpus(runtime: EncoderRuntime, docs: dict, out_dir: str | os.PathLik
     _save_npy(emb_path, emb)
   bar.close()
   if count > 1:
-    multihost_utils.sync_global_devices("jdr.corpus.encode_corpus: every host's shards written")
+    multihost_utils.sync_global_devices("jdr.retrieval.corpus.encode_corpus: every host's shards written")
   missing = [s for s in range(num_shards) if not all(p.exists() for p in _shard_paths(out_dir, s))]
   if missing:
     raise RuntimeError(f"{out_dir}: shards {missing[:10]} are missing after every host finished; is out_dir on a "

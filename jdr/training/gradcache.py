@@ -175,7 +175,7 @@ def cached_value_and_grad(encode_query: Encoder, encode_doc: Encoder, loss_of_em
   mesh, batch_axes: data parallelism. Without a mesh the chunk loops are ordinary jit code and XLA
     partitions them; that is exact, but XLA all-reduces the parameter gradient inside the backward loop,
     once per chunk. With the mesh, the two chunk loops run under `shard_map` over `batch_axes` (e.g.
-    `jdr.parallel.BATCH_AXES`): each device loops over chunks of its own rows, keeps a local gradient sum
+    `jdr.runtime.parallel.BATCH_AXES`): each device loops over chunks of its own rows, keeps a local gradient sum
     and all-reduces it once. There B, C and chunk_size must be multiples of the number of batch shards
     (chunk_size / shards rows per device per chunk); other mesh axes stay automatic, and parameters
     sharded over a batch axis (FSDP) are gathered for the backward loop.
@@ -323,7 +323,7 @@ def largest_batch(model, budget_bytes: int, *, query_len: int, doc_len: int, chu
 
 
 def _main(argv=None):
-  """`python -m jdr.gradcache [--budget_mib 4 --chunk_sizes none,4 ...]`: largest batch per chunk size.
+  """`python -m jdr.training.gradcache [--budget_mib 4 --chunk_sizes none,4 ...]`: largest batch per chunk size.
 
   The defaults are a tiny BERT on a tiny budget (a demonstration that compiles in seconds); pass
   bert-base sizes (--hidden 768 --layers 12 --heads 12 --intermediate 3072 --vocab 30522) on the machine

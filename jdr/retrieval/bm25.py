@@ -48,8 +48,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 import numba
 import numpy as np
 
-from jdr import atomic
-from jdr import paths
+from jdr.runtime import atomic
+from jdr.runtime import paths
 from jdr.data.text import doc_text
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 `make_scorer` scores `[CLS] q [SEP] d [SEP]` pairs (the document as `title text`, truncated to fit
 `max_length` with the query whole) in length buckets (a few compiled shapes); `rerank` reorders each query's
 top `depth` by it and keeps the documents below the depth in first-stage order beneath them. Used by
-`python -m jdr.rerank`, the trainer's cross-encoder evaluation and FGD's teacher (jdr/distill.py).
+`python -m jdr.rerank`, the trainer's cross-encoder evaluation and FGD's teacher (jdr/training/distill.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import tqdm
 
-from jdr import corpus
+from jdr.retrieval import corpus
 from jdr.data import formats
 from jdr.data import text as text_lib
 

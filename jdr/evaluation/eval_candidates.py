@@ -55,8 +55,8 @@ class Candidates:
 
 def bm25_candidates(index, query_texts: Sequence[str], query_ids: Sequence[str], depth: int,
                     cache_dir: str | os.PathLike | None = None) -> Candidates:
-  """BM25's top `depth` of the corpus for each query, mined once (kept under `cache_dir`, see `jdr.bm25`)."""
-  from jdr import bm25  # pylint: disable=g-import-not-at-top  (only BM25 users need numba)
+  """BM25's top `depth` of the corpus for each query, mined once (kept under `cache_dir`, see `jdr.retrieval.bm25`)."""
+  from jdr.retrieval import bm25  # pylint: disable=g-import-not-at-top  (only BM25 users need numba)
   mined = bm25.mine(index, list(query_texts), min(depth, len(index)), cache_dir, query_ids=list(query_ids),
                     desc="BM25 evaluation candidates")
   return Candidates(np.asarray(mined.rows, np.int32), "bm25", "BM25", depth)

@@ -2,13 +2,13 @@
 
 `TowerEncoder` tokenizes the corpus and the queries once and encodes them with any params, jitted once:
 the evaluation, the dense miners of STAR's static negatives and ADORE's index, and ANCE's refresh all
-encode through it (and through `jdr.corpus` underneath), so there is one encode path.
+encode through it (and through `jdr.retrieval.corpus` underneath), so there is one encode path.
 
 `Evaluator` scores the evaluation queries' rankings, and each evaluation says which kind it is:
   full corpus   every document encoded (in shards kept in the workdir until the evaluation ends, so a killed
                 one resumes where it stopped), indexed and searched; the default at the end of training
   candidates    each query's BM25 top-k, or a run file's, re-ranked by the model: only the distinct candidates
-                are encoded (`jdr.eval_candidates`), so the cost follows the queries scored, not the corpus
+                are encoded (`jdr.evaluation.eval_candidates`), so the cost follows the queries scored, not the corpus
 When the document tower does not train (ADORE / LTRe), the corpus (or the candidates) is encoded once and
 reused at every evaluation.
 """
@@ -25,14 +25,14 @@ import ml_collections
 import numpy as np
 import tqdm
 
-from jdr import corpus as corpus_lib
-from jdr import corpus_cache
-from jdr import eval_candidates
-from jdr import metrics as metrics_lib
-from jdr import parallel
-from jdr import paths
-from jdr import reranking
-from jdr import topk
+from jdr.retrieval import corpus as corpus_lib
+from jdr.retrieval import corpus_cache
+from jdr.evaluation import eval_candidates
+from jdr.evaluation import metrics as metrics_lib
+from jdr.runtime import parallel
+from jdr.runtime import paths
+from jdr.evaluation import reranking
+from jdr.retrieval import topk
 from jdr.data import formats
 from jdr.data import prepared
 from jdr.data import text as text_lib
@@ -50,12 +50,12 @@ class TowerEncoder:
   """Encodes the corpus (document tower) and queries (query tower) of a dataset with given params.
 
   With a `mesh` of more than one device (the trainer's), each batch's rows are split over its batch axes
-  (`jdr.corpus.rows_on_mesh`): no device encodes what another does. On several hosts each host tokenizes
-  and encodes only its own contiguous part of the corpus on its own devices (`jdr.corpus.rows_on_mesh` over them), and
+  (`jdr.retrieval.corpus.rows_on_mesh`): no device encodes what another does. On several hosts each host tokenizes
+  and encodes only its own contiguous part of the corpus on its own devices (`jdr.retrieval.corpus.rows_on_mesh` over them), and
   the parts' vectors are gathered to every host.
 
   With `cache_dir` (one host), corpus vectors are kept there and read back for a document side, settings and
-  corpus encoded before (`jdr.corpus_cache`)."""
+  corpus encoded before (`jdr.retrieval.corpus_cache`)."""
 
   def __init__(self, model: TwoTower, tokenizer, data, *, query_max_length: int, doc_max_length: int,
                tokens_per_batch: int | None = None, mesh=None, cache_dir: str = ""):
@@ -105,7 +105,7 @@ class TowerEncoder:
 
     With `shards_dir` (one host) the corpus is encoded a shard at a time into a folder of it named for
     everything that made the vectors (`_encode_in_shards`), and a call that finds shards there, left by one
-    killed midway, encodes only the rest; the matrix is then those shards memory-mapped (`jdr.sharded_rows`)."""
+    killed midway, encodes only the rest; the matrix is then those shards memory-mapped (`jdr.retrieval.sharded_rows`)."""
     encode = (lambda: self._encode_corpus(params, progress)) if shards_dir is None or self.hosts > 1 else (
         lambda: self._encode_in_shards(params, paths.as_path(shards_dir)))
     if self.cache is None:
@@ -128,7 +128,7 @@ class TowerEncoder:
     return self._tokens_digest
 
   def _encode_in_shards(self, params, root) -> np.ndarray:
-    """`jdr.corpus.encode_corpus` into root/NAME (resumable by shard), read back mapped. NAME digests the
+    """`jdr.retrieval.corpus.encode_corpus` into root/NAME (resumable by shard), read back mapped. NAME digests the
     document side's weights and settings, the corpus and the batching, so shards of other weights are never
     mixed in: they are an earlier encoding's (other weights, killed before it ended), and are removed."""
     corpus = self.data.corpus
@@ -197,7 +197,7 @@ class TowerEncoder:
                                     tokens_per_batch=self.tokens_per_batch)
 
 
-# The values of eval.candidates and eval.final (jdr/defaults.py says what each means).
+# The values of eval.candidates and eval.final (jdr/runtime/defaults.py says what each means).
 CANDIDATES = ("auto", "full", "bm25", "run")
 FINAL = ("full", "candidates")
 
@@ -247,7 +247,7 @@ class Evaluator:
   the first is always the exact JAX top-k. `diagnostics(params, doc_emb)` hooks, when given, add the training
   diagnostics computed from the same corpus encoding (overlaps of top-200 lists): full evaluations only.
 
-  Candidates (`jdr.eval_candidates`): BM25's top eval.candidates_depth (mined once from `bm25_index()`, the
+  Candidates (`jdr.evaluation.eval_candidates`): BM25's top eval.candidates_depth (mined once from `bm25_index()`, the
   index the BM25 negatives or diagnostics hold, else one built once and kept in `cache_dir`), or a run
   file's. Exact dot products; the factories do not apply.
 
@@ -384,7 +384,7 @@ class Evaluator:
 
 class BM25IndexOf:
   """The corpus's BM25 index, looked up once and shared (the evaluation's candidates, the diagnostics): the
-  one the BM25 negatives already hold, else this process's or `cache_dir`'s (`jdr.bm25`), built only when
+  one the BM25 negatives already hold, else this process's or `cache_dir`'s (`jdr.retrieval.bm25`), built only when
   there is none. Once, because naming a corpus's index hashes all of its texts."""
 
   def __init__(self, data, negatives, cache_dir=None):
@@ -393,7 +393,7 @@ class BM25IndexOf:
 
   def __call__(self):
     if self._index is None:
-      from jdr import bm25  # pylint: disable=g-import-not-at-top  (only BM25 users need numba)
+      from jdr.retrieval import bm25  # pylint: disable=g-import-not-at-top  (only BM25 users need numba)
       index = sampled.bm25_index_of(getattr(self.negatives, "sampler", None))
       if index is None:
         index = bm25.corpus_index(self.data.corpus, cache_dir=self.cache_dir)
@@ -410,7 +410,7 @@ class TrainingDiagnostics:
 
   BM25's top-n is retrieved once, from `bm25_index()` (a `BM25IndexOf`, shared with the evaluation's
   candidates): the index the BM25 negatives already hold, else this process's or `cache_dir`'s index of the
-  corpus (`jdr.bm25`), built only when there is none."""
+  corpus (`jdr.retrieval.bm25`), built only when there is none."""
 
   def __init__(self, encoder: TowerEncoder, data, negatives, config: ml_collections.ConfigDict, *,
                cache_dir=None, bm25_index: Callable | None = None):
@@ -424,7 +424,7 @@ class TrainingDiagnostics:
 
   def bm25_rows(self) -> np.ndarray:
     if self._bm25 is None:
-      from jdr import bm25  # pylint: disable=g-import-not-at-top  (only BM25 users need numba)
+      from jdr.retrieval import bm25  # pylint: disable=g-import-not-at-top  (only BM25 users need numba)
       index = self.bm25_index()
       if len(index) != len(self.encoder.doc_ids):
         raise ValueError(f"the BM25 index holds {len(index)} documents, the encoded corpus "

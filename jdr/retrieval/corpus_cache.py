@@ -23,8 +23,8 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from jdr import atomic
-from jdr import paths
+from jdr.runtime import atomic
+from jdr.runtime import paths
 
 # Entries the folder keeps (the least recently used go first): enough for a fine-tuning run's evaluations
 # (one an interval) to leave its starting model's and its last ones in place until the next run reads them.

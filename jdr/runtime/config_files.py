@@ -19,7 +19,7 @@ from typing import Sequence
 
 import ml_collections
 
-from jdr import paths
+from jdr.runtime import paths
 
 
 class ConfigError(ValueError):

@@ -105,8 +105,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.loss.lambda_delta = "positions"  # |1/p_i - 1/p_j|, p = list position (DRhard; mrr only) | exact (swap by score)
   c.loss.logq_correction = False  # sampled softmax: score - log Q(doc), Q from the batch's `doc_logq`
 
-  # --- gradient caching (jdr/gradcache.py): encode the batch in chunks of this many rows; 0 = off ---
-  # --- distillation from a cross-encoder (jdr/distill.py): FGD and document-level KD ---
+  # --- gradient caching (jdr/training/gradcache.py): encode the batch in chunks of this many rows; 0 = off ---
+  # --- distillation from a cross-encoder (jdr/training/distill.py): FGD and document-level KD ---
   c.distill = ml_collections.ConfigDict()
   c.distill.teacher = ""  # a cross-encoder (jdr workdir / export, HF directory) | mined (negatives.mined's
   # scores); "" = no distillation
@@ -149,9 +149,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   # --- evaluation ---
   c.eval = ml_collections.ConfigDict()
-  c.eval.metrics = "ndcg@10,mrr@10,recall@100"  # jdr.metrics names, comma-separated
+  c.eval.metrics = "ndcg@10,mrr@10,recall@100"  # jdr.evaluation.metrics names, comma-separated
   c.eval.top_k = 100  # documents retrieved per evaluation query
-  # What the evaluations before and during training score (jdr/evaluation.py: Evaluator, periodic_kind):
+  # What the evaluations before and during training score (jdr/evaluation/periodic.py: Evaluator, periodic_kind):
   # full = the whole corpus, encoded each time; bm25 / run = each query's BM25 / run-file candidates, re-ranked
   # (only they are encoded: the cost follows the queries, not the corpus; metrics prefixed "bm25-top100/");
   # auto = run when eval.candidates_run is set, else full when queries x depth >= documents or the document
@@ -179,7 +179,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # --- parallelism ---
   c.mesh = ml_collections.ConfigDict()
   c.mesh.shape = (-1, 1, 1)  # (data, fsdp, model); -1 takes the remaining devices
-  c.mesh.rules = "dp"  # dp | fsdp | tp | fsdp_tp (see jdr/parallel.py)
+  c.mesh.rules = "dp"  # dp | fsdp | tp | fsdp_tp (see jdr/runtime/parallel.py)
   # A host without accelerators as this many XLA CPU devices (0: JAX's one); 2 on a 2-core CPU made the
   # MiniLM step 13% faster (parallel.use_cpu_devices). The batch must split over them.
   c.mesh.cpu_devices = 0  # split a CPU-only host into this many XLA devices (0 = one; see above)

@@ -8,7 +8,7 @@ cost analysis of the partitioned module). Token batches (in-batch, sampled negat
 ADORE / LTRe's corpus batches; masked-LM pretraining is not covered.
 
 ADORE / LTRe score against a fixed corpus matrix of N rows (`corpus_rows`, by default MS MARCO passage's
-8,841,823, the size their full recipes train on), which is abstract here too (jdr.topk.abstract_corpus). With
+8,841,823, the size their full recipes train on), which is abstract here too (jdr.retrieval.topk.abstract_corpus). With
 `negatives.retrieval_backend=jax` its row shard is an argument of the step, so the step's total per device
 includes it; with Faiss (the recipes' default) the matrix stays memory-mapped on the host, the batch carries
 the candidates' vectors, and the report gives the host's bytes beside the devices'.
@@ -27,10 +27,10 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from jdr import distill
-from jdr import optimizers
-from jdr import parallel
-from jdr import step as step_lib
+from jdr.training import distill
+from jdr.training import optimizers
+from jdr.runtime import parallel
+from jdr.training import step as step_lib
 from jdr.data import pretrain_batches
 from jdr.models import build as build_lib
 from jdr.negatives import sources
@@ -261,7 +261,7 @@ def compile_corpus_step(config: ml_collections.ConfigDict, devices, corpus_rows:
   never run) compiled on abstract values; `retrieval` is one of CORPUS_RETRIEVAL. `positives` is the batch's
   positive_rows width P (the most positives of a training query; each column beyond the first adds B x D
   float32 of positive vectors with host retrieval). The corpus, when on the devices, is CompiledStep.corpus."""
-  from jdr import topk  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import topk  # pylint: disable=g-import-not-at-top
   if retrieval not in CORPUS_RETRIEVAL:
     raise ValueError(f"retrieval must be one of {CORPUS_RETRIEVAL}, got {retrieval!r}")
   setup = abstract_model(config, devices)

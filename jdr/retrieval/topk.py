@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jdr import parallel
+from jdr.runtime import parallel
 
 DTYPES = ("auto", "float32", "bfloat16", "int8")
 DEFAULT_BLOCK_ROWS = 128

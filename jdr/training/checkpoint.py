@@ -18,8 +18,8 @@ from typing import Any, Iterator
 import jax
 import orbax.checkpoint as ocp
 
-from jdr import atomic
-from jdr import paths
+from jdr.runtime import atomic
+from jdr.runtime import paths
 
 STATE = "state"
 META = "meta"

@@ -10,8 +10,8 @@ import time
 
 import jax
 
-from jdr import atomic
-from jdr import paths
+from jdr.runtime import atomic
+from jdr.runtime import paths
 
 
 def _summary_writer_class():

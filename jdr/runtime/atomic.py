@@ -19,7 +19,7 @@ import tempfile
 import time
 from typing import Any, Callable
 
-from jdr import paths
+from jdr.runtime import paths
 
 STDOUT = "-"  # an output path that means standard output (runs, per-query files)
 

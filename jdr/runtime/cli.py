@@ -16,7 +16,7 @@ import os
 import sys
 from typing import Iterator
 
-from jdr import corpus as corpus_lib
+from jdr.retrieval import corpus as corpus_lib
 from jdr.data import formats
 
 # What a user can cause and fix: bad or missing files, settings that disagree. Anything else is a bug

@@ -4,7 +4,7 @@
   inner product by default, on the host; on every GPU (sharded) when faiss has GPU support and GPUs
   are present.
 * `JaxRetriever`: exact top-k of queries @ embeddings.T with the embedding matrix sharded by rows over
-  a device mesh (`jdr.topk`, the same search the ADORE step runs): each device searches its own rows and
+  a device mesh (`jdr.retrieval.topk`, the same search the ADORE step runs): each device searches its own rows and
   the k * devices candidates are merged, so no device ever holds another's scores.
 
 Both return (scores float32 [Q, k], ids list[list[str]]) with higher scores first, so the training loop
@@ -23,10 +23,10 @@ from typing import Any, Literal, Protocol, Sequence
 
 import numpy as np
 
-from jdr import atomic
-from jdr import paths
-from jdr import sharded_rows
-from jdr import topk
+from jdr.runtime import atomic
+from jdr.runtime import paths
+from jdr.retrieval import sharded_rows
+from jdr.retrieval import topk
 
 _META = "meta.json"
 _IDS = "ids.txt"
@@ -232,7 +232,7 @@ class FaissRetriever:
         self._index = faiss.index_cpu_to_all_gpus(self._cpu, gpu_cloner_options(faiss, self.gpu_layout,
                                                                                  self.gpu_float16))
       except RuntimeError as e:  # e.g. HNSW has no GPU implementation.
-        print(f"jdr.index: {self.factory!r} stays on the CPU ({str(e).splitlines()[0]})", file=sys.stderr)
+        print(f"jdr.retrieval.index: {self.factory!r} stays on the CPU ({str(e).splitlines()[0]})", file=sys.stderr)
 
   def train(self, vectors: np.ndarray) -> None:
     """Trains the quantizers (no-op for indexes that need none)."""
@@ -339,7 +339,7 @@ class FaissRetriever:
 
 
 class JaxRetriever:
-  """Exact inner-product top-k with the embedding matrix sharded by rows over a device mesh (`jdr.topk`).
+  """Exact inner-product top-k with the embedding matrix sharded by rows over a device mesh (`jdr.retrieval.topk`).
 
   Args:
     dim: embedding width.

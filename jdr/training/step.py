@@ -7,9 +7,9 @@ chosen once, when the step is built, and held in a `Spec`:
               (jdr/negatives/sources.py): "tokens" (documents as token ids, encoded here by the document
               tower), "corpus" (rows of a fixed corpus matrix, ADORE / LTRe), "pairs" (a cross-encoder's
               joint (query, candidate) inputs)
-  loss terms  the contrastive loss of jdr/losses.py plus the terms other modules own, added to it
+  loss terms  the contrastive loss of jdr/training/losses.py plus the terms other modules own, added to it
               (distill.loss_terms: FGD's and document-level distillation)
-  gradients   `GRADIENTS`: plain autodiff, exact gradient caching (jdr/gradcache.py), or the masked-LM
+  gradients   `GRADIENTS`: plain autodiff, exact gradient caching (jdr/training/gradcache.py), or the masked-LM
               baseline's token loss (jdr/data/pretrain_batches.py), which replaces scoring altogether
 
 Batches follow the contract of jdr/data/batch.py.
@@ -28,10 +28,10 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from jdr import distill
-from jdr import gradcache
-from jdr import losses
-from jdr import parallel
+from jdr.training import distill
+from jdr.training import gradcache
+from jdr.training import losses
+from jdr.runtime import parallel
 from jdr.data import pretrain_batches
 from jdr.models.towers import TwoTower
 from jdr.negatives import retrieved
@@ -53,7 +53,7 @@ class Spec:
   mesh: Any
   candidates: str  # a key of SCORERS
   gradients: str  # a key of GRADIENTS
-  loss_of: Callable  # jdr.losses.make_loss: (scores, fields) -> per-example losses
+  loss_of: Callable  # jdr.training.losses.make_loss: (scores, fields) -> per-example losses
   chunk_rows: int  # model.encode_chunk_rows: encode this many rows at a time (0: all at once)
   grad_cache_rows: int  # grad_cache.chunk_size (gradient caching only)
   query_only: bool  # the document tower is frozen
@@ -67,7 +67,7 @@ class Spec:
   span_pooling: str = "attention"
   terms: tuple = ()  # (q, spans, scores, valid, batch) -> {name: scalar}, added to the contrastive loss
   contrastive_weight: float = 1.0
-  encode_query: Callable | None = None  # gradient caching: per-row encoders (jdr/gradcache.py)
+  encode_query: Callable | None = None  # gradient caching: per-row encoders (jdr/training/gradcache.py)
   encode_doc: Callable | None = None
 
 
@@ -77,7 +77,7 @@ def make_train_step(model: TwoTower, tx: optax.GradientTransformation, config: m
 
   `candidates` is `Negatives.candidates`. "corpus": candidates are rows of `corpus`, retrieved in the step
   (`retrieve_in_step`) or given as the batch field `cand_rows`; no document tower runs. With
-  `grad_cache.chunk_size` > 0 (tokens only) the loss and gradients come from jdr/gradcache.py, exact,
+  `grad_cache.chunk_size` > 0 (tokens only) the loss and gradients come from jdr/training/gradcache.py, exact,
   encoding that many rows at a time, with one dropout key per row.
   """
   spec = make_spec(model, tx, config, mesh, candidates, retrieve_in_step)

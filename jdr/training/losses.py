@@ -301,7 +301,7 @@ def lambda_weights(scores: Array, labels: Array, valid: Array, metric: str, delt
   rank of the first document with label > 0, 0 beyond K) or "ndcg@K" (gain 2^label - 1, discount
   1 / log2(1 + rank) for rank <= K, IDCG@K from the row's own valid labels; a row with IDCG 0 gets 0). Any
   K >= 1; without "@K" the whole list counts. Note 2^label - 1 is the LambdaRank gain, not trec_eval's
-  gain = grade used by `jdr.metrics` (they agree on binary labels).
+  gain = grade used by `jdr.evaluation.metrics` (they agree on binary labels).
 
   `delta` "exact": the ranking is the descending order of `scores` over valid columns (ties: lower column
   first), under stop_gradient, and the weight is M's exact change. "positions" (mrr only): the ranking is
