@@ -131,11 +131,11 @@ def fake_gcs():
       super().__init__(*args, **kwargs)
 
   import sys  # pylint: disable=g-import-not-at-top
-  registry = sys.modules["fsspec.registry"]._registry  # pylint: disable=protected-access  (fsspec.registry is a view)
+  registry = sys.modules["fsspec.registry"]._registry  # fsspec.registry is a view
   saved = {name: registry.get(name) for name in ("gs", "gcs")}
   for name in saved:
     fsspec.register_implementation(name, FakeGCS, clobber=True)
-  backend._FileSystemSpecBackend._get_filesystem.cache_clear()  # pylint: disable=protected-access
+  backend._FileSystemSpecBackend._get_filesystem.cache_clear()
   try:
     yield FakeGCS.store
   finally:
@@ -143,7 +143,7 @@ def fake_gcs():
       registry.pop(name, None)
       if cls is not None:
         registry[name] = cls
-    backend._FileSystemSpecBackend._get_filesystem.cache_clear()  # pylint: disable=protected-access
+    backend._FileSystemSpecBackend._get_filesystem.cache_clear()
 
 
 @pytest.fixture(scope="module")

@@ -67,7 +67,7 @@ def test_lengths_and_positives_have_msmarcos_shape():
   lengths = synthetic.passage_lengths(np.random.default_rng(0), 200_000)
   assert abs(lengths.mean() - synthetic.PASSAGE_WORDS) < 0.5
   assert 15 < lengths.std() < 40 and lengths.min() >= 3 and lengths.max() > 150  # spread, with a long tail
-  plan = synthetic._Plan(1_000_000, seed=0)  # pylint: disable=protected-access  (queries without a corpus)
+  plan = synthetic.Plan(1_000_000, seed=0)  # queries without a corpus
   per_query = plan.positives_per_query[:plan.train]
   assert abs(per_query.mean() - synthetic.MSMARCO_TRAIN_PAIRS / synthetic.MSMARCO_TRAIN_QUERIES) < 0.005
   assert per_query.min() == 1 and per_query.max() >= 2
@@ -108,7 +108,7 @@ def test_a_dataset_is_reused_and_never_left_half_written(small, tmp_path, monkey
   def broken(*args, **kwargs):
     raise RuntimeError("killed while writing the queries")
 
-  monkeypatch.setattr(synthetic, "_query_texts", broken)
+  monkeypatch.setattr(synthetic, "query_texts", broken)
   with pytest.raises(RuntimeError, match="killed"):
     synthetic.dataset(tmp_path, PASSAGES, progress=False)
   assert not list(tmp_path.iterdir())  # neither the dataset nor its temporary folder

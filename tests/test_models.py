@@ -337,10 +337,10 @@ def test_exact_gelu_in_half_precision_is_the_rounded_float64_gelu():
   jax's own exact GELU."""
   import math  # pylint: disable=g-import-not-at-top
   import torch  # pylint: disable=g-import-not-at-top
-  from jdr.models.bert import _exact_gelu  # pylint: disable=g-import-not-at-top
+  from jdr.models.bert import exact_gelu  # pylint: disable=g-import-not-at-top
   x = np.concatenate([np.linspace(-12, 12, 20001), np.random.default_rng(0).normal(0, 3, 20000)])
   x16 = jnp.asarray(x, jnp.bfloat16)
-  ours = np.asarray(_exact_gelu(x16).astype(jnp.float32), np.float64)
+  ours = np.asarray(exact_gelu(x16).astype(jnp.float32), np.float64)
   xs = np.asarray(x16.astype(jnp.float32), np.float64)
   exact = np.array([0.5 * v * math.erfc(-v / math.sqrt(2)) for v in xs])
   step = np.abs(np.asarray(jnp.asarray(exact, jnp.bfloat16).astype(jnp.float32), np.float64)) * 2.0 ** -7
@@ -349,7 +349,7 @@ def test_exact_gelu_in_half_precision_is_the_rounded_float64_gelu():
   body = xs > -3
   np.testing.assert_array_equal(ours[body], theirs[body])
   x32 = jnp.asarray(x, jnp.float32)
-  np.testing.assert_array_equal(np.asarray(_exact_gelu(x32)), np.asarray(jax.nn.gelu(x32, approximate=False)))
+  np.testing.assert_array_equal(np.asarray(exact_gelu(x32)), np.asarray(jax.nn.gelu(x32, approximate=False)))
 
 
 def _dense_general(cfg, features, names, axis=-1):

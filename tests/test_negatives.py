@@ -171,7 +171,7 @@ def test_bm25_cache_is_reused(tmp_path, monkeypatch):
 
   monkeypatch.setattr(bm25_lib, "_OPEN", {})
   monkeypatch.setattr(bm25_lib, "_build", no_work)
-  monkeypatch.setattr(bm25_lib._Scorer, "__call__", no_work)  # pylint: disable=protected-access
+  monkeypatch.setattr(bm25_lib.Scorer, "__call__", no_work)
   second = BM25Negatives(CORPUS, QUERIES, QRELS, top_k=5, cache_dir=tmp_path, show_progress=False)
   assert second.from_cache and second.cache_path == first.cache_path
   assert os.stat(second.cache_path / "rows.npy").st_mtime_ns == mtime

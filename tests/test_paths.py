@@ -151,7 +151,7 @@ def test_faiss_gpu_path_with_a_stand_in_for_the_gpus(tmp_path, monkeypatch):
   stand_in.index_cpu_to_all_gpus = to_gpus
   stand_in.index_gpu_to_cpu = to_cpu
   stand_in.GpuParameterSpace = faiss.ParameterSpace
-  monkeypatch.setattr(index_lib, "_faiss", lambda: stand_in)
+  monkeypatch.setattr(index_lib, "import_faiss", lambda: stand_in)
   rng = np.random.default_rng(0)
   emb = rng.standard_normal((300, 16)).astype(np.float32)
   ids = [f"d{i}" for i in range(300)]

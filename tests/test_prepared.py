@@ -200,9 +200,9 @@ def test_a_changed_corpus_tokenizer_or_length_prepares_again(tmp_path, tok, monk
 @pytest.mark.parametrize("collide", [False, True], ids=["fnv", "four-hashes"])
 def test_id_lookups_agree_with_a_dict(tmp_path, small_chunks, monkeypatch, collide):
   if collide:  # every id shares its hash with a quarter of the corpus: lookups must compare the ids
-    real_many, real_one = prepared._hash_ids, prepared._hash_one
-    monkeypatch.setattr(prepared, "_hash_ids", lambda blob, offsets: real_many(blob, offsets) & np.uint64(3))
-    monkeypatch.setattr(prepared, "_hash_one", lambda data: real_one(data) & 3)
+    real_many, real_one = prepared.hash_ids, prepared.hash_one
+    monkeypatch.setattr(prepared, "hash_ids", lambda blob, offsets: real_many(blob, offsets) & np.uint64(3))
+    monkeypatch.setattr(prepared, "hash_one", lambda data: real_one(data) & 3)
   path = _write_corpus(tmp_path / "corpus.jsonl")
   corpus = prepared.prepare(path, out_dir=tmp_path / "cache", progress=False)
   expected = formats.read_corpus(path)

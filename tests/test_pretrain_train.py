@@ -238,7 +238,7 @@ def test_logq_probabilities_sum_to_one():
   import test_pretrain_data  # pylint: disable=g-import-not-at-top
   for task in ("ict", "bfs", "wlp", "mixed"):
     gen = pretrain.PretrainPairs(test_pretrain_data.tiny_articles(), task)
-    logq = pretrain_batches._passage_log_probs(gen)  # pylint: disable=protected-access
+    logq = pretrain_batches.passage_log_probs(gen)
     assert np.isclose(sum(np.exp(list(logq.values()))), 1.0), task
     for i in range(30):
       d = gen.draw(i)

@@ -273,14 +273,14 @@ def test_the_eta_prices_only_unfinished_runs_by_their_kind(tmp_path):
                                  "score": 28 - 1}
   assert progress.eta() == "ETA after the first run"
   progress.end("two-tower step", 100, 1000.0)  # 10 s a step; query-only steps not timed: at most that
-  left = runs_lib._duration(10 * (two_tower - 100 + query_only))
+  left = runs_lib.duration(10 * (two_tower - 100 + query_only))
   assert progress.eta() == f"ETA {left} + {ance} ANCE steps (not timed yet) + 27 scorings (not timed yet)"
   progress.end("query-only step", 100, 100.0)
   progress.end("score", 1, 60.0)
   left = 10 * (two_tower - 100) + query_only - 100 + 26 * 60
-  assert progress.eta() == f"ETA {runs_lib._duration(left)} + {ance} ANCE steps (not timed yet)"
+  assert progress.eta() == f"ETA {runs_lib.duration(left)} + {ance} ANCE steps (not timed yet)"
   progress.end("ANCE step", 104, 2080.0)
-  assert progress.eta() == f"ETA {runs_lib._duration(left + 20 * (ance - 104))}"
+  assert progress.eta() == f"ETA {runs_lib.duration(left + 20 * (ance - 104))}"
 
 
 def test_given_warm_up_rates_train_no_grid_and_are_marked(tmp_path, monkeypatch):
@@ -372,7 +372,7 @@ def test_run_records_round_trip_through_runs_csv_and_imported_warm_ups_are_retra
     return {"after": {"ndcg@10": 0.8}}
 
   monkeypatch.setattr(train_lib, "train_and_evaluate", fake_train)
-  monkeypatch.setattr(runs_lib, "_release", lambda: None)
+  monkeypatch.setattr(runs_lib, "release", lambda: None)
   lines = []
   progress = runs_lib.Progress({("train", star.chain, 0): 4}, write=lines.append,
                                finished={("train", star.chain, 0)})

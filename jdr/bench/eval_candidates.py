@@ -57,7 +57,7 @@ def _warm_up(encoder: periodic.TowerEncoder, params, candidates, qids) -> float:
     doc_lengths = [len(t) for t in encoder.doc_tokens]
   candidate_lengths = [len(t) for t in eval_candidates.tokenize(encoder.tokenizer, corpus, encoder.doc_ids,
                                                                 candidates.unique, encoder.doc_max_length)]
-  serving = encoder._serving(params)  # pylint: disable=protected-access  (the weights the evaluation encodes with)
+  serving = encoder.serving(params)  # the weights the evaluation encodes with
   docs = corpus_lib.EncoderRuntime(encoder.encode_doc, serving, encoder.tokenizer, encoder.doc_max_length, {})
   queries = corpus_lib.EncoderRuntime(encoder.encode_query, serving, encoder.tokenizer, encoder.query_max_length, {})
   tokens_per_batch = encoder.tokens_per_batch or corpus_lib.default_tokens_per_batch()

@@ -234,8 +234,8 @@ def _train_first_step(ctx: Context, workdir_name: str = "train") -> dict:
   argv = _train_command(ctx, workdir, "data.eval_split=", "num_train_steps=1", "log_every=1",
                         "eval_before_training=false", "checkpoint_every=0")
   marks = _Marks()  # the preparing passes, which run only where the corpus is not prepared yet
-  marks.wrap(prepared._Indexer, "run", "index")  # pylint: disable=protected-access
-  marks.wrap(prepared._Tokenizer, "run", "tokenize")  # pylint: disable=protected-access
+  marks.wrap(prepared.Indexer, "run", "index")
+  marks.wrap(prepared.Tokenizer, "run", "tokenize")
   wall, start = time.time(), time.perf_counter()
   train.main(argv)
   total = time.perf_counter() - start
@@ -317,9 +317,9 @@ def random_encoding(corpus: str, out: pathlib.Path, *, seed: int = 0, dim: int =
     lo, hi = shard * SHARD_SIZE, min(len(ids), (shard + 1) * SHARD_SIZE)
     emb = rng.standard_normal((hi - lo, dim), dtype=np.float32)
     emb /= np.linalg.norm(emb, axis=1, keepdims=True)
-    emb_path, ids_path = corpus_lib._shard_paths(out, shard)  # pylint: disable=protected-access  (jdr.encode's layout)
+    emb_path, ids_path = corpus_lib.shard_paths(out, shard)  # jdr.encode's layout
     atomic.write_text(ids_path, "".join(i + "\n" for i in ids[lo:hi]))
-    corpus_lib._save_npy(emb_path, emb)  # pylint: disable=protected-access
+    corpus_lib.save_npy(emb_path, emb)
   meta = {"num_docs": len(ids), "shard_size": SHARD_SIZE, "num_shards": num_shards, "vectors": "random",
           "seed": seed, "corpus": str(pathlib.Path(corpus).absolute()), "complete": True, "dim": dim}
   atomic.write_text(out / "meta.json", json.dumps(meta, indent=1))

@@ -133,7 +133,7 @@ def training_pairs(qrels: dict) -> list[tuple[str, str]]:
   return sorted((q, d) for q, docs in qrels.items() for d, rel in docs.items() if rel > 0)
 
 
-def _pad(rows: Sequence[np.ndarray], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+def pad(rows: Sequence[np.ndarray], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
   ids = np.full((len(rows), length), pad_id, np.int32)
   mask = np.zeros((len(rows), length), np.int32)
   for i, row in enumerate(rows):
@@ -263,7 +263,7 @@ class Batches:
     return self.negative_source.sample([q], [d], rng, self.triples_per_query)[0]
 
   def _tokens(self, texts: list[str], max_length: int) -> tuple[np.ndarray, np.ndarray]:
-    return _pad(text_lib.tokenize(self.tokenizer, texts, max_length), max_length, self.pad_id)
+    return pad(text_lib.tokenize(self.tokenizer, texts, max_length), max_length, self.pad_id)
 
   def doc_rows(self, doc_ids: Sequence[str]) -> np.ndarray:
     """int32 corpus rows of `doc_ids` (a KeyError names an id the corpus lacks)."""
@@ -286,8 +286,8 @@ class Batches:
     if self.candidates == "pairs":
       return self._local_pairs(step)
     qids, doc_ids, valid = self.global_layout(step)
-    q_lo, q_hi = self._rows(len(qids))
-    d_lo, d_hi = self._rows(len(doc_ids))
+    q_lo, q_hi = self.host_rows(len(qids))
+    d_lo, d_hi = self.host_rows(len(doc_ids))
     query_ids, query_mask = self._tokens([self.data.queries[q] for q in qids[q_lo:q_hi]],
                                          self.query_max_length)
     doc_index = self.doc_rows(doc_ids[d_lo:d_hi])
@@ -302,7 +302,7 @@ class Batches:
   def _local_corpus(self, step: int) -> dict[str, np.ndarray]:
     """Queries and their positives as corpus rows; the candidates come from retrieval (ADORE / LTRe)."""
     chosen = [self.pairs[i] for i in self.pair_indices(step)]
-    lo, hi = self._rows(len(chosen))
+    lo, hi = self.host_rows(len(chosen))
     chosen = chosen[lo:hi]
     query_ids, query_mask = self._tokens([self.data.queries[q] for q, _ in chosen], self.query_max_length)
     positive_rows = np.full((len(chosen), self.max_positives), -1, np.int32)
@@ -321,7 +321,7 @@ class Batches:
     negative) and `labels` [B, 1 + n] (1 in column 0)."""
     qids, doc_ids, valid = self.global_layout(step)
     num, per = len(qids), self.per_query
-    lo, hi = self._rows(num)
+    lo, hi = self.host_rows(num)
     columns = [[b] + [num + b * per + j for j in range(per)] for b in range(lo, hi)]
     length, n = self.doc_max_length, 1 + per
     ids = np.full((hi - lo, n, length), self.pad_id, np.int32)
@@ -338,7 +338,7 @@ class Batches:
     pair_valid = np.stack([valid[b, cols] for b, cols in zip(range(lo, hi), columns)])
     return {"pair_ids": ids, "pair_mask": mask, "pair_types": types, "valid": pair_valid, "labels": labels}
 
-  def _rows(self, n: int) -> tuple[int, int]:
+  def host_rows(self, n: int) -> tuple[int, int]:
     per = n // self.process_count
     return self.process_index * per, (self.process_index + 1) * per
 

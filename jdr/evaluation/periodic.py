@@ -83,7 +83,7 @@ class TowerEncoder:
     self.part = (n * self.host // self.hosts, n * (self.host + 1) // self.hosts)
     self._doc_fn = doc
     # Encoding only reads the weights: their matmul weights cast once a pass, not in every batch's forward.
-    self._serving = jax.jit(lambda p: towers.serving_params(p, model))
+    self.serving = jax.jit(lambda p: towers.serving_params(p, model))
     if self.hosts > 1:
       self._host_mesh = parallel.make_mesh((-1, 1, 1), devices=jax.local_devices())
       self._encode_part = corpus_lib.rows_on_mesh(doc, self._host_mesh)
@@ -145,7 +145,7 @@ class TowerEncoder:
       for stale in root.iterdir():
         if stale.name != name:
           stale.rmtree(missing_ok=True) if stale.is_dir() else stale.unlink(missing_ok=True)
-    runtime = corpus_lib.EncoderRuntime(self.encode_doc, self._serving(params), self.tokenizer, self.doc_max_length,
+    runtime = corpus_lib.EncoderRuntime(self.encode_doc, self.serving(params), self.tokenizer, self.doc_max_length,
                                         {}, rows_multiple=self.rows_multiple)
     corpus_lib.encode_corpus(runtime, corpus, root / name, shard_size=SHARD_DOCS,
                              tokens_per_batch=self.tokens_per_batch, settings={"entry": name})
@@ -154,17 +154,17 @@ class TowerEncoder:
 
   def documents(self, params, token_ids: Sequence[np.ndarray]) -> np.ndarray:
     """float32 [n, D]: the document tower's vectors of already tokenized documents (evaluation candidates)."""
-    runtime = corpus_lib.EncoderRuntime(self.encode_doc, self._serving(params), self.tokenizer, self.doc_max_length,
+    runtime = corpus_lib.EncoderRuntime(self.encode_doc, self.serving(params), self.tokenizer, self.doc_max_length,
                                         {}, rows_multiple=self.rows_multiple)
     return corpus_lib.encode_tokens(runtime, token_ids, tokens_per_batch=self.tokens_per_batch)
 
   def _encode_corpus(self, params, progress: bool) -> np.ndarray:
     if self.hosts == 1:
-      params = self._serving(params)
+      params = self.serving(params)
       runtime = corpus_lib.EncoderRuntime(self.encode_doc, params, self.tokenizer, self.doc_max_length, {},
                                           rows_multiple=self.rows_multiple)
     else:
-      params = self._serving(corpus_lib.whole_on(params, self._host_mesh))
+      params = self.serving(corpus_lib.whole_on(params, self._host_mesh))
       runtime = corpus_lib.EncoderRuntime(self._encode_part, params, self.tokenizer, self.doc_max_length, {},
                                           rows_multiple=self._host_mesh.devices.size)
     bar = None
@@ -190,7 +190,7 @@ class TowerEncoder:
     if missing:
       tokens = text_lib.tokenize(self.tokenizer, [self.data.queries[q] for q in missing], self.query_max_length)
       self._query_tokens.update(zip(missing, tokens))
-    runtime = corpus_lib.EncoderRuntime(self.encode_query, self._serving(params), self.tokenizer,
+    runtime = corpus_lib.EncoderRuntime(self.encode_query, self.serving(params), self.tokenizer,
                                         self.query_max_length, {},
                                         rows_multiple=self.rows_multiple)
     return corpus_lib.encode_tokens(runtime, [self._query_tokens[q] for q in qids],
@@ -274,7 +274,7 @@ class Evaluator:
     # A frozen document tower's corpus vectors, when the caller already has them (ADORE's fixed index), and
     # their copy on the devices, when its step searches there: searched here too, never copied again.
     self._fixed_emb = fixed_doc_emb if doc_tower_frozen else None
-    self._fixed_corpus = fixed_corpus if doc_tower_frozen else None
+    self.fixed_corpus = fixed_corpus if doc_tower_frozen else None
     self._fixed_search = {}
     self._shards_dir = paths.as_path(cache_dir) / "eval-corpus" if cache_dir is not None else None
     self.periodic = periodic_kind(config.eval, len(qids), len(encoder.doc_ids), doc_tower_frozen)
@@ -309,14 +309,14 @@ class Evaluator:
       return self._fixed_emb
     return self.encoder.corpus(params, progress=True, shards_dir=self._shards_dir)
 
-  def _search(self, factory: str, doc_emb, query_emb: np.ndarray, k: int, first: bool):
+  def search_factory(self, factory: str, doc_emb, query_emb: np.ndarray, k: int, first: bool):
     """(rows [Q, k], scores) of the corpus's top k on `factory`, by row: no index holds ids or a copy of a
     Flat matrix. Flat is the exact search, on the mesh (eval.backend=jax, the first factory) or by faiss.knn
     over the vectors where they lie (memory-mapped shards); a compressed factory is a Faiss index of its
     codes, kept for every evaluation when the document tower is frozen."""
     if retrieved.is_flat(factory):
-      if first and self._fixed_corpus is not None:  # ADORE's matrix on the devices: its own placement
-        corpus = self._fixed_corpus
+      if first and self.fixed_corpus is not None:  # ADORE's matrix on the devices: its own placement
+        corpus = self.fixed_corpus
         if k not in self._fixed_search:
           placed = topk.ShardedCorpus(corpus.device, corpus.bias, corpus.num_docs, "", corpus.block_rows)
           self._fixed_search[k] = topk.search_fn(placed, k, self.mesh)
@@ -348,7 +348,7 @@ class Evaluator:
     results = {}
     k = min(self.config.eval.top_k, len(self.encoder.doc_ids))
     for i, factory in enumerate(self.factories):
-      rows, scores = self._search(factory, doc_emb, query_emb, k, i == 0)
+      rows, scores = self.search_factory(factory, doc_emb, query_emb, k, i == 0)
       run = {q: {self.encoder.doc_ids[int(r)]: float(v) for r, v in zip(row, score) if r >= 0}
              for q, row, score in zip(self.qids, rows, scores)}
       scored = metrics_lib.evaluate(qrels, run, self.metric_names)

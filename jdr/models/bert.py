@@ -269,7 +269,7 @@ def _layer_norm(cfg: EncoderConfig, name: str, deterministic: bool) -> nn.LayerN
       bias_init=_init(("embed",), nn.initializers.zeros_init()), name=name)
 
 
-def _exact_gelu(x: jax.Array) -> jax.Array:
+def exact_gelu(x: jax.Array) -> jax.Array:
   """GELU with the Gaussian CDF from erf; half-precision inputs are computed in float32 and rounded once.
 
   jax.nn.gelu's exact form goes through erfc, whose float32 kernel computes two branches and an exp: on an
@@ -285,7 +285,7 @@ def _exact_gelu(x: jax.Array) -> jax.Array:
 
 def _activation(name: str):
   if name == "gelu":
-    return _exact_gelu
+    return exact_gelu
   if name in ("gelu_new", "gelu_pytorch_tanh"):
     return lambda x: jax.nn.gelu(x, approximate=True)
   return jax.nn.relu

@@ -213,8 +213,8 @@ class HostIndex:
       sample = embeddings[np.sort(np.random.default_rng(seed).choice(len(embeddings), train_size, replace=False))]
     self.retriever.train(sample)
     # The Faiss index itself, added to and searched by row: the retriever's string ids are N Python objects.
-    self._index = self.retriever._index  # pylint: disable=protected-access
-    cpu = self.retriever._cpu  # pylint: disable=protected-access  (the trained CPU index holds the codecs)
+    self._index = self.retriever.search_index
+    cpu = self.retriever.cpu_index  # the trained CPU index holds the codecs
     codes = []
     for start in range(0, len(embeddings), 65536):
       block = np.ascontiguousarray(embeddings[start:start + 65536], np.float32)

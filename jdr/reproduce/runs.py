@@ -145,7 +145,7 @@ def finished_jobs(out: pathlib.Path, plan: rows_lib.Plan, jobs: dict[tuple, int]
   return finished
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
   seconds = int(round(seconds))
   if seconds >= 3600:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
@@ -203,7 +203,7 @@ class Progress:
     untimed = [f"{n} {noun.get(kind, kind)}{'s' if n > 1 else ''}" for kind, n in sorted(self.left.items())
                if n and kind not in rates]
     timed = sum(n * rates[kind] for kind, n in self.left.items() if kind in rates)
-    return f"ETA {_duration(timed)}" + "".join(f" + {what} (not timed yet)" for what in untimed)
+    return f"ETA {duration(timed)}" + "".join(f" + {what} (not timed yet)" for what in untimed)
 
   def begin(self, what: str) -> None:
     self.index += 1
@@ -265,7 +265,7 @@ def _output_to(path: pathlib.Path):
     os.close(saved[0]), os.close(saved[1])
 
 
-def _release() -> None:
+def release() -> None:
   """Drops the finished run's compiled programs: dozens of runs share one process."""
   import jax  # pylint: disable=g-import-not-at-top
   jax.clear_caches()
@@ -323,7 +323,7 @@ def train(ctx: Context, run: StageRun) -> dict:
             "seconds": round(seconds, 1)}
   atomic.write_text(workdir / "done.json", json.dumps(record, indent=1))
   del results
-  _release()
+  release()
   ctx.progress.end(step_kind(run.method), run.steps, seconds)
   return record
 
@@ -405,7 +405,7 @@ def score(ctx: Context, run: StageRun) -> dict:
     record = score_model(ctx, model, params, tokenizer, run.method in rows_lib.QUERY_ONLY)
   record["score_seconds"] = round(time.perf_counter() - start, 1)
   atomic.write_text(path, json.dumps(record, indent=1))
-  _release()
+  release()
   ctx.progress.end("score", 1, record["score_seconds"])
   return record
 
@@ -432,7 +432,7 @@ def score_start(ctx: Context) -> dict:
     record = {"dev": dev, **score_model(ctx, built.model, params, built.tokenizer, True)}
   record["score_seconds"] = round(time.perf_counter() - start, 1)
   atomic.write_text(path, json.dumps(record, indent=1))
-  _release()
+  release()
   ctx.progress.end("score", 1, record["score_seconds"])
   return record
 
@@ -469,7 +469,7 @@ def train_teacher(ctx: Context) -> dict:
           "dev": {k: float(v) for k, v in results["after"].items()}, "seconds": round(seconds, 1)}
   atomic.write_text(workdir / "done.json", json.dumps(done, indent=1))
   del results
-  _release()
+  release()
   ctx.progress.end("cross-encoder step", config.num_train_steps, seconds)
   return done
 
@@ -496,7 +496,7 @@ def prepare_mined(ctx: Context) -> None:
                "--cross-encoder", str(teacher_dir(ctx.out)), "--ce-max-length", str(ctx.plan.eval_doc_length)])
     mine.main(["--from", str(everything), "--out", str(filtered), "--ce-threshold", "dev"])
   ctx.progress.end("mining", 1, time.perf_counter() - start)
-  _release()
+  release()
 
 
 def record_given_rates(out: pathlib.Path, given: dict[str, float], selected: list[str]) -> None:

@@ -11,7 +11,7 @@ with Anserini's MS MARCO settings k1=0.9, b=0.4, and bm25s's tokenization: lower
 `index_for(texts, count, ...)` streams a corpus once: worker processes tokenize chunks of texts, postings spill
 to disk, and a counting sort writes a term-major sparse matrix of precomputed term weights (`Index`), memory-
 mapped when read. Built indexes are keyed by the corpus fingerprint and the settings; one process builds or
-loads an index once (`_OPEN`), and a cache directory keeps it across runs. A killed build resumes at its
+loads an index once (`OPEN`), and a cache directory keeps it across runs. A killed build resumes at its
 last finished chunk.
 
 `mine(index, queries, k, ...)` scores queries on every core (numba): each query adds up only the postings of
@@ -158,7 +158,7 @@ class Index:
 
 
 # One process builds or loads each index once, whoever asks (negatives, evaluation, reranking).
-_OPEN: dict[str, Index] = {}
+OPEN: dict[str, Index] = {}
 
 
 def index_for(texts: Iterable[str], count: int, *, fingerprint: str | None = None,
@@ -179,26 +179,26 @@ def index_for(texts: Iterable[str], count: int, *, fingerprint: str | None = Non
     fingerprint = text_fingerprint(texts, count)
   settings = _settings(k1, b)
   key = _hexkey(dict(version=_INDEX_VERSION, fingerprint=fingerprint, num_docs=count, **settings))
-  if key in _OPEN:
-    return _OPEN[key]
+  if key in OPEN:
+    return OPEN[key]
   name = f"bm25-index-{key[:20]}"
   meta = dict(version=_INDEX_VERSION, key=key, fingerprint=fingerprint, num_docs=count, **settings)
   if cache_dir is None:
     tmp = tempfile.TemporaryDirectory(prefix="jdr-bm25-")
-    index = Index.load(_build(texts, count, pathlib.Path(tmp.name) / name, meta, workers=workers,
+    index = Index.load(build_index(texts, count, pathlib.Path(tmp.name) / name, meta, workers=workers,
                               chunk_docs=chunk_docs, show_progress=show_progress))
     index._tmp = tmp
   else:
     place = _Place(cache_dir, name)
     with _exclusive(place.local):
       if not place.fetch():
-        _build(texts, count, place.local, meta, workers=workers, chunk_docs=chunk_docs,
+        build_index(texts, count, place.local, meta, workers=workers, chunk_docs=chunk_docs,
                show_progress=show_progress)
         place.publish()
     index = Index.load(place.local)
     if index.key != key:
       raise ValueError(f"{place.local}: holds the index of another corpus or settings; delete it")
-  _OPEN[key] = index
+  OPEN[key] = index
   return index
 
 
@@ -245,7 +245,7 @@ class _Place:
       paths.upload_dir(self.local, self.remote)
 
 
-def _tokenize_chunk(texts: Sequence[str]):
+def tokenize_chunk(texts: Sequence[str]):
   """One chunk's doc lengths [n], its terms (local ids in first-seen order) and its postings (doc, term, tf),
   sorted by doc. Runs in a worker process."""
   n = len(texts)
@@ -270,9 +270,9 @@ def _tokenize_chunk(texts: Sequence[str]):
 
 
 def _tokenized(chunks: Iterator[list[str]], workers: int) -> Iterator[tuple]:
-  """_tokenize_chunk over the chunks, in order, on `workers` processes, with a bounded number in flight."""
+  """tokenize_chunk over the chunks, in order, on `workers` processes, with a bounded number in flight."""
   if workers <= 1:
-    yield from map(_tokenize_chunk, chunks)
+    yield from map(tokenize_chunk, chunks)
     return
   # fork, not spawn: a spawned child re-runs the caller's main script, which is only safe behind an
   # `if __name__ == "__main__"` a user script may lack. A forked child inherits the threads' locks of JAX (and
@@ -282,7 +282,7 @@ def _tokenized(chunks: Iterator[list[str]], workers: int) -> Iterator[tuple]:
     for chunk in chunks:
       with warnings.catch_warnings():  # a submit forks the workers it still lacks
         warnings.filterwarnings("ignore", r"os\.fork\(\) was called", RuntimeWarning)
-        pending.append(pool.submit(_tokenize_chunk, chunk))
+        pending.append(pool.submit(tokenize_chunk, chunk))
       if len(pending) > 2 * workers:
         yield pending.popleft().result()
     while pending:
@@ -292,7 +292,7 @@ def _tokenized(chunks: Iterator[list[str]], workers: int) -> Iterator[tuple]:
 _SPILL = ("docs", "terms", "tfs")  # int32 postings in doc order, appended chunk by chunk while tokenizing
 
 
-def _build(texts: Iterable[str], count: int, final: pathlib.Path, meta: dict, *, workers: int | None,
+def build_index(texts: Iterable[str], count: int, final: pathlib.Path, meta: dict, *, workers: int | None,
            chunk_docs: int, show_progress: bool) -> pathlib.Path:
   """Writes the index of `texts` to `final` through `final`.partial, resuming a killed build there."""
   from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
@@ -525,7 +525,7 @@ def _top_k(data, indices, indptr, terms, starts, acc, touched, out_rows, out_sco
                  out_rows[q], out_scores[q])
 
 
-class _Scorer:
+class Scorer:
   """The top-k kernel over an index with per-thread scratch, on n_threads cores (-1: all; 0, as bm25s: one)."""
 
   def __init__(self, index: Index, n_queries: int, n_threads: int):
@@ -555,7 +555,7 @@ def search(index: Index, texts: Sequence[str], k: int, *, n_threads: int = -1) -
     raise ValueError(f"k must be >= 1, got {k}")
   if not texts:
     return np.zeros((0, k), np.int32), np.zeros((0, k), np.float32)
-  return _Scorer(index, len(texts), n_threads)(texts, k)
+  return Scorer(index, len(texts), n_threads)(texts, k)
 
 
 @dataclasses.dataclass
@@ -591,7 +591,7 @@ def mine(index: Index, texts: Sequence[str], k: int, cache_dir: str | os.PathLik
       rows, scores, done, chunk_size = _open_partial(partial, key, n, k, chunk_size)
     else:
       rows, scores, done = np.empty((n, k), np.int32), np.empty((n, k), np.float32), 0
-    scorer = _Scorer(index, n, n_threads) if n else None
+    scorer = Scorer(index, n, n_threads) if n else None
     with tqdm(total=n, initial=min(done * chunk_size, n), desc=desc, unit="query", disable=not show_progress,
               smoothing=0.05) as bar:
       for start in range(done * chunk_size, n, chunk_size):

@@ -309,11 +309,11 @@ def _encode_batches(runtime: EncoderRuntime, count: int, batches, progress: tqdm
 # Encoding directories.
 
 
-def _shard_paths(out_dir: paths.epath.Path, shard: int) -> tuple[paths.epath.Path, paths.epath.Path]:
+def shard_paths(out_dir: paths.epath.Path, shard: int) -> tuple[paths.epath.Path, paths.epath.Path]:
   return out_dir / f"emb-{shard:05d}.npy", out_dir / f"ids-{shard:05d}.txt"
 
 
-def _save_npy(path: paths.epath.Path, array: np.ndarray) -> None:
+def save_npy(path: paths.epath.Path, array: np.ndarray) -> None:
   atomic.write_atomic(path, lambda f: np.save(f, array))
 
 
@@ -393,7 +393,7 @@ def encode_corpus(runtime: EncoderRuntime, docs: dict, out_dir: str | os.PathLik
 
   mine = range(part_shards[index])  # this part's shards, local numbering
   size_of = lambda s: min(shard_size, len(doc_ids) - s * shard_size)
-  done = [s for s in mine if all(p.exists() for p in _shard_paths(out_dir, first_shard + s))]
+  done = [s for s in mine if all(p.exists() for p in shard_paths(out_dir, first_shard + s))]
   todo = [s for s in mine if s not in done]
   if done:
     print(f"resuming: {len(done)} of {len(mine)} shards already encoded in {out_dir}", file=sys.stderr)
@@ -413,7 +413,7 @@ def encode_corpus(runtime: EncoderRuntime, docs: dict, out_dir: str | os.PathLik
       emb, parts = encode_pieces(runtime, text_lib.tokenize(runtime.tokenizer, texts, runtime.max_length),
                                  list(pieces))
       for name, part in parts.items():
-        _save_npy(out_dir / f"pieces-{name}-{shard:05d}.npy", part)
+        save_npy(out_dir / f"pieces-{name}-{shard:05d}.npy", part)
       bar.update(len(ids))
     elif passages > 1:
       split = text_lib.passage_tokens(runtime.tokenizer, texts, runtime.max_length, passages)
@@ -422,14 +422,14 @@ def encode_corpus(runtime: EncoderRuntime, docs: dict, out_dir: str | os.PathLik
       bar.update(len(split))
     else:
       emb = encode_texts(runtime, texts, tokens_per_batch=tokens_per_batch, progress=bar)
-    emb_path, ids_path = _shard_paths(out_dir, shard)
+    emb_path, ids_path = shard_paths(out_dir, shard)
     # ids first, embeddings last: a shard counts as finished only once its embeddings exist.
     atomic.write_text(ids_path, "".join(i + "\n" for i in ids))
-    _save_npy(emb_path, emb)
+    save_npy(emb_path, emb)
   bar.close()
   if count > 1:
     multihost_utils.sync_global_devices("jdr.retrieval.corpus.encode_corpus: every host's shards written")
-  missing = [s for s in range(num_shards) if not all(p.exists() for p in _shard_paths(out_dir, s))]
+  missing = [s for s in range(num_shards) if not all(p.exists() for p in shard_paths(out_dir, s))]
   if missing:
     raise RuntimeError(f"{out_dir}: shards {missing[:10]} are missing after every host finished; is out_dir on a "
                        "file system all hosts share?")
@@ -443,7 +443,7 @@ def encode_corpus(runtime: EncoderRuntime, docs: dict, out_dir: str | os.PathLik
     except OSError:
       pass  # object stores have no directories to remove; the files are gone, which is what matters
   meta["complete"] = True
-  meta["dim"] = int(paths.load_npy(_shard_paths(out_dir, 0)[0], mmap_mode="r").shape[1])
+  meta["dim"] = int(paths.load_npy(shard_paths(out_dir, 0)[0], mmap_mode="r").shape[1])
   if index == 0:
     atomic.write_text(meta_path, json.dumps(meta, indent=1))
   return meta
@@ -479,7 +479,7 @@ def read_ids(enc_dir: str | os.PathLike) -> list[str]:
   meta = read_meta(enc_dir)
   ids = []
   for shard in range(meta["num_shards"]):
-    ids.extend(_shard_paths(enc_dir, shard)[1].read_text().splitlines())
+    ids.extend(shard_paths(enc_dir, shard)[1].read_text().splitlines())
   if _documents(ids, meta) != meta["num_docs"]:
     raise ValueError(f"{enc_dir}: {len(ids)} ids, meta says {meta['num_docs']} documents: "
                      "the directory is corrupt")
@@ -503,7 +503,7 @@ def load_embeddings(enc_dir: str | os.PathLike) -> tuple[np.ndarray, list[str], 
   meta = read_meta(enc_dir)
   embs, ids = [], []
   for shard in range(meta["num_shards"]):
-    emb_path, ids_path = _shard_paths(enc_dir, shard)
+    emb_path, ids_path = shard_paths(enc_dir, shard)
     embs.append(paths.load_npy(emb_path, mmap_mode="r"))
     ids.extend(ids_path.read_text().splitlines())
   emb = embs[0] if len(embs) == 1 else sharded_rows.ShardedRows(embs)

@@ -118,13 +118,13 @@ def to_run(query_ids: Sequence[str], scores: np.ndarray, ids: list[list[str]]) -
 # Faiss.
 
 
-def _faiss():
+def import_faiss():
   import faiss  # pylint: disable=import-outside-toplevel
   return faiss
 
 
 def _gpu_count() -> int:
-  faiss = _faiss()
+  faiss = import_faiss()
   return faiss.get_num_gpus() if hasattr(faiss, "get_num_gpus") else 0
 
 
@@ -142,7 +142,7 @@ def _skip_polysemous_training(index) -> None:
   """index_factory turns on polysemous training for PQ codes ("PQ16" unless written "PQ16np"). It only
   reorders the codebooks for Hamming-distance pre-filtering, which jdr never enables, and it made
   training "OPQ16,IVF1,PQ16" on 3,000 vectors take 13 s instead of 4."""
-  faiss = _faiss()
+  faiss = import_faiss()
   index = faiss.downcast_index(index)
   if isinstance(index, faiss.IndexPreTransform):
     index = faiss.downcast_index(index.index)
@@ -181,7 +181,7 @@ class FaissRetriever:
                use_gpu: bool | Literal["auto"] = "auto", train_size: int = 100_000,
                search_params: str | None = None, seed: int = 0, *,
                gpu_layout: Literal["shard", "replicate"] = "shard", gpu_float16: bool = False, _index=None):
-    faiss = _faiss()
+    faiss = import_faiss()
     if metric not in ("ip", "l2"):
       raise ValueError(f"metric must be 'ip' or 'l2', got {metric!r}")
     if gpu_layout not in ("shard", "replicate"):
@@ -203,44 +203,44 @@ class FaissRetriever:
     if _index is None:
       _index = faiss.index_factory(self.dim, factory, metric_type)
       _skip_polysemous_training(_index)
-    self._cpu = _index
-    if self._cpu.d != self.dim:
-      raise ValueError(f"index has dim {self._cpu.d}, expected {self.dim}")
-    self._index = None  # What searches run on: the CPU index or its GPU clone; set once trained.
+    self.cpu_index = _index
+    if self.cpu_index.d != self.dim:
+      raise ValueError(f"index has dim {self.cpu_index.d}, expected {self.dim}")
+    self.search_index = None  # What searches run on: the CPU index or its GPU clone; set once trained.
     self._ids: list[str] = []
     self._id_array: np.ndarray | None = None
     # Serialized size of the trained, empty index (codebooks, rotations, centroids): subtracted so
     # bytes_per_doc is the marginal cost of a document, not fixed overhead spread over a small corpus.
     self._fixed_bytes: int | None = None
-    if self._cpu.is_trained:
+    if self.cpu_index.is_trained:
       self._ready()
 
   @property
   def on_gpu(self) -> bool:
-    return self._index is not None and self._index is not self._cpu
+    return self.search_index is not None and self.search_index is not self.cpu_index
 
   def __len__(self) -> int:
     return len(self._ids)
 
   def _ready(self) -> None:
-    faiss = _faiss()
-    if self._fixed_bytes is None and self._cpu.ntotal == 0:
-      self._fixed_bytes = int(faiss.serialize_index(self._cpu).size)
-    self._index = self._cpu
+    faiss = import_faiss()
+    if self._fixed_bytes is None and self.cpu_index.ntotal == 0:
+      self._fixed_bytes = int(faiss.serialize_index(self.cpu_index).size)
+    self.search_index = self.cpu_index
     if self._want_gpu:
       try:
-        self._index = faiss.index_cpu_to_all_gpus(self._cpu, gpu_cloner_options(faiss, self.gpu_layout,
+        self.search_index = faiss.index_cpu_to_all_gpus(self.cpu_index, gpu_cloner_options(faiss, self.gpu_layout,
                                                                                  self.gpu_float16))
       except RuntimeError as e:  # e.g. HNSW has no GPU implementation.
         print(f"jdr.retrieval.index: {self.factory!r} stays on the CPU ({str(e).splitlines()[0]})", file=sys.stderr)
 
   def train(self, vectors: np.ndarray) -> None:
     """Trains the quantizers (no-op for indexes that need none)."""
-    if self._cpu.is_trained:
+    if self.cpu_index.is_trained:
       return
     vectors = _as_vectors(vectors, self.dim, "training vectors")
     try:
-      self._cpu.train(vectors)
+      self.cpu_index.train(vectors)
     except RuntimeError as e:
       raise RuntimeError(
           f"training faiss index {self.factory!r} on {len(vectors)} vectors failed (PQ needs at least "
@@ -252,23 +252,23 @@ class FaissRetriever:
     ids = _as_ids(ids, len(embeddings))
     if not len(ids):
       return
-    if not self._cpu.is_trained:
+    if not self.cpu_index.is_trained:
       sample = embeddings
       if len(embeddings) > self.train_size:
         rows = np.random.default_rng(self.seed).choice(len(embeddings), self.train_size, replace=False)
         sample = embeddings[np.sort(rows)]
       self.train(np.asarray(sample))
     for _, piece in sharded_rows.pieces(embeddings):
-      self._index.add(np.ascontiguousarray(piece, np.float32))
+      self.search_index.add(np.ascontiguousarray(piece, np.float32))
     self._ids.extend(ids)
     self._id_array = None
 
   def _apply_search_params(self) -> None:
     if not self.search_params:
       return
-    faiss = _faiss()
+    faiss = import_faiss()
     space = faiss.GpuParameterSpace() if self.on_gpu else faiss.ParameterSpace()
-    space.set_index_parameters(self._index, self.search_params)
+    space.set_index_parameters(self.search_index, self.search_params)
 
   def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, list[list[str]]]:
     if not self._ids:
@@ -276,7 +276,7 @@ class FaissRetriever:
     queries = _as_vectors(queries, self.dim, "queries")
     k = min(int(k), len(self._ids))
     self._apply_search_params()
-    scores, rows = self._index.search(queries, k)
+    scores, rows = self.search_index.search(queries, k)
     if self.metric == "l2":
       scores = -scores
     # Approximate indexes may find fewer than k documents: those slots are -1.
@@ -287,11 +287,11 @@ class FaissRetriever:
     return scores, self._id_array[rows].tolist()
 
   def _cpu_copy(self):
-    return _faiss().index_gpu_to_cpu(self._index) if self.on_gpu else self._cpu
+    return import_faiss().index_gpu_to_cpu(self.search_index) if self.on_gpu else self.cpu_index
 
   def memory_bytes(self) -> int:
     """Serialized size of the whole index (codes, graph, quantizers)."""
-    return int(_faiss().serialize_index(self._cpu_copy()).size)
+    return int(import_faiss().serialize_index(self._cpu_copy()).size)
 
   def bytes_per_doc(self) -> float:
     """Marginal bytes per document: (serialized size - size when empty) / documents.
@@ -309,7 +309,7 @@ class FaissRetriever:
         "fixed_bytes": self._fixed_bytes, "ntotal": len(self._ids), "gpu_layout": self.gpu_layout,
         "gpu_float16": self.gpu_float16})
     # Through bytes, not faiss.write_index: the directory may be on object storage (gs://).
-    data = _faiss().serialize_index(self._cpu_copy())
+    data = import_faiss().serialize_index(self._cpu_copy())
     atomic.write_atomic(path / "index.faiss", lambda f: f.write(data.tobytes()))
 
   @classmethod
@@ -320,7 +320,7 @@ class FaissRetriever:
     if meta["kind"] != cls.kind:
       raise ValueError(f"{directory} holds a {meta['kind']!r} index, not {cls.kind!r}")
     data = (paths.as_path(directory) / "index.faiss").read_bytes()
-    index = _faiss().deserialize_index(np.frombuffer(data, dtype=np.uint8))
+    index = import_faiss().deserialize_index(np.frombuffer(data, dtype=np.uint8))
     ids = _read_ids(directory)
     if len(ids) != index.ntotal:
       raise ValueError(f"{directory}: {len(ids)} ids for {index.ntotal} vectors")

@@ -389,7 +389,7 @@ class Distiller:
   def complete(self, batch: dict, step: int) -> dict:
     qids, doc_ids, _ = self.batches.global_layout(step)
     num, n = len(qids), self.per_query
-    lo, hi = self.batches._rows(num)  # pylint: disable=protected-access
+    lo, hi = self.batches.host_rows(num)
     own = [[doc_ids[b]] + doc_ids[num + b * n:num + (b + 1) * n] for b in range(lo, hi)]
     self.teacher.ensure([(qids[b], d) for b, cols in zip(range(lo, hi), own) for d in cols])
     batch = dict(batch)

@@ -94,4 +94,4 @@ def exit_stopped(stopped: Stopped, argv: list[str], command: str = "jdr.train") 
   print(resume_line(stopped, argv, command), file=sys.stderr)
   sys.stdout.flush()
   sys.stderr.flush()
-  os._exit(stopped.exit_status)  # pylint: disable=protected-access
+  os._exit(stopped.exit_status)
