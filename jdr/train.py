@@ -73,7 +73,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   model = built.model
   if pretrain_batches.is_masked_lm(config):
     model = model.clone(mlm_head=True)  # trained here, dropped by every reader of the workdir
-  query_only = config.model.train_towers == "query"
+  query_only = optimizers.query_only(config.model)
   if is_host0:
     atomic.write_text(workdir / "config.json", config.to_json_best_effort(indent=1))
     atomic.write_text(workdir / "model.json", json.dumps(built.description, indent=1))

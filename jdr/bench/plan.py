@@ -246,6 +246,7 @@ def stages(config: ml_collections.ConfigDict) -> list[Stage]:
 
 def _evaluation(config: ml_collections.ConfigDict, corpus: Corpus) -> list[Stage]:
   from jdr.negatives import sources  # pylint: disable=g-import-not-at-top
+  from jdr.training import optimizers  # pylint: disable=g-import-not-at-top
   dev, depth = corpus.dev_queries, config.eval.get("candidates_depth", 100)
   times = 1 + int(config.eval_before_training) + (config.num_train_steps // config.eval_every
                                                    if config.eval_every else 0)
@@ -258,7 +259,7 @@ def _evaluation(config: ml_collections.ConfigDict, corpus: Corpus) -> list[Stage
                   f"{times} x {n:,} pairs x {ld} tokens / {rate / 1e6:.2f}M tokens/s", "device")]
   qs, qs_f = _query_encode(dev, config.data.query_max_length)
   se, se_f = _search(dev, corpus.docs)
-  if config.model.train_towers == "query":  # the fixed index is searched, never re-encoded
+  if optimizers.query_only(config.model):  # the fixed index is searched, never re-encoded
     return [Stage("evaluate", f"{times} x the fixed index", times * (qs + se), f"{times} x ({qs_f} + {se_f})",
                   "device")]
   kind = config.eval.get("candidates", "full")

@@ -133,6 +133,12 @@ def training_pairs(qrels: dict) -> list[tuple[str, str]]:
   return sorted((q, d) for q, docs in qrels.items() for d, rel in docs.items() if rel > 0)
 
 
+def training_queries(qrels: dict) -> list[str]:
+  """The training queries (those with a positive) in the one order every part of jdr indexes them by: the
+  batches' `query_index` rows, the negative sources' pools and caches."""
+  return sorted({q for q, docs in qrels.items() if any(rel > 0 for rel in docs.values())})
+
+
 def pad(rows: Sequence[np.ndarray], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
   ids = np.full((len(rows), length), pad_id, np.int32)
   mask = np.zeros((len(rows), length), np.int32)
@@ -185,7 +191,7 @@ class Batches:
     self.triples_per_query = triples_per_query
     self._triple_perms: dict[tuple[int, int], np.ndarray] = {}
     # Training queries in a fixed order: `query_index` rows of a batch point into it.
-    self.train_qids = sorted({q for q, _ in self.pairs})
+    self.train_qids = training_queries(data.train_qrels)
     self.query_row = {q: i for i, q in enumerate(self.train_qids)}
     # Every query's positives, its batch positive first (the missing-positive rules put them in the list).
     self.max_positives = max(sum(1 for r in data.train_qrels[q].values() if r > 0) for q in self.train_qids)

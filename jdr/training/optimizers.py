@@ -45,15 +45,25 @@ def decay_mask(params):
   return jax.tree.map(lambda p: p.ndim > 1, params)
 
 
-def trainable_labels(params, train_towers: str):
-  """"train" or "freeze" per parameter: everything trains, or only the query tower (ADORE / LTRe)."""
+def query_only(model_config: ml_collections.ConfigDict) -> bool:
+  """Whether only the query tower trains (ADORE / LTRe: `model.train_towers`), the one place it is decided."""
+  return trains_query_only(model_config.train_towers)
+
+
+def trains_query_only(train_towers: str) -> bool:
   if train_towers not in ("both", "query"):
     raise ValueError(f"model.train_towers must be 'both' or 'query', got {train_towers!r}")
-  if train_towers == "query" and "query_tower" not in params:
+  return train_towers == "query"
+
+
+def trainable_labels(params, train_towers: str):
+  """"train" or "freeze" per parameter: everything trains, or only the query tower (ADORE / LTRe)."""
+  only_query = trains_query_only(train_towers)
+  if only_query and "query_tower" not in params:
     raise ValueError("model.train_towers='query' needs separate towers (model.shared=False)")
 
   def label(path, _):
-    return "train" if train_towers == "both" or path[0].key == "query_tower" else "freeze"
+    return "train" if not only_query or path[0].key == "query_tower" else "freeze"
 
   # tree_map_with_path keeps flax's logical-partitioning boxes, so the labels match boxed params too.
   return jax.tree_util.tree_map_with_path(label, params)

@@ -1,15 +1,16 @@
 """The train state and the step: `make_train_step(model, tx, config, mesh, candidates)`, jitted by `jit_step`.
 
 The step is one pure function of (state, batch[, corpus, bias]). Everything that differs between methods is
-chosen once, when the step is built, and held in a `Spec`:
+chosen once, when the step is built, by factories that close over their own options; the `Spec` holds the
+model, the optimizer, the mesh and the chosen gradient function:
 
-  scoring     one function per candidate kind (`SCORERS`), the kind being `Negatives.candidates`
+  scoring     one factory per candidate kind (`SCORERS`), the kind being `Negatives.candidates`
               (jdr/negatives/sources.py): "tokens" (documents as token ids, encoded here by the document
               tower), "corpus" (rows of a fixed corpus matrix, ADORE / LTRe), "pairs" (a cross-encoder's
               joint (query, candidate) inputs)
   loss terms  the contrastive loss of jdr/training/losses.py plus the terms other modules own, added to it
               (distill.loss_terms: FGD's and document-level distillation)
-  gradients   `GRADIENTS`: plain autodiff, exact gradient caching (jdr/training/gradcache.py), or the masked-LM
+  gradients   plain autodiff through the scorer, exact gradient caching (jdr/training/gradcache.py), or the masked-LM
               baseline's token loss (jdr/data/pretrain_batches.py), which replaces scoring altogether
 
 Batches follow the contract of jdr/data/batch.py.
@@ -31,6 +32,7 @@ import optax
 from jdr.training import distill
 from jdr.training import gradcache
 from jdr.training import losses
+from jdr.training import optimizers
 from jdr.runtime import parallel
 from jdr.data import pretrain_batches
 from jdr.models.towers import TwoTower
@@ -47,28 +49,13 @@ class TrainState:
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
-  """The static choices of one step, made when it is built (never inside the traced step)."""
+  """The static description of one step, made when it is built (never inside the traced step): the model, the
+  optimizer, the mesh and the gradient function chosen for the method, which closes over its own options."""
   model: TwoTower
   tx: optax.GradientTransformation
   mesh: Any
-  candidates: str  # a key of SCORERS
-  gradients: str  # a key of GRADIENTS
-  loss_of: Callable  # jdr.training.losses.make_loss: (scores, fields) -> per-example losses
-  chunk_rows: int  # model.encode_chunk_rows: encode this many rows at a time (0: all at once)
-  grad_cache_rows: int  # grad_cache.chunk_size (gradient caching only)
-  query_only: bool  # the document tower is frozen
-  hardest: bool  # negatives.hardest_in_batch
-  logq: bool  # loss.logq_correction
-  retrieve_in_step: bool  # corpus candidates: retrieved here, not given as `cand_rows`
-  top_n: int
-  recall_target: float
-  missing_positive: str = "append"  # negatives.missing_positive: jdr.negatives.retrieved.MISSING_POSITIVE
-  span_levels: tuple = ()  # FGD's (name, window tokens): the document tower also returns piece vectors
-  span_pooling: str = "attention"
-  terms: tuple = ()  # (q, spans, scores, valid, batch) -> {name: scalar}, added to the contrastive loss
-  contrastive_weight: float = 1.0
-  encode_query: Callable | None = None  # gradient caching: per-row encoders (jdr/training/gradcache.py)
-  encode_doc: Callable | None = None
+  gradients: Callable  # (state, batch, corpus, bias) -> ((loss, aux), grads)
+  frozen: tuple[str, ...] = ()  # parameter groups that do not train, left out of the gradient norms
 
 
 def make_train_step(model: TwoTower, tx: optax.GradientTransformation, config: ml_collections.ConfigDict,
@@ -90,25 +77,14 @@ def make_train_step(model: TwoTower, tx: optax.GradientTransformation, config: m
 def make_spec(model: TwoTower, tx: optax.GradientTransformation, config: ml_collections.ConfigDict, mesh,
               candidates: str, retrieve_in_step: bool) -> Spec:
   chunk = check_grad_cache(config, candidates)
-  query_only = config.model.train_towers == "query"
-  encoders = {}
-  if chunk:
-    frozen_doc = gradcache.per_row_encoder(model, "encode_doc", deterministic=True)
-    encoders = {"encode_query": gradcache.per_row_encoder(model, "encode_query"),
-                "encode_doc": (lambda *a: jax.lax.stop_gradient(frozen_doc(*a))) if query_only else
-                              gradcache.per_row_encoder(model, "encode_doc")}
-  distilling = distill.enabled(config)
-  gradients = "masked_lm" if pretrain_batches.is_masked_lm(config) else "cached" if chunk else "plain"
-  return Spec(
-      model=model, tx=tx, mesh=mesh, candidates=candidates, gradients=gradients,
-      loss_of=losses.make_loss(config.loss), chunk_rows=config.model.get("encode_chunk_rows", 0),
-      grad_cache_rows=chunk, query_only=query_only, hardest=config.negatives.hardest_in_batch,
-      logq=config.loss.logq_correction, retrieve_in_step=retrieve_in_step, top_n=config.negatives.top_n,
-      recall_target=config.negatives.top_k_recall_target,
-      missing_positive=retrieved.check_missing_positive(config.negatives.missing_positive),
-      span_levels=tuple(distill.levels(config)) if distilling else (), span_pooling=config.distill.pooling,
-      terms=(distill.loss_terms(config),) if distilling else (),
-      contrastive_weight=config.distill.contrastive_weight if distilling else 1.0, **encoders)
+  query_only = optimizers.query_only(config.model)
+  if pretrain_batches.is_masked_lm(config):
+    gradients = masked_lm_gradients(model)
+  elif chunk:
+    gradients = cached_gradients(model, config, mesh, chunk, query_only)
+  else:
+    gradients = plain_gradients(SCORERS[candidates](model, config, mesh, retrieve_in_step))
+  return Spec(model=model, tx=tx, mesh=mesh, gradients=gradients, frozen=("doc_tower",) if query_only else ())
 
 
 def _on_mesh(step, mesh, *args):
@@ -118,147 +94,205 @@ def _on_mesh(step, mesh, *args):
 
 
 def train_step(spec: Spec, state: TrainState, batch: dict[str, jax.Array], corpus=None, bias=None):
-  (loss, aux), grads = GRADIENTS[spec.gradients](spec, state, batch, corpus, bias)
+  (loss, aux), grads = spec.gradients(state, batch, corpus, bias)
   updates, opt_state = spec.tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
   return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux,
-                     **group_grad_norms(grads, skip=("doc_tower",) if spec.query_only else ())}
+                     **group_grad_norms(grads, skip=spec.frozen)}
 
 
 # ------------------------------------------------------------------------------------------------ gradients
+# Each factory returns (state, batch, corpus, bias) -> ((loss, aux), grads), closing over what it needs.
 
 
-def plain_gradients(spec: Spec, state: TrainState, batch, corpus, bias):
-  score = SCORERS[spec.candidates]
-  return jax.value_and_grad(lambda params: score(spec, params, batch, step_rngs(state), corpus, bias),
-                            has_aux=True)(state.params)
+def plain_gradients(score: Callable) -> Callable:
+  """Autodiff through one scoring function (`SCORERS`)."""
+
+  def gradients(state: TrainState, batch, corpus, bias):
+    return jax.value_and_grad(lambda params: score(params, batch, step_rngs(state), corpus, bias),
+                              has_aux=True)(state.params)
+
+  return gradients
 
 
-def cached_gradients(spec: Spec, state: TrainState, batch, corpus, bias):
-  del corpus, bias  # token batches only (check_grad_cache)
-  # Sharded chunk loops (one gradient all-reduce per step) when every shard holds whole chunks.
-  mesh = spec.mesh
-  shards = parallel.data_parallel_size(mesh) if mesh is not None else 1
-  sizes = (batch["query_ids"].shape[0], batch["doc_ids"].shape[0], spec.grad_cache_rows)
-  loss, aux, grads = gradcache.cached_value_and_grad(
-      spec.encode_query, spec.encode_doc, lambda q, d: tokens_loss(spec, q, d, batch), state.params, batch,
-      jax.random.fold_in(state.rng, state.step), chunk_size=spec.grad_cache_rows,
-      mesh=mesh if shards > 1 and not any(n % shards for n in sizes) else None,
-      batch_axes=parallel.BATCH_AXES)
-  return (loss, aux), grads
+def cached_gradients(model: TwoTower, config: ml_collections.ConfigDict, mesh, chunk: int,
+                     query_only: bool) -> Callable:
+  """Exact gradient caching (jdr/training/gradcache.py) over token batches, `chunk` rows at a time."""
+  frozen_doc = gradcache.per_row_encoder(model, "encode_doc", deterministic=True)
+  encode_query = gradcache.per_row_encoder(model, "encode_query")
+  encode_doc = ((lambda *a: jax.lax.stop_gradient(frozen_doc(*a))) if query_only else
+                gradcache.per_row_encoder(model, "encode_doc"))
+  objective = tokens_objective(config)
+
+  def gradients(state: TrainState, batch, corpus, bias):
+    del corpus, bias  # token batches only (check_grad_cache)
+    # Sharded chunk loops (one gradient all-reduce per step) when every shard holds whole chunks.
+    shards = parallel.data_parallel_size(mesh) if mesh is not None else 1
+    sizes = (batch["query_ids"].shape[0], batch["doc_ids"].shape[0], chunk)
+    loss, aux, grads = gradcache.cached_value_and_grad(
+        encode_query, encode_doc, lambda q, d: objective(q, d, batch), state.params, batch,
+        jax.random.fold_in(state.rng, state.step), chunk_size=chunk,
+        mesh=mesh if shards > 1 and not any(n % shards for n in sizes) else None,
+        batch_axes=parallel.BATCH_AXES)
+    return (loss, aux), grads
+
+  return gradients
 
 
-def masked_lm_gradients(spec: Spec, state: TrainState, batch, corpus, bias):
-  del corpus, bias
-  return jax.value_and_grad(pretrain_batches.masked_lm_loss, argnums=1, has_aux=True)(
-      spec.model, state.params, batch, step_rngs(state)[0])
+def masked_lm_gradients(model: TwoTower) -> Callable:
+  """The masked-LM baseline's token loss (jdr/data/pretrain_batches.py), which replaces scoring altogether."""
 
+  def gradients(state: TrainState, batch, corpus, bias):
+    del corpus, bias
+    return jax.value_and_grad(pretrain_batches.masked_lm_loss, argnums=1, has_aux=True)(
+        model, state.params, batch, step_rngs(state)[0])
 
-GRADIENTS = {"plain": plain_gradients, "cached": cached_gradients, "masked_lm": masked_lm_gradients}
+  return gradients
 
 
 # ------------------------------------------------------------------------------------------------ scoring
+# One factory per candidate kind: (model, config, mesh, retrieve_in_step) -> score(params, batch, rngs,
+# corpus, bias) -> (loss, aux), closing over the options of the method that uses it.
 
 
-def score_pairs(spec: Spec, params, batch, rngs, corpus=None, bias=None):
+def pairs_scorer(model, config: ml_collections.ConfigDict, mesh=None, retrieve_in_step: bool = False):
   """A cross-encoder: every (query, candidate) pair is one joint forward pass, one logit each."""
-  del corpus, bias
-  ids = batch["pair_ids"]
-  rows, n, length = ids.shape
-  flat = lambda x: x.reshape(rows * n, length)
-  scores = encode_in_chunks(
-      lambda a, key: spec.model.apply({"params": params}, *a, deterministic=False, rngs={"dropout": key}),
-      (flat(ids), flat(batch["pair_mask"]), flat(batch["pair_types"])), rngs[0], spec.chunk_rows
-  ).reshape(rows, n)
-  fields = {"labels": batch["labels"], "valid": batch["valid"]}
-  return contrastive(spec, scores, fields, batch["labels"] > 0, {})
+  del mesh, retrieve_in_step
+  objective, chunk_rows = make_objective(config), config.model.get("encode_chunk_rows", 0)
+
+  def score(params, batch, rngs, corpus=None, bias=None):
+    del corpus, bias
+    ids = batch["pair_ids"]
+    rows, n, length = ids.shape
+    flat = lambda x: x.reshape(rows * n, length)
+    scores = encode_in_chunks(
+        lambda a, key: model.apply({"params": params}, *a, deterministic=False, rngs={"dropout": key}),
+        (flat(ids), flat(batch["pair_mask"]), flat(batch["pair_types"])), rngs[0], chunk_rows
+    ).reshape(rows, n)
+    fields = {"labels": batch["labels"], "valid": batch["valid"]}
+    return objective(scores, fields, batch["labels"] > 0, {})
+
+  return score
 
 
-def score_corpus(spec: Spec, params, batch, rngs, corpus, bias):
+def corpus_scorer(model, config: ml_collections.ConfigDict, mesh=None, retrieve_in_step: bool = False):
   """ADORE / LTRe: the query tower against rows of the fixed corpus matrix, its retrieved top n completed by
-  the missing-positive rule (`retrieved.candidates`); no document tower runs."""
-  q = encode_queries(spec, params, batch, rngs[0])
-  if spec.retrieve_in_step:
-    rows = retrieved.sharded_top_k(jax.lax.stop_gradient(q), corpus, bias, spec.top_n, spec.mesh,
-                                   spec.recall_target)
-  else:
-    rows = batch["cand_rows"]
-  # One rule for both paths, so host Faiss and in-step retrieval build the same candidate list.
-  rows, labels, retrieved_labels = retrieved.candidates(rows, batch["positive_rows"], spec.missing_positive)
-  if "cand_vectors" in batch:  # host retrieval: the matrix stays on the host, the batch brings the vectors
-    docs = retrieved.vectors_of(rows, batch["cand_rows"], batch["cand_vectors"], batch["positive_rows"],
-                                batch["positive_vectors"])
-  else:
-    docs = retrieved.gather_rows(corpus, rows, spec.mesh)
-  scores = jnp.einsum("bd,bnd->bn", q, docs)
-  aux = retrieved.retrieval_diagnostics(retrieved_labels, batch["positive_rows"])
-  return contrastive(spec, scores, {"labels": labels, "valid": rows >= 0}, labels > 0, aux)
+  the missing-positive rule (`retrieved.candidates`); no document tower runs. `retrieve_in_step`: the top n
+  is retrieved here, else given as the batch field `cand_rows`."""
+  neg = config.negatives
+  top_n, recall_target = neg.top_n, neg.top_k_recall_target
+  missing_positive = retrieved.check_missing_positive(neg.missing_positive)
+  objective, chunk_rows = make_objective(config), config.model.get("encode_chunk_rows", 0)
+
+  def score(params, batch, rngs, corpus, bias):
+    q = encode_queries(model, chunk_rows, params, batch, rngs[0])
+    if retrieve_in_step:
+      rows = retrieved.sharded_top_k(jax.lax.stop_gradient(q), corpus, bias, top_n, mesh, recall_target)
+    else:
+      rows = batch["cand_rows"]
+    # One rule for both paths, so host Faiss and in-step retrieval build the same candidate list.
+    rows, labels, retrieved_labels = retrieved.candidates(rows, batch["positive_rows"], missing_positive)
+    if "cand_vectors" in batch:  # host retrieval: the matrix stays on the host, the batch brings the vectors
+      docs = retrieved.vectors_of(rows, batch["cand_rows"], batch["cand_vectors"], batch["positive_rows"],
+                                  batch["positive_vectors"])
+    else:
+      docs = retrieved.gather_rows(corpus, rows, mesh)
+    scores = jnp.einsum("bd,bnd->bn", q, docs)
+    aux = retrieved.retrieval_diagnostics(retrieved_labels, batch["positive_rows"])
+    return objective(scores, {"labels": labels, "valid": rows >= 0}, labels > 0, aux)
+
+  return score
 
 
-def score_tokens(spec: Spec, params, batch, rngs, corpus=None, bias=None):
+def tokens_scorer(model, config: ml_collections.ConfigDict, mesh=None, retrieve_in_step: bool = False):
   """Two towers over token batches: every query against every document of the global batch."""
-  del corpus, bias
-  q = encode_queries(spec, params, batch, rngs[0])
+  del mesh, retrieve_in_step
   # A frozen document tower runs forward only, without dropout: nothing of it is trained.
-  frozen = spec.query_only
-  span_mask = distill.span_masks(batch["doc_mask"], spec.span_levels) if spec.span_levels else None
-  d = encode_in_chunks(
-      lambda a, key: spec.model.apply({"params": params}, a[0], a[1], deterministic=frozen,
-                                      rngs={} if frozen else {"dropout": key}, method=TwoTower.encode_doc,
-                                      span_mask=a[2], span_pooling=spec.span_pooling),
-      (batch["doc_ids"], batch["doc_mask"], span_mask), rngs[1], spec.chunk_rows)
-  spans = None
-  if span_mask is not None:
-    d, spans = d
-  if frozen:
-    d = jax.lax.stop_gradient(d)
-  return tokens_loss(spec, q, d, batch, spans)
+  frozen = optimizers.query_only(config.model)
+  chunk_rows = config.model.get("encode_chunk_rows", 0)
+  span_levels = tuple(distill.levels(config)) if distill.enabled(config) else ()
+  span_pooling = config.distill.pooling
+  objective = tokens_objective(config)
+
+  def score(params, batch, rngs, corpus=None, bias=None):
+    del corpus, bias
+    q = encode_queries(model, chunk_rows, params, batch, rngs[0])
+    span_mask = distill.span_masks(batch["doc_mask"], span_levels) if span_levels else None
+    d = encode_in_chunks(
+        lambda a, key: model.apply({"params": params}, a[0], a[1], deterministic=frozen,
+                                   rngs={} if frozen else {"dropout": key}, method=TwoTower.encode_doc,
+                                   span_mask=a[2], span_pooling=span_pooling),
+        (batch["doc_ids"], batch["doc_mask"], span_mask), rngs[1], chunk_rows)
+    spans = None
+    if span_mask is not None:
+      d, spans = d
+    if frozen:
+      d = jax.lax.stop_gradient(d)
+    return objective(q, d, batch, spans)
+
+  return score
 
 
-SCORERS = {"pairs": score_pairs, "corpus": score_corpus, "tokens": score_tokens}
+SCORERS = {"pairs": pairs_scorer, "corpus": corpus_scorer, "tokens": tokens_scorer}
 
 
-def encode_queries(spec: Spec, params, batch, rng):
+def encode_queries(model, chunk_rows: int, params, batch, rng):
   return encode_in_chunks(
-      lambda a, key: spec.model.apply({"params": params}, *a, deterministic=False, rngs={"dropout": key},
-                                      method=TwoTower.encode_query),
-      (batch["query_ids"], batch["query_mask"]), rng, spec.chunk_rows)
+      lambda a, key: model.apply({"params": params}, *a, deterministic=False, rngs={"dropout": key},
+                                 method=TwoTower.encode_query),
+      (batch["query_ids"], batch["query_mask"]), rng, chunk_rows)
 
 
-def tokens_loss(spec: Spec, q, d, batch, spans=None):
-  """The loss of query vectors q [B, D] against document vectors d [C, D], plus the spec's loss terms."""
-  # Under jit the batch-sharded document matrix is all-gathered across devices and hosts by XLA, no
-  # hand-written collective.
-  scores = q @ d.T
-  if spec.logq:
-    # Sampled softmax under non-uniform sampling (Yi et al. 2019): s(q, d) - log Q(d) on every column.
-    scores = scores - batch["doc_logq"].astype(scores.dtype)[None, :]
-  valid = batch["valid"]
-  if spec.hardest:
-    valid = losses.hardest_negative_mask(scores, valid)
-  fields = {"valid": valid}
-  if "weights" in batch:
-    fields["weights"] = batch["weights"]
-  positive = jnp.arange(scores.shape[1])[None, :] == jnp.arange(scores.shape[0])[:, None]
-  loss, aux = contrastive(spec, scores, fields, positive, {})
-  if not spec.terms:
-    return loss, aux
-  terms = {}
-  for term in spec.terms:
-    terms.update(term(q, spans, scores, batch["valid"], batch))
-  aux.update({f"loss/{name}": value for name, value in terms.items()})
-  aux["loss/contrastive"] = loss
-  return spec.contrastive_weight * loss + sum(terms.values()), aux
+def tokens_objective(config: ml_collections.ConfigDict) -> Callable:
+  """(q [B, D], d [C, D], batch, spans=None) -> (loss, aux): the configured loss of query vectors against
+  document vectors, plus the loss terms other modules own (distill.loss_terms: FGD's and document-level
+  distillation), added to it."""
+  objective, logq, hardest = make_objective(config), config.loss.logq_correction, config.negatives.hardest_in_batch
+  distilling = distill.enabled(config)
+  terms = (distill.loss_terms(config),) if distilling else ()
+  contrastive_weight = config.distill.contrastive_weight if distilling else 1.0
+
+  def loss(q, d, batch, spans=None):
+    # Under jit the batch-sharded document matrix is all-gathered across devices and hosts by XLA, no
+    # hand-written collective.
+    scores = q @ d.T
+    if logq:
+      # Sampled softmax under non-uniform sampling (Yi et al. 2019): s(q, d) - log Q(d) on every column.
+      scores = scores - batch["doc_logq"].astype(scores.dtype)[None, :]
+    valid = batch["valid"]
+    if hardest:
+      valid = losses.hardest_negative_mask(scores, valid)
+    fields = {"valid": valid}
+    if "weights" in batch:
+      fields["weights"] = batch["weights"]
+    positive = jnp.arange(scores.shape[1])[None, :] == jnp.arange(scores.shape[0])[:, None]
+    total, aux = objective(scores, fields, positive, {})
+    if not terms:
+      return total, aux
+    added = {}
+    for term in terms:
+      added.update(term(q, spans, scores, batch["valid"], batch))
+    aux.update({f"loss/{name}": value for name, value in added.items()})
+    aux["loss/contrastive"] = total
+    return contrastive_weight * total + sum(added.values()), aux
+
+  return loss
 
 
-def contrastive(spec: Spec, scores, fields, positive, aux):
-  """The configured loss (mean over queries) and the training accuracy: is a positive ranked first."""
-  per_example = spec.loss_of(scores, fields)
-  masked = jnp.where(fields["valid"] | positive, scores, -jnp.inf)
-  top = jnp.argmax(masked, axis=1)
-  aux["train_accuracy"] = jnp.mean(jnp.take_along_axis(positive, top[:, None], axis=1))
-  return jnp.mean(per_example), aux
+def make_objective(config: ml_collections.ConfigDict) -> Callable:
+  """(scores, fields, positive, aux) -> (loss, aux): the configured loss (jdr.training.losses.make_loss),
+  mean over queries, and the training accuracy: is a positive ranked first."""
+  loss_of = losses.make_loss(config.loss)
+
+  def objective(scores, fields, positive, aux):
+    per_example = loss_of(scores, fields)
+    masked = jnp.where(fields["valid"] | positive, scores, -jnp.inf)
+    top = jnp.argmax(masked, axis=1)
+    aux["train_accuracy"] = jnp.mean(jnp.take_along_axis(positive, top[:, None], axis=1))
+    return jnp.mean(per_example), aux
+
+  return objective
 
 
 # ------------------------------------------------------------------------------------------------ pieces
