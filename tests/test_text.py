@@ -56,7 +56,8 @@ def test_bucketed_batches_cover_every_index_with_few_shapes(kwargs):
   plans = T.plan_batches(lengths, bucket_lengths=buckets, **kwargs)
   # Sorted by length, only the bucket rounding pads (two buckets per octave: ~1/6 for uniform lengths), far
   # less than padding every batch to the longest length.
-  assert T.padding_fraction(plans, lengths) < 0.2
+  padding = 1 - sum(int(lengths[p.indices].sum()) for p in plans) / sum(p.rows * p.length for p in plans)
+  assert padding < 0.2  # filler rows count as padding too
   assert 1 - lengths.mean() / 256 > 0.45
 
 

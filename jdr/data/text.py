@@ -425,11 +425,3 @@ def streamed_batches(chunks: Iterable[tuple[int, Sequence[np.ndarray]]], *, buck
         [x for _, x in rest], batch_size=batch_size, max_tokens=max_tokens, bucket_lengths=bucket_lengths,
         pad_id=pad_id, multiple_of=multiple_of, short_rows_to_power_of_two=short_rows_to_power_of_two):
       yield where[indices], input_ids, mask
-
-
-def padding_fraction(plans: Sequence[BatchPlan], lengths: Sequence[int]) -> float:
-  """Share of the batch cells (filler rows included) that are padding rather than real tokens."""
-  lengths = np.asarray(lengths, dtype=np.int64)
-  total = sum(p.rows * p.length for p in plans)
-  real = sum(int(lengths[p.indices].sum()) for p in plans)
-  return 1.0 - real / total if total else 0.0

@@ -1,5 +1,4 @@
-"""Shared defaults of every jdr recipe: `get_config()` returns the base ConfigDict, `runlocal(arg)` says
-whether a recipe argument asks for the scaled-down version for a small machine.
+"""Shared defaults of every jdr recipe: `get_config()` returns the base ConfigDict.
 
 Recipes in configs/ start from these (through configs/base.py, which recipes import as `base`) and change
 what differs; library code that needs a full config (the benchmarks) imports this module instead of
@@ -184,8 +183,3 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # MiniLM step 13% faster (parallel.use_cpu_devices). The batch must split over them.
   c.mesh.cpu_devices = 0  # split a CPU-only host into this many XLA devices (0 = one; see above)
   return c
-
-
-def runlocal(arg: str | None) -> bool:
-  """Whether the recipe argument asks for the scaled-down version for a small machine."""
-  return "runlocal" in (arg or "").split(",")

@@ -104,11 +104,6 @@ def restore(mngr: ocp.CheckpointManager, abstract_state: Any, step: int | None =
   return restored[STATE], restored[META]
 
 
-def abstract_like(tree: Any) -> Any:
-  """ShapeDtypeStructs with shardings: the restore target for arrays laid out like `tree`."""
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-
-
 def save_params(path: paths.PathLike, params: Any, model_config: dict) -> None:
   """A params-only checkpoint for serving: orbax params plus the model description as JSON."""
   path = paths.absolute(path)
