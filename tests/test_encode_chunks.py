@@ -66,10 +66,13 @@ def test_chunks_keep_row_order_and_draw_per_chunk_keys():
   n = 3
   for row in range(12):
     np.testing.assert_allclose(draws[row], jax.random.uniform(jax.random.fold_in(rng, row % n), ()))
-  # 0, all rows, or a size that does not divide them: one call on everything, with rng itself.
-  for chunk_rows in (0, 12, 5):
+  # 0 or at least all rows: one call on everything, with rng itself.
+  for chunk_rows in (0, 12, 20):
     _, whole = step.encode_in_chunks(encode, rows, rng, chunk_rows)
     np.testing.assert_allclose(whole, jax.random.uniform(rng, ()))
+  # A size that does not divide the rows is refused, not quietly run as one chunk.
+  with pytest.raises(ValueError, match="chunks of 5 rows do not divide the 12 rows"):
+    step.encode_in_chunks(encode, rows, rng, 5)
 
 
 def test_chunked_spans_equal_whole():
@@ -119,3 +122,17 @@ def test_chunk_rows_and_gradient_caching_refused_together():
   config.model.encode_chunk_rows = -1
   with pytest.raises(ValueError, match="encode_chunk_rows"):
     step.check_grad_cache(config)
+
+
+def test_chunk_rows_must_divide_the_batch():
+  """Checked with the config, before anything is built: every row count the step encodes is a multiple of
+  batch_size, so a divisor of it chunks them all."""
+  config = defaults.get_config()
+  config.batch_size = 32
+  for rows in (1, 4, 32):
+    config.model.encode_chunk_rows = rows
+    step.check_grad_cache(config)
+  for rows in (5, 12, 64):
+    config.model.encode_chunk_rows = rows
+    with pytest.raises(ValueError, match=f"model.encode_chunk_rows={rows} must divide batch_size=32"):
+      step.check_grad_cache(config)

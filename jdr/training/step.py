@@ -308,10 +308,14 @@ def encode_in_chunks(encode, arrays, rng: jax.Array, chunk_rows: int):
 
   The chunks are strided (chunk k holds rows k, k + n, k + 2n, ... for n chunks), so on a mesh every chunk
   keeps the batch's split over the data devices. Chunk k draws its dropout from fold_in(rng, k). With
-  chunk_rows 0, at least the number of rows, or not dividing it, `encode` runs once on everything."""
+  chunk_rows 0 or at least the number of rows, `encode` runs once on everything; a chunk_rows that does not
+  divide the rows is a ValueError, not a quiet pass over everything at once."""
   rows = jax.tree.leaves(arrays)[0].shape[0]
-  if chunk_rows <= 0 or chunk_rows >= rows or rows % chunk_rows:
+  if chunk_rows <= 0 or chunk_rows >= rows:
     return encode(arrays, rng)
+  if rows % chunk_rows:
+    raise ValueError(f"chunks of {chunk_rows} rows do not divide the {rows} rows encoded together "
+                     "(model.encode_chunk_rows must divide batch_size)")
   n = rows // chunk_rows
   split = lambda x: x.reshape(chunk_rows, n, *x.shape[1:]).swapaxes(0, 1)  # [n, chunk_rows, ...]
   out = jax.lax.map(lambda a: encode(a[0], jax.random.fold_in(rng, a[1])),
@@ -364,6 +368,9 @@ def check_grad_cache(config: ml_collections.ConfigDict, candidates: str = "token
   rows = config.model.get("encode_chunk_rows", 0)
   if not isinstance(rows, int) or rows < 0:
     raise ValueError(f"model.encode_chunk_rows must be an int >= 0 (0 = off), got {rows!r}")
+  if rows and config.batch_size % rows:
+    # Every row count the step encodes (queries, documents, cross-encoder pairs) is a multiple of batch_size.
+    raise ValueError(f"model.encode_chunk_rows={rows} must divide batch_size={config.batch_size}")
   if chunk and rows:
     raise ValueError("grad_cache.chunk_size already encodes the batch in chunks; leave model.encode_chunk_rows at 0")
   return chunk
