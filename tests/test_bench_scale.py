@@ -127,19 +127,19 @@ def test_plan_adds_the_stages_a_stage_reads():
 
 
 def test_random_vectors_read_back_as_an_encoding_of_the_corpus(small, tmp_path):
-  from jdr.retrieval import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import encodings  # pylint: disable=g-import-not-at-top
   meta = scale.random_encoding(str(small), tmp_path / "a", seed=3, dim=16)
-  emb, ids, read = corpus_lib.load_embeddings(tmp_path / "a")
+  emb, ids, read = encodings.load_embeddings(tmp_path / "a")
   assert read == meta and meta["vectors"] == "random" and meta["num_shards"] == 1
   corpus_ids = [json.loads(line)["_id"] for line in (small / "corpus.jsonl").read_text().splitlines()]
   assert ids == corpus_ids  # corpus order: rows pair with the documents they stand for
   emb = np.asarray(emb)
   assert emb.shape == (PASSAGES, 16) and emb.dtype == np.float32
   np.testing.assert_allclose(np.linalg.norm(emb, axis=1), 1.0, rtol=1e-5)
-  again, _, _ = corpus_lib.load_embeddings(scale.random_encoding(str(small), tmp_path / "b", seed=3, dim=16)
+  again, _, _ = encodings.load_embeddings(scale.random_encoding(str(small), tmp_path / "b", seed=3, dim=16)
                                            and tmp_path / "b")
   np.testing.assert_array_equal(np.asarray(again), emb)  # seeded
-  other, _, _ = corpus_lib.load_embeddings(scale.random_encoding(str(small), tmp_path / "c", seed=4, dim=16)
+  other, _, _ = encodings.load_embeddings(scale.random_encoding(str(small), tmp_path / "c", seed=4, dim=16)
                                            and tmp_path / "c")
   assert not np.allclose(np.asarray(other), emb)
 

@@ -11,7 +11,8 @@ import pytest
 
 from jdr.retrieval import bm25
 from jdr.runtime import config_files
-from jdr.retrieval import corpus as corpus_lib
+from jdr.retrieval import encoder_runtime
+from jdr.retrieval import encodings
 from jdr.runtime import defaults
 from jdr.evaluation import periodic
 from jdr.evaluation import metrics as metrics_lib
@@ -153,7 +154,7 @@ def _count(monkeypatch, owner, name):
 def test_a_frozen_document_tower_is_encoded_once(tiny, tmp_path, monkeypatch):
   """ADORE / LTRe: only the query tower trains, so no evaluation after the first encodes a document."""
   encoder = _encoder(tiny)
-  corpus_calls = _count(monkeypatch, corpus_lib, "encode_corpus")  # the resumable full-corpus encoding
+  corpus_calls = _count(monkeypatch, encodings, "encode_corpus")  # the resumable full-corpus encoding
   memory_calls = _count(monkeypatch, encoder, "_encode_corpus")  # the in-memory one
   document_calls = _count(monkeypatch, encoder, "documents")  # candidates
   full = periodic.Evaluator(encoder, _config(tiny, candidates="full"), None, doc_tower_frozen=True,
@@ -187,7 +188,7 @@ def test_a_killed_full_evaluation_resumes_at_its_last_shard(tiny, tmp_path, monk
   encoder = _encoder(tiny)
   expected = periodic.Evaluator(encoder, _config(tiny), None)(tiny.params)  # in memory, no shards
   monkeypatch.setattr(periodic, "SHARD_DOCS", 10)  # 4 shards of the 40 documents
-  encode = corpus_lib.encode_tokens
+  encode = encoder_runtime.encode_tokens
   encoded = []
 
   def dies_at_the_third(runtime, token_ids, **kwargs):
@@ -198,7 +199,7 @@ def test_a_killed_full_evaluation_resumes_at_its_last_shard(tiny, tmp_path, monk
     return encode(runtime, token_ids, **kwargs)
 
   resumed = False
-  monkeypatch.setattr(corpus_lib, "encode_tokens", dies_at_the_third)
+  monkeypatch.setattr(encoder_runtime, "encode_tokens", dies_at_the_third)
   evaluator = periodic.Evaluator(encoder, _config(tiny), None, cache_dir=tmp_path)
   with pytest.raises(Killed):
     evaluator(tiny.params)

@@ -144,9 +144,9 @@ def test_adore_trains_query_tower_only(tmp_path, backend):
   end = jax.device_get(result["state"].params)
   records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
   assert any("train/retrieval_mrr@10" in r for r in records)
-  from jdr.retrieval import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import encodings  # pylint: disable=g-import-not-at-top
   (encoding,) = (workdir / "cache" / "encoding").iterdir()  # the starting tower's shards, kept for a resume
-  cached = np.asarray(corpus_lib.load_embeddings(encoding)[0])
+  cached = np.asarray(encodings.load_embeddings(encoding)[0])
   from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
   built = build_lib.build(config.model, config.data)
   start = train.initial_params(built.model, built, config, jax.random.PRNGKey(config.seed), None)
@@ -178,7 +178,6 @@ def test_faiss_and_jax_retrieval_train_alike(tmp_path):
 
 def test_mismatched_encoding_is_refused_before_step_0(tmp_path):
   from jdr import train  # pylint: disable=g-import-not-at-top
-  from jdr.retrieval import corpus as corpus_lib
   data = write_tiny_beir(tmp_path / "data")
   enc = tmp_path / "enc"
   enc.mkdir()

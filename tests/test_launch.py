@@ -62,7 +62,7 @@ def test_two_hosts_encode_disjoint_shards_equal_to_one(tmp_path):
   import sys  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from conftest import write_tiny_beir  # pylint: disable=g-import-not-at-top
-  from jdr.retrieval import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import encodings  # pylint: disable=g-import-not-at-top
   data = write_tiny_beir(tmp_path / "data")
   encode = [sys.executable, "-m", "jdr.encode", "--model", "minilm", "--corpus", str(data), "--max-length", "16",
             "--shard-size", "7"]
@@ -74,8 +74,8 @@ def test_two_hosts_encode_disjoint_shards_equal_to_one(tmp_path):
   log = (tmp_path / "logs" / "process-1.log").read_text()
   assert "host 1 of 2" in log and "2 local devices split" in log  # process 1 encoded shards on both devices
   subprocess.run([*encode, "--out", str(tmp_path / "one")], env=env, check=True, capture_output=True, timeout=600)
-  two, two_ids, two_meta = corpus_lib.load_embeddings(tmp_path / "two")
-  one, one_ids, one_meta = corpus_lib.load_embeddings(tmp_path / "one")
+  two, two_ids, two_meta = encodings.load_embeddings(tmp_path / "two")
+  one, one_ids, one_meta = encodings.load_embeddings(tmp_path / "one")
   assert two_ids == one_ids and two_meta["complete"] and one_meta["num_shards"] > 2
   assert sum(two_meta["part_docs"]) == 40 and min(two_meta["part_docs"]) > 0  # both hosts read a part
   assert not (tmp_path / "two" / ".part-ids").exists()  # the hosts' id lists, swapped before encoding, are gone

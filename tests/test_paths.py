@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from jdr.runtime import atomic
-from jdr.retrieval import corpus as corpus_lib
+from jdr.retrieval import encodings
+from jdr.retrieval import retrievers
 from jdr.retrieval import index as index_lib
 from jdr.training import metric_writers
 from jdr.runtime import paths
@@ -40,22 +41,22 @@ def test_corpus_encoding_index_and_run_on_gs_equal_local(tmp_path, fake_gcs):
   tokenize = text_lib.tokenize
   text_lib.tokenize = lambda tok, texts, n: [np.arange(1, 1 + min(n, len(t.split()))) for t in texts]
   try:
-    local_meta = corpus_lib.encode_corpus(runtime, corpus, tmp_path / "enc", shard_size=10)
-    remote_meta = corpus_lib.encode_corpus(runtime, corpus, "gs://bucket/enc", shard_size=10)
+    local_meta = encodings.encode_corpus(runtime, corpus, tmp_path / "enc", shard_size=10)
+    remote_meta = encodings.encode_corpus(runtime, corpus, "gs://bucket/enc", shard_size=10)
   finally:
     text_lib.tokenize = tokenize
   assert remote_meta == local_meta and "gs://bucket/enc/emb-00002.npy" in fake_gcs
-  emb, ids, _ = corpus_lib.load_embeddings("gs://bucket/enc")
-  local_emb, local_ids, _ = corpus_lib.load_embeddings(tmp_path / "enc")
+  emb, ids, _ = encodings.load_embeddings("gs://bucket/enc")
+  local_emb, local_ids, _ = encodings.load_embeddings(tmp_path / "enc")
   np.testing.assert_array_equal(emb, local_emb)
   assert ids == local_ids == list(corpus)
 
-  built = corpus_lib.load_index("gs://bucket/enc", "faiss", "Flat", save=True)
+  built = retrievers.load_index("gs://bucket/enc", "faiss", "Flat", save=True)
   assert "gs://bucket/enc/index-faiss-Flat/index.faiss" in fake_gcs
-  reused = corpus_lib.load_index("gs://bucket/enc", "faiss", "Flat")
+  reused = retrievers.load_index("gs://bucket/enc", "faiss", "Flat")
   queries = np.random.default_rng(0).standard_normal((4, emb.shape[1])).astype(np.float32)
-  run = corpus_lib.retrieve_run(reused, ["a", "b", "c", "d"], queries, 5)
-  assert run == corpus_lib.retrieve_run(built, ["a", "b", "c", "d"], queries, 5)
+  run = retrievers.retrieve_run(reused, ["a", "b", "c", "d"], queries, 5)
+  assert run == retrievers.retrieve_run(built, ["a", "b", "c", "d"], queries, 5)
   for q, row in zip("abcd", queries):  # brute force (the fake vectors tie, so the scores are compared)
     np.testing.assert_allclose(list(run[q].values()), np.sort(emb @ row)[::-1][:5], rtol=1e-5)
   formats.write_run("gs://bucket/runs/test.trec", run)
@@ -63,7 +64,7 @@ def test_corpus_encoding_index_and_run_on_gs_equal_local(tmp_path, fake_gcs):
   rounded = lambda r: {q: {d: round(v, 4) for d, v in docs.items()} for q, docs in r.items()}
   assert rounded(back) == rounded(run)
 
-  jax_index = corpus_lib.build_index(emb, ids, "jax")
+  jax_index = retrievers.build_index(emb, ids, "jax")
   jax_index.save("gs://bucket/jax-index")
   assert index_lib.load_retriever("gs://bucket/jax-index").search(queries, 3)[1] == jax_index.search(queries, 3)[1]
 

@@ -196,31 +196,31 @@ def section_encode(size: dict, torch_device: str, model_dir: str, shape: dict, p
   from sentence_transformers import SentenceTransformer  # pylint: disable=g-import-not-at-top
   # Not sentence_transformers.models: deprecated since 6.2, and 6.0 already has this path.
   from sentence_transformers.sentence_transformer import modules  # pylint: disable=g-import-not-at-top
-  from jdr.retrieval import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import encoder_runtime  # pylint: disable=g-import-not-at-top
   from jdr.bench import encode_speed  # pylint: disable=g-import-not-at-top
   from jdr.data import text as text_lib  # pylint: disable=g-import-not-at-top
   texts = _scifact_texts(size["encode_docs"])
   length = size["encode_length"]
-  runtime = corpus_lib.load_runtime(model_dir, pooling="mean", normalize=False, max_length=length,
+  runtime = encoder_runtime.load_runtime(model_dir, pooling="mean", normalize=False, max_length=length,
                                     dtype=size["dtype"])
   start = time.perf_counter()
   token_ids = text_lib.tokenize(runtime.tokenizer, texts, length)
   tokenize_s = time.perf_counter() - start
   lengths = [len(t) for t in token_ids]
   flops = _flops(lengths, shape)
-  tokens_per_batch = corpus_lib.default_tokens_per_batch()
+  tokens_per_batch = encoder_runtime.default_tokens_per_batch()
   # Padding bounds what packing several documents into a row could save: the share of the cells of the
   # batches encode_texts encodes below that hold no token.
   masks = encode_speed.streamed_masks(runtime, lengths, tokens_per_batch)
   padding = 1 - sum(int(m.sum()) for m in masks) / sum(m.size for m in masks)
   compile_s = encode_speed.warm_up(runtime, lengths, tokens_per_batch)
   start = time.perf_counter()
-  jdr_emb = corpus_lib.encode_texts(runtime, texts, tokens_per_batch=tokens_per_batch)
+  jdr_emb = encoder_runtime.encode_texts(runtime, texts, tokens_per_batch=tokens_per_batch)
   jdr_s = time.perf_counter() - start
   # Where the time goes: the same encoding from token ids (no tokenizer), and the model alone on one full
   # batch of the longest length already on the device (no host work, no padding: the kernels' own rate).
   start = time.perf_counter()
-  corpus_lib.encode_tokens(runtime, token_ids, tokens_per_batch=tokens_per_batch)
+  encoder_runtime.encode_tokens(runtime, token_ids, tokens_per_batch=tokens_per_batch)
   from_ids_s = time.perf_counter() - start
   rows, ids, mask = _full_batch(length, tokens_per_batch)
   forward = _waiting(runtime.apply_fn, runtime.params, ids, mask)
@@ -423,13 +423,13 @@ def section_flash(size: dict, model_dir: str, shape: dict, peak_flops: float, tr
   if jax.default_backend() != "gpu":
     raise RuntimeError("the flash section times a Triton kernel: GPUs only (elsewhere it runs interpreted)")
   import dataclasses  # pylint: disable=g-import-not-at-top
-  from jdr.retrieval import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import encoder_runtime  # pylint: disable=g-import-not-at-top
   from jdr.models import hf  # pylint: disable=g-import-not-at-top
   from jdr.models import towers  # pylint: disable=g-import-not-at-top
   # Inference first (no dropout, where the default is cuDNN's kernel and the transposes jax puts around it):
   # the encode section's forward of one full batch, the tower with each attention.
   length = size["encode_length"]
-  rows, ids, mask = _full_batch(length, corpus_lib.default_tokens_per_batch())
+  rows, ids, mask = _full_batch(length, encoder_runtime.default_tokens_per_batch())
   tower, params, _, _ = hf.load_tower(model_dir, pooling="mean", normalize=False, max_length=length,
                                       dtype=size["dtype"])
   # First whether the Triton kernel computes the right thing: two layers of this model's shape suffice (every
@@ -564,7 +564,7 @@ def _topk_row(row: dict, n: int, dim: int, dtype: str, k: int, queries, size: di
 def section_int8_scifact(mesh, k: int = 200) -> dict:
   """Real vectors: SciFact encoded by the bundled MiniLM, its test queries' top-k from float32 (exact),
   bfloat16 and int8 storage; Recall@k of each against exact, and each one's nDCG@10."""
-  from jdr.retrieval import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import encoder_runtime  # pylint: disable=g-import-not-at-top
   from jdr.evaluation import metrics
   from jdr.data import formats, shared, text  # pylint: disable=g-import-not-at-top
   path = shared.shared_dataset("scifact")
@@ -572,9 +572,9 @@ def section_int8_scifact(mesh, k: int = 200) -> dict:
     raise SystemExit(f"the int8 section reads SciFact from {shared.shared_data_dir() / 'scifact'}")
   corpus, queries, qrels = formats.load_beir(path, "test")
   doc_ids, qids = list(corpus), list(queries)
-  runtime = corpus_lib.load_runtime("minilm")
-  docs = corpus_lib.encode_texts(runtime, [text.doc_text(corpus[d]) for d in doc_ids])
-  q = corpus_lib.encode_texts(corpus_lib.load_runtime("minilm", side="query"), [queries[i] for i in qids])
+  runtime = encoder_runtime.load_runtime("minilm")
+  docs = encoder_runtime.encode_texts(runtime, [text.doc_text(corpus[d]) for d in doc_ids])
+  q = encoder_runtime.encode_texts(encoder_runtime.load_runtime("minilm", side="query"), [queries[i] for i in qids])
   out, exact = {"docs": len(doc_ids), "queries": len(qids), "k": k}, None
   for dtype in ("float32", "bfloat16", "int8"):
     placed = topk.put_corpus(docs, mesh, dtype)

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from jdr.runtime import config_files
-from jdr.retrieval import corpus as corpus_lib
+from jdr.retrieval import encoder_runtime
 from jdr.runtime import defaults
 from jdr.evaluation import eval_candidates
 from jdr.evaluation import periodic
@@ -58,9 +58,9 @@ def _warm_up(encoder: periodic.TowerEncoder, params, candidates, qids) -> float:
   candidate_lengths = [len(t) for t in eval_candidates.tokenize(encoder.tokenizer, corpus, encoder.doc_ids,
                                                                 candidates.unique, encoder.doc_max_length)]
   serving = encoder.serving(params)  # the weights the evaluation encodes with
-  docs = corpus_lib.EncoderRuntime(encoder.encode_doc, serving, encoder.tokenizer, encoder.doc_max_length, {})
-  queries = corpus_lib.EncoderRuntime(encoder.encode_query, serving, encoder.tokenizer, encoder.query_max_length, {})
-  tokens_per_batch = encoder.tokens_per_batch or corpus_lib.default_tokens_per_batch()
+  docs = encoder_runtime.EncoderRuntime(encoder.encode_doc, serving, encoder.tokenizer, encoder.doc_max_length, {})
+  queries = encoder_runtime.EncoderRuntime(encoder.encode_query, serving, encoder.tokenizer, encoder.query_max_length, {})
+  tokens_per_batch = encoder.tokens_per_batch or encoder_runtime.default_tokens_per_batch()
   query_lengths = [len(t) for t in text_lib.tokenize(encoder.tokenizer, [encoder.data.queries[q] for q in qids],
                                                       encoder.query_max_length)]
   for runtime, lengths in ((docs, [int(n) for n in doc_lengths]), (docs, candidate_lengths),

@@ -303,7 +303,7 @@ def random_encoding(corpus: str, out: pathlib.Path, *, seed: int = 0, dim: int =
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tqdm  # pylint: disable=g-import-not-at-top
   from jdr.runtime import atomic  # pylint: disable=g-import-not-at-top
-  from jdr.retrieval import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import encodings  # pylint: disable=g-import-not-at-top
   from jdr.data import formats  # pylint: disable=g-import-not-at-top
   from jdr.data import prepared  # pylint: disable=g-import-not-at-top
   corpus_file = formats.corpus_file(corpus)
@@ -317,9 +317,9 @@ def random_encoding(corpus: str, out: pathlib.Path, *, seed: int = 0, dim: int =
     lo, hi = shard * SHARD_SIZE, min(len(ids), (shard + 1) * SHARD_SIZE)
     emb = rng.standard_normal((hi - lo, dim), dtype=np.float32)
     emb /= np.linalg.norm(emb, axis=1, keepdims=True)
-    emb_path, ids_path = corpus_lib.shard_paths(out, shard)  # jdr.encode's layout
+    emb_path, ids_path = encodings.shard_paths(out, shard)  # jdr.encode's layout
     atomic.write_text(ids_path, "".join(i + "\n" for i in ids[lo:hi]))
-    corpus_lib.save_npy(emb_path, emb)
+    encodings.save_npy(emb_path, emb)
   meta = {"num_docs": len(ids), "shard_size": SHARD_SIZE, "num_shards": num_shards, "vectors": "random",
           "seed": seed, "corpus": str(pathlib.Path(corpus).absolute()), "complete": True, "dim": dim}
   atomic.write_text(out / "meta.json", json.dumps(meta, indent=1))
@@ -327,13 +327,14 @@ def random_encoding(corpus: str, out: pathlib.Path, *, seed: int = 0, dim: int =
 
 
 def _dense_mine(ctx: Context) -> dict:
-  from jdr.retrieval import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import encoder_runtime  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import encodings  # pylint: disable=g-import-not-at-top
   from jdr.data import formats  # pylint: disable=g-import-not-at-top
   from jdr.data import msmarco  # pylint: disable=g-import-not-at-top
   from jdr.negatives import retrieved  # pylint: disable=g-import-not-at-top
   where = msmarco.files(ctx.data, "train")
   start = time.perf_counter()
-  doc_emb, _, _ = corpus_lib.load_embeddings(ctx.path("encoding"))
+  doc_emb, _, _ = encodings.load_embeddings(ctx.path("encoding"))
   queries = formats.read_queries(where.train_queries)
   qrels = formats.read_qrels(where.train_qrels)
   qids = sorted(q for q, docs in qrels.items() if any(r > 0 for r in docs.values()))  # as the miners do
@@ -343,8 +344,8 @@ def _dense_mine(ctx: Context) -> dict:
     picked = np.sort(np.random.default_rng(ctx.seed).choice(total, ctx.dense_queries, replace=False))
     qids = [qids[i] for i in picked]
   loaded = time.perf_counter()
-  runtime = corpus_lib.load_runtime(str(ctx.path("tiny-model")), side="query")
-  query_emb = corpus_lib.encode_texts(runtime, [queries[q] for q in qids])
+  runtime = encoder_runtime.load_runtime(str(ctx.path("tiny-model")), side="query")
+  query_emb = encoder_runtime.encode_texts(runtime, [queries[q] for q in qids])
   encoded = time.perf_counter()
   rows, _ = retrieved.exact_top_rows(doc_emb, query_emb, TOP_N, ctx.dense_backend)
   end = time.perf_counter()
@@ -361,12 +362,12 @@ def _adore_index(ctx: Context) -> dict:
   the encoding memory-mapped, retrieval over it and the batch's candidates' vectors, for ADORE_STEPS batches.
   `matrix_copies` is the peak memory this adds over the process before loading, in float32 matrices."""
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from jdr.retrieval import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import encodings  # pylint: disable=g-import-not-at-top
   from jdr.negatives import retrieved  # pylint: disable=g-import-not-at-top
   before, anon_before = peak_rss_bytes(), anonymous_rss_bytes()
   anon_peak = anon_before
   start = time.perf_counter()
-  emb, _, _ = corpus_lib.load_embeddings(ctx.path("encoding"))
+  emb, _, _ = encodings.load_embeddings(ctx.path("encoding"))
   index = retrieved.HostIndex(emb, "Flat")
   built = time.perf_counter()
   rng = np.random.default_rng(ctx.seed)

@@ -2,7 +2,7 @@
 
 `TowerEncoder` tokenizes the corpus and the queries once and encodes them with any params, jitted once:
 the evaluation, the dense miners of STAR's static negatives and ADORE's index, and ANCE's refresh all
-encode through it (and through `jdr.retrieval.corpus` underneath), so there is one encode path.
+encode through it (and through jdr.retrieval.encoder_runtime and .encodings underneath), so there is one encode path.
 
 `Evaluator` scores the evaluation queries' rankings, and each evaluation says which kind it is:
   full corpus   every document encoded (in shards kept in the workdir until the evaluation ends, so a killed
@@ -25,7 +25,8 @@ import ml_collections
 import numpy as np
 import tqdm
 
-from jdr.retrieval import corpus as corpus_lib
+from jdr.retrieval import encoder_runtime
+from jdr.retrieval import encodings
 from jdr.retrieval import corpus_cache
 from jdr.evaluation import eval_candidates
 from jdr.evaluation import metrics as metrics_lib
@@ -50,8 +51,8 @@ class TowerEncoder:
   """Encodes the corpus (document tower) and queries (query tower) of a dataset with given params.
 
   With a `mesh` of more than one device (the trainer's), each batch's rows are split over its batch axes
-  (`jdr.retrieval.corpus.rows_on_mesh`): no device encodes what another does. On several hosts each host tokenizes
-  and encodes only its own contiguous part of the corpus on its own devices (`jdr.retrieval.corpus.rows_on_mesh` over them), and
+  (`jdr.retrieval.encoder_runtime.rows_on_mesh`): no device encodes what another does. On several hosts each host tokenizes
+  and encodes only its own contiguous part of the corpus on its own devices (`jdr.retrieval.encoder_runtime.rows_on_mesh` over them), and
   the parts' vectors are gathered to every host.
 
   With `cache_dir` (one host), corpus vectors are kept there and read back for a document side, settings and
@@ -70,8 +71,8 @@ class TowerEncoder:
     query = lambda p, i, m: model.apply({"params": p}, i, m, method=TwoTower.encode_query)
     self.rows_multiple = 1
     if mesh is not None and mesh.devices.size > 1:
-      self.encode_doc = corpus_lib.rows_on_mesh(doc, mesh)
-      self.encode_query = corpus_lib.rows_on_mesh(query, mesh)
+      self.encode_doc = encoder_runtime.rows_on_mesh(doc, mesh)
+      self.encode_query = encoder_runtime.rows_on_mesh(query, mesh)
       self.rows_multiple = parallel.data_parallel_size(mesh)
     else:
       self.encode_doc, self.encode_query = jax.jit(doc), jax.jit(query)
@@ -86,7 +87,7 @@ class TowerEncoder:
     self.serving = jax.jit(lambda p: towers.serving_params(p, model))
     if self.hosts > 1:
       self._host_mesh = parallel.make_mesh((-1, 1, 1), devices=jax.local_devices())
-      self._encode_part = corpus_lib.rows_on_mesh(doc, self._host_mesh)
+      self._encode_part = encoder_runtime.rows_on_mesh(doc, self._host_mesh)
     # Hosts encode parts of the corpus; one host's cache could not name the others' vectors.
     self.cache = corpus_cache.CorpusCache(cache_dir) if cache_dir and self.hosts == 1 else None
     self._tokens_digest = None
@@ -96,7 +97,7 @@ class TowerEncoder:
     """Token ids of this host's part of the corpus (`self.part`; the whole corpus on one host)."""
     if self._doc_tokens is None:  # once per run, on first use: a prepared corpus's rows of its map
       lo, hi = self.part
-      self._doc_tokens = corpus_lib.document_tokens(self.tokenizer, self.data.corpus, self.doc_max_length, lo, hi,
+      self._doc_tokens = encoder_runtime.document_tokens(self.tokenizer, self.data.corpus, self.doc_max_length, lo, hi,
                                                     progress=self.host == 0)
     return self._doc_tokens
 
@@ -128,7 +129,7 @@ class TowerEncoder:
     return self._tokens_digest
 
   def _encode_in_shards(self, params, root) -> np.ndarray:
-    """`jdr.retrieval.corpus.encode_corpus` into root/NAME (resumable by shard), read back mapped. NAME digests the
+    """`jdr.retrieval.encodings.encode_corpus` into root/NAME (resumable by shard), read back mapped. NAME digests the
     document side's weights and settings, the corpus and the batching, so shards of other weights are never
     mixed in: they are an earlier encoding's (other weights, killed before it ended), and are removed."""
     corpus = self.data.corpus
@@ -145,27 +146,27 @@ class TowerEncoder:
       for stale in root.iterdir():
         if stale.name != name:
           stale.rmtree(missing_ok=True) if stale.is_dir() else stale.unlink(missing_ok=True)
-    runtime = corpus_lib.EncoderRuntime(self.encode_doc, self.serving(params), self.tokenizer, self.doc_max_length,
+    runtime = encoder_runtime.EncoderRuntime(self.encode_doc, self.serving(params), self.tokenizer, self.doc_max_length,
                                         {}, rows_multiple=self.rows_multiple)
-    corpus_lib.encode_corpus(runtime, corpus, root / name, shard_size=SHARD_DOCS,
+    encodings.encode_corpus(runtime, corpus, root / name, shard_size=SHARD_DOCS,
                              tokens_per_batch=self.tokens_per_batch, settings={"entry": name})
-    emb, _, _ = corpus_lib.load_embeddings(root / name)
+    emb, _, _ = encodings.load_embeddings(root / name)
     return emb
 
   def documents(self, params, token_ids: Sequence[np.ndarray]) -> np.ndarray:
     """float32 [n, D]: the document tower's vectors of already tokenized documents (evaluation candidates)."""
-    runtime = corpus_lib.EncoderRuntime(self.encode_doc, self.serving(params), self.tokenizer, self.doc_max_length,
+    runtime = encoder_runtime.EncoderRuntime(self.encode_doc, self.serving(params), self.tokenizer, self.doc_max_length,
                                         {}, rows_multiple=self.rows_multiple)
-    return corpus_lib.encode_tokens(runtime, token_ids, tokens_per_batch=self.tokens_per_batch)
+    return encoder_runtime.encode_tokens(runtime, token_ids, tokens_per_batch=self.tokens_per_batch)
 
   def _encode_corpus(self, params, progress: bool) -> np.ndarray:
     if self.hosts == 1:
       params = self.serving(params)
-      runtime = corpus_lib.EncoderRuntime(self.encode_doc, params, self.tokenizer, self.doc_max_length, {},
+      runtime = encoder_runtime.EncoderRuntime(self.encode_doc, params, self.tokenizer, self.doc_max_length, {},
                                           rows_multiple=self.rows_multiple)
     else:
-      params = self.serving(corpus_lib.whole_on(params, self._host_mesh))
-      runtime = corpus_lib.EncoderRuntime(self._encode_part, params, self.tokenizer, self.doc_max_length, {},
+      params = self.serving(encoder_runtime.whole_on(params, self._host_mesh))
+      runtime = encoder_runtime.EncoderRuntime(self._encode_part, params, self.tokenizer, self.doc_max_length, {},
                                           rows_multiple=self._host_mesh.devices.size)
     bar = None
     if progress and self.host == 0:
@@ -175,13 +176,13 @@ class TowerEncoder:
       lo, hi = self.part
       print(f"host {self.host} of {self.hosts}: tokenized and encoding documents {lo}-{hi - 1} of "
             f"{len(self.doc_ids)}", file=sys.stderr, flush=True)
-    emb = corpus_lib.encode_tokens(runtime, self.doc_tokens, tokens_per_batch=self.tokens_per_batch,
+    emb = encoder_runtime.encode_tokens(runtime, self.doc_tokens, tokens_per_batch=self.tokens_per_batch,
                                    progress=bar) if (self.doc_tokens or self.hosts == 1) else None
     if bar is not None:
       bar.close()
     if self.hosts > 1:
       probe = jax.ShapeDtypeStruct((1, 8), np.int32)  # the vector width, for a host whose part is empty
-      emb = corpus_lib.gather_host_parts(emb, jax.eval_shape(self._doc_fn, params, probe, probe).shape[-1])
+      emb = encoder_runtime.gather_host_parts(emb, jax.eval_shape(self._doc_fn, params, probe, probe).shape[-1])
     return emb
 
   def queries(self, params, qids: Sequence[str]) -> np.ndarray:
@@ -190,10 +191,10 @@ class TowerEncoder:
     if missing:
       tokens = text_lib.tokenize(self.tokenizer, [self.data.queries[q] for q in missing], self.query_max_length)
       self._query_tokens.update(zip(missing, tokens))
-    runtime = corpus_lib.EncoderRuntime(self.encode_query, self.serving(params), self.tokenizer,
+    runtime = encoder_runtime.EncoderRuntime(self.encode_query, self.serving(params), self.tokenizer,
                                         self.query_max_length, {},
                                         rows_multiple=self.rows_multiple)
-    return corpus_lib.encode_tokens(runtime, [self._query_tokens[q] for q in qids],
+    return encoder_runtime.encode_tokens(runtime, [self._query_tokens[q] for q in qids],
                                     tokens_per_batch=self.tokens_per_batch)
 
 

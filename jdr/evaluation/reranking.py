@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import tqdm
 
-from jdr.retrieval import corpus
+from jdr.retrieval import encoder_runtime
 from jdr.data import formats
 from jdr.data import text as text_lib
 
@@ -30,7 +30,7 @@ def make_token_scorer(model, params, pad_id: int, *, max_length: int = 256, batc
   two of rows."""
   apply = jax.jit(lambda p, ids, mask, types: model.apply({"params": p}, ids, mask, types))
   buckets = text_lib.default_bucket_lengths(max_length)
-  tokens = corpus.default_tokens_per_batch()
+  tokens = encoder_runtime.default_tokens_per_batch()
 
   def rows_for(length: int) -> int:
     if batch_size:

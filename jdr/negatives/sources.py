@@ -28,7 +28,7 @@ import numpy as np
 
 from jdr.runtime import atomic
 from jdr.data import pairs
-from jdr.retrieval import corpus as corpus_lib
+from jdr.retrieval import encodings
 from jdr.runtime import paths
 from jdr.negatives import given
 from jdr.negatives import mining
@@ -332,9 +332,9 @@ def corpus_embeddings(neg, encoder, params, cache: pathlib.Path, corpus_ids: lis
   """The fixed document vectors: a `jdr.encode` directory when given, else the starting document tower's."""
   if neg.corpus_encoding:
     # Refused before step 0: rows of another corpus would silently score the wrong documents.
-    corpus_lib.check_ids_match(neg.corpus_encoding, corpus_ids,
+    encodings.check_ids_match(neg.corpus_encoding, corpus_ids,
                                f"negatives.corpus_encoding vs data.dataset={encoder.data.name}")
-    emb, _, _ = corpus_lib.load_embeddings(neg.corpus_encoding)
+    emb, _, _ = encodings.load_embeddings(neg.corpus_encoding)
     return emb
   # Encoded a shard at a time into the workdir (resumable; named for the weights, so a resumed run finds the
   # starting tower's) and read back memory-mapped: the shards are the one copy of the matrix the host keeps.

@@ -173,14 +173,16 @@ class Progress:
   """Prints "run i of n: WHAT (ETA ...)" before each job; the ETA prices what is left of each kind of work
   (`job_kind`) at the seconds per unit measured so far in this invocation; a two-tower or query-only step not
   measured yet at the other's rate, ANCE steps and scorings not measured yet are named apart. The `finished`
-  jobs (done in an earlier sitting) cost nothing."""
+  jobs (done in an earlier sitting) cost nothing. `kind` names a job's kind of work (the table's `job_kind`
+  by default; an ablation passes its own)."""
 
-  def __init__(self, jobs: dict[tuple, int], write: Callable[[str], None], finished: set[tuple] = frozenset()):
+  def __init__(self, jobs: dict[tuple, int], write: Callable[[str], None], finished: set[tuple] = frozenset(),
+               kind: Callable[[tuple], str] = job_kind):
     self.total = len(jobs)
     self.left = collections.Counter()
     for key, steps in jobs.items():
       if key not in finished:
-        self.left[job_kind(key)] += steps or 1  # a step count, or one scoring / mining
+        self.left[kind(key)] += steps or 1  # a step count, or one scoring / mining
     self.write = write
     self.index = 0
     self.seconds, self.units = collections.Counter(), collections.Counter()
@@ -351,7 +353,7 @@ def evaluate_on(model, params, tokenizer, dataset: pathlib.Path, split: str, met
   the others "FACTORY/metric"), encoded by the trainer's own TowerEncoder and read from the trainer's cache
   where a run encoded the corpus with this document side before (its last evaluation, or the start's)."""
   import hashlib  # pylint: disable=g-import-not-at-top
-  from jdr.retrieval import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import retrievers  # pylint: disable=g-import-not-at-top
   from jdr.evaluation import periodic  # pylint: disable=g-import-not-at-top
   from jdr.retrieval import index as index_lib  # pylint: disable=g-import-not-at-top
   from jdr.evaluation import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
@@ -369,7 +371,7 @@ def evaluate_on(model, params, tokenizer, dataset: pathlib.Path, split: str, met
   for i, factory in enumerate(factories):
     key = (digest, factory)
     if key not in _INDEXES:
-      _INDEXES[key] = corpus_lib.build_index(doc_emb, encoder.doc_ids, "faiss", factory)
+      _INDEXES[key] = retrievers.build_index(doc_emb, encoder.doc_ids, "faiss", factory)
     scores, ids = _INDEXES[key].search(query_emb, min(100, len(encoder.doc_ids)))
     scored = metrics_lib.evaluate(qrels, index_lib.to_run(qids, scores, ids), list(metrics))
     results.update({("" if i == 0 else f"{factory}/") + k: float(v) for k, v in scored.items()})

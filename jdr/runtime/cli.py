@@ -16,7 +16,7 @@ import os
 import sys
 from typing import Iterator
 
-from jdr.retrieval import corpus as corpus_lib
+from jdr.retrieval import encoder_runtime
 from jdr.data import formats
 
 # What a user can cause and fix: bad or missing files, settings that disagree. Anything else is a bug
@@ -78,5 +78,5 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                            "model.dtype; a trained jdr model keeps its own)")
   parser.add_argument("--tokens-per-batch", type=int, default=None,
                       help="padded tokens per batch; the batch size follows from each length bucket "
-                           f"(default {corpus_lib.CPU_TOKENS_PER_BATCH} on CPU, "
-                           f"{corpus_lib.ACCELERATOR_TOKENS_PER_BATCH} on GPU/TPU)")
+                           f"(default {encoder_runtime.CPU_TOKENS_PER_BATCH} on CPU, "
+                           f"{encoder_runtime.ACCELERATOR_TOKENS_PER_BATCH} on GPU/TPU)")
