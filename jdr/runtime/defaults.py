@@ -48,9 +48,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model.dtype = "auto"  # compute dtype: float32, bfloat16, or auto (bfloat16 on GPU / TPU, float32 on CPU)
   c.model.remat = False  # recompute each layer's activations in the backward pass: less memory, more time
   # > 0: in the train step the towers encode a batch's rows this many at a time (jax.lax.map), their
-  # [rows, heads, L, L] attention tensors then fit a CPU's cache (MiniLM at 512 tokens, 32 rows, forward +
-  # backward: 13.2 s whole, 10.7 s in chunks of 4 on a 2-core x86 CPU). Same math; each chunk draws its own
-  # dropout masks. 0 = all rows at once (accelerators want big batches).
+  # [rows, heads, L, L] attention tensors then fit a CPU's cache, which makes long documents train faster
+  # there (docs/performance.md, `fgd-step`). Same math; each chunk draws its own dropout masks. 0 = all rows at
+  # once (accelerators want big batches).
   c.model.encode_chunk_rows = 0  # encode this many rows at a time in the step (0 = all; see above)
   c.model.dropout = 0.1  # hidden and attention dropout of the encoders
   # At 0 the attention runs fused (cuDNN on GPUs), whose kernel draws no dropout mask.
@@ -119,8 +119,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.distill.negative_pieces = 0  # 0 = every window of the negative documents; m = Eq. 14-15's hierarchy, top m
   c.distill.temperature = 1.0  # the teacher's logits / this; the student's scores / loss.temperature
   # Pairs per teacher batch; 0 = by tokens, as jdr.rerank and jdr.encode batch (about 1,024 padded tokens a
-  # batch on a CPU, 16,384 on accelerators): on a 2-core x86 CPU a fixed 32 scored 21.2 pairs/s and token
-  # batches 46.3 (`python -m jdr.bench cross-encoder`), and FGD's 64- to 512-token pieces vary in length.
+  # batch on a CPU, 16,384 on accelerators): token batches score faster than a fixed count on a CPU
+  # (docs/performance.md, `cross-encoder`), and FGD's 64- to 512-token pieces vary in length.
   c.distill.teacher_batch_size = 0  # pairs per teacher batch (0 = by tokens; see above)
 
   c.grad_cache = ml_collections.ConfigDict()
@@ -157,7 +157,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # tower is frozen, else bm25
   c.eval.candidates = "auto"  # auto | full | bm25 | run (see above)
   # 100: ANCE / DPR's BM25 depth, 10x cheaper than 1,000; @10 metrics come out near the full corpus's
-  # (docs/performance.md), recall@depth is the candidates' own: 1000 to follow recall@100
+  # (docs/performance.md, `eval-candidates`), recall@depth is the candidates' own: 1000 to follow recall@100
   c.eval.candidates_depth = 100  # candidates per query (see above)
   c.eval.candidates_run = ""  # eval.candidates=run: a TREC run or MS MARCO top1000.dev.tsv (jdr/data/run_arrays.py)
   c.eval.final = "full"  # the end of training: full (streamed, resumable; plus the periodic kind) | candidates
@@ -179,7 +179,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.mesh = ml_collections.ConfigDict()
   c.mesh.shape = (-1, 1, 1)  # (data, fsdp, model); -1 takes the remaining devices
   c.mesh.rules = "dp"  # dp | fsdp | tp | fsdp_tp (see jdr/runtime/parallel.py)
-  # A host without accelerators as this many XLA CPU devices (0: JAX's one); 2 on a 2-core CPU made the
-  # MiniLM step 13% faster (parallel.use_cpu_devices). The batch must split over them.
+  # A host without accelerators as this many XLA CPU devices (0: JAX's one); 2 on a 2-core CPU keep both cores
+  # busy (parallel.use_cpu_devices; docs/performance.md, "Two CPU devices"). The batch must split over them.
   c.mesh.cpu_devices = 0  # split a CPU-only host into this many XLA devices (0 = one; see above)
   return c

@@ -1,15 +1,15 @@
 """Host memory: jdr's command lines run with glibc's malloc backed by transparent huge pages.
 
-XLA's CPU runtime allocates one scratch buffer per execution for all of a computation's intermediates (2.1 GB
-for the MiniLM train step at batch 32 with 32 + 128 tokens) and frees it when the step ends. glibc serves an
-allocation that large with a fresh mmap and hands it back with munmap, so every step touched 522k new 4 KiB
-pages: on a 2-core x86 CPU, 0.86 s of kernel time per 1.9 s step, and the step went
-from 1.91 s to 1.40 s once the pages were 2 MiB ones (about 1,000 faults a step). glibc (2.35 and later)
-does that with the tunable `glibc.malloc.hugetlb=1` (madvise(MADV_HUGEPAGE) on its mappings), but it reads
-tunables only when a process starts. So `python -m jdr.<command>` re-executes itself once, before anything
-heavy is imported, with the tunable added to GLIBC_TUNABLES (see `jdr/__init__.py`). Keeping freed memory
+XLA's CPU runtime allocates one scratch buffer per execution for all of a computation's intermediates (gigabytes
+for a MiniLM train step) and frees it when the step ends. glibc serves an allocation that large with a fresh mmap
+and hands it back with munmap, so every step touches every page of it anew, in 4 KiB pages: page faults are a
+large part of a CPU step, and far fewer with 2 MiB pages (the figures: docs/performance.md, `train-step`,
+"Host memory"). glibc (2.35 and later) does that with the tunable `glibc.malloc.hugetlb=1`
+(madvise(MADV_HUGEPAGE) on its mappings), but it reads tunables only when a process starts. So `python -m
+jdr.<command>` re-executes itself once, before anything heavy is imported, with the tunable added to
+GLIBC_TUNABLES (see `jdr/__init__.py`). Keeping freed memory
 instead (M_ARENA_MAX=1, M_MMAP_MAX=0, no trimming, all settable in-process) saved as much time but held two
-to three scratch buffers resident (9 GB for that step), which the long-document FGD steps cannot afford.
+to three scratch buffers resident, which the long-document FGD steps cannot afford.
 
 Nothing happens when: JDR_HUGE_PAGE_MALLOC=0; GLIBC_TUNABLES already names glibc.malloc.hugetlb (the user's
 choice, and what stops a second re-execution); the C library is not glibc >= 2.35; the kernel's transparent

@@ -105,9 +105,9 @@ def initialize_distributed() -> None:
 def use_cpu_devices(count: int) -> None:
   """Splits this host's CPU into `count` XLA devices (config mesh.cpu_devices); 0 keeps JAX's one device.
 
-  With mesh.shape (-1, 1, 1) the batch is then split over the host's cores as over any devices. On a 2-core
-  x86 CPU, two devices made the MiniLM train step 13% faster than one: XLA's CPU runtime
-  runs one program's graph with a core idle about half the time, while two programs keep both busy. It only
+  With mesh.shape (-1, 1, 1) the batch is then split over the host's cores as over any devices. Why: XLA's CPU
+  runtime runs one program's graph with a core idle much of the time, while two programs keep both busy, so on
+  a 2-core CPU two devices train faster than one (docs/performance.md, `train-step`, "Two CPU devices"). It only
   adds CPU devices: on a GPU or TPU host the mesh still takes the accelerators. JAX fixes the count when its
   first backend starts, so this must come before anything runs on JAX (the trainer calls it first).
   """
