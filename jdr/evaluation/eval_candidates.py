@@ -1,10 +1,11 @@
 """Evaluation over each query's candidates: the periodic evaluation whose cost follows the queries it scores.
 
-A full-corpus evaluation encodes every document at every evaluation: at MS MARCO's 8.84M passages, hours on a
-CPU host. Here each evaluation query comes with a fixed list of candidates (BM25's top-k, mined once, or a
-given run file's), only the distinct candidate documents are encoded, each query's candidates are scored by
-dot product, and the metrics are computed on that re-ranked list. A document outside a query's candidates
-ranks nowhere for it, so recall is bounded by the candidates' own recall (BM25's, at the depth).
+A full-corpus evaluation encodes every document at every evaluation, a cost that follows the corpus, not the
+queries scored (docs/performance.md, `eval-candidates` and `plan`). Here each evaluation query comes with a
+fixed list of candidates (BM25's top-k, mined once, or a given run file's), only the distinct candidate
+documents are encoded, each query's candidates are scored by dot product, and the metrics are computed on
+that re-ranked list. A document outside a query's candidates ranks nowhere for it, so recall is bounded by
+the candidates' own recall (BM25's, at the depth).
 
   cands = bm25_candidates(index, query_texts, qids, depth=100, cache_dir=...)   # or run_candidates(...)
   tokens = tokenize(encoder, cands.unique)          # once: the candidate set does not change

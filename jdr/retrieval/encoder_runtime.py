@@ -24,18 +24,8 @@ from jdr.data import text as text_lib
 
 # A batch holds about this many tokens (padded), whatever its length bucket, so short documents go in
 # big batches and long ones in small batches: a small fixed set of compiled shapes, little padding.
-# On CPU small batches win: MiniLM at 4 x 256 tokens ran at 287 GFLOP/s on a 2-core x86 CPU, at
-# 32 x 256 at 122 GFLOP/s, because the [batch, heads, L, L] attention scores then stop fitting in cache.
-# Accelerators want big batches to fill the device: BERT-base at 256 tokens encoded 9% faster at 65,536
-# tokens a batch than at 16,384 on an NVIDIA H200.
-
-
-# A batch holds about this many tokens (padded), whatever its length bucket, so short documents go in
-# big batches and long ones in small batches: a small fixed set of compiled shapes, little padding.
-# On CPU small batches win: MiniLM at 4 x 256 tokens ran at 287 GFLOP/s on a 2-core x86 CPU, at
-# 32 x 256 at 122 GFLOP/s, because the [batch, heads, L, L] attention scores then stop fitting in cache.
-# Accelerators want big batches to fill the device: BERT-base at 256 tokens encoded 9% faster at 65,536
-# tokens a batch than at 16,384 on an NVIDIA H200.
+# On CPU small batches win: in big ones the [batch, heads, L, L] attention scores stop fitting in cache.
+# Accelerators want big batches to fill the device (both measured: docs/performance.md, `encode`).
 CPU_TOKENS_PER_BATCH = 1024
 ACCELERATOR_TOKENS_PER_BATCH = 65536
 

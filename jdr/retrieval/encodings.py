@@ -26,13 +26,6 @@ from jdr.data import corpus_by_host
 from jdr.data import prepared
 from jdr.data import text as text_lib
 
-# A batch holds about this many tokens (padded), whatever its length bucket, so short documents go in
-# big batches and long ones in small batches: a small fixed set of compiled shapes, little padding.
-# On CPU small batches win: MiniLM at 4 x 256 tokens ran at 287 GFLOP/s on a 2-core x86 CPU, at
-# 32 x 256 at 122 GFLOP/s, because the [batch, heads, L, L] attention scores then stop fitting in cache.
-# Accelerators want big batches to fill the device: BERT-base at 256 tokens encoded 9% faster at 65,536
-# tokens a batch than at 16,384 on an NVIDIA H200.
-
 
 def shard_paths(out_dir: paths.epath.Path, shard: int) -> tuple[paths.epath.Path, paths.epath.Path]:
   return out_dir / f"emb-{shard:05d}.npy", out_dir / f"ids-{shard:05d}.txt"

@@ -140,8 +140,8 @@ def gpu_cloner_options(faiss, layout: str, float16: bool):
 
 def _skip_polysemous_training(index) -> None:
   """index_factory turns on polysemous training for PQ codes ("PQ16" unless written "PQ16np"). It only
-  reorders the codebooks for Hamming-distance pre-filtering, which jdr never enables, and it made
-  training "OPQ16,IVF1,PQ16" on 3,000 vectors take 13 s instead of 4."""
+  reorders the codebooks for Hamming-distance pre-filtering, which jdr never enables, and it made training
+  several times slower (docs/performance.md, "Measured outside the benchmarks")."""
   faiss = import_faiss()
   index = faiss.downcast_index(index)
   if isinstance(index, faiss.IndexPreTransform):

@@ -15,13 +15,6 @@ from jdr.retrieval import index as index_lib
 from jdr.runtime import paths
 from jdr.retrieval import sharded_rows
 
-# A batch holds about this many tokens (padded), whatever its length bucket, so short documents go in
-# big batches and long ones in small batches: a small fixed set of compiled shapes, little padding.
-# On CPU small batches win: MiniLM at 4 x 256 tokens ran at 287 GFLOP/s on a 2-core x86 CPU, at
-# 32 x 256 at 122 GFLOP/s, because the [batch, heads, L, L] attention scores then stop fitting in cache.
-# Accelerators want big batches to fill the device: BERT-base at 256 tokens encoded 9% faster at 65,536
-# tokens a batch than at 16,384 on an NVIDIA H200.
-
 
 def build_index(embeddings: np.ndarray, ids: Sequence[str],
                 backend: Literal["faiss", "jax"] = "faiss", factory: str = "Flat",

@@ -4,12 +4,13 @@ ADORE / LTRe retrieving inside the jitted step, dense-static and ANCE mining, th
 `jdr.retrieve --backend jax` (through `index.JaxRetriever`) all call `sharded_top_k` here.
 
 Why two passes: a single `lax.top_k` over a [queries, 8.8M] score matrix is a sort-like pass that runs far
-below memory speed on accelerators (71 ms on an H200 against 2.8 ms for reading the bf16 matrix once). The
-search instead reduces each block of `block_rows` consecutive rows to its maximum score, takes the top k
-blocks, and runs the final top-k over the k * block_rows scores of those blocks only. It is exact: a row in
-the true top k lies in one of the k blocks with the highest maxima (each better block contributes a row that
-outranks it). Ties go to the lower row everywhere: `lax.top_k` keeps the lower index first, the winning
-blocks are put back in row order before the second pass, and the devices' candidates are merged in row order.
+below memory speed on accelerators (on an H200, many times the time of reading the bf16 matrix once:
+docs/performance.md, `device`, "The exact top-k"). The search instead reduces each block of `block_rows`
+consecutive rows to its maximum score, takes the top k blocks, and runs the final top-k over the k * block_rows
+scores of those blocks only. It is exact: a row in the true top k lies in one of the k blocks with the highest
+maxima (each better block contributes a row that outranks it). Ties go to the lower row everywhere:
+`lax.top_k` keeps the lower index first, the winning blocks are put back in row order before the second pass,
+and the devices' candidates are merged in row order.
 
 Storage: float32, bfloat16 (half the bytes, the default on accelerators) or int8 with one float32 scale per
 row (a quarter; the accelerator counterpart of a compressed index, approximate). Scores accumulate in

@@ -407,9 +407,9 @@ def compiler_options() -> dict[str, Any]:
   GPUs: XLA's dot merger is off. It joins matmuls that share an operand into one over their other operands
   concatenated; with shared towers that is each weight's matmuls over the queries and over the documents, so
   every activation and gradient they read was first copied into a concatenation. In BERT-base's in-batch
-  step compiled for an NVIDIA H200 (128 x 32 + 128 x 256 tokens, attention dropout 0) turning it off took the
-  least traffic of a step from 114.5 to 88.5 GB (`python -m jdr.bench compiled`); the unmerged matmuls are
-  each as large as a batch of queries or of documents, big enough for cuBLAS on their own.
+  step compiled for an NVIDIA H200 turning it off cut the least traffic of a step (`python -m jdr.bench
+  compiled`; docs/performance-history.md, "Compiled for the H200, change by change"); the unmerged matmuls
+  are each as large as a batch of queries or of documents, big enough for cuBLAS on their own.
   """
   return {"xla_gpu_dot_merger_threshold_mb": 0} if parallel.platform() == "gpu" else {}
 
