@@ -20,8 +20,8 @@ from jdr.data import formats
 
 _SKIP_DIRS = {"test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3", "site-packages", "dist-packages",
               "ensurepip", "__pycache__", "__phello__"}
-# Sizes that keep encoding the corpus with MiniLM on two CPU cores under about a minute (~100k tokens; it ran
-# at ~2k tokens/s there). Long docstrings cost the most and would be truncated at 256 tokens anyway.
+# Sizes that keep encoding the corpus with MiniLM on two CPU cores under about a minute (~100k tokens;
+# docs/performance.md, `encode`). Long docstrings cost the most and would be truncated at 256 tokens anyway.
 MAX_DOCS = 1200
 TEST_QUERIES = 200  # the rest of the judged docstrings (~470 on Python 3.11) form the train split
 REST_WORDS = (20, 80)

@@ -44,8 +44,9 @@ def load(data_cfg: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> Re
   The directory is BEIR's layout or MS MARCO's own (jdr.data.msmarco). On one host a local corpus file
   (corpus.jsonl or collection.tsv) is prepared once (jdr.data.prepared: validated, indexed, memory-mapped, in
   `data.prepared_dir` when the config has one, else the user's cache folder) and read from the map after that:
-  at MS MARCO's size a dict of documents took minutes to read and gigabytes to hold. Several hosts each parse
-  their own part (jdr.data.corpus_by_host); a gzip or object-storage corpus is read whole."""
+  at MS MARCO's size a dict of documents was slow to read and large to hold (docs/performance-history.md, "MS
+  MARCO stages before the prepared corpus"). Several hosts each parse their own part (jdr.data.corpus_by_host);
+  a gzip or object-storage corpus is read whole."""
   if data_cfg.dataset == "builtin":
     directory = pathlib.Path(workdir) / "data" / "stdlib-docstrings"
     builtin.write_builtin(directory)

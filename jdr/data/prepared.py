@@ -1,8 +1,8 @@
 """A corpus prepared once on disk and memory-mapped: its ids, where each line lies, and its token ids.
 
-Held as Python objects (a dict of documents, a dict of rows) a corpus costs several objects a passage and
-minutes to read, and tokenizing it for each evaluation far more; at MS MARCO's size (8.8M passages) both
-dominate a run. So a corpus file is read and validated once into arrays, and tokenized once per (tokenizer,
+Held as Python objects (a dict of documents, a dict of rows) a corpus costs several objects a passage and a
+slow read, and tokenizing it for each evaluation far more; at MS MARCO's size (8.8M passages) both dominate a
+run (docs/performance.md, `scale`). So a corpus file is read and validated once into arrays, and tokenized once per (tokenizer,
 max_length); every run after that maps the arrays and holds nothing per passage:
 
   corpus = prepared.prepare("msmarco/corpus.jsonl")                   # validated and indexed, once

@@ -26,9 +26,9 @@ def load_tokenizer(path: str | pathlib.Path):
   """The Hugging Face tokenizer saved in directory `path` (local or remote), as AutoTokenizer would load it.
 
   The class tokenizer_config.json names is the one AutoTokenizer picks; imported by itself it leaves torch
-  unloaded, where AutoTokenizer's import pulls torch in through transformers' model configs: about 2 s in
-  every process that only needs to tokenize (2-core CPU). A directory that names no class, or one this
-  transformers lacks, goes through AutoTokenizer.
+  unloaded, where AutoTokenizer's import pulls torch in through transformers' model configs, a cost in every
+  process that only needs to tokenize (docs/performance.md, `encode`). A directory that names no class, or one
+  this transformers lacks, goes through AutoTokenizer.
   """
   import transformers  # pylint: disable=g-import-not-at-top  (slow to import; only loaders need it)
   with paths.local_copy(path) as local_path:  # transformers reads local directories only
@@ -59,7 +59,7 @@ def tokenize(tokenizer, texts: Sequence[str], max_length: int, *, chunk_size: in
 
   Exactly what `tokenizer(texts, truncation=True, max_length=max_length)` returns, in chunks so a large corpus
   never holds two full copies of its ids. A fast tokenizer is run through its own Rust `tokenizers.Tokenizer`
-  (`TruncatingBackend`), 1.5x faster on SciFact's documents (1.11 s against 1.71 s on 2 cores); any other
+  (`TruncatingBackend`), faster on SciFact's documents (docs/performance.md, `encode`); any other
   callable goes through its `__call__`. Queries and documents are tokenized by separate calls, each with its
   own tower's `max_length`.
   """
@@ -192,8 +192,8 @@ def tokenize_in_background(tokenizer, texts: Sequence[str], max_length: int, *, 
   """`tokenize`'s ids in chunks, (index of the chunk's first text, its ids), made by a background thread up to
   `ahead` chunks before they are taken.
 
-  An accelerator encodes faster than one host tokenizes (an NVIDIA H200 encodes SciFact with a BERT-base in
-  0.77 s; its tokenizing took 0.51 s more before a batch could start), and the fast tokenizer's batch call
+  An accelerator encodes faster than one host tokenizes (on an NVIDIA H200 tokenizing SciFact took most of
+  the time of encoding it with a BERT-base: docs/performance.md, `device`), and the fast tokenizer's batch call
   runs outside the GIL, so the two overlap. The first chunk is small so the device starts early. Stopping
   the iteration early stops the thread; a tokenizer error is raised here, in the caller's thread.
   """
@@ -267,8 +267,8 @@ def pair_tokens(tokenizer, query: str, doc: str, max_length: int, query_max_leng
 def pairs_tokens(tokenizer, pairs: Sequence[tuple[str, str]], max_length: int, query_max_length: int | None = None,
                  *, chunk_size: int = 2048) -> list[tuple[list[int], list[int]]]:
   """`pair_tokens` of each (query, document), in batch calls of the tokenizer: a cross-encoder scores a query
-  against many documents, and one call a pair (0.61 ms a pair on a 2-core CPU, single-threaded) would bound
-  scoring on an accelerator; a batch call runs on every core (0.31 ms a pair on the same 2 cores)."""
+  against many documents, and one call a pair (single-threaded) would bound scoring on an accelerator; a batch
+  call runs on every core (docs/performance.md, `cross-encoder`)."""
   specials = tokenizer.num_special_tokens_to_add(pair=True)
   query_room = max_length - specials - 1
   if query_max_length is not None:
