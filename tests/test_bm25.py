@@ -23,7 +23,7 @@ K1, B = 0.9, 0.4
 @pytest.fixture(autouse=True)
 def fresh_process(monkeypatch):
   """Each test starts as a new process would: no index open yet."""
-  monkeypatch.setattr(bm25, "_OPEN", {})
+  monkeypatch.setattr(bm25, "OPEN", {})
 
 
 def _texts(n=60, seed=0):
@@ -118,7 +118,7 @@ def test_bm25s_default_method_is_the_oracle_formula():
 @pytest.mark.parametrize("block", [7, 64, None])
 def test_top_k_equals_brute_force(k, block, monkeypatch):
   if block:  # docs scored a few at a time, as a large corpus is
-    monkeypatch.setattr(bm25, "_BLOCK", block)
+    monkeypatch.setattr(bm25, "BLOCK", block)
   index = bm25.index_for(TEXTS, len(TEXTS), show_progress=False)
   rows, scores = bm25.search(index, QUERIES, k, n_threads=2)
   assert rows.shape == scores.shape == (len(QUERIES), k)
@@ -129,7 +129,7 @@ def test_top_k_equals_brute_force(k, block, monkeypatch):
 
 
 def test_ties_go_to_the_lower_row_on_any_threads(monkeypatch):
-  monkeypatch.setattr(bm25, "_BLOCK", 16)  # rows 5 and 17 in different blocks
+  monkeypatch.setattr(bm25, "BLOCK", 16)  # rows 5 and 17 in different blocks
   index = bm25.index_for(TEXTS, len(TEXTS), show_progress=False)
   rows, scores = bm25.search(index, [TEXTS[5]], 3, n_threads=1)
   assert rows[0, :2].tolist() == [5, 17] and scores[0, 0] == scores[0, 1]
@@ -221,7 +221,7 @@ def test_a_killed_build_resumes_at_its_last_chunk(tmp_path, monkeypatch, builds)
       raise Killed
     return tokenize(chunk)
 
-  monkeypatch.setattr(bm25, "_tokenize_chunk", dies_at_the_fourth)
+  monkeypatch.setattr(bm25, "tokenize_chunk", dies_at_the_fourth)
   with pytest.raises(Killed):
     bm25.index_for(texts, len(texts), cache_dir=tmp_path, chunk_docs=6, workers=1, show_progress=False)
   partial, = tmp_path.glob("*.partial")

@@ -12,7 +12,7 @@ from jdr.runtime import config_files
 from jdr.retrieval import corpus_cache
 from jdr.runtime import defaults
 from jdr.evaluation import periodic
-from jdr import train
+from jdr.training import trainer
 from jdr.data import pairs
 from jdr.models import build
 
@@ -26,7 +26,7 @@ def tiny(tmp_path_factory):
                                         "model.shared=False", f"data.dataset={write_tiny_beir(directory / 'd')}"])
   built = build.build(config.model, config.data)
   data = pairs.load(config.data, directory / "w")
-  params = jax.device_get(train.initial_params(built.model, built, config, jax.random.PRNGKey(0), None))
+  params = jax.device_get(trainer.initial_params(built.model, built, config, jax.random.PRNGKey(0), None))
   return built, data, params
 
 

@@ -171,9 +171,10 @@ def test_pairs_batches_join_each_query_with_its_own_candidates(tmp_path):
 def test_cross_encoder_trains_evaluates_by_reranking_and_exports(tmp_path):
   import transformers  # pylint: disable=g-import-not-at-top
   from conftest import write_tiny_beir  # pylint: disable=g-import-not-at-top
-  from jdr import export, train  # pylint: disable=g-import-not-at-top
+  from jdr import export  # pylint: disable=g-import-not-at-top
+  from jdr.training import trainer
   from jdr.models import build, cross  # pylint: disable=g-import-not-at-top
-  result = train.train_and_evaluate(_cross_config(write_tiny_beir(tmp_path / "beir"), ["num_train_steps=3"]),
+  result = trainer.train_and_evaluate(_cross_config(write_tiny_beir(tmp_path / "beir"), ["num_train_steps=3"]),
                                     tmp_path / "w")
   assert set(result["after"]) >= {"ndcg@10", "mrr@10", "recall@100"} and "before" in result
   model, params, _, description = build.load_jdr_model(tmp_path / "w")
@@ -193,7 +194,7 @@ def test_cross_encoder_trains_evaluates_by_reranking_and_exports(tmp_path):
 
 def test_cross_encoder_refuses_in_batch_negatives(tmp_path):
   from conftest import write_tiny_beir  # pylint: disable=g-import-not-at-top
-  from jdr import train  # pylint: disable=g-import-not-at-top
+  from jdr.training import trainer  # pylint: disable=g-import-not-at-top
   config = _cross_config(write_tiny_beir(tmp_path / "beir"), ["negatives.in_batch=True"])
   with pytest.raises(ValueError, match="in_batch=False"):
-    train.train_and_evaluate(config, tmp_path / "w")
+    trainer.train_and_evaluate(config, tmp_path / "w")

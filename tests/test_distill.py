@@ -19,14 +19,14 @@ def setup(tmp_path_factory):
 
 
 def _teacher(tmp_path, beir):
-  from jdr import train  # pylint: disable=g-import-not-at-top
+  from jdr.training import trainer  # pylint: disable=g-import-not-at-top
   from jdr.runtime import config_files
   from jdr.runtime import defaults
   config = defaults.get_config()
   config_files.apply_overrides(config, CROSS + [f"data.dataset={beir}", "num_train_steps=1",
                                                 "data.doc_max_length=64", "eval_before_training=False"])
   config.data.eval_split = ""
-  train.train_and_evaluate(config, tmp_path / "teacher")
+  trainer.train_and_evaluate(config, tmp_path / "teacher")
   return tmp_path / "teacher"
 
 
@@ -64,11 +64,11 @@ def _records(workdir):
 
 
 def test_fgd_and_document_kd_train_with_cached_teacher_scores(tmp_path, setup):
-  from jdr import train  # pylint: disable=g-import-not-at-top
+  from jdr.training import trainer  # pylint: disable=g-import-not-at-top
   beir, teacher = setup
   config = _student_config(beir, teacher, ["distill.document=True", "distill.contrastive_weight=0.5",
                                            "distill.negative_pieces=2"])
-  train.train_and_evaluate(config, tmp_path / "s")
+  trainer.train_and_evaluate(config, tmp_path / "s")
   logged = [r for r in _records(tmp_path / "s") if "train/loss" in r]
   assert len(logged) == 2
   for r in logged:
@@ -152,7 +152,7 @@ def test_mined_teacher_scores_train_margin_mse_and_listwise_kl(tmp_path, setup):
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
-  from jdr import train  # pylint: disable=g-import-not-at-top
+  from jdr.training import trainer  # pylint: disable=g-import-not-at-top
   from jdr.evaluation import reranking
   from jdr.data import prepared  # pylint: disable=g-import-not-at-top
   from jdr.models import cross  # pylint: disable=g-import-not-at-top
@@ -178,7 +178,7 @@ def test_mined_teacher_scores_train_margin_mse_and_listwise_kl(tmp_path, setup):
   config = _student_config(beir, "mined", ["negatives.source=mined", f"negatives.mined={out}",
                                             "distill.granularities=", "distill.document=True",
                                             "distill.margin_mse=True", "distill.contrastive_weight=0"])
-  train.train_and_evaluate(config, tmp_path / "s")
+  trainer.train_and_evaluate(config, tmp_path / "s")
   logged = [r for r in _records(tmp_path / "s") if "train/loss" in r]
   assert len(logged) == 2
   for r in logged:

@@ -16,7 +16,7 @@ from jdr.retrieval import encodings
 from jdr.runtime import defaults
 from jdr.evaluation import periodic
 from jdr.evaluation import metrics as metrics_lib
-from jdr import train
+from jdr.training import trainer
 from jdr.data import pairs
 from jdr.models import build
 from conftest import write_tiny_beir
@@ -31,7 +31,7 @@ def tiny(tmp_path_factory):
                                         f"data.dataset={write_tiny_beir(root / 'data')}"])
   built = build.build(config.model, config.data)
   data = pairs.load(config.data, root)
-  params = train.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
+  params = trainer.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
   return types.SimpleNamespace(config=config, built=built, data=data, params=params, root=root)
 
 
@@ -225,7 +225,7 @@ def test_training_evaluates_candidates_and_the_full_corpus_at_the_end(tiny, tmp_
   config = _config(tiny, candidates="bm25", candidates_depth=5)
   config.num_train_steps, config.eval_every, config.batch_size, config.checkpoint_every = 2, 1, 4, 0
   config.data.query_max_length, config.data.doc_max_length = 16, 32
-  train.train_and_evaluate(config, tmp_path / "w")
+  trainer.train_and_evaluate(config, tmp_path / "w")
   records = [json.loads(line) for line in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in records if "eval/bm25-top5/ndcg@10" in r] == [0, 1, 2]
   assert [r["step"] for r in records if "eval/ndcg@10" in r] == [2]

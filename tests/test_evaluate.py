@@ -109,7 +109,7 @@ import numpy as np
 sys.path.insert(0, sys.argv[1])
 sys.path.insert(0, sys.argv[2])
 from conftest import write_tiny_beir
-from jdr import train
+from jdr.training import trainer
 from jdr.runtime import config_files
 from jdr.runtime import defaults
 from jdr.evaluation import periodic
@@ -125,7 +125,7 @@ config_files.apply_overrides(config, ["model.init_from=", "model.fresh=tiny", "m
                                       f"data.dataset={write_tiny_beir(sys.argv[3])}"])
 built = build.build(config.model, config.data)
 data = pairs.load(config.data, sys.argv[3])
-params = train.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
+params = trainer.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
 kwargs = dict(query_max_length=16, doc_max_length=32, tokens_per_batch=96)  # 3-row batches: padded to 8
 alone = periodic.TowerEncoder(built.model, built.tokenizer, data, **kwargs)
 reference = alone.corpus(params), alone.queries(params, sorted(data.queries)[:5])

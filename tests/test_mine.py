@@ -332,7 +332,7 @@ def test_sentence_transformers_rows_match_texts_to_rows_and_carry_scores(tmp_pat
 
 
 def test_training_reads_negatives_from_a_tevatron_file(tmp_path):
-  from jdr import train
+  from jdr.training import trainer
   from jdr.runtime import config_files
   from jdr.runtime import defaults
   beir = write_tiny_beir(tmp_path / "beir", num_docs=40)
@@ -344,7 +344,7 @@ def test_training_reads_negatives_from_a_tevatron_file(tmp_path):
       "model.init_from=", "model.fresh=tiny", f"data.dataset={beir}", "data.eval_split=", "batch_size=4",
       "data.query_max_length=12", "data.doc_max_length=32", "negatives.source=mined", f"negatives.mined={given}",
       "negatives.per_query=1", "num_train_steps=2", "log_every=1", "eval_before_training=False"])
-  train.train_and_evaluate(config, tmp_path / "w")
+  trainer.train_and_evaluate(config, tmp_path / "w")
   records = [json.loads(l) for l in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
   assert [r for r in records if "train/loss" in r]
 

@@ -176,14 +176,14 @@ def test_train_export_then_encode_with_the_trained_towers(tmp_path):
 
 def _tiny_trained(tmp_path, *overrides):
   """A tiny random two-tower model trained 2 steps on 16-token queries: its workdir."""
-  from jdr import train  # pylint: disable=g-import-not-at-top
+  from jdr.training import trainer  # pylint: disable=g-import-not-at-top
   from jdr.runtime import config_files
   data = write_tiny_beir(tmp_path / "data")
   config = config_files.load_config_file(str(ROOT / "configs" / "demo.py:tiny"))
   config_files.apply_overrides(config, [f"data.dataset={data}", "num_train_steps=2", "batch_size=4",
                                         "data.eval_split=", "data.query_max_length=16", "data.doc_max_length=32",
                                         *overrides])
-  train.train_and_evaluate(config, tmp_path / "w")
+  trainer.train_and_evaluate(config, tmp_path / "w")
   return tmp_path / "w"
 
 

@@ -83,7 +83,7 @@ def test_full_table_job_count():
 
 @pytest.mark.long
 def test_tiny_table_end_to_end_and_rerun_skips(tmp_path, monkeypatch, capsys):
-  from jdr import train as train_lib  # pylint: disable=g-import-not-at-top
+  from jdr.training import trainer  # pylint: disable=g-import-not-at-top
   from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
   from jdr.reproduce import __main__ as command  # pylint: disable=g-import-not-at-top
   out = tmp_path / "repro"
@@ -123,7 +123,7 @@ def test_tiny_table_end_to_end_and_rerun_skips(tmp_path, monkeypatch, capsys):
   def refuse(*args, **kwargs):
     raise AssertionError("a finished run was run again")
   with monkeypatch.context() as m:
-    m.setattr(train_lib, "train_and_evaluate", refuse)
+    m.setattr(trainer, "train_and_evaluate", refuse)
     m.setattr(runs_lib, "score_model", refuse)
     command.main(argv)
   second = capsys.readouterr().out
@@ -329,7 +329,7 @@ def test_run_records_round_trip_through_runs_csv_and_imported_warm_ups_are_retra
   """A runs.csv restores the done.json / test.json it was written from (another output directory, such as a
   fresh checkout's, takes its runs as finished); a warm-up imported without its weights is trained again when
   a new stage starts from it; a malformed line is refused by file, line and run."""
-  from jdr import train as train_lib  # pylint: disable=g-import-not-at-top
+  from jdr.training import trainer  # pylint: disable=g-import-not-at-top
   from jdr.reproduce import report  # pylint: disable=g-import-not-at-top
   plan = rows_lib.tiny_plan()
   bm25 = runs_lib.StageRun((("bm25_neg", 4, 1e-3),), 0)
@@ -371,7 +371,7 @@ def test_run_records_round_trip_through_runs_csv_and_imported_warm_ups_are_retra
     (pathlib.Path(workdir) / "checkpoints").mkdir(parents=True)
     return {"after": {"ndcg@10": 0.8}}
 
-  monkeypatch.setattr(train_lib, "train_and_evaluate", fake_train)
+  monkeypatch.setattr(trainer, "train_and_evaluate", fake_train)
   monkeypatch.setattr(runs_lib, "release", lambda: None)
   lines = []
   progress = runs_lib.Progress({("train", star.chain, 0): 4}, write=lines.append,

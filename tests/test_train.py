@@ -53,6 +53,7 @@ def test_sharded_runs_equal_one_device(tmp_path):
   script = textwrap.dedent(f"""
       import json, sys, numpy as np, jax
       from jdr import train
+      from jdr.training import trainer
       from jdr.runtime import config_files
       runs = {{"single": ["mesh.shape=(1,1,1)"],
                "data_parallel": ["mesh.shape=(8,1,1)", "mesh.rules=dp"],
@@ -64,7 +65,7 @@ def test_sharded_runs_equal_one_device(tmp_path):
       for name, extra in runs.items():
         config = config_files.load_config_file("{ROOT / 'configs' / 'demo.py'}")
         config_files.apply_overrides(config, base + extra)
-        result = train.train_and_evaluate(config, "{tmp_path}/" + name)
+        result = trainer.train_and_evaluate(config, "{tmp_path}/" + name)
         state = result["state"]
         shardings = {{str(x.sharding.spec) for x in jax.tree.leaves(state.params)}}
         params = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(state.params))]
@@ -310,14 +311,14 @@ def test_train_then_evaluate_end_to_end(tmp_path):
 def test_every_recipe_trains(tmp_path, recipe):
   """Each method's config runs through the one trainer: negatives sampled, masked and scored. (With
   checkpoint_every=0: no periodic checkpoint, the last step's alone.)"""
-  from jdr import train  # pylint: disable=g-import-not-at-top
+  from jdr.training import trainer
   from jdr.runtime import config_files
   data = write_tiny_beir(tmp_path / "data")
   config = config_files.load_config_file(f"{ROOT / 'configs' / recipe}.py:runlocal")
   config_files.apply_overrides(config, [a[len("--config."):] for a in TINY] + [
       f"data.dataset={data}", "data.eval_split=", "num_train_steps=3", "checkpoint_every=0",
       "negatives.top_n=10", "eval.doc_max_length=32"])
-  train.train_and_evaluate(config, tmp_path / "w")
+  trainer.train_and_evaluate(config, tmp_path / "w")
   losses = _losses(tmp_path / "w")
   assert len(losses) == 3 and all(np.isfinite(losses))
   assert [p.name for p in (tmp_path / "w" / "checkpoints").iterdir() if p.name.isdigit()] == ["3"]
@@ -328,7 +329,7 @@ def test_every_recipe_trains(tmp_path, recipe):
 
 def test_query_tower_only_leaves_document_tower_untouched(tmp_path):
   """model.train_towers=query (ADORE / LTRe): separate towers, and the document tower never moves."""
-  from jdr import train  # pylint: disable=g-import-not-at-top
+  from jdr.training import trainer
   from jdr.runtime import config_files
   import jax  # pylint: disable=g-import-not-at-top
   data = write_tiny_beir(tmp_path / "data")
@@ -336,9 +337,9 @@ def test_query_tower_only_leaves_document_tower_untouched(tmp_path):
   config_files.apply_overrides(config, [a[len("--config."):] for a in TINY] + [
       f"data.dataset={data}", "data.eval_split=", "num_train_steps=3", "checkpoint_every=100",
       "model.shared=false", "model.train_towers=query"])
-  first = train.train_and_evaluate(config.copy_and_resolve_references(), tmp_path / "one")["state"]
+  first = trainer.train_and_evaluate(config.copy_and_resolve_references(), tmp_path / "one")["state"]
   config_files.apply_overrides(config, ["num_train_steps=1"])
-  start = jax.device_get(train.train_and_evaluate(config, tmp_path / "zero")["state"].params)
+  start = jax.device_get(trainer.train_and_evaluate(config, tmp_path / "zero")["state"].params)
   end = jax.device_get(first.params)
   for a, b in zip(jax.tree.leaves(start["doc_tower"]), jax.tree.leaves(end["doc_tower"])):
     np.testing.assert_array_equal(a, b)
@@ -350,7 +351,7 @@ def test_query_tower_only_leaves_document_tower_untouched(tmp_path):
 def test_init_from_jdr_model_applies_model_settings(tmp_path):
   """Starting from a trained shared tower: model.shared=False splits it (ADORE's start), dropout and
   dtype come from the new config, and an override the weights fix (pooling) is refused, not ignored."""
-  from jdr import train  # pylint: disable=g-import-not-at-top
+  from jdr.training import trainer
   from jdr.runtime import config_files
   from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
@@ -358,7 +359,7 @@ def test_init_from_jdr_model_applies_model_settings(tmp_path):
   config = config_files.load_config_file(str(ROOT / "configs" / "demo.py"))
   config_files.apply_overrides(config, [a[len("--config."):] for a in TINY] + [
       f"data.dataset={data}", "data.eval_split=", "num_train_steps=1", "checkpoint_every=100"])
-  trained = jax.device_get(train.train_and_evaluate(config, tmp_path / "w")["state"].params)
+  trained = jax.device_get(trainer.train_and_evaluate(config, tmp_path / "w")["state"].params)
   config_files.apply_overrides(config, [f"model.init_from={tmp_path / 'w'}", "model.shared=false",
                                         "model.dropout=0.0", "model.pooling=", "model.train_towers=query"])
   built = build_lib.build(config.model, config.data)
@@ -368,7 +369,7 @@ def test_init_from_jdr_model_applies_model_settings(tmp_path):
     for a, b in zip(jax.tree.leaves(trained["tower"]), jax.tree.leaves(built.params[side])):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   # And it trains: the split towers are separate buffers (one would be donated twice).
-  train.train_and_evaluate(config.copy_and_resolve_references(), tmp_path / "split")
+  trainer.train_and_evaluate(config.copy_and_resolve_references(), tmp_path / "split")
   config_files.apply_overrides(config, ["model.pooling=cls"])
   with pytest.raises(ValueError, match="pooling"):
     build_lib.build(config.model, config.data)

@@ -85,7 +85,7 @@ class Bench:
   """The model, its state and the two jitted steps, built once and reused for every corpus."""
 
   def __init__(self, args, mesh=None):
-    from jdr import train  # pylint: disable=g-import-not-at-top
+    from jdr.training import trainer  # pylint: disable=g-import-not-at-top
     from jdr.training import optimizers
     from jdr.runtime import parallel
     from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
@@ -97,7 +97,7 @@ class Bench:
     built = build_lib.build(config.model, config.data)
     model = built.model
     tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps, config.model.train_towers)
-    params = train.initial_params(model, built, config, jax.random.PRNGKey(0), None)
+    params = trainer.initial_params(model, built, config, jax.random.PRNGKey(0), None)
     rep = parallel.replicated(mesh)
     state = step_lib.TrainState(step=jax.numpy.int32(0), params=params, opt_state=tx.init(params),
                              rng=jax.random.PRNGKey(1))

@@ -288,12 +288,12 @@ def _token_batch(b: int, query_length: int, doc_length: int) -> dict[str, np.nda
 
 def jdr_train_step_seconds(config, batch: dict, size: dict, label: str) -> tuple[float, dict | None]:
   """(median seconds of jdr's jitted train step, its kernel breakdown when --profile asked for it)."""
-  from jdr import train  # pylint: disable=g-import-not-at-top
+  from jdr.training import trainer  # pylint: disable=g-import-not-at-top
   from jdr.training import optimizers
   from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
   built = build_lib.build(config.model, config.data)
   tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps)
-  params = train.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
+  params = trainer.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
   state = step_lib.TrainState(step=jnp.int32(0), params=params, opt_state=tx.init(params), rng=jax.random.PRNGKey(1))
   step_fn = step_lib.jit(step_lib.make_train_step(built.model, tx, config), donate_argnums=(0,))
   batch = jax.device_put(batch)

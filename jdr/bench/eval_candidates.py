@@ -29,7 +29,7 @@ from jdr.retrieval import encoder_runtime
 from jdr.runtime import defaults
 from jdr.evaluation import eval_candidates
 from jdr.evaluation import periodic
-from jdr import train
+from jdr.training import trainer
 from jdr.bench import encode_speed
 from jdr.data import pairs
 from jdr.data import prepared
@@ -94,7 +94,7 @@ def main(argv=None) -> None:
   config = _config(args, dataset, split)
   built = build.build(config.model, config.data)
   data = pairs.load(config.data, root)
-  params = train.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
+  params = trainer.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
   encoder = periodic.TowerEncoder(built.model, built.tokenizer, data, query_max_length=config.data.query_max_length,
                                     doc_max_length=config.eval.doc_max_length,
                                     tokens_per_batch=config.eval.tokens_per_batch)

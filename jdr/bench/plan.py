@@ -1,5 +1,5 @@
 """Paper-size runs, planned: each full recipe at MS MARCO size, its step compiled for the host it would run on,
-and the hours of each stage from figures measured before (docs/performance.md).
+and the hours of each stage from figures measured before (docs/performance.md, `plan`).
 
   python -m jdr.bench plan                          # the hours table only: no compiles, seconds
   PYTHONPATH=<jax CUDA plugin> python -m jdr.bench plan --topology h100:8   # and each step compiled for 8 H100s
@@ -13,8 +13,8 @@ none of which a planning host has) is a fresh BERT-base of the same shape (`mode
 12 x 768, [CLS] + the recipe's head), whose vocabulary is the MiniLM tokenizer's 30,522 where RoBERTa's is
 50,265: the 19,743 rows more are 15.2M parameters, 57.8 MiB of float32 parameters, the same again of
 gradients and twice that of Adam / LAMB moments per device under data parallelism. ADORE / LTRe compile
-against their corpus of 8,841,823 rows (jdr.training.sizing.compile_corpus_step). A compile of a BERT-base step takes
-minutes on a 2-core host.
+against their corpus of 8,841,823 rows (jdr.training.sizing.compile_corpus_step). A compile of a BERT-base step is
+slow on a small host (docs/performance.md, `plan`, has the times).
 
 The hours come from the recipe's settings (steps, batch, lengths, negatives, refreshes) and FIGURES, each
 measured once with the command it names; a stage whose figure was never measured says so (None) rather than
@@ -43,7 +43,8 @@ class Figure:
 
 
 # Every rate the hours are built from. Device figures: one NVIDIA H200, BERT-base-shaped, bf16
-# (`python -m jdr.bench device`, docs/performance.md "On an NVIDIA H200"); host figures: the 2-core x86 CPU.
+# (`python -m jdr.bench device`, docs/performance.md, `device`, "On an NVIDIA H200"); host figures: the 2-core
+# x86 CPU.
 FIGURES = {
     "encode_docs_per_s": Figure(6_722, "H200, SciFact's 5,183 documents at up to 256 tokens from token ids "
                                        "(`python -m jdr.bench device`, encoding)"),

@@ -392,7 +392,7 @@ def _adore_index(ctx: Context) -> dict:
 
 
 def _evaluate(ctx: Context) -> dict:
-  from jdr import train  # pylint: disable=g-import-not-at-top
+  from jdr.training import trainer
   from jdr.evaluation import periodic
   marks = _Marks()
   marks.wrap(periodic.Evaluator, "__call__", "evaluate")
@@ -403,7 +403,7 @@ def _evaluate(ctx: Context) -> dict:
   config = _config(ctx, "num_train_steps=0", "eval_before_training=false", "checkpoint_every=0",
                    "eval.candidates=full")
   start = time.perf_counter()
-  results = train.train_and_evaluate(config, ctx.path("evaluate"))
+  results = trainer.train_and_evaluate(config, ctx.path("evaluate"))
   if "evaluate" not in marks.first_start:
     raise ValueError(f"the trainer evaluated nothing (data.eval_split={config.data.eval_split!r})")
   return {"seconds": marks.seconds["evaluate"], "setup_s": marks.first_start["evaluate"] - start,

@@ -58,7 +58,7 @@ def jdr_step_seconds(args, batch, dropout: float | None = None, devices: int = 1
   """Median seconds of jdr's jitted step; `dropout` overrides the model's rates (0.0: the step without masks);
   `devices` > 1 splits the batch over that many devices (a (devices, 1, 1) mesh, parameters replicated: the
   trainer's mesh.rules=dp), as the trainer does with mesh.cpu_devices on a CPU host."""
-  from jdr import train  # pylint: disable=g-import-not-at-top
+  from jdr.training import trainer  # pylint: disable=g-import-not-at-top
   from jdr.training import optimizers
   from jdr.runtime import parallel
   from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
@@ -67,7 +67,7 @@ def jdr_step_seconds(args, batch, dropout: float | None = None, devices: int = 1
     config.model.dropout = dropout
   built = build_lib.build(config.model, config.data)
   tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps)
-  params = train.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
+  params = trainer.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
   state = step_lib.TrainState(step=jax.numpy.int32(0), params=params, opt_state=tx.init(params),
                            rng=jax.random.PRNGKey(1))
   step = step_lib.make_train_step(built.model, tx, config)
@@ -95,14 +95,14 @@ def jdr_part_seconds(args, batch) -> dict[str, float]:
   """The optimizer update and the loss alone, jitted like the step: with the step with and without dropout,
   the step splits into towers (forward + backward), dropout masks, loss and update."""
   import optax  # pylint: disable=g-import-not-at-top
-  from jdr import train  # pylint: disable=g-import-not-at-top
+  from jdr.training import trainer  # pylint: disable=g-import-not-at-top
   from jdr.training import losses
   from jdr.training import optimizers
   from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
   config = _config(args)
   built = build_lib.build(config.model, config.data)
   tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps)
-  params = train.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
+  params = trainer.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
   grads = jax.tree_util.tree_map(lambda p: jax.numpy.full_like(p, 1e-3), params)
   holder = {"params": params, "opt": tx.init(params)}
 

@@ -466,13 +466,13 @@ def read_qrels(path: PathLike, *, doc_ids: Container[str] | None = None, query_i
         qrels.setdefault(qid, {})[doc_id] = rel
         continue
       pending.append((lineno, qid, doc_id, rel))
-      if len(pending) >= _QRELS_BLOCK:
+      if len(pending) >= QRELS_BLOCK:
         settle(f)
     settle(f)
   return qrels
 
 
-_QRELS_BLOCK = 1 << 16  # lines whose doc ids read_qrels checks at once against a corpus that looks up in bulk
+QRELS_BLOCK = 1 << 16  # lines whose doc ids read_qrels checks at once against a corpus that looks up in bulk
 
 
 def write_qrels(path: PathLike, qrels: Mapping[str, Mapping[str, int]], *, trec: bool = False) -> None:

@@ -1,6 +1,6 @@
 """The rows of the methods table, the budget they share, and the trainer config of each stage.
 
-A row is a chain of stages. Each stage is one run of `jdr.train.train_and_evaluate` on a recipe of
+A row is a chain of stages. Each stage is one run of `jdr.training.trainer.train_and_evaluate` on a recipe of
 configs/; a later stage starts from the workdir of the one before it (the papers' warm-ups: BM25
 negatives before STAR and ANCE, STAR before ADORE+STAR). The warm-up steps are part of the row's budget,
 so every row trains `Plan.steps` steps of `Plan.batch_size` in all. A warm-up stage trains at the rate
@@ -47,15 +47,17 @@ class Plan:
   tiny: bool = False  # a tiny random BERT instead of MiniLM: the command's own test
 
 
-def record_plan(plan: Plan, out: pathlib.Path) -> None:
+def record_plan(plan, out: pathlib.Path, free: tuple[str, ...] = ("rates", "seeds")) -> None:
   """Writes OUT/plan.json, or refuses a plan that differs from the one its runs were trained under in
-  anything but the rate grid and the seeds (which only add runs)."""
+  anything but the `free` fields (the table's: the rate grid and the seeds, which only add runs). `plan` is
+  a frozen dataclass: this table's Plan, or an ablation's."""
   path = pathlib.Path(out) / "plan.json"
-  fixed = {k: v for k, v in dataclasses.asdict(plan).items() if k not in ("rates", "seeds")}
+  # JSON has lists where a plan has tuples: compared as JSON holds them.
+  fixed = {k: v for k, v in json.loads(json.dumps(dataclasses.asdict(plan))).items() if k not in free}
   if path.exists():
     # A field added to the plan after a directory's runs were trained reads as its default there.
-    defaults = {f.name: f.default for f in dataclasses.fields(Plan)}
-    old = {k: v for k, v in {**defaults, **json.loads(path.read_text())}.items() if k not in ("rates", "seeds")}
+    defaults = json.loads(json.dumps({f.name: f.default for f in dataclasses.fields(plan)}))
+    old = {k: v for k, v in {**defaults, **json.loads(path.read_text())}.items() if k not in free}
     if old != fixed:
       changed = ", ".join(f"{k} {old.get(k)!r} -> {v!r}" for k, v in fixed.items() if old.get(k) != v)
       raise ValueError(f"{path}: the runs here were trained under another plan ({changed}); use another "

@@ -308,14 +308,14 @@ def train(ctx: Context, run: StageRun) -> dict:
     if first:
       ctx.progress.skip(f"train {run.name}")
     return done
-  from jdr import train as train_lib  # pylint: disable=g-import-not-at-top  (JAX starts here, not at import)
+  from jdr.training import trainer  # pylint: disable=g-import-not-at-top  (JAX starts here, not at import)
   config = rows_lib.stage_config(ctx.plan, run.method, steps=run.steps, rate=run.rate, seed=run.seed,
                                  dataset=ctx.dataset, init_from=init_from, configs_dir=ctx.configs_dir)
   ctx.progress.begin(f"train {run.name}")
   start = time.perf_counter()
   config.eval.corpus_cache = str(ctx.vector_cache)
   with _output_to(workdir / "train.log"):
-    results = train_lib.train_and_evaluate(config, workdir)
+    results = trainer.train_and_evaluate(config, workdir)
   seconds = time.perf_counter() - start
   record = {"run": run.name, "method": run.method, "steps": run.steps, "batch_size": ctx.plan.batch_size,
             "rate": run.rate, "seed": run.seed,
@@ -420,14 +420,14 @@ def score_start(ctx: Context) -> dict:
     ctx.progress.skip("score the start model")
     return record
   import jax  # pylint: disable=g-import-not-at-top
-  from jdr import train as train_lib  # pylint: disable=g-import-not-at-top
+  from jdr.training import trainer  # pylint: disable=g-import-not-at-top
   from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
   ctx.progress.begin("score the start model on dev, test" + (" and zero-shot" if ctx.zero_shot else ""))
   start = time.perf_counter()
   with _output_to(path.parent / "score.log"):
     config = rows_lib.start_config(ctx.plan, ctx.dataset, ctx.configs_dir)
     built = build_lib.build(config.model, config.data)
-    params = train_lib.initial_params(built.model, built, config, jax.random.PRNGKey(config.seed), None)
+    params = trainer.initial_params(built.model, built, config, jax.random.PRNGKey(config.seed), None)
     dev = evaluate_on(built.model, params, built.tokenizer, ctx.dataset, "dev", TEST_METRICS, ["Flat"],
                       query_max_length=ctx.plan.query_max_length, doc_max_length=ctx.plan.eval_doc_length,
                       vector_cache=ctx.vector_cache)
@@ -460,12 +460,12 @@ def train_teacher(ctx: Context) -> dict:
     if first:
       ctx.progress.skip("train the cross-encoder")
     return done
-  from jdr import train as train_lib  # pylint: disable=g-import-not-at-top
+  from jdr.training import trainer  # pylint: disable=g-import-not-at-top
   config = rows_lib.teacher_config(ctx.plan, ctx.dataset, ctx.configs_dir)
   ctx.progress.begin(f"train the cross-encoder ({config.num_train_steps} steps) and rerank dev")
   start = time.perf_counter()
   with _output_to(workdir / "train.log"):
-    results = train_lib.train_and_evaluate(config, workdir)
+    results = trainer.train_and_evaluate(config, workdir)
   seconds = time.perf_counter() - start
   done = {"steps": config.num_train_steps, "rate": config.optimizer.learning_rate, "seed": config.seed,
           "dev": {k: float(v) for k, v in results["after"].items()}, "seconds": round(seconds, 1)}

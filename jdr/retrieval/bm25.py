@@ -457,7 +457,7 @@ def _sift_down(hs, hr, size, i):
 
 # Docs are scored a block at a time, so a query's sums and its list of docs reached (256 KiB) stay in a
 # core's L2 cache whatever the corpus size.
-_BLOCK = 1 << 15
+BLOCK = 1 << 15
 
 
 @numba.njit(cache=True, nogil=True)
@@ -532,7 +532,7 @@ class Scorer:
     cores = len(os.sched_getaffinity(0)) if n_threads is None or n_threads < 0 else n_threads
     self.lanes = max(1, min(cores, numba.config.NUMBA_NUM_THREADS, n_queries))
     self.index = index
-    block = min(_BLOCK, max(len(index), 1))
+    block = min(BLOCK, max(len(index), 1))
     self.acc = np.zeros((self.lanes, block), np.float32)
     self.touched = np.empty((self.lanes, block + 1), np.int32)  # + 1: the slot a seen doc writes, uncounted
     self.arrays = [np.asarray(a) for a in (index.data, index.indices, index.indptr)]

@@ -1,6 +1,6 @@
 """Orbax checkpoints of the train state, with one written load order.
 
-Load order at start-up (train.train_and_evaluate):
+Load order at start-up (trainer.train_and_evaluate):
   1. a checkpoint in the workdir: resume (parameters, optimizer state, step, rng; the data position
      follows from the step, because batches and negatives are a pure function of (seed, step));
   2. else `config.model.init_from`: a jdr workdir or export directory, a Hugging Face directory, or
