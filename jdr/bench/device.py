@@ -369,9 +369,10 @@ def flash_agreement(encoder, rows: int = 4, length: int = 256, seed: int = 0) ->
   parameter gradients and attention parameters' gradients, each as a relative error against the einsum path
   in float32 (highest matmul precision), same weights and dropout keys. The CPU tests run the kernel in
   Pallas' interpreter; on a GPU it runs as Triton. It agrees when each error is within twice the einsum
-  path's own in that dtype: in bfloat16 both are rounding, ~0.5%, where the kernel drawing another dropout
-  mask, attending to one padded key or scaling its logits by 1.05 made the attention gradients' error 17x, 6x
-  and 2.7x the einsum path's (on the interpreter; the tests check the first two)."""
+  path's own in that dtype: in bfloat16 both are rounding, where the kernel drawing another dropout mask,
+  attending to one padded key or scaling its logits by 1.05 made the attention gradients' error several times
+  the einsum path's (on the interpreter; the tests check the first two; the figures: docs/performance.md,
+  `device`)."""
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
   from jdr.models.bert import Encoder  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(seed)

@@ -584,7 +584,7 @@ def run_stage(name: str, ctx: Context, timeout: float | None) -> dict:
   # Worker processes (a tokenizer pool) have memory of their own, which the stage's VmHWM does not count: the
   # whole group's is sampled too, for the stages that start workers. Only for those: reading a process's
   # smaps_rollup walks its page tables under its memory-map lock, which its own threads then wait for (a
-  # tokenizing stage sampled twice a second ran at half its unsampled rate).
+  # tokenizing stage sampled twice a second ran far below its unsampled rate: docs/performance.md, `scale`).
   group_peak, group_size, done = 0, 0, threading.Event()
 
   def sample():

@@ -74,8 +74,8 @@ QUERY_ONLY = ("adore", "adore_ranknet", "adore_static", "adore_star", "ltre_pq")
 
 def tiny_plan() -> Plan:
   """A few steps of a 2x64 random BERT. Its compressed index is a PQ of 16 sub-vectors with 4-bit codes,
-  which 1,200 documents can train, and no OPQ: OPQ's rotation took a minute or more to train on the 2-core
-  CPU, where the rest of a tiny run takes seconds."""
+  which 1,200 documents can train, and no OPQ: OPQ's rotation is slow to train on a small CPU next to the rest
+  of a tiny run (docs/performance.md, "Measured outside the benchmarks")."""
   return Plan(steps=8, batch_size=8, rates=(1e-3, 3e-3), eval_every=4, query_max_length=16, eval_doc_length=32,
               compressed="IVF1,PQ16x4", teacher_steps=4, tiny=True)
 

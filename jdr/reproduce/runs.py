@@ -153,9 +153,9 @@ def duration(seconds: float) -> str:
 
 
 def step_kind(method: str) -> str:
-  """The ADORE / LTRe steps train one tower over a fixed index: on the 2-core CPU a tenth of a two-tower step.
-  ANCE's steps carry its refreshes' corpus re-encodings: about twice a two-tower step there (17.7 s against
-  8.7 s a step over 104 steps), so they are priced by their own measurements."""
+  """The ADORE / LTRe steps train one tower over a fixed index, far cheaper than a two-tower step. ANCE's steps
+  carry its refreshes' corpus re-encodings, dearer than a two-tower step (the figures: docs/performance.md,
+  "Measured outside the benchmarks"), so they are priced by their own measurements."""
   if method in rows_lib.QUERY_ONLY:
     return "query-only step"
   return "ANCE step" if method == "ance" else "two-tower step"
@@ -341,8 +341,9 @@ def choose_rate(ctx: Context, row: rows_lib.Row, choices: dict[str, float]) -> d
 
 
 # Trained Faiss indexes by (corpus vectors, factory). The ADORE / LTRe rows keep the starting document tower,
-# so all their models share one corpus encoding: OPQ48,IVF1,PQ48 over SciFact took minutes to train on the
-# 2-core CPU, and is trained once per sitting for them instead of once per model.
+# so all their models share one corpus encoding: OPQ48,IVF1,PQ48 over SciFact is slow to train on a small CPU
+# (docs/performance.md, "Measured outside the benchmarks"), and is trained once per sitting for them instead
+# of once per model.
 _INDEXES: dict[tuple[str, str], object] = {}
 
 
