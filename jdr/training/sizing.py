@@ -90,7 +90,7 @@ GPU_TARGETS = {
 
 # Compiling for a GPU without one, XLA cannot autotune: its Triton GEMM fusions then take untuned tile sizes,
 # and for some of BERT-base's gradient matmuls it finds none and fails. Matmuls go to cuBLAS instead, as
-# autotuning chose for BERT-base's on an H200 (docs/performance.md).
+# autotuning chose for BERT-base's on an H200 (docs/performance.md, `compiled`).
 DEVICELESS_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 
 
