@@ -11,7 +11,7 @@ Steps, each skipped when its output exists (so the driver resumes):
   teacher    (beside the warm-ups) configs/cross_encoder.py:runlocal trained on SciFact (abstract level),
              OUT/teacher; then the MiniLM first stage on SciFact test (`jdr.encode` + `jdr.retrieve`, 256
              tokens) reranked by it with `jdr.rerank` at depths 10, 30 and 100: nDCG@10 and ms/query of each
-             (the issue's item 2)
+             (docs/results.md, "The cross-encoder teacher, reranking")
   warmup_S   stage 1 (configs/fgd.py:runlocal,warmup) with seed S on long-document SciFact
   ROW_S      stage 2 from warmup_S with the row's overrides (contrastive only, document-level KD, FGD, FGD
              without passage / sentence, FG pooling, FGD + document KD); its final evaluation (MRR@100,
