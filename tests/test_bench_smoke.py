@@ -61,35 +61,6 @@ def test_ance_refresh_tiny(tmp_path):
   assert 0 <= out["wait_fraction"] < 1
 
 
-def test_pretrain_ablation_table_means_and_spreads(tmp_path):
-  from jdr.bench import pretrain_ablation  # pylint: disable=g-import-not-at-top
-  def result(row, seed, value):
-    metrics = {"ndcg@10": value, "recall@100": value + 0.1}
-    reqa = {f"recall@{k}": value / 2 for k in (1, 5, 10, 100)}
-    return {"row": row, "seed": seed, "scifact_all": metrics, "scifact_10pct": metrics, "reqa": reqa}
-  for name, r in (("ict_s0", result("ict", 0, 0.4)), ("ict_s1", result("ict", 1, 0.5)),
-                  ("bm25", result("bm25", None, 0.6))):
-    (tmp_path / name).mkdir()
-    (tmp_path / name / "result.json").write_text(json.dumps(r))
-  lines = pretrain_ablation.table(tmp_path).splitlines()
-  assert len(lines) == 4 and lines[2].startswith("| ict | 0,1 | 0.450 ±0.050 | 0.550 ±0.050 |")
-  assert lines[3].startswith("| bm25 | - | 0.600 | 0.700 |")
-
-
-def test_fgd_ablation_table_means_and_spreads(tmp_path):
-  from jdr.bench import fgd_ablation  # pylint: disable=g-import-not-at-top
-  metrics = lambda v: {"mrr@100": v, "ndcg@10": v + 0.1, "recall@100": v + 0.2}
-  for name, v in (("fgd_s0", 0.3), ("fgd_s1", 0.5), ("contrastive_s0", 0.2)):
-    (tmp_path / name).mkdir()
-    (tmp_path / name / "done.json").write_text(json.dumps(metrics(v)))
-  (tmp_path / "teacher.json").write_text(json.dumps({"first_stage": metrics(0.6),
-                                                     "rerank@10": {**metrics(0.7), "ms_per_query": 12.5}}))
-  text = fgd_ablation.table(tmp_path)
-  assert "| rerank@10 | 0.8000 | 0.7000 | 12.5 |" in text
-  assert "| contrastive | 0 | 0.2000 | 0.3000 | 0.4000 |" in text
-  assert "| fgd | 0,1 | 0.4000 ±0.1000 | 0.5000 ±0.1000 | 0.6000 ±0.1000 |" in text
-
-
 @pytest.mark.long
 def test_device_bench_small_on_the_cpu(scifact):
   """`python -m jdr.bench device` at its CPU size: every section runs, jdr and the reference agree, and
