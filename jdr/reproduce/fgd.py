@@ -1,7 +1,8 @@
 """FGD's experiments (Zhou et al.) in miniature on long-document SciFact, through the public commands.
 
-`python -m jdr.reproduce fgd-ablation --out DIR`. Stages, each skipped when its record is there (so a re-run goes on where the last one stopped; a stopped
-training resumes from its workdir's checkpoint), each a process of the public commands (`commands.py`):
+`python -m jdr.reproduce fgd-ablation --out DIR`. Stages, each skipped when its record is there (so a re-run
+goes on where the last one stopped; a stopped training resumes from its workdir's checkpoint), each a process
+of the public commands (`commands.py`):
   data       `python -m jdr.data.longdocs --source SCIFACT --out OUT/data/scifact-long`
   teacher    configs/cross_encoder.py:runlocal trained on SciFact (abstract level), OUT/data/cross-encoder
   rerank     (beside the warm-ups) the MiniLM first stage on SciFact test (`jdr.encode` + `jdr.retrieve`, 256

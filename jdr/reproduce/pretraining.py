@@ -1,7 +1,7 @@
 """The pretraining ablation of Chang et al. (ICLR 2020, Tables 3-5) in miniature, row by row.
 
-`python -m jdr.reproduce pretrain-ablation --out DIR`. A row is one pretraining recipe run for `--pretrain-steps` steps of its runlocal batch (the same steps x batch
-for every row), then, from its workdir:
+`python -m jdr.reproduce pretrain-ablation --out DIR`. A row is one pretraining recipe run for
+`--pretrain-steps` steps of its runlocal batch (the same steps x batch for every row), then, from its workdir:
 
   scifact_all    configs/finetune.py:runlocal on every SciFact training query (90 steps), test nDCG@10, R@100
                  (documents at 128 tokens, the training length, to keep a row short);
