@@ -1,3 +1,4 @@
+import functools
 import importlib.util
 import os
 import pathlib
@@ -43,6 +44,23 @@ def pytest_collection_modifyitems(config, items):
   another's queue), and one of them begun last kept a worker busy for minutes after the other ran out."""
   del config
   items.sort(key=lambda item: item.get_closest_marker("long") is None)  # stable: the rest keep their order
+
+
+@functools.cache
+def gpu_missing() -> str | None:
+  """Why a `gpu` test cannot run here, or None where jax has a GPU (asked once, when such a test first runs:
+  it starts jax's backends)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  try:
+    jax.devices("gpu")
+  except RuntimeError:
+    return f"needs a GPU, and jax has none here (its backend: {jax.default_backend()})"
+  return None
+
+
+def pytest_runtest_setup(item):
+  if item.get_closest_marker("gpu") is not None and gpu_missing():
+    pytest.skip(gpu_missing())
 
 
 def pytest_unconfigure(config):
