@@ -73,6 +73,8 @@ def test_an_ablation_directory_keeps_its_plan_and_bad_rows_are_refused(tmp_path,
   rows_lib.record_plan(dataclasses.replace(plan, seeds=(7,)), tmp_path, free=("seeds",))  # adds runs only
   with pytest.raises(ValueError, match="overrides"):
     rows_lib.record_plan(dataclasses.replace(plan, overrides=()), tmp_path, free=("seeds",))
+  assert rows_lib.recorded_plan(fgd.Plan(), tmp_path) == dataclasses.replace(plan, seeds=(7,))  # what a report states
+  assert rows_lib.recorded_plan(fgd.Plan(), tmp_path / "none") == fgd.Plan()
   for argv, message in ((["pretrain-ablation", "--methods", "ict,dpr"], "unknown row(s) dpr"),
                         (["fgd-ablation", "--methods", "contrastive"], "--extras-row fgd is not among"),
                         (["fgd-ablation", "--set", "steps"], "expected KEY=VALUE")):

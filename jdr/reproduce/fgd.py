@@ -437,6 +437,8 @@ def main(args, parser) -> str:
     if args.extras_row == "fg_pooling":
       parser.error("--extras-row fg_pooling: its pieces are mean-pooled, and jdr.encode --pieces stores Eq. 7's")
   out = pathlib.Path(args.out)
+  if args.report_only:
+    plan = rows_lib.recorded_plan(plan, out)
   failed = {}
   with cli.reporting_errors():
     if not args.report_only:

@@ -278,6 +278,8 @@ def main(args, parser) -> str:
   if unknown:
     parser.error(f"--methods: unknown row(s) {', '.join(unknown)}; the rows are {', '.join(ROWS)}")
   out = pathlib.Path(args.out)
+  if args.report_only:
+    plan = rows_lib.recorded_plan(plan, out)
   with cli.reporting_errors():
     if not args.report_only:
       rows_lib.record_plan(plan, out, free=("seeds",))

@@ -65,6 +65,17 @@ def record_plan(plan, out: pathlib.Path, free: tuple[str, ...] = ("rates", "seed
   atomic.write_text(path, json.dumps(dataclasses.asdict(plan), indent=1))
 
 
+def recorded_plan(plan, out: pathlib.Path):
+  """The plan OUT/plan.json records, as `plan`'s type (a field it lacks keeps `plan`'s value), or `plan` where
+  none is recorded: what a report of the runs there states."""
+  path = pathlib.Path(out) / "plan.json"
+  if not path.exists():
+    return plan
+  names = {f.name for f in dataclasses.fields(plan)}
+  return dataclasses.replace(plan, **{k: tuple(v) if isinstance(v, list) else v
+                                      for k, v in json.loads(path.read_text()).items() if k in names})
+
+
 # Rows whose last stage trains the query tower only, over a fixed document index: their test is also scored
 # on the compressed index (the LTRe row trains on it; ADORE, RankNet = LTRe on Flat, is what it is compared
 # with). The start has their document tower, so its scores there come with no training of its own; the
