@@ -28,6 +28,12 @@ TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
 if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
 
+# OpenMP threads (Faiss's, torch's) that wait passively instead of spinning: with two test workers and their
+# subprocesses on two cores, spinning threads take the cores from the threads they wait for (OPQ training in
+# tests/test_index.py took 113 s spinning, 6 s passive). What is computed is the same. Read when the OpenMP
+# runtime loads, so set before anything imports faiss or torch; subprocesses inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 # jax's CUDA plugin, where it is installed on a host without a GPU (to compile for one: jdr.training.sizing.GPU_TARGETS),
 # checks the CUDA driver when jax first starts its backends and drops itself when that fails; the tests that
 # compile for a GPU need it kept, whichever test starts the backends first.
