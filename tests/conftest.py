@@ -45,10 +45,15 @@ from jdr.data.shared import shared_data_dir, shared_dataset  # pylint: disable=w
 from jdr.launch.local import xla_flags_with_devices  # pylint: disable=wrong-import-position
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by marker
 def pytest_collection_modifyitems(config, items):
-  """The `long` tests first: pytest-xdist hands out tests in this order (an idle worker steals from the end of
-  another's queue), and one of them begun last kept a worker busy for minutes after the other ran out."""
+  """A `long` test is `slow` too. The `long` tests first: pytest-xdist hands out tests in this order (an idle
+  worker steals from the end of another's queue), and one of them begun last kept a worker busy for minutes
+  after the other ran out."""
   del config
+  for item in items:
+    if item.get_closest_marker("long"):
+      item.add_marker(pytest.mark.slow)
   items.sort(key=lambda item: item.get_closest_marker("long") is None)  # stable: the rest keep their order
 
 
