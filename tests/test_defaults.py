@@ -58,6 +58,6 @@ def test_the_help_describes_every_default_key():
 def test_train_step_bench_needs_no_configs_on_sys_path():
   from jdr.bench import train_step  # pylint: disable=g-import-not-at-top
   args = type("Args", (), {"query_length": 8, "doc_length": 16, "batch_size": 4})()
-  config = train_step._config(args)
+  config = train_step.bench_config(args)
   assert (config.data.query_max_length, config.data.doc_max_length, config.batch_size) == (8, 16, 4)
   assert config.model.init_from == "minilm"

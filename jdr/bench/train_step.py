@@ -32,7 +32,7 @@ from jdr.bench import peak as peak_lib
 from jdr.models import hf
 
 
-def _config(args) -> ml_collections.ConfigDict:
+def bench_config(args) -> ml_collections.ConfigDict:
   c = defaults.get_config()
   c.model.init_from = "minilm"
   c.data.query_max_length, c.data.doc_max_length = args.query_length, args.doc_length
@@ -62,7 +62,7 @@ def jdr_step_seconds(args, batch, dropout: float | None = None, devices: int = 1
   from jdr.training import optimizers
   from jdr.runtime import parallel
   from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
-  config = _config(args)
+  config = bench_config(args)
   if dropout is not None:
     config.model.dropout = dropout
   built = build_lib.build(config.model, config.data)
@@ -99,7 +99,7 @@ def jdr_part_seconds(args, batch) -> dict[str, float]:
   from jdr.training import losses
   from jdr.training import optimizers
   from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
-  config = _config(args)
+  config = bench_config(args)
   built = build_lib.build(config.model, config.data)
   tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps)
   params = trainer.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
