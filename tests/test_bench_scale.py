@@ -74,6 +74,7 @@ def test_lengths_and_positives_have_msmarcos_shape():
   assert abs(plan.query_words.mean() - synthetic.QUERY_WORDS) < 0.05 and plan.query_words.min() >= 2
 
 
+@pytest.mark.slow
 def test_word_frequencies_are_zipf_like(small):
   counts = collections.Counter(w for doc in formats.iter_corpus(small) for w in doc.text.split())
   total = sum(counts.values())
@@ -144,6 +145,7 @@ def test_random_vectors_read_back_as_an_encoding_of_the_corpus(small, tmp_path):
   assert not np.allclose(np.asarray(other), emb)
 
 
+@pytest.mark.slow
 def test_bench_prints_each_stage_and_a_json_line(root):
   proc = subprocess.run([sys.executable, "-m", "jdr.bench", "scale", "--passages", str(PASSAGES), "--stages",
                          "load,bm25_mine", "--out", str(root)], capture_output=True, text=True, timeout=300,

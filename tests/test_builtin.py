@@ -94,6 +94,7 @@ def test_build_is_deterministic_across_processes(fake_stdlib):
   assert outs[0] == outs[1] and json.loads(outs[0])
 
 
+@pytest.mark.slow
 def test_builtin_dataset_sizes_and_ids():
   corpus, queries, qrels = B.builtin_dataset()
   assert 800 <= len(corpus) <= B.MAX_DOCS

@@ -167,6 +167,7 @@ def test_load_index_saves_and_reuses_a_faiss_index(tmp_path):
   assert list(run["q"]) == [ids[int(np.argmax(emb @ emb[0]))]]
 
 
+@pytest.mark.slow
 def test_maxp_scores_a_document_by_its_best_passage(tmp_path):
   """jdr.encode --passages 4 then jdr.retrieve: every document is ranked by the max over its passage vectors
   (brute force over the encoding's rows), and FirstP is the first passage alone."""
@@ -204,6 +205,7 @@ def test_maxp_scores_a_document_by_its_best_passage(tmp_path):
     assert json.loads((out / "meta.json").read_text()).get("passages", 1) == passages
 
 
+@pytest.mark.slow
 def test_eq16_ensemble_from_stored_pieces(tmp_path):
   """jdr.encode --pieces stores each document's window vectors (Eq. 7, the same as the tower's own span
   output); jdr.retrieve --ensemble-gamma ranks by s(q, d) + gamma x sum of the best window per level."""

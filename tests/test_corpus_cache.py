@@ -40,6 +40,7 @@ def _no_encoding(*args, **kwargs):
   raise AssertionError("encoded, where the cache holds these vectors")
 
 
+@pytest.mark.slow
 def test_a_cached_corpus_is_a_fresh_encode_and_follows_the_document_side(tiny, tmp_path, monkeypatch, capsys):
   _, _, params = tiny
   reference = _encoder(tiny, "").corpus(params)  # no cache

@@ -63,6 +63,7 @@ def _records(workdir):
   return [json.loads(l) for l in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_fgd_and_document_kd_train_with_cached_teacher_scores(tmp_path, setup):
   from jdr.training import trainer  # pylint: disable=g-import-not-at-top
   beir, teacher = setup
@@ -79,6 +80,7 @@ def test_fgd_and_document_kd_train_with_cached_teacher_scores(tmp_path, setup):
   assert len(list((tmp_path / "s" / "cache").glob("teacher-*.json"))) == 1
 
 
+@pytest.mark.slow
 def test_teacher_pieces_are_the_students_windows_and_negatives_come_from_negative_documents(tmp_path, setup):
   from jdr.training import distill  # pylint: disable=g-import-not-at-top
   from jdr.data import granularity
@@ -145,6 +147,7 @@ def test_pairs_outside_the_pools_are_scored_when_a_batch_needs_them(tmp_path, se
   assert scores.late == 1  # scored once
 
 
+@pytest.mark.slow
 def test_mined_teacher_scores_train_margin_mse_and_listwise_kl(tmp_path, setup):
   """`python -m jdr.mine --cross-encoder` writes the teacher's score beside each negative and positive (the
   scores the cross-encoder gives those pairs when asked again); a student trains on them with MarginMSE and

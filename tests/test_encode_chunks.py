@@ -38,6 +38,7 @@ def _step(model, params, batch, chunk_rows: int):
   return float(metrics["loss"]), jax.tree.leaves(new_state.params)
 
 
+@pytest.mark.slow
 def test_chunked_step_equals_whole_batch_without_dropout():
   """Without dropout the chunks change nothing but the order of float sums: same loss, same update."""
   model, batch = _model(0.0), _batch()
@@ -93,6 +94,7 @@ def test_chunked_spans_equal_whole():
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_dropout_chunks_train_and_match_the_step_query_vectors():
   """With dropout each chunk draws its own masks (the loss moves off the whole-batch one), and the host's
   copy of the step's query vectors (ADORE's host retrieval) follows the same chunks."""

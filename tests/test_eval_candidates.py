@@ -221,6 +221,7 @@ def test_shards_of_other_weights_are_not_resumed(tiny, tmp_path):
   assert [p.name for p in (tmp_path / "eval-corpus").iterdir()] != ["0123"]
 
 
+@pytest.mark.slow
 def test_training_evaluates_candidates_and_the_full_corpus_at_the_end(tiny, tmp_path, capsys):
   config = _config(tiny, candidates="bm25", candidates_depth=5)
   config.num_train_steps, config.eval_every, config.batch_size, config.checkpoint_every = 2, 1, 4, 0

@@ -89,6 +89,7 @@ def test_default_metrics(files):
   assert list(json.loads(result.stdout)) == ["ndcg@10", "mrr@10", "recall@100", "map"]
 
 
+@pytest.mark.slow
 def test_errors(files, tmp_path):
   result = _cli("--qrels", files / "qrels.tsv", "--run", files / "run.trec", "--metrics", "ndcg10")
   assert result.returncode == 2 and "valid metrics" in result.stderr
@@ -143,6 +144,7 @@ print("rows on mesh ok")
 """
 
 
+@pytest.mark.slow
 def test_evaluation_encoding_split_over_8_devices_equals_one(tmp_path):
   """The trainer's corpus and query encoding with rows split over a mesh of 8 simulated CPU devices (data
   parallel, and fully sharded parameters) gives the single-device vectors; 3-row batches exercise padding."""

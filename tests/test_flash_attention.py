@@ -30,6 +30,7 @@ def dense_attention(q, k, v, key_mask, scale, rate, key):
   return jnp.einsum("bnqk,bknd->bqnd", probs, v)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rate", [0.0, 0.3])
 @pytest.mark.parametrize("length, heads, dim, lengths", [
     (40, 2, 24, (40, 17, 1)),  # one 64-token block, padded inside; heads of 24 padded to 32
@@ -70,6 +71,7 @@ def encoder_inputs():
   return np.where(mask > 0, ids, 0).astype(np.int32), mask
 
 
+@pytest.mark.slow
 def test_encoder_with_flash_attention_equals_the_einsum_encoder():
   """model.attention=flash: the same token vectors and parameter gradients as the einsum path, in evaluation
   and in training with attention dropout (the same probabilities dropped, and the hidden dropouts keep their
@@ -144,6 +146,7 @@ def flash_agreement(encoder, rows: int = 4, length: int = 256, seed: int = 0) ->
           "agrees": all(f <= 2 * e + 1e-6 for f, e in zip(errors["flash"], errors["einsum"]))}
 
 
+@pytest.mark.slow
 def test_agreement_check_passes_the_kernel_and_fails_other_masks(monkeypatch):
   """The agreement check, run here on the interpreter: in bfloat16 the kernel is as close to the float32
   einsum path as the bfloat16 einsum path is; the kernel drawing its dropout from another key, or attending

@@ -43,6 +43,7 @@ def _batch(kind):
   return ids.astype(np.int32), mask
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["bert", "roberta"])
 @pytest.mark.parametrize("head", [{}, {"projection_dim": 8, "normalize": True}])
 def test_whole_document_span_is_exactly_the_cls_vector(tmp_path, kind, head):
@@ -116,6 +117,7 @@ def test_mean_pooled_pieces_are_the_mean_of_their_token_vectors(tmp_path):
       np.testing.assert_allclose(np.asarray(pieces)[r, s], hidden[r, span[r, s] > 0].mean(0), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("span_pooling", ["attention", "mean"])
 def test_pieces_past_the_end_keep_gradients_finite(tmp_path, span_pooling):
   """A window past a short document's end is empty: mean pooling makes it a zero vector, and the normalizing

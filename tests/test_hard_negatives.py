@@ -96,6 +96,7 @@ _IN_STEP = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("devices", [1, 8])
 def test_in_step_retrieval_equals_brute_force(devices):
   """The JAX back-end's top-k and row gather over a row-sharded corpus return what numpy returns."""
@@ -112,6 +113,7 @@ def test_in_step_retrieval_equals_brute_force(devices):
   np.testing.assert_allclose(result["emb"], corpus[expected], rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_host_retrieval_equals_brute_force():
   """Faiss on the host (flat) gives the brute-force top-n as corpus rows, and the reconstruction of a flat
   index is the embeddings themselves; a PQ index's reconstruction reproduces its own search scores."""
@@ -131,6 +133,7 @@ def test_host_retrieval_equals_brute_force():
   np.testing.assert_allclose(scores, np.einsum("qd,qkd->qk", queries, recon[rows]), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["faiss", "jax"])
 def test_adore_trains_query_tower_only(tmp_path, backend):
   """ADORE: the document tower and the corpus vectors are bitwise unchanged; the query tower learns."""
@@ -162,6 +165,7 @@ def test_adore_trains_query_tower_only(tmp_path, backend):
   np.testing.assert_allclose(encoder.corpus(end), cached, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_faiss_and_jax_retrieval_train_alike(tmp_path):
   """The retrieval back-end is a config value: host Faiss and in-step JAX give the same training."""
   from jdr.training import trainer  # pylint: disable=g-import-not-at-top
@@ -254,6 +258,7 @@ def test_star_weights_make_the_two_parts():
     np.testing.assert_allclose(got[b], expected, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_failing_refresh_keeps_training_on_previous_negatives(tmp_path, monkeypatch, capsys):
   """An ANCE re-mine that dies (here: raises in the worker) is logged; training goes on, on generation 0."""
   from jdr.training import trainer  # pylint: disable=g-import-not-at-top

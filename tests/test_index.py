@@ -104,6 +104,7 @@ _SHARDED_CHECK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_jax_retriever_sharded_over_8_cpu_devices():
   # The device count is fixed when jax initialises, so the check runs in a fresh interpreter.
   env = cpu_devices_env(8, JAX_PLATFORMS="cpu")
@@ -132,6 +133,7 @@ def test_save_load_roundtrip(tmp_path, data, kind, kwargs):
   assert len(loaded) == len(docs) + 3
 
 
+@pytest.mark.slow
 def test_opq_pq_is_small_and_close_to_flat(tmp_path):
   rng = np.random.default_rng(2)
   docs, queries = _structured(rng, 2000, 64), _structured(rng, 100, 64)

@@ -377,6 +377,7 @@ def test_labelled_losses_take_bfloat16_scores():
   assert grad.dtype == jnp.bfloat16 and np.all(np.isfinite(np.asarray(grad, np.float32)))
 
 
+@pytest.mark.slow
 def test_identity_labels_give_todays_results():
   scores, valid = _batch(8)
   s, v = jnp.asarray(scores, jnp.float32), jnp.asarray(valid)

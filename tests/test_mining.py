@@ -148,6 +148,7 @@ def test_host_vectors_serve_every_missing_positive_rule(rule):
   np.testing.assert_array_equal(np.asarray(got), expected)
 
 
+@pytest.mark.slow
 def test_compressed_host_index_decodes_what_it_searches():
   """A compressed index keeps codes, not a decoded matrix: the vectors it hands out are its reconstruction
   (sa_decode of sa_encode), and its search finds the rows faiss's own index finds."""

@@ -29,6 +29,7 @@ def encoder_params():
   return nn.unbox(Encoder(TINY).init(jax.random.key(0), ids, mask)["params"])
 
 
+@pytest.mark.slow
 def test_params_carry_logical_axes():
   ids, mask = batch()
   boxed = Encoder(TINY).init(jax.random.key(0), ids, mask)["params"]
@@ -81,6 +82,7 @@ def test_dropout_only_when_not_deterministic(encoder_params):
   assert np.abs(np.asarray(c - a)).max() > 1e-3 and np.abs(np.asarray(c - d)).max() > 1e-3
 
 
+@pytest.mark.slow
 def test_remat_gives_identical_outputs_and_grads(encoder_params):
   ids, mask = batch()
 
@@ -108,6 +110,7 @@ def test_remat_gives_identical_outputs_and_grads(encoder_params):
     assert np.abs(np.asarray(x - y)).max() <= 1e-5 * scale
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_float32_io(encoder_params):
   ids, mask = batch()
   f32 = Encoder(TINY).apply({"params": encoder_params}, ids, mask)
@@ -455,6 +458,7 @@ def _cast_leaves(tree) -> dict:
           for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["bert", "roberta"])
 def test_serving_params_give_the_same_vectors_bit_for_bit(model_type):
   """Encoding casts the layers' matmul weights once (towers.serving_params) instead of in every forward;

@@ -171,6 +171,7 @@ def test_trains_and_evaluates_as_its_beir_copy(marco, twin, tmp_path):
   assert sum("train/loss" in r for r in records) == 3
 
 
+@pytest.mark.slow
 def test_a_directory_without_a_corpus_is_one_error_line(tmp_path):
   (tmp_path / "data").mkdir()
   proc = _train(tmp_path / "w", tmp_path / "data")

@@ -63,6 +63,7 @@ def _direct_embeddings(model_dir, texts, max_length, pooling=None, normalize=Non
   return np.asarray(tower.apply({"params": params}, enc["input_ids"], enc["attention_mask"]))
 
 
+@pytest.mark.slow
 def test_encode_matches_direct_and_resumes(tmp_path, tiny_model, capsys):
   data = write_tiny_beir(tmp_path / "data", num_docs=23)
   out = tmp_path / "emb"
@@ -106,6 +107,7 @@ def test_encode_matches_direct_and_resumes(tmp_path, tiny_model, capsys):
     encodings.encode_corpus(runtime, corpus, maxp, shard_size=50, settings={"max_length": 16})
 
 
+@pytest.mark.slow
 def test_retrieve_backends_agree_and_evaluate(tmp_path, tiny_model):
   data = write_tiny_beir(tmp_path / "data")
   emb_dir = tmp_path / "emb"
@@ -139,6 +141,7 @@ def test_retrieve_backends_agree_and_evaluate(tmp_path, tiny_model):
   assert set(scores) == {"ndcg@10", "mrr@10"} and all(0 <= v <= 1 for v in scores.values())
 
 
+@pytest.mark.slow
 def test_train_export_then_encode_with_the_trained_towers(tmp_path):
   """jdr.export writes a params checkpoint that jdr.encode loads, and a HF dir that transformers loads."""
   data = write_tiny_beir(tmp_path / "data")
@@ -187,6 +190,7 @@ def _tiny_trained(tmp_path, *overrides):
   return tmp_path / "w"
 
 
+@pytest.mark.slow
 def test_a_copied_export_loads_anywhere_and_serves_past_the_training_length(tmp_path):
   """Copy an export, delete the original and the workdir: jdr, transformers and sentence-transformers load the
   copy from its own folder; and a query longer than the 16 training tokens is read whole, not cut at 16."""
@@ -224,6 +228,7 @@ def test_a_copied_export_loads_anywhere_and_serves_past_the_training_length(tmp_
   np.testing.assert_allclose(st_model.encode(texts), docs, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_export_lengths_are_set_at_export_checked_and_a_full_disk_leaves_nothing(tmp_path):
   from jdr import export  # pylint: disable=g-import-not-at-top
   workdir = _tiny_trained(tmp_path)

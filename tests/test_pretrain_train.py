@@ -53,6 +53,7 @@ def _params(state):
 
 
 # pretrain_ict_bfs_wlp trains in tests/test_readme.py (the tour) and in the BoW-MLP test below.
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["pretrain_ict", "pretrain_bfs", "pretrain_wlp"])
 def test_every_pretrain_recipe_trains(tmp_path, recipe):
   from jdr.training import trainer  # pylint: disable=g-import-not-at-top
@@ -64,6 +65,7 @@ def test_every_pretrain_recipe_trains(tmp_path, recipe):
   assert int(result["state"].step) == 2 and "after" not in result  # no evaluation while pretraining
 
 
+@pytest.mark.slow
 def test_builtin_source_bow_mlp_and_fine_tuning_from_the_workdir(tmp_path):
   """Stdlib articles, the BoW-MLP tower from a config, then configs/finetune.py starts from the workdir."""
   from conftest import write_tiny_beir  # pylint: disable=g-import-not-at-top
@@ -82,6 +84,7 @@ def test_builtin_source_bow_mlp_and_fine_tuning_from_the_workdir(tmp_path):
   assert "after" in result and len(_losses(tmp_path / "fine")) == 2
 
 
+@pytest.mark.slow
 def test_mlm_recipe_trains_and_its_workdir_reads_as_a_retrieval_model(tmp_path):
   """The masked-LM baseline trains through the one trainer; its head stays out of what readers load, so
   fine-tuning starts from the pretrained tower alone."""
@@ -115,6 +118,7 @@ def test_mlm_refuses_settings_it_cannot_run(tmp_path):
       pretrain_batches.check(config)
 
 
+@pytest.mark.slow
 def test_mlm_logits_equal_hugging_face_bert_for_masked_lm():
   """jdr's masked-LM head on its encoder against transformers' BertForMaskedLM with the same weights."""
   import jax  # pylint: disable=g-import-not-at-top
@@ -158,6 +162,7 @@ def test_mlm_logits_equal_hugging_face_bert_for_masked_lm():
   np.testing.assert_allclose(ours, expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_mlm_batches(tmp_path):
   """Masked-LM batches: labels are the original tokens at the scored positions, everything else unchanged,
   80/10/10 overall, a pure function of (seed, step), and split over processes by rows."""
@@ -245,6 +250,7 @@ def test_logq_probabilities_sum_to_one():
       assert (d.pair.article_id,) + tuple(d.doc_place) in logq
 
 
+@pytest.mark.slow
 def test_logq_correction_against_brute_force():
   """The step's loss with loss.logq_correction equals sum_b -log softmax_c(s_bc - log Q_c)[b] by loops."""
   import jax  # pylint: disable=g-import-not-at-top
@@ -312,12 +318,14 @@ def _assert_same(a, b):
     np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_grad_cache_without_dropout_equals_the_plain_step(tmp_path):
   """No dropout: chunks of 3 rows (the last one padded) give the losses and weights of grad_cache off."""
   plain = _run(tmp_path, "plain", ["model.dropout=0.0", "grad_cache.chunk_size=0"])
   _assert_same(plain, _run(tmp_path, "cached", ["model.dropout=0.0", "grad_cache.chunk_size=3"]))
 
 
+@pytest.mark.slow
 def test_grad_cache_chunking_does_not_change_dropout(tmp_path):
   """With dropout, keys are per row: chunks of 2 equal one chunk of the whole batch (8 rows), after 2 steps."""
   whole = _run(tmp_path, "whole", ["grad_cache.chunk_size=8"])
@@ -364,6 +372,7 @@ def test_sharded_grad_cache_equals_one_device(tmp_path):
   assert proc.returncode == 0 and "SAME" in proc.stdout, proc.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_interrupted_pretraining_resumes_exactly(tmp_path, recipe="pretrain_ict_bfs_wlp"):
   """Batches are a function of (seed, step): a run resumed from its step-2 checkpoint ends with the weights
   of the uninterrupted 4-step run, bitwise. (Masked-LM batches are the same kind of pure function:

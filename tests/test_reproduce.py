@@ -217,6 +217,7 @@ def test_claims_are_judged_on_gains_paired_by_seed():
   assert len(claims.judge_all({}, "PQ")) == len(claims.CLAIMS) == 9
 
 
+@pytest.mark.slow
 def test_a_signal_in_a_run_ends_the_table_with_one_resume_line(tmp_path, monkeypatch, capsys):
   """SIGTERM in a run: the trainer saved its step; the table says where, and that the same command resumes
   it, with the signal's status and no traceback. Ctrl-C while scoring: one line, status 130."""

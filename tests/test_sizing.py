@@ -25,6 +25,7 @@ def _sizes(*extra, config="demo.py"):
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_compile_only_reports_per_device_memory_and_flops(tmp_path):
   dp = _sizes("--config.mesh.shape=(8,1,1)", "--config.mesh.rules=dp")
   fsdp = _sizes("--config.mesh.shape=(2,4,1)", "--config.mesh.rules=fsdp")
@@ -42,6 +43,7 @@ def test_compile_only_reports_per_device_memory_and_flops(tmp_path):
   assert not (tmp_path / "w").exists()  # nothing written: no workdir was given
 
 
+@pytest.mark.slow
 def test_adore_and_ltre_compile_against_an_abstract_ms_marco_corpus():
   """ADORE's full recipe (Faiss on the host) and LTRe's with the JAX search in the step compile with
   --compile-only against MS MARCO's 8,841,823 rows without creating them; the bytes are checked against the

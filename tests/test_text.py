@@ -224,6 +224,7 @@ def test_tokenize_equals_the_tokenizers_own_call_wordpiece(minilm_tokenizer, max
   assert all(g.dtype == np.int32 for g in got)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, cuts", [("bpe", True), ("unigram", False)])
 def test_tokenize_equals_the_tokenizers_own_call_bpe_and_sentencepiece(kind, cuts):
   tokenizer = _trained_tokenizer(kind)

@@ -62,6 +62,7 @@ _CHECK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("devices", [1, 8])
 def test_sharded_top_k_equals_brute_force(devices):
   env = cpu_devices_env(devices, JAX_PLATFORMS="cpu")

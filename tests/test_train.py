@@ -209,6 +209,7 @@ def _run_train(tmp_path, *args, devices=1):
                         text=True, timeout=600, cwd=tmp_path)
 
 
+@pytest.mark.slow
 def test_unknown_config_key_lists_valid_names(tmp_path):
   proc = _run_train(tmp_path, "--config", str(ROOT / "configs" / "demo.py"), "--workdir", str(tmp_path / "w"),
                     "--config.optimizer.learnin_rate=1e-4")
@@ -218,6 +219,7 @@ def test_unknown_config_key_lists_valid_names(tmp_path):
   assert not (tmp_path / "w" / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_missing_data_file_is_named(tmp_path):
   data = write_tiny_beir(tmp_path / "data")
   (data / "qrels" / "train.tsv").unlink()
@@ -227,6 +229,7 @@ def test_missing_data_file_is_named(tmp_path):
   assert not (tmp_path / "w").exists()  # a failed start removes the workdir it made
 
 
+@pytest.mark.slow
 def test_qrels_without_overlap_with_queries(tmp_path):
   data = write_tiny_beir(tmp_path / "data")
   lines = (data / "qrels" / "train.tsv").read_text().splitlines()
@@ -263,6 +266,7 @@ def test_cpu_devices_split_the_host_and_are_refused_once_jax_runs(tmp_path):
     parallel.use_cpu_devices(have + 1)
 
 
+@pytest.mark.slow
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
   data = write_tiny_beir(tmp_path / "data")
   # A huge learning rate blows the weights up within a few steps.
@@ -280,6 +284,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(checkpoint.latest_params(tmp_path / "w")))
 
 
+@pytest.mark.slow
 def test_tfds_source_trains_like_the_files(tmp_path):
   """data.source=tfds (array_record via the jdr TFDS builder) feeds the same batches as the files."""
   from jdr.training import trainer  # pylint: disable=g-import-not-at-top
@@ -294,6 +299,7 @@ def test_tfds_source_trains_like_the_files(tmp_path):
   assert _losses(tmp_path / "tfds") == _losses(tmp_path / "files")
 
 
+@pytest.mark.slow
 def test_train_then_evaluate_end_to_end(tmp_path):
   """A few steps of in-batch training, evaluated before and after; the metrics reach the log."""
   data = write_tiny_beir(tmp_path / "data")
@@ -311,7 +317,9 @@ def test_train_then_evaluate_end_to_end(tmp_path):
 
 # ADORE and ANCE train in tests/test_hard_negatives.py (resume, sharding, a failing refresh); bm25_neg, star
 # and adore_star in tests/test_readme.py, whose tour trains them.
-@pytest.mark.parametrize("recipe", ["inbatch", "rand_neg", "nce_neg", "bm25_rand", "ltre"])
+# The in-batch recipe stays in the development tier (`-m "not slow"`): one training run end to end in this process.
+@pytest.mark.parametrize("recipe", ["inbatch", *(pytest.param(r, marks=pytest.mark.slow)
+                                                 for r in ("rand_neg", "nce_neg", "bm25_rand", "ltre"))])
 def test_every_recipe_trains(tmp_path, recipe):
   """Each method's config runs through the one trainer: negatives sampled, masked and scored. (With
   checkpoint_every=0: no periodic checkpoint, the last step's alone.)"""
@@ -331,6 +339,7 @@ def test_every_recipe_trains(tmp_path, recipe):
     assert (tmp_path / "w" / "cache").exists()
 
 
+@pytest.mark.slow
 def test_query_tower_only_leaves_document_tower_untouched(tmp_path):
   """model.train_towers=query (ADORE / LTRe): separate towers, and the document tower never moves."""
   from jdr.training import trainer
@@ -352,6 +361,7 @@ def test_query_tower_only_leaves_document_tower_untouched(tmp_path):
   assert max(moved) > 0
 
 
+@pytest.mark.slow
 def test_init_from_jdr_model_applies_model_settings(tmp_path):
   """Starting from a trained shared tower: model.shared=False splits it (ADORE's start), dropout and
   dtype come from the new config, and an override the weights fix (pooling) is refused, not ignored."""
@@ -397,6 +407,7 @@ def test_help_lists_every_config_key_with_its_default_and_meaning(capsys):
   assert all(meaning.strip() for _, meaning in listed.values())
 
 
+@pytest.mark.slow
 def test_a_full_disk_is_one_error_line_and_keeps_earlier_checkpoints(tmp_path):
   """A checkpoint that cannot be written (a file-size limit stands in for a full disk: orbax's writes past
   1 MB fail with EFBIG, in its background threads) ends the run with one `error:` line naming the

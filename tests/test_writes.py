@@ -72,6 +72,7 @@ def _evaluate(tmp_path, *args):
                         capture_output=True, text=True, env=env, timeout=300)
 
 
+@pytest.mark.slow
 def test_evaluate_per_query_to_stdout_and_to_a_full_device(tmp_path):
   proc = _evaluate(tmp_path, "--per-query", "-")
   assert proc.returncode == 0, proc.stderr
@@ -102,6 +103,7 @@ os._exit(0)
 """
 
 
+@pytest.mark.slow
 def test_late_reports_of_a_failed_checkpoint_write_stay_quiet(tmp_path):
   proc = subprocess.run([sys.executable, "-c", _LATE_REPORTS, str(tmp_path / "ckpt")], capture_output=True,
                         text=True, cwd=ROOT, timeout=300)

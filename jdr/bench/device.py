@@ -566,6 +566,7 @@ def main(argv=None) -> None:
                            "report where their device time goes: kernel ms by kind of work and the largest HLO "
                            "instructions")
   parser.add_argument("--topk-sizes", default=None, help="override the top-k corpus sizes, comma-separated")
+  parser.add_argument("--adore-sizes", default=None, help="override ADORE's corpus sizes, comma-separated")
   args = parser.parse_args(argv)
   platform = jax.default_backend()
   size_name = args.size or ("small" if platform == "cpu" else "full")
@@ -577,6 +578,8 @@ def main(argv=None) -> None:
   size["profile"] = args.profile
   if args.topk_sizes:
     size["topk_sizes"] = tuple(int(s) for s in args.topk_sizes.split(","))
+  if args.adore_sizes:
+    size["adore_sizes"] = tuple(int(s) for s in args.adore_sizes.split(","))
   torch_device = peak_lib.torch_device()
   if platform != "cpu":
     # Compiling dominates the command's time on a GPU (BERT-base steps at 12 unrolled layers, each matmul
