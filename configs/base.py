@@ -1,4 +1,4 @@
-"""Shared defaults of every jdr recipe (they live in jdr/defaults.py). Recipes start from `base.get_config()`
+"""Shared defaults of every jdr recipe (they live in jdr/runtime/defaults.py). Recipes start from `base.get_config()`
 and change what differs; each declares the arguments it takes (`ARGS`, read by `base.parse_arg`). Not a
 recipe by itself; each recipe's docstring gives its run command.
 
@@ -8,9 +8,9 @@ key to set and what it should hold, so no recipe trains on something else becaus
 Relative paths are read from where jdr.train runs.
 """
 
-from jdr.config_files import parse_arg  # noqa: F401  (re-exported for the recipes)
+from jdr.runtime.config_files import parse_arg  # noqa: F401  (re-exported for the recipes)
 from jdr.data import shared as shared_lib
-from jdr.defaults import get_config  # noqa: F401
+from jdr.runtime.defaults import get_config  # noqa: F401
 
 BEIR = "corpus.jsonl, queries.jsonl, qrels/train.tsv, qrels/dev.tsv"
 MSMARCO_PASSAGE = ("data/msmarco-passage", f"MS MARCO passage ranking, BEIR layout ({BEIR}) or MS MARCO's own "

@@ -10,7 +10,7 @@ configs/fgd.py reads (`runs/msmarco-cross`).
 | setting | value (full) | value (runlocal) | source | departs / why |
 |---|---|---|---|---|
 | data | MS MARCO passage (`data.dataset=data/msmarco-passage`), evaluated on `dev` | SciFact (the shared copy), evaluated on `test` | FGD Sec. 3.3 / Table 3 (a passage ranker as teacher) | |
-| starting model | RoBERTa-base (`model.init_from=models/roberta-base`), a fresh one-logit head | the bundled MiniLM (6 x 384), a fresh head | jdr's | jdr/distill.py builds the teacher's pairs from the student's token ids, so FGD's teacher shares its student's (RoBERTa) tokenizer |
+| starting model | RoBERTa-base (`model.init_from=models/roberta-base`), a fresh one-logit head | the bundled MiniLM (6 x 384), a fresh head | jdr's | jdr/training/distill.py builds the teacher's pairs from the student's token ids, so FGD's teacher shares its student's (RoBERTa) tokenizer |
 | negatives | 7 from the query's BM25 top 100, none in-batch | 3 | jdr's | runlocal: 2-core budget |
 | loss | softmax NLL over the positive and its negatives, temperature 1 | the same | jdr's | |
 | optimizer | AdamW 2e-5, 10% warm-up then linear decay, weight decay 0.01 | AdamW 3e-5, 10% warm-up | jdr's | |

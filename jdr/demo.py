@@ -9,7 +9,7 @@ import argparse
 import pathlib
 import sys
 
-from jdr import cli
+from jdr.runtime import cli
 from jdr import encode
 from jdr import evaluate
 from jdr import retrieve

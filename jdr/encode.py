@@ -1,7 +1,7 @@
 """Encode a corpus into sharded embedding files: `python -m jdr.encode --model M --corpus C --out DIR`.
 
 The output directory holds `emb-NNNNN.npy` (float32 [n, D]) and `ids-NNNNN.txt` per shard plus
-`meta.json` (see jdr.corpus, which does the work). A killed run resumes from the last finished shard;
+`meta.json` (see jdr.retrieval.encodings, which does the work). A killed run resumes from the last finished shard;
 a resume with different settings is refused rather than mixing embeddings of two models in one index.
 Launched on several hosts (`python -m jdr.launch.local|slurm|tpu ... -- python -m jdr.encode ...`), each
 process reads, tokenizes, encodes and writes only its own part of the corpus, as shards of the shared output
@@ -16,10 +16,11 @@ from typing import Iterable
 
 import jax
 
-from jdr import cli
-from jdr import corpus as corpus_lib
-from jdr import parallel
-from jdr import paths
+from jdr.runtime import cli
+from jdr.retrieval import encoder_runtime
+from jdr.retrieval import encodings
+from jdr.runtime import parallel
+from jdr.runtime import paths
 from jdr.data import formats
 
 
@@ -53,9 +54,9 @@ def main(argv: Iterable[str] | None = None) -> None:
     except Exception as e:  # pylint: disable=broad-except  (raised below, on every host at once)
       error = e
     parallel.raise_if_any_host_failed(error, f"reading their part of {args.corpus}")
-    runtime = corpus_lib.load_runtime(args.model, pooling=args.pooling, normalize=args.normalize,
+    runtime = encoder_runtime.load_runtime(args.model, pooling=args.pooling, normalize=args.normalize,
                                       max_length=args.max_length, dtype=args.dtype)
-    print(corpus_lib.length_line(runtime, "documents"), file=sys.stderr)
+    print(encoder_runtime.length_line(runtime, "documents"), file=sys.stderr)
     tokens_per_batch = args.tokens_per_batch
     if args.batch_size:
       tokens_per_batch = args.batch_size * runtime.max_length
@@ -63,9 +64,9 @@ def main(argv: Iterable[str] | None = None) -> None:
     if devices > 1 and not args.pieces:
       # This host's devices split each batch's rows (hosts split the corpus): batches grow with them.
       mesh = parallel.make_mesh((-1, 1, 1), devices=jax.local_devices())
-      runtime = dataclasses.replace(runtime, apply_fn=corpus_lib.rows_on_mesh(runtime.apply_fn, mesh),
+      runtime = dataclasses.replace(runtime, apply_fn=encoder_runtime.rows_on_mesh(runtime.apply_fn, mesh),
                                     rows_multiple=devices)
-      tokens_per_batch = (tokens_per_batch or corpus_lib.default_tokens_per_batch()) * devices
+      tokens_per_batch = (tokens_per_batch or encoder_runtime.default_tokens_per_batch()) * devices
       print(f"{devices} local devices split each batch's rows", file=sys.stderr)
     from jdr.models import build  # pylint: disable=g-import-not-at-top  (model code loads lazily)
     model_name = args.model if args.model == "minilm" else str(paths.absolute(args.model))
@@ -81,7 +82,7 @@ def main(argv: Iterable[str] | None = None) -> None:
       if not name or not size.isdigit() or int(size) < 1:
         raise ValueError(f"--pieces: {part!r} is not NAME:TOKENS (e.g. passage:128)")
       pieces.append((name, int(size)))
-    meta = corpus_lib.encode_corpus(runtime, corpus, args.out, shard_size=args.shard_size,
+    meta = encodings.encode_corpus(runtime, corpus, args.out, shard_size=args.shard_size,
                                     settings=settings, tokens_per_batch=tokens_per_batch,
                                     passages=args.passages, pieces=pieces)
   seconds = time.perf_counter() - start

@@ -4,7 +4,7 @@
       --metrics ndcg@10,mrr@10,recall@100 [--json] [--missing zero] [--per-query out.json]
 
 Qrels: BEIR TSV (with header) or TREC `qid 0 docid rel`; run: TREC `qid Q0 docid rank score tag`.
-Metrics and the query-averaging conventions are jdr.metrics' (equal to trec_eval per query).
+Metrics and the query-averaging conventions are jdr.evaluation.metrics' (equal to trec_eval per query).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import json
 import sys
 from typing import Sequence
 
-from jdr import atomic
-from jdr import cli
-from jdr import metrics
+from jdr.runtime import atomic
+from jdr.runtime import cli
+from jdr.evaluation import metrics
 from jdr.data import formats
 
 DEFAULT_METRICS = "ndcg@10,mrr@10,recall@100,map"

@@ -26,10 +26,10 @@ import tempfile
 
 import jax
 
-from jdr import atomic
-from jdr import checkpoint
-from jdr import cli
-from jdr import paths
+from jdr.runtime import atomic
+from jdr.training import checkpoint
+from jdr.runtime import cli
+from jdr.runtime import paths
 from jdr.models import build as build_lib
 from jdr.models import hf
 from jdr.models.bert import EncoderConfig

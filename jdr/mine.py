@@ -37,8 +37,8 @@ from collections.abc import Iterable
 import numpy as np
 import tqdm
 
-from jdr import cli
-from jdr import defaults
+from jdr.runtime import cli
+from jdr.runtime import defaults
 from jdr.data import pairs
 from jdr.negatives import mining
 from jdr.negatives import sources
@@ -147,7 +147,7 @@ class Retriever:
     """(rows int32 [Q, depth], scores float32 [Q, depth], query vectors or None)."""
     depth, texts = self.args.depth, [self.data.queries[q] for q in qids]
     if self.kind == "bm25":
-      from jdr import bm25  # pylint: disable=g-import-not-at-top  (only BM25 users need numba)
+      from jdr.retrieval import bm25  # pylint: disable=g-import-not-at-top  (only BM25 users need numba)
       if self._index is None:
         self._index = bm25.corpus_index(self.data.corpus, cache_dir=self.out / "cache")
       mined = bm25.mine(self._index, texts, min(depth, len(self._index)), self.out / "cache", query_ids=qids,
@@ -162,27 +162,28 @@ class Retriever:
         print(f"jdr.mine: {self.args.run} ranks nothing for {len(missing)} of the {len(qids)} {tag} queries "
               f"(e.g. {missing[:3]}): they get no negatives", file=sys.stderr)
       return ranked.rows, np.where(ranked.rows >= 0, ranked.scores, np.nan).astype(np.float32), None
-    from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+    from jdr.retrieval import encoder_runtime  # pylint: disable=g-import-not-at-top
     from jdr.negatives import retrieved  # pylint: disable=g-import-not-at-top
     doc_emb = self.doc_emb()
     if self._query_runtime is None:
-      self._query_runtime = corpus_lib.load_runtime(self.args.model, side="query",
+      self._query_runtime = encoder_runtime.load_runtime(self.args.model, side="query",
                                                     max_length=self.args.query_max_length)
-    query_emb = corpus_lib.encode_texts(self._query_runtime, texts)
+    query_emb = encoder_runtime.encode_texts(self._query_runtime, texts)
     rows, scores = retrieved.exact_top_rows(doc_emb, query_emb, depth, progress=f"dense candidates ({tag})")
     return rows, np.where(rows >= 0, scores, np.nan).astype(np.float32), query_emb
 
   def doc_emb(self):
-    from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+    from jdr.retrieval import encoder_runtime  # pylint: disable=g-import-not-at-top
+    from jdr.retrieval import encodings  # pylint: disable=g-import-not-at-top
     if self._doc_emb is None:
       encoding = self.args.encoding
       if encoding:
-        corpus_lib.check_ids_match(encoding, self.data.corpus, f"--encoding vs --data {self.args.data}")
+        encodings.check_ids_match(encoding, self.data.corpus, f"--encoding vs --data {self.args.data}")
       else:
         encoding = self.out / "encoding"
-        runtime = corpus_lib.load_runtime(self.args.model, side="doc", max_length=self.args.doc_max_length)
-        corpus_lib.encode_corpus(runtime, self.data.corpus, encoding, settings={"model": str(self.args.model)})
-      self._doc_emb, _, _ = corpus_lib.load_embeddings(encoding)
+        runtime = encoder_runtime.load_runtime(self.args.model, side="doc", max_length=self.args.doc_max_length)
+        encodings.encode_corpus(runtime, self.data.corpus, encoding, settings={"model": str(self.args.model)})
+      self._doc_emb, _, _ = encodings.load_embeddings(encoding)
     return self._doc_emb
 
   def positive_scores(self, qids: list[str], positives: np.ndarray, rows: np.ndarray, scores: np.ndarray,
@@ -198,7 +199,7 @@ def _scorer(args):
   if not args.cross_encoder:
     return None
   import jax  # pylint: disable=g-import-not-at-top
-  from jdr import reranking  # pylint: disable=g-import-not-at-top
+  from jdr.evaluation import reranking  # pylint: disable=g-import-not-at-top
   from jdr.models import cross  # pylint: disable=g-import-not-at-top
   model, params, tokenizer = cross.load_cross_encoder(args.cross_encoder)
   if args.ce_max_length > model.config.max_length:

@@ -18,8 +18,8 @@ from typing import Iterable
 
 import jax
 
-from jdr import cli
-from jdr import reranking
+from jdr.runtime import cli
+from jdr.evaluation import reranking
 from jdr.data import formats
 from jdr.models import build
 from jdr.models import cross

@@ -4,7 +4,7 @@
 factory string, or the exact JAX back-end); `--save-index` keeps a built Faiss index in DIR/index-NAME so
 that a compressed index is trained once. The query encoder defaults to the settings recorded in
 DIR/meta.json, so queries and documents are embedded the same way unless asked otherwise. The work is
-jdr.corpus'.
+jdr.retrieval.encoder_runtime's, .encodings' and .retrievers'.
 """
 
 import argparse
@@ -12,8 +12,10 @@ import sys
 import time
 from typing import Iterable
 
-from jdr import cli
-from jdr import corpus as corpus_lib
+from jdr.runtime import cli
+from jdr.retrieval import encoder_runtime
+from jdr.retrieval import encodings
+from jdr.retrieval import retrievers
 from jdr.data import formats
 from jdr.models import saved
 
@@ -51,28 +53,28 @@ def main(argv: Iterable[str] | None = None) -> None:
     if not queries:
       raise ValueError(f"{args.queries}: no queries to retrieve for"
                        + (f" in split {args.split!r}" if args.split else ""))
-    meta = corpus_lib.read_meta(args.index)
+    meta = encodings.read_meta(args.index)
     model = args.model or meta["model"]
     if saved.is_jdr_model(model):
       # A trained model carries its own query tower settings (pooling, query length).
-      runtime = corpus_lib.load_runtime(model, pooling=args.pooling, normalize=args.normalize,
+      runtime = encoder_runtime.load_runtime(model, pooling=args.pooling, normalize=args.normalize,
                                         max_length=args.max_length, dtype=args.dtype, side="query")
     else:
       # Embed queries the way the documents were embedded unless told otherwise.
-      runtime = corpus_lib.load_runtime(
+      runtime = encoder_runtime.load_runtime(
           model, pooling=args.pooling or meta.get("pooling"),
           normalize=meta.get("normalize") if args.normalize is None else args.normalize,
           max_length=args.max_length or meta.get("max_length"), dtype=args.dtype, side="query")
       if not args.max_length and meta.get("max_length"):
         runtime.info["max_length_from"] = f"the length {args.index} was encoded at"
-    print(corpus_lib.length_line(runtime, "queries"), file=sys.stderr)
+    print(encoder_runtime.length_line(runtime, "queries"), file=sys.stderr)
     if args.recall_target != 1.0 and args.backend != "jax":
       parser.error("--recall-target needs --backend jax")
     if args.index_dtype != "auto" and args.backend != "jax":
       parser.error("--index-dtype needs --backend jax")
     if (args.gpu_layout != "shard" or args.gpu_float16) and args.backend != "faiss":
       parser.error("--gpu-layout / --gpu-float16 are options of --backend faiss")
-    retriever = corpus_lib.load_index(args.index, args.backend, args.factory, save=args.save_index,
+    retriever = retrievers.load_index(args.index, args.backend, args.factory, save=args.save_index,
                                       recall_target=args.recall_target, jax_dtype=args.index_dtype,
                                       gpu={"gpu_layout": args.gpu_layout, "gpu_float16": args.gpu_float16})
     print(f"index: {args.backend} {args.factory}, {retriever.bytes_per_doc():.1f} bytes/doc",
@@ -80,15 +82,15 @@ def main(argv: Iterable[str] | None = None) -> None:
 
     start = time.perf_counter()
     qids = list(queries)
-    q_emb = corpus_lib.encode_texts(runtime, [queries[q] for q in qids],
+    q_emb = encoder_runtime.encode_texts(runtime, [queries[q] for q in qids],
                                     tokens_per_batch=args.tokens_per_batch)
     if args.ensemble_gamma is None:
-      run = corpus_lib.retrieve_run(retriever, qids, q_emb, args.top_k, passages=meta.get("passages", 1))
+      run = retrievers.retrieve_run(retriever, qids, q_emb, args.top_k, passages=meta.get("passages", 1))
     else:
-      pieces = corpus_lib.load_pieces(args.index)
-      doc_ids = corpus_lib.read_ids(args.index)
-      first = corpus_lib.retrieve_run(retriever, qids, q_emb, max(args.ensemble_depth, args.top_k))
-      run = corpus_lib.ensemble_rerank(first, qids, q_emb, {d: i for i, d in enumerate(doc_ids)}, pieces,
+      pieces = encodings.load_pieces(args.index)
+      doc_ids = encodings.read_ids(args.index)
+      first = retrievers.retrieve_run(retriever, qids, q_emb, max(args.ensemble_depth, args.top_k))
+      run = retrievers.ensemble_rerank(first, qids, q_emb, {d: i for i, d in enumerate(doc_ids)}, pieces,
                                        args.ensemble_gamma, args.top_k)
     formats.write_run(args.run, run, tag="jdr")
   print(f"retrieved top-{args.top_k} for {len(qids)} queries in "

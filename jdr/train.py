@@ -1,278 +1,41 @@
 """Train a dense retriever: `python -m jdr.train --config configs/X.py[:arg] --workdir DIR [--config.k=v]`.
 
-One trainer for every method: which towers train, where negatives come from and which loss is used are
-config values (see configs/base.py), never a fork of this file. `train_and_evaluate` reads top to bottom:
-mesh, data, model, state (resume | init_from | fresh), negatives, the step (jdr/step.py, jitted once), the
-loop, evaluation.
+One trainer for every method (jdr/training/trainer.py): which towers train, where negatives come from and which
+loss is used are config values (see configs/base.py), never a fork of it.
 """
 
 import argparse
-import json
-import math
-import pathlib
 import sys
-import time
-from typing import Any
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
-import ml_collections
-import numpy as np
-import tqdm
 
-from jdr import atomic
-from jdr import checkpoint
-from jdr import cli
-from jdr import config_files
-from jdr import distill
-from jdr import evaluation
-from jdr import losses
-from jdr import metric_writers
-from jdr import optimizers
-from jdr import parallel
-from jdr import paths
-from jdr import preemption
-from jdr import sizing
-from jdr import step as step_lib
-from jdr.data import pairs
-from jdr.data import pretrain_batches
-from jdr.negatives import sources
-from jdr.models import build as build_lib
-from jdr.models.towers import TwoTower
+from jdr.training import checkpoint
+from jdr.runtime import cli
+from jdr.runtime import config_files
+from jdr.runtime import parallel
+from jdr.runtime import paths
+from jdr.training import preemption
+from jdr.training import sizing
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict:
-  """Trains per `config`, checkpointing to and resuming from `workdir`; returns the final metrics."""
-  check_intervals(config)  # pure: an interval the loop cannot use fails before a workdir, a backend or data
-  config_files.check_inputs(config)  # a missing dataset, model or teacher: one line, before anything is read
-  # ---------------------------------------------------------------- hosts and mesh
-  # first: both must run before anything starts a jax backend
-  parallel.use_cpu_devices(config.mesh.cpu_devices)
-  parallel.initialize_distributed()
-  workdir = paths.absolute(workdir)  # local, or gs://... (etils.epath)
-  workdir.mkdir(parents=True, exist_ok=True)
-  is_host0 = jax.process_index() == 0
-  mesh = parallel.make_mesh(config.mesh.shape)
-  rules = parallel.rules_for(config.mesh.rules)
-  parallel.check_batch_size(config.batch_size, mesh)
-  sources.check(config)
-  pretrain_batches.check(config)
-  pretraining = config.data.kind == "pretrain"
-  step_lib.check_grad_cache(config, sources.candidates(config))
-  distill.check(config)
-  losses.make_loss(config.loss)  # an unknown loss fails here, before any data is read
-
-  # ---------------------------------------------------------------- data and model
-  built = build_lib.build(config.model, config.data)
-  if pretraining:  # pairs from articles, made by the step; no corpus and no evaluation
-    batches, data = pretrain_batches.make(config, built.tokenizer, process_index=jax.process_index(),
-                                          process_count=jax.process_count())
-  else:
-    data = pairs.load(config.data, workdir)
-  model = built.model
-  if pretrain_batches.is_masked_lm(config):
-    model = model.clone(mlm_head=True)  # trained here, dropped by every reader of the workdir
-  query_only = config.model.train_towers == "query"
-  if is_host0:
-    atomic.write_text(workdir / "config.json", config.to_json_best_effort(indent=1))
-    atomic.write_text(workdir / "model.json", json.dumps(built.description, indent=1))
-
-  # ---------------------------------------------------------------- optimizer and abstract state
-  tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps, config.model.train_towers)
-  init_rng = jax.random.PRNGKey(config.seed)
-  abstract_state, state_shardings = step_lib.abstract_train_state(model, tx, config, mesh, rules)
-
-  # ---------------------------------------------------------------- state: resume | init_from | fresh
-  mngr = checkpoint.manager(workdir, keep=config.keep_checkpoints)
-  if mngr.latest_step() is not None:
-    state, _ = checkpoint.restore(mngr, abstract_state)
-    print(f"resumed from {workdir / 'checkpoints'} at step {int(state.step)}", file=sys.stderr)
-  else:
-    params = initial_params(model, built, config, init_rng, state_shardings.params)
-    opt_state = jax.jit(tx.init, out_shardings=state_shardings.opt_state)(params)
-    state = step_lib.TrainState(step=jax.device_put(jnp.int32(0), state_shardings.step), params=params,
-                                opt_state=opt_state,
-                                rng=jax.device_put(jax.random.PRNGKey(config.seed + 1), state_shardings.rng))
-
-  # ---------------------------------------------------------------- negatives (may mine with the weights)
-  encoder = evaluation.TowerEncoder(
-      model, built.tokenizer, data, query_max_length=config.data.query_max_length,
-      doc_max_length=config.eval.doc_max_length or config.data.doc_max_length,
-      tokens_per_batch=config.eval.tokens_per_batch, mesh=mesh, cache_dir=config.eval.corpus_cache)
-
-  negatives = sources.make(config, data, workdir, encoder, state.params, mesh,
-                           step_lib.make_step_query_vectors(model, config.model.encode_chunk_rows))
-  if not pretraining:
-    batches = pairs.Batches(
-        data, built.tokenizer, batch_size=config.batch_size,
-        query_max_length=config.data.query_max_length, doc_max_length=config.data.doc_max_length,
-        negative_source=negatives.sampler, negatives_per_query=config.negatives.per_query,
-        in_batch=config.negatives.in_batch, seed=config.seed,
-        process_index=jax.process_index(), process_count=jax.process_count(),
-        candidates=negatives.candidates, pair_weighting=config.negatives.pair_weighting,
-        random_weight=config.negatives.random_weight, triples_per_query=config.negatives.triples_per_query)
-    if is_host0:
-      pairs.describe_counts(data, batches)
-  distiller = None
-  if distill.enabled(config):  # the teacher scores every (query, document) it can meet, once, cached
-    distiller = distill.Distiller(config, data, built.tokenizer, batches, negatives.sampler, workdir / "cache")
-
-  # ---------------------------------------------------------------- the step, jitted once
-  train_step = step_lib.make_train_step(model, tx, config, mesh, negatives.candidates, negatives.retrieve_in_step)
-  step_fn = step_lib.jit_step(train_step, state_shardings, mesh, negatives.corpus)
-
-  def batch_at(step: int, state) -> dict[str, jax.Array]:
-    negatives.prepare(step, state)
-    batch = negatives.complete(batches.local(step), state)
-    if distiller is not None:
-      batch = distiller.complete(batch, step)
-    return parallel.global_batch(batch, mesh)
-
-  # ---------------------------------------------------------------- evaluation
-  start = int(state.step)
-  writer = metric_writers.MetricWriter(workdir, start_step=start)  # a resume drops the lines it logs again
-  evaluator = None
-  if data.eval_qrels and negatives.candidates == "pairs":  # a cross-encoder reranks a first stage
-    evaluator = evaluation.RerankEvaluator(model, built.tokenizer, data, config)
-  elif data.eval_qrels:  # periodic: eval.candidates (the corpus, or each query's candidates); final: eval.final
-    bm25_index = evaluation.BM25IndexOf(data, negatives, workdir / "cache")  # one lookup for both users
-    diagnostics = evaluation.TrainingDiagnostics(encoder, data, negatives, config, cache_dir=workdir / "cache",
-                                                 bm25_index=bm25_index)
-    evaluator = evaluation.Evaluator(encoder, config, mesh, doc_tower_frozen=query_only,
-                                     diagnostics=diagnostics, fixed_doc_emb=negatives.doc_emb,
-                                     fixed_corpus=negatives.corpus, cache_dir=workdir / "cache",
-                                     bm25_index=bm25_index)
-  results = {}
-  if evaluator and start == 0 and config.eval_before_training:
-    results["before"] = evaluator(state.params)
-    writer.write(0, {f"eval/{k}": v for k, v in results["before"].items()})
-    evaluation.print_metrics(f"before training, eval ({evaluator.describe()})", results["before"])
-
-  # ---------------------------------------------------------------- loop
-  bar = tqdm.tqdm(total=config.num_train_steps, initial=start, unit="step", desc="train",
-                  disable=not is_host0, mininterval=1.0 if sys.stderr.isatty() else 30.0)
-  window, window_start = [], time.perf_counter()
-  next_batch = batch_at(start, state) if start < config.num_train_steps else None
-  stop = preemption.StopRequests().install()  # SIGTERM / SIGINT: stop after this step, saved
-  try:
-    for step in range(start, config.num_train_steps):
-      state, step_metrics = step_fn(state, next_batch)
-      # Build the next batch on the host while the device runs this step (sources that need the new
-      # weights, ADORE's host retrieval and ANCE's snapshots, wait for them).
-      if step + 1 < config.num_train_steps:
-        next_batch = batch_at(step + 1, state)
-      step_metrics = jax.device_get(step_metrics)
-      if not math.isfinite(float(step_metrics["loss"])):
-        mngr.wait_until_finished()
-        raise FloatingPointError(
-            f"loss is {float(step_metrics['loss'])} at step {step + 1}; stopped without saving. The last "
-            f"good checkpoint is step {mngr.latest_step()} in {workdir / 'checkpoints'}")
-      window.append(step_metrics)
-      done = step + 1
-      if config.checkpoint_every and done % config.checkpoint_every == 0:
-        checkpoint.save(mngr, done, state, _data_position(batches, done), force=True)
-      if done % config.log_every == 0 or done == config.num_train_steps:
-        elapsed = time.perf_counter() - window_start
-        scalars = {k: float(np.mean([m[k] for m in window])) for k in window[0]}
-        scalars["examples_per_second"] = len(window) * config.batch_size / elapsed
-        scalars.update(negatives.log_scalars(done))
-        writer.write(done, {f"train/{k}": v for k, v in scalars.items()})
-        bar.set_postfix(loss=f"{scalars['loss']:.4f}", ex_s=f"{scalars['examples_per_second']:.1f}")
-        window, window_start = [], time.perf_counter()
-      bar.update(1)
-      if evaluator and config.eval_every and done % config.eval_every == 0 and done < config.num_train_steps:
-        scores = evaluator(state.params)
-        writer.write(done, {f"eval/{k}": v for k, v in scores.items()})
-        bar.write(evaluation.metrics_line(f"step {done}, eval ({evaluator.describe()})", scores))
-      if stop.requested():
-        break
-  finally:
-    stop.restore()
-    negatives.close(wait=stop.signum is None)
-    bar.close()  # also on an error, whose line then starts a line of its own
-  if mngr.latest_step() != int(state.step):
-    checkpoint.save(mngr, int(state.step), state, _data_position(batches, int(state.step)), force=True)
-  mngr.wait_until_finished()
-  if stop.signum is not None:
-    writer.close()
-    raise preemption.Stopped(stop.signum, int(state.step), workdir)
-
-  if evaluator:
-    results["after"] = evaluator(state.params, final=True)
-    writer.write(int(state.step), {f"eval/{k}": v for k, v in results["after"].items()})
-    if "before" in results:
-      evaluation.print_metrics(f"before training, eval ({evaluator.describe()})", results["before"])
-    evaluation.print_metrics(f"after {int(state.step)} steps, eval ({evaluator.describe(final=True)})",
-                             results["after"])
-  writer.close()
-  results["state"] = state
-  return results
-
-
-# The loop's step intervals: (key, the smallest valid value, what it means). 0 turns off the periodic
-# checkpoints and evaluations, as what is due at the end and on a signal still happens; log_every has no "off"
-# worth having (the last step is logged anyway, so a long run would show no progress), so 0 is refused.
-INTERVALS = (
-    ("log_every", 1, "steps between lines of metrics.jsonl"),
-    ("checkpoint_every", 0, "steps between checkpoints; 0 = only at the end and on SIGTERM / SIGINT"),
-    ("eval_every", 0, "steps between evaluations; 0 = only before training and at the end"),
-)
-
-
-def check_intervals(config: ml_collections.ConfigDict) -> None:
-  """Refuses a step interval the loop cannot use (a ValueError naming the key, the value and what is valid)."""
-  for key, lowest, meaning in INTERVALS:
-    value = config[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
-      raise ValueError(f"{key}={value!r}: must be an integer >= {lowest} ({meaning})")
-
-
-def initial_params(model: TwoTower, built: build_lib.Built, config: ml_collections.ConfigDict,
-                   rng: jax.Array, shardings: Any) -> Any:
-  """init_from's weights (a jdr model, or a pretrained encoder in every tower), else fresh ones."""
-  init = jax.jit(lambda r: nn.unbox(model.init(r, *step_lib.dummy_inputs(config))["params"]),
-                 **({"out_shardings": shardings} if shardings is not None else {}))
-  if built.params is not None:
-    params = built.params
-    if getattr(model, "mlm_head", False):  # a trained model's towers under a fresh masked-LM head
-      params = {**params, "lm_head": jax.device_get(init(rng))["lm_head"]}
-  else:
-    params = init(rng)
-    if built.encoder_params is None:
-      return params
-    params = build_lib.with_encoder_params(jax.device_get(params), built.encoder_params)
-  expected = jax.tree.map(lambda s: s.shape, jax.eval_shape(init, rng))
-  got = jax.tree.map(lambda x: x.shape, params)
-  if jax.tree.structure(expected) != jax.tree.structure(got) or expected != got:
-    raise ValueError(f"{config.model.init_from}: its weights do not fit the configured towers "
-                     f"(expected {expected}, got {got})")
-  return jax.device_put(params, shardings)
-
-
-def _data_position(batches: pairs.Batches, step: int) -> dict:
-  """Where the data stream stands after `step` steps (informational: batches are a function of step)."""
-  consumed = step * batches.batch_size
-  return {"step": step, "examples_consumed": consumed,
-          "epoch": consumed // batches.examples_per_epoch,
-          "position_in_epoch": consumed % batches.examples_per_epoch, "seed": batches.seed}
+from jdr.training import trainer
 
 
 def main(argv=None) -> None:
   argv = sys.argv[1:] if argv is None else list(argv)
   try:
     rest, overrides = config_files.split_config_args(argv)
-    from jdr import config_help  # pylint: disable=g-import-not-at-top
+    from jdr.runtime import config_help  # pylint: disable=g-import-not-at-top
     parser = argparse.ArgumentParser(
         prog="python -m jdr.train", description=__doc__.splitlines()[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="config keys, set with --config.KEY=VALUE (the defaults of jdr/defaults.py; a recipe changes "
+        epilog="config keys, set with --config.KEY=VALUE (the defaults of jdr/runtime/defaults.py; a recipe changes "
                "some):\n" + config_help.describe())
     parser.add_argument("--config", required=True, help="configs/X.py[:arg]")
     parser.add_argument("--workdir", default=None, help="checkpoints, logs; an existing one resumes")
     parser.add_argument("--compile-only", action="store_true",
                         help="compile the step for the configured mesh and print its per-device memory and FLOPs "
-                             "(jdr/sizing.py); no data is read and nothing trains")
+                             "(jdr/training/sizing.py); no data is read and nothing trains")
     parser.add_argument("--topology", default=None,
                         help="with --compile-only: compile for this TPU slice's devices instead of the local ones, "
                              "e.g. v5e:2x2 or v4:2x2x1 (ahead of time, from any host with libtpu installed), or for "
@@ -298,7 +61,7 @@ def main(argv=None) -> None:
     created = not paths.as_path(args.workdir).exists()
     try:
       with checkpoint.writes_reported(args.workdir):
-        train_and_evaluate(config, args.workdir)
+        trainer.train_and_evaluate(config, args.workdir)
     except preemption.Stopped as stopped:
       preemption.exit_stopped(stopped, argv)
     except BaseException as e:

@@ -1,3 +1,4 @@
+import functools
 import importlib.util
 import os
 import pathlib
@@ -27,7 +28,27 @@ TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
 if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
 
-# jax's CUDA plugin, where it is installed on a host without a GPU (to compile for one: jdr.sizing.GPU_TARGETS),
+# And XLA:CPU's elemental fusion emitters instead of its MLIR ones: the same operations, compiled in half the
+# time (a tiny train step: 2.7 s, 1.4 s; tests/test_gradcache.py, test_encode_chunks.py and test_topk.py: 120 s,
+# 74 s). An XLA that no longer knows the flag would abort at start, so a jax started with it decides, once per
+# run (pytest-xdist's workers and the tests' subprocesses inherit the result).
+_LEGACY_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+if "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  _probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices('cpu')"], capture_output=True,
+                          env={**os.environ, "XLA_FLAGS": f"{os.environ['XLA_FLAGS']} {_LEGACY_EMITTERS}"},
+                          check=False, timeout=300)
+  if _probe.returncode == 0:
+    os.environ["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} {_LEGACY_EMITTERS}"
+
+# OpenMP threads (Faiss's, torch's) that wait passively instead of spinning: with two test workers and their
+# subprocesses on two cores, spinning threads take the cores from the threads they wait for (OPQ training in
+# tests/test_index.py took 113 s spinning, 6 s passive). What is computed is the same. Read when the OpenMP
+# runtime loads, so set before anything imports faiss or torch; subprocesses inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+# jax's CUDA plugin, where it is installed on a host without a GPU (to compile for one: jdr.training.sizing.GPU_TARGETS),
 # checks the CUDA driver when jax first starts its backends and drops itself when that fails; the tests that
 # compile for a GPU need it kept, whichever test starts the backends first.
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
@@ -38,11 +59,33 @@ from jdr.data.shared import shared_data_dir, shared_dataset  # pylint: disable=w
 from jdr.launch.local import xla_flags_with_devices  # pylint: disable=wrong-import-position
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by marker
 def pytest_collection_modifyitems(config, items):
-  """The `long` tests first: pytest-xdist hands out tests in this order (an idle worker steals from the end of
-  another's queue), and one of them begun last kept a worker busy for minutes after the other ran out."""
+  """A `long` test is `slow` too. The `long` tests first: pytest-xdist hands out tests in this order (an idle
+  worker steals from the end of another's queue), and one of them begun last kept a worker busy for minutes
+  after the other ran out."""
   del config
+  for item in items:
+    if item.get_closest_marker("long"):
+      item.add_marker(pytest.mark.slow)
   items.sort(key=lambda item: item.get_closest_marker("long") is None)  # stable: the rest keep their order
+
+
+@functools.cache
+def gpu_missing() -> str | None:
+  """Why a `gpu` test cannot run here, or None where jax has a GPU (asked once, when such a test first runs:
+  it starts jax's backends)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  try:
+    jax.devices("gpu")
+  except RuntimeError:
+    return f"needs a GPU, and jax has none here (its backend: {jax.default_backend()})"
+  return None
+
+
+def pytest_runtest_setup(item):
+  if item.get_closest_marker("gpu") is not None and gpu_missing():
+    pytest.skip(gpu_missing())
 
 
 def pytest_unconfigure(config):
@@ -131,11 +174,11 @@ def fake_gcs():
       super().__init__(*args, **kwargs)
 
   import sys  # pylint: disable=g-import-not-at-top
-  registry = sys.modules["fsspec.registry"]._registry  # pylint: disable=protected-access  (fsspec.registry is a view)
+  registry = sys.modules["fsspec.registry"]._registry  # fsspec.registry is a view
   saved = {name: registry.get(name) for name in ("gs", "gcs")}
   for name in saved:
     fsspec.register_implementation(name, FakeGCS, clobber=True)
-  backend._FileSystemSpecBackend._get_filesystem.cache_clear()  # pylint: disable=protected-access
+  backend._FileSystemSpecBackend._get_filesystem.cache_clear()
   try:
     yield FakeGCS.store
   finally:
@@ -143,7 +186,7 @@ def fake_gcs():
       registry.pop(name, None)
       if cls is not None:
         registry[name] = cls
-    backend._FileSystemSpecBackend._get_filesystem.cache_clear()  # pylint: disable=protected-access
+    backend._FileSystemSpecBackend._get_filesystem.cache_clear()
 
 
 @pytest.fixture(scope="module")

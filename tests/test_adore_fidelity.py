@@ -62,8 +62,10 @@ class QueryTable:
 
 
 def _step_loss(corpus, queries, positive_rows, *, cut, n, cand_rows=None, **config_overrides):
-  """(loss, d loss / d queries) of `jdr.step.score_corpus` on the fake tower, as the trainer builds it."""
-  from jdr import defaults, parallel, step  # pylint: disable=g-import-not-at-top
+  """(loss, d loss / d queries) of `jdr.training.step.corpus_scorer`'s function on the fake tower, as the trainer builds it."""
+  from jdr.runtime import defaults  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import parallel
+  from jdr.training import step
   from jdr.negatives import retrieved  # pylint: disable=g-import-not-at-top
   config = defaults.get_config()
   config.model.train_towers = "query"
@@ -75,7 +77,7 @@ def _step_loss(corpus, queries, positive_rows, *, cut, n, cand_rows=None, **conf
     section, name = key.split("__")
     config[section][name] = value
   mesh = parallel.make_mesh((-1, 1, 1))
-  spec = step.make_spec(QueryTable(), None, config, mesh, "corpus", retrieve_in_step=cand_rows is None)
+  score = step.corpus_scorer(QueryTable(), config, mesh, retrieve_in_step=cand_rows is None)
   placed = retrieved.put_corpus(corpus, [str(i) for i in range(len(corpus))], mesh, "float32")
   b = len(queries)
   batch = {"query_ids": jnp.arange(b, dtype=jnp.int32)[:, None], "query_mask": jnp.ones((b, 1), jnp.int32),
@@ -86,7 +88,7 @@ def _step_loss(corpus, queries, positive_rows, *, cut, n, cand_rows=None, **conf
 
   @jax.jit
   def value_and_grad(params, batch, rows, bias):
-    return jax.value_and_grad(lambda p: step.score_corpus(spec, p, batch, rngs, rows, bias)[0])(params)
+    return jax.value_and_grad(lambda p: score(p, batch, rngs, rows, bias)[0])(params)
 
   loss, grads = value_and_grad({"q": jnp.asarray(queries, jnp.float32)}, batch, placed.device, placed.bias)
   return float(loss), np.asarray(grads["q"], np.float64)
@@ -162,7 +164,7 @@ def test_gradient_is_the_derivative_of_the_loss():
 
 def test_ltre_keeps_replace_last():
   """configs/ltre.py runs LTRe's Algorithm 1: the n-th retrieved row replaced, no appended columns."""
-  from jdr import config_files  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import config_files  # pylint: disable=g-import-not-at-top
   from jdr.negatives import retrieved  # pylint: disable=g-import-not-at-top
   root = pathlib.Path(__file__).resolve().parents[1] / "configs"
   ltre = config_files.load_config_file(str(root / "ltre.py:runlocal"))

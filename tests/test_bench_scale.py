@@ -67,13 +67,14 @@ def test_lengths_and_positives_have_msmarcos_shape():
   lengths = synthetic.passage_lengths(np.random.default_rng(0), 200_000)
   assert abs(lengths.mean() - synthetic.PASSAGE_WORDS) < 0.5
   assert 15 < lengths.std() < 40 and lengths.min() >= 3 and lengths.max() > 150  # spread, with a long tail
-  plan = synthetic._Plan(1_000_000, seed=0)  # pylint: disable=protected-access  (queries without a corpus)
+  plan = synthetic.Plan(1_000_000, seed=0)  # queries without a corpus
   per_query = plan.positives_per_query[:plan.train]
   assert abs(per_query.mean() - synthetic.MSMARCO_TRAIN_PAIRS / synthetic.MSMARCO_TRAIN_QUERIES) < 0.005
   assert per_query.min() == 1 and per_query.max() >= 2
   assert abs(plan.query_words.mean() - synthetic.QUERY_WORDS) < 0.05 and plan.query_words.min() >= 2
 
 
+@pytest.mark.slow
 def test_word_frequencies_are_zipf_like(small):
   counts = collections.Counter(w for doc in formats.iter_corpus(small) for w in doc.text.split())
   total = sum(counts.values())
@@ -108,7 +109,7 @@ def test_a_dataset_is_reused_and_never_left_half_written(small, tmp_path, monkey
   def broken(*args, **kwargs):
     raise RuntimeError("killed while writing the queries")
 
-  monkeypatch.setattr(synthetic, "_query_texts", broken)
+  monkeypatch.setattr(synthetic, "query_texts", broken)
   with pytest.raises(RuntimeError, match="killed"):
     synthetic.dataset(tmp_path, PASSAGES, progress=False)
   assert not list(tmp_path.iterdir())  # neither the dataset nor its temporary folder
@@ -127,23 +128,24 @@ def test_plan_adds_the_stages_a_stage_reads():
 
 
 def test_random_vectors_read_back_as_an_encoding_of_the_corpus(small, tmp_path):
-  from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import encodings  # pylint: disable=g-import-not-at-top
   meta = scale.random_encoding(str(small), tmp_path / "a", seed=3, dim=16)
-  emb, ids, read = corpus_lib.load_embeddings(tmp_path / "a")
+  emb, ids, read = encodings.load_embeddings(tmp_path / "a")
   assert read == meta and meta["vectors"] == "random" and meta["num_shards"] == 1
   corpus_ids = [json.loads(line)["_id"] for line in (small / "corpus.jsonl").read_text().splitlines()]
   assert ids == corpus_ids  # corpus order: rows pair with the documents they stand for
   emb = np.asarray(emb)
   assert emb.shape == (PASSAGES, 16) and emb.dtype == np.float32
   np.testing.assert_allclose(np.linalg.norm(emb, axis=1), 1.0, rtol=1e-5)
-  again, _, _ = corpus_lib.load_embeddings(scale.random_encoding(str(small), tmp_path / "b", seed=3, dim=16)
+  again, _, _ = encodings.load_embeddings(scale.random_encoding(str(small), tmp_path / "b", seed=3, dim=16)
                                            and tmp_path / "b")
   np.testing.assert_array_equal(np.asarray(again), emb)  # seeded
-  other, _, _ = corpus_lib.load_embeddings(scale.random_encoding(str(small), tmp_path / "c", seed=4, dim=16)
+  other, _, _ = encodings.load_embeddings(scale.random_encoding(str(small), tmp_path / "c", seed=4, dim=16)
                                            and tmp_path / "c")
   assert not np.allclose(np.asarray(other), emb)
 
 
+@pytest.mark.slow
 def test_bench_prints_each_stage_and_a_json_line(root):
   proc = subprocess.run([sys.executable, "-m", "jdr.bench", "scale", "--passages", str(PASSAGES), "--stages",
                          "load,bm25_mine", "--out", str(root)], capture_output=True, text=True, timeout=300,

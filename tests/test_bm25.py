@@ -1,4 +1,4 @@
-"""jdr.bm25 against a brute-force float64 BM25 written from Lucene's formula, over bm25s's own tokens."""
+"""jdr.retrieval.bm25 against a brute-force float64 BM25 written from Lucene's formula, over bm25s's own tokens."""
 
 import collections
 import json
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from bm25s.stopwords import STOPWORDS_EN
 
-from jdr import bm25
-from jdr import paths
+from jdr.retrieval import bm25
+from jdr.runtime import paths
 from jdr.data.formats import Doc
 from jdr.negatives import sampled
 
@@ -23,7 +23,7 @@ K1, B = 0.9, 0.4
 @pytest.fixture(autouse=True)
 def fresh_process(monkeypatch):
   """Each test starts as a new process would: no index open yet."""
-  monkeypatch.setattr(bm25, "_OPEN", {})
+  monkeypatch.setattr(bm25, "OPEN", {})
 
 
 def _texts(n=60, seed=0):
@@ -93,7 +93,7 @@ def test_tokenization_is_bm25s():
            "tab\tand\nnewline\u2028sep", "nul\0inside text", "a I to", "café naïve coöperate résumé"]
   expected = _tokens(texts)
   assert [bm25.tokenize(t) for t in texts] == expected
-  lengths, words, docs, terms, tfs = bm25._tokenize_chunk(texts)  # pylint: disable=protected-access
+  lengths, words, docs, terms, tfs = bm25.tokenize_chunk(texts)
   assert lengths.tolist() == [len(t) for t in expected]
   got = [collections.Counter() for _ in texts]
   for d, t, f in zip(docs, terms, tfs):
@@ -118,7 +118,7 @@ def test_bm25s_default_method_is_the_oracle_formula():
 @pytest.mark.parametrize("block", [7, 64, None])
 def test_top_k_equals_brute_force(k, block, monkeypatch):
   if block:  # docs scored a few at a time, as a large corpus is
-    monkeypatch.setattr(bm25, "_BLOCK", block)
+    monkeypatch.setattr(bm25, "BLOCK", block)
   index = bm25.index_for(TEXTS, len(TEXTS), show_progress=False)
   rows, scores = bm25.search(index, QUERIES, k, n_threads=2)
   assert rows.shape == scores.shape == (len(QUERIES), k)
@@ -129,7 +129,7 @@ def test_top_k_equals_brute_force(k, block, monkeypatch):
 
 
 def test_ties_go_to_the_lower_row_on_any_threads(monkeypatch):
-  monkeypatch.setattr(bm25, "_BLOCK", 16)  # rows 5 and 17 in different blocks
+  monkeypatch.setattr(bm25, "BLOCK", 16)  # rows 5 and 17 in different blocks
   index = bm25.index_for(TEXTS, len(TEXTS), show_progress=False)
   rows, scores = bm25.search(index, [TEXTS[5]], 3, n_threads=1)
   assert rows[0, :2].tolist() == [5, 17] and scores[0, 0] == scores[0, 1]
@@ -147,7 +147,7 @@ def test_worker_processes_build_the_same_index(tmp_path):
   texts = _texts(200, seed=1)
   inline = bm25.index_for(texts, len(texts), cache_dir=tmp_path / "a", workers=1, chunk_docs=1000,
                           show_progress=False)
-  bm25._OPEN.clear()  # pylint: disable=protected-access
+  bm25.OPEN.clear()
   pooled = bm25.index_for(texts, len(texts), cache_dir=tmp_path / "b", workers=2, chunk_docs=7,
                           show_progress=False)
   for name, array in _arrays(inline).items():
@@ -174,13 +174,13 @@ def test_the_corpus_comes_as_texts_and_a_count():
 def builds(monkeypatch):
   """How many times an index was built."""
   count = [0]
-  build = bm25._build  # pylint: disable=protected-access
+  build = bm25.build_index
 
   def counted(*args, **kwargs):
     count[0] += 1
     return build(*args, **kwargs)
 
-  monkeypatch.setattr(bm25, "_build", counted)
+  monkeypatch.setattr(bm25, "build_index", counted)
   return count
 
 
@@ -188,7 +188,7 @@ def test_index_cache_is_reused_and_keyed(tmp_path, builds):
   first = bm25.index_for(TEXTS, len(TEXTS), cache_dir=tmp_path, show_progress=False)
   assert builds[0] == 1 and first.path.parent == tmp_path
   assert bm25.index_for(TEXTS, len(TEXTS), show_progress=False) is first  # this process's, no cache needed
-  bm25._OPEN.clear()  # pylint: disable=protected-access  (a new process)
+  bm25.OPEN.clear()  # a new process
   again = bm25.index_for(TEXTS, len(TEXTS), cache_dir=tmp_path, show_progress=False)
   assert builds[0] == 1 and again.path == first.path
   for name, array in _arrays(first).items():
@@ -212,7 +212,7 @@ class Killed(Exception):
 
 def test_a_killed_build_resumes_at_its_last_chunk(tmp_path, monkeypatch, builds):
   texts = _texts(50, seed=2)
-  tokenize = bm25._tokenize_chunk  # pylint: disable=protected-access
+  tokenize = bm25.tokenize_chunk
   calls = [0]
 
   def dies_at_the_fourth(chunk):
@@ -221,7 +221,7 @@ def test_a_killed_build_resumes_at_its_last_chunk(tmp_path, monkeypatch, builds)
       raise Killed
     return tokenize(chunk)
 
-  monkeypatch.setattr(bm25, "_tokenize_chunk", dies_at_the_fourth)
+  monkeypatch.setattr(bm25, "tokenize_chunk", dies_at_the_fourth)
   with pytest.raises(Killed):
     bm25.index_for(texts, len(texts), cache_dir=tmp_path, chunk_docs=6, workers=1, show_progress=False)
   partial, = tmp_path.glob("*.partial")
@@ -231,7 +231,7 @@ def test_a_killed_build_resumes_at_its_last_chunk(tmp_path, monkeypatch, builds)
   calls[0] = -100
   resumed = bm25.index_for(texts, len(texts), cache_dir=tmp_path, chunk_docs=6, workers=1, show_progress=False)
   assert calls[0] == -100 + 6  # chunks 4 to 9 only
-  bm25._OPEN.clear()  # pylint: disable=protected-access
+  bm25.OPEN.clear()
   fresh = bm25.index_for(texts, len(texts), cache_dir=tmp_path / "fresh", show_progress=False)
   for name, array in _arrays(fresh).items():
     np.testing.assert_array_equal(array, _arrays(resumed)[name], err_msg=name)
@@ -261,7 +261,7 @@ def test_a_killed_mine_resumes_at_its_last_chunk(tmp_path, monkeypatch):
   index = bm25.index_for(TEXTS, len(TEXTS), show_progress=False)
   queries = [f"{q} w{i % 40:02d}" for i, q in enumerate(QUERIES * 4)]  # 40 queries, 10 chunks of 4
   expected = bm25.mine(index, queries, 8, show_progress=False)
-  score = bm25._Scorer.__call__  # pylint: disable=protected-access
+  score = bm25.Scorer.__call__
   chunks, dying = [], [True]
 
   def dies_at_the_fourth(self, texts, k):
@@ -270,7 +270,7 @@ def test_a_killed_mine_resumes_at_its_last_chunk(tmp_path, monkeypatch):
       raise Killed
     return score(self, texts, k)
 
-  monkeypatch.setattr(bm25._Scorer, "__call__", dies_at_the_fourth)  # pylint: disable=protected-access
+  monkeypatch.setattr(bm25.Scorer, "__call__", dies_at_the_fourth)
   with pytest.raises(Killed):
     bm25.mine(index, queries, 8, tmp_path, chunk_size=4, show_progress=False)
   partial, = tmp_path.glob("*.partial")
@@ -294,8 +294,8 @@ def _diagnostics(negatives, cache_dir=None, n=5):
   data = types.SimpleNamespace(corpus=CORPUS, queries=QUERY_TEXTS, train_qrels=QRELS)
   encoder = types.SimpleNamespace(doc_ids=list(CORPUS))
   config = ml_collections.ConfigDict({"negatives": {"top_n": n}, "eval": {"diagnostic_queries": 6}})
-  from jdr import evaluation  # pylint: disable=g-import-not-at-top  (imports JAX)
-  return evaluation.TrainingDiagnostics(encoder, data, negatives, config, cache_dir=cache_dir)
+  from jdr.evaluation import periodic  # pylint: disable=g-import-not-at-top  (imports JAX)
+  return periodic.TrainingDiagnostics(encoder, data, negatives, config, cache_dir=cache_dir)
 
 
 def test_the_evaluation_diagnostics_use_the_negatives_index(tmp_path, builds):
@@ -312,7 +312,7 @@ def test_the_evaluation_diagnostics_use_the_negatives_index(tmp_path, builds):
   assert diagnostics.bm25_rows() is rows
   # Without BM25 negatives: this process's index of the corpus, else the cache's; never a build of its own.
   assert _diagnostics(None).bm25_rows().tolist() == rows.tolist()
-  bm25._OPEN.clear()  # pylint: disable=protected-access
+  bm25.OPEN.clear()
   assert _diagnostics(None, cache_dir=tmp_path).bm25_rows().tolist() == rows.tolist()
   assert builds[0] == 1
   # bm25_run (the cross-encoder's BM25 first stage) shares it too.
@@ -322,7 +322,7 @@ def test_the_evaluation_diagnostics_use_the_negatives_index(tmp_path, builds):
 
 def test_an_object_storage_cache_is_built_locally_and_uploaded(tmp_path, monkeypatch, builds):
   """Memory maps need local disk: entries are built in a local folder, uploaded when finished, and a new
-  machine downloads them instead of building (object storage played by a folder jdr.paths takes as remote)."""
+  machine downloads them instead of building (object storage played by a folder jdr.runtime.paths takes as remote)."""
   remote = tmp_path / "bucket"
   local = paths.is_local
   monkeypatch.setattr(paths, "is_local", lambda p: not str(p).startswith(str(remote)) and local(p))
@@ -334,7 +334,7 @@ def test_an_object_storage_cache_is_built_locally_and_uploaded(tmp_path, monkeyp
   assert index.path.is_relative_to(tmp_path / "machine1") and mined.path.is_relative_to(tmp_path / "machine1")
   assert {p.name for p in remote.iterdir()} == {index.path.name, mined.path.name}
   assert (remote / index.path.name / "data.npy").read_bytes() == (index.path / "data.npy").read_bytes()
-  bm25._OPEN.clear()  # pylint: disable=protected-access
+  bm25.OPEN.clear()
   monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "machine2"))
   again = bm25.index_for(TEXTS, len(TEXTS), cache_dir=remote, show_progress=False)
   assert builds[0] == 1 and again.path.is_relative_to(tmp_path / "machine2")
@@ -345,14 +345,14 @@ def test_an_object_storage_cache_is_built_locally_and_uploaded(tmp_path, monkeyp
 
 KILLED_MINE = """
 import sys, time
-from jdr import bm25
+from jdr.retrieval import bm25
 texts, queries, cache = eval(sys.argv[1]), eval(sys.argv[2]), sys.argv[3]
 index = bm25.index_for(texts, len(texts), cache_dir=cache, show_progress=False)
-score = bm25._Scorer.__call__
+score = bm25.Scorer.__call__
 def slowly(self, texts, k):
   time.sleep(0.3)  # time for the test to kill it between chunks, or in one
   return score(self, texts, k)
-bm25._Scorer.__call__ = slowly
+bm25.Scorer.__call__ = slowly
 bm25.mine(index, queries, 8, cache, chunk_size=4, show_progress=False)
 """
 
@@ -375,8 +375,8 @@ def test_a_mine_killed_by_sigkill_resumes(tmp_path, monkeypatch):
   assert 3 <= progress["chunks"] < 10, progress
   index = bm25.index_for(TEXTS, len(TEXTS), cache_dir=tmp_path, show_progress=False)
   expected = bm25.mine(index, queries, 8, show_progress=False)
-  score, chunks = bm25._Scorer.__call__, []  # pylint: disable=protected-access
-  monkeypatch.setattr(bm25._Scorer, "__call__",  # pylint: disable=protected-access
+  score, chunks = bm25.Scorer.__call__, []
+  monkeypatch.setattr(bm25.Scorer, "__call__",
                       lambda self, texts, k: chunks.append(texts[0]) or score(self, texts, k))
   resumed = bm25.mine(index, queries, 8, tmp_path, show_progress=False)
   assert len(chunks) == 10 - progress["chunks"]

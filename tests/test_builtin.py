@@ -73,7 +73,7 @@ def fake_stdlib(tmp_path):
 
 
 def test_build_on_fake_stdlib(fake_stdlib):
-  items = {doc.id: (doc, summary) for doc, summary in B._build(str(fake_stdlib))}
+  items = {doc.id: (doc, summary) for doc, summary in B.build(str(fake_stdlib))}
   assert set(items) == {"json", "json.dumps", "json.tool.Tool", "json.tool.Tool.run", "json.tool.Tool.runon"}
   doc, summary = items["json.dumps"]
   assert summary == "Serialize obj to a JSON formatted str."
@@ -88,12 +88,13 @@ def test_build_on_fake_stdlib(fake_stdlib):
 
 def test_build_is_deterministic_across_processes(fake_stdlib):
   code = ("import sys, json; from jdr.data import builtin as B; "
-          "print(json.dumps([[d.id, d.text, s] for d, s in B._build(sys.argv[1])]))")
+          "print(json.dumps([[d.id, d.text, s] for d, s in B.build(sys.argv[1])]))")
   outs = [subprocess.run([sys.executable, "-c", code, str(fake_stdlib)], check=True, capture_output=True, text=True,
                          env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ["1", "2"]]
   assert outs[0] == outs[1] and json.loads(outs[0])
 
 
+@pytest.mark.slow
 def test_builtin_dataset_sizes_and_ids():
   corpus, queries, qrels = B.builtin_dataset()
   assert 800 <= len(corpus) <= B.MAX_DOCS

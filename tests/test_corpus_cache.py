@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from conftest import write_tiny_beir
-from jdr import config_files
-from jdr import corpus_cache
-from jdr import defaults
-from jdr import evaluation
-from jdr import train
+from jdr.runtime import config_files
+from jdr.retrieval import corpus_cache
+from jdr.runtime import defaults
+from jdr.evaluation import periodic
+from jdr.training import trainer
 from jdr.data import pairs
 from jdr.models import build
 
@@ -26,20 +26,21 @@ def tiny(tmp_path_factory):
                                         "model.shared=False", f"data.dataset={write_tiny_beir(directory / 'd')}"])
   built = build.build(config.model, config.data)
   data = pairs.load(config.data, directory / "w")
-  params = jax.device_get(train.initial_params(built.model, built, config, jax.random.PRNGKey(0), None))
+  params = jax.device_get(trainer.initial_params(built.model, built, config, jax.random.PRNGKey(0), None))
   return built, data, params
 
 
 def _encoder(tiny, cache_dir, **kwargs):
   built, data, _ = tiny
   settings = dict(query_max_length=16, doc_max_length=32, tokens_per_batch=96) | kwargs
-  return evaluation.TowerEncoder(built.model, built.tokenizer, data, cache_dir=str(cache_dir), **settings)
+  return periodic.TowerEncoder(built.model, built.tokenizer, data, cache_dir=str(cache_dir), **settings)
 
 
 def _no_encoding(*args, **kwargs):
   raise AssertionError("encoded, where the cache holds these vectors")
 
 
+@pytest.mark.slow
 def test_a_cached_corpus_is_a_fresh_encode_and_follows_the_document_side(tiny, tmp_path, monkeypatch, capsys):
   _, _, params = tiny
   reference = _encoder(tiny, "").corpus(params)  # no cache

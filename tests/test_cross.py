@@ -44,6 +44,7 @@ def _jdr_logits(model, params, ids, mask, types):
                                 None if types is None else jnp.asarray(types, jnp.int32)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["bert", "roberta"])
 def test_logits_equal_hugging_face_sequence_classifier(tmp_path, kind):
   import transformers  # pylint: disable=g-import-not-at-top
@@ -60,6 +61,7 @@ def test_logits_equal_hugging_face_sequence_classifier(tmp_path, kind):
   np.testing.assert_allclose(_hf_logits(back, ids, mask, types), expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_plain_encoder_gets_a_fresh_head(capsys):
   from jdr.models import cross  # pylint: disable=g-import-not-at-top
   model, params, tokenizer = cross.load_cross_encoder("minilm")
@@ -71,6 +73,7 @@ def test_plain_encoder_gets_a_fresh_head(capsys):
   assert logits.shape == (1,) and np.isfinite(logits).all()
 
 
+@pytest.mark.slow
 def test_rerank_orders_the_head_by_the_hugging_face_logits_and_keeps_the_tail(tmp_path):
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
@@ -128,7 +131,8 @@ CROSS = ["model.architecture=cross_encoder", "model.init_from=", "model.fresh=ti
 
 
 def _cross_config(data, extra=()):
-  from jdr import config_files, defaults  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import config_files  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import defaults
   config = defaults.get_config()
   config_files.apply_overrides(config, CROSS + [f"data.dataset={data}", *extra])
   return config
@@ -167,12 +171,14 @@ def test_pairs_batches_join_each_query_with_its_own_candidates(tmp_path):
   assert len(ids) == 48 and ids.count(tokenizer.sep_token_id) == 2 and ids.index(tokenizer.sep_token_id) == 11
 
 
+@pytest.mark.slow
 def test_cross_encoder_trains_evaluates_by_reranking_and_exports(tmp_path):
   import transformers  # pylint: disable=g-import-not-at-top
   from conftest import write_tiny_beir  # pylint: disable=g-import-not-at-top
-  from jdr import export, train  # pylint: disable=g-import-not-at-top
+  from jdr import export  # pylint: disable=g-import-not-at-top
+  from jdr.training import trainer
   from jdr.models import build, cross  # pylint: disable=g-import-not-at-top
-  result = train.train_and_evaluate(_cross_config(write_tiny_beir(tmp_path / "beir"), ["num_train_steps=3"]),
+  result = trainer.train_and_evaluate(_cross_config(write_tiny_beir(tmp_path / "beir"), ["num_train_steps=3"]),
                                     tmp_path / "w")
   assert set(result["after"]) >= {"ndcg@10", "mrr@10", "recall@100"} and "before" in result
   model, params, _, description = build.load_jdr_model(tmp_path / "w")
@@ -192,7 +198,7 @@ def test_cross_encoder_trains_evaluates_by_reranking_and_exports(tmp_path):
 
 def test_cross_encoder_refuses_in_batch_negatives(tmp_path):
   from conftest import write_tiny_beir  # pylint: disable=g-import-not-at-top
-  from jdr import train  # pylint: disable=g-import-not-at-top
+  from jdr.training import trainer  # pylint: disable=g-import-not-at-top
   config = _cross_config(write_tiny_beir(tmp_path / "beir"), ["negatives.in_batch=True"])
   with pytest.raises(ValueError, match="in_batch=False"):
-    train.train_and_evaluate(config, tmp_path / "w")
+    trainer.train_and_evaluate(config, tmp_path / "w")

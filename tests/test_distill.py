@@ -19,17 +19,20 @@ def setup(tmp_path_factory):
 
 
 def _teacher(tmp_path, beir):
-  from jdr import config_files, defaults, train  # pylint: disable=g-import-not-at-top
+  from jdr.training import trainer  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import config_files
+  from jdr.runtime import defaults
   config = defaults.get_config()
   config_files.apply_overrides(config, CROSS + [f"data.dataset={beir}", "num_train_steps=1",
                                                 "data.doc_max_length=64", "eval_before_training=False"])
   config.data.eval_split = ""
-  train.train_and_evaluate(config, tmp_path / "teacher")
+  trainer.train_and_evaluate(config, tmp_path / "teacher")
   return tmp_path / "teacher"
 
 
 def _student_config(beir, teacher, extra=()):
-  from jdr import config_files, defaults  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import config_files  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import defaults
   config = defaults.get_config()
   config_files.apply_overrides(config, [
       "model.init_from=", "model.fresh=tiny", "model.pooling=cls", "model.normalize=0", f"data.dataset={beir}",
@@ -60,12 +63,13 @@ def _records(workdir):
   return [json.loads(l) for l in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_fgd_and_document_kd_train_with_cached_teacher_scores(tmp_path, setup):
-  from jdr import train  # pylint: disable=g-import-not-at-top
+  from jdr.training import trainer  # pylint: disable=g-import-not-at-top
   beir, teacher = setup
   config = _student_config(beir, teacher, ["distill.document=True", "distill.contrastive_weight=0.5",
                                            "distill.negative_pieces=2"])
-  train.train_and_evaluate(config, tmp_path / "s")
+  trainer.train_and_evaluate(config, tmp_path / "s")
   logged = [r for r in _records(tmp_path / "s") if "train/loss" in r]
   assert len(logged) == 2
   for r in logged:
@@ -76,8 +80,10 @@ def test_fgd_and_document_kd_train_with_cached_teacher_scores(tmp_path, setup):
   assert len(list((tmp_path / "s" / "cache").glob("teacher-*.json"))) == 1
 
 
+@pytest.mark.slow
 def test_teacher_pieces_are_the_students_windows_and_negatives_come_from_negative_documents(tmp_path, setup):
-  from jdr import distill, granularity  # pylint: disable=g-import-not-at-top
+  from jdr.training import distill  # pylint: disable=g-import-not-at-top
+  from jdr.data import granularity
   config, data, tokenizer, sampler, batches = _distiller_inputs(tmp_path, setup)
   distiller = distill.Distiller(config, data, tokenizer, batches, sampler, tmp_path / "cache")
   # Scored once: a second distiller on the same data reads the cache and gets the same scores.
@@ -107,7 +113,7 @@ def test_teacher_pieces_are_the_students_windows_and_negatives_come_from_negativ
 
 def test_hierarchical_negatives_keep_the_best_inside_kept_parents():
   """Eq. 14-15: the top m negative passages, then the top m sentences among those inside a kept passage."""
-  from jdr import distill  # pylint: disable=g-import-not-at-top
+  from jdr.training import distill  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(5)
   b, n, kp, ks, m = 3, 2, 4, 8, 3
   sp, ss = rng.normal(size=(b, n, kp)).astype(np.float32), rng.normal(size=(b, n, ks)).astype(np.float32)
@@ -125,7 +131,7 @@ def test_hierarchical_negatives_keep_the_best_inside_kept_parents():
 def test_pairs_outside_the_pools_are_scored_when_a_batch_needs_them(tmp_path, setup):
   """A random top-up of a short pool is a (query, document) pair the up-front pass never saw: `ensure` scores
   it on demand (the GPU ablation's KeyError), exactly as the up-front pass would have, and counts it."""
-  from jdr import distill  # pylint: disable=g-import-not-at-top
+  from jdr.training import distill  # pylint: disable=g-import-not-at-top
   config, data, tokenizer, sampler, batches = _distiller_inputs(tmp_path, setup)
   scores = distill.Distiller(config, data, tokenizer, batches, sampler, tmp_path / "cache").teacher
   q = next(iter({q for q, _ in scores.scores}))
@@ -141,6 +147,7 @@ def test_pairs_outside_the_pools_are_scored_when_a_batch_needs_them(tmp_path, se
   assert scores.late == 1  # scored once
 
 
+@pytest.mark.slow
 def test_mined_teacher_scores_train_margin_mse_and_listwise_kl(tmp_path, setup):
   """`python -m jdr.mine --cross-encoder` writes the teacher's score beside each negative and positive (the
   scores the cross-encoder gives those pairs when asked again); a student trains on them with MarginMSE and
@@ -148,7 +155,8 @@ def test_mined_teacher_scores_train_margin_mse_and_listwise_kl(tmp_path, setup):
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
-  from jdr import reranking, train  # pylint: disable=g-import-not-at-top
+  from jdr.training import trainer  # pylint: disable=g-import-not-at-top
+  from jdr.evaluation import reranking
   from jdr.data import prepared  # pylint: disable=g-import-not-at-top
   from jdr.models import cross  # pylint: disable=g-import-not-at-top
   from jdr.negatives import mining  # pylint: disable=g-import-not-at-top
@@ -173,7 +181,7 @@ def test_mined_teacher_scores_train_margin_mse_and_listwise_kl(tmp_path, setup):
   config = _student_config(beir, "mined", ["negatives.source=mined", f"negatives.mined={out}",
                                             "distill.granularities=", "distill.document=True",
                                             "distill.margin_mse=True", "distill.contrastive_weight=0"])
-  train.train_and_evaluate(config, tmp_path / "s")
+  trainer.train_and_evaluate(config, tmp_path / "s")
   logged = [r for r in _records(tmp_path / "s") if "train/loss" in r]
   assert len(logged) == 2
   for r in logged:
@@ -184,7 +192,9 @@ def test_mined_teacher_scores_train_margin_mse_and_listwise_kl(tmp_path, setup):
 
 
 def test_a_mined_teacher_needs_mined_negatives():
-  from jdr import config_files, defaults, distill  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import config_files  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import defaults
+  from jdr.training import distill
   config = defaults.get_config()
   config_files.apply_overrides(config, ["distill.teacher=mined", "distill.margin_mse=True", "negatives.source=bm25",
                                         "negatives.per_query=1", "distill.granularities="])

@@ -6,7 +6,9 @@ import numpy as np
 import optax
 import pytest
 
-from jdr import defaults, distill, step
+from jdr.runtime import defaults
+from jdr.training import distill
+from jdr.training import step
 from jdr.models.bert import EncoderConfig
 from jdr.models.towers import TowerConfig, TwoTower
 
@@ -36,6 +38,7 @@ def _step(model, params, batch, chunk_rows: int):
   return float(metrics["loss"]), jax.tree.leaves(new_state.params)
 
 
+@pytest.mark.slow
 def test_chunked_step_equals_whole_batch_without_dropout():
   """Without dropout the chunks change nothing but the order of float sums: same loss, same update."""
   model, batch = _model(0.0), _batch()
@@ -64,10 +67,13 @@ def test_chunks_keep_row_order_and_draw_per_chunk_keys():
   n = 3
   for row in range(12):
     np.testing.assert_allclose(draws[row], jax.random.uniform(jax.random.fold_in(rng, row % n), ()))
-  # 0, all rows, or a size that does not divide them: one call on everything, with rng itself.
-  for chunk_rows in (0, 12, 5):
+  # 0 or at least all rows: one call on everything, with rng itself.
+  for chunk_rows in (0, 12, 20):
     _, whole = step.encode_in_chunks(encode, rows, rng, chunk_rows)
     np.testing.assert_allclose(whole, jax.random.uniform(rng, ()))
+  # A size that does not divide the rows is refused, not quietly run as one chunk.
+  with pytest.raises(ValueError, match="chunks of 5 rows do not divide the 12 rows"):
+    step.encode_in_chunks(encode, rows, rng, 5)
 
 
 def test_chunked_spans_equal_whole():
@@ -88,6 +94,7 @@ def test_chunked_spans_equal_whole():
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_dropout_chunks_train_and_match_the_step_query_vectors():
   """With dropout each chunk draws its own masks (the loss moves off the whole-batch one), and the host's
   copy of the step's query vectors (ADORE's host retrieval) follows the same chunks."""
@@ -117,3 +124,17 @@ def test_chunk_rows_and_gradient_caching_refused_together():
   config.model.encode_chunk_rows = -1
   with pytest.raises(ValueError, match="encode_chunk_rows"):
     step.check_grad_cache(config)
+
+
+def test_chunk_rows_must_divide_the_batch():
+  """Checked with the config, before anything is built: every row count the step encodes is a multiple of
+  batch_size, so a divisor of it chunks them all."""
+  config = defaults.get_config()
+  config.batch_size = 32
+  for rows in (1, 4, 32):
+    config.model.encode_chunk_rows = rows
+    step.check_grad_cache(config)
+  for rows in (5, 12, 64):
+    config.model.encode_chunk_rows = rows
+    with pytest.raises(ValueError, match=f"model.encode_chunk_rows={rows} must divide batch_size=32"):
+      step.check_grad_cache(config)

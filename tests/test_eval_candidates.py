@@ -1,4 +1,4 @@
-"""The trainer's evaluation kinds (jdr.evaluation.Evaluator, jdr.eval_candidates): candidates re-ranked
+"""The trainer's evaluation kinds (jdr.evaluation.periodic.Evaluator, jdr.evaluation.eval_candidates): candidates re-ranked
 against independent oracles (the full corpus, a brute-force re-rank), the kind each line and metric name says,
 a resumable full-corpus evaluation, and a frozen document tower encoded once."""
 
@@ -9,13 +9,14 @@ import jax
 import numpy as np
 import pytest
 
-from jdr import bm25
-from jdr import config_files
-from jdr import corpus as corpus_lib
-from jdr import defaults
-from jdr import evaluation
-from jdr import metrics as metrics_lib
-from jdr import train
+from jdr.retrieval import bm25
+from jdr.runtime import config_files
+from jdr.retrieval import encoder_runtime
+from jdr.retrieval import encodings
+from jdr.runtime import defaults
+from jdr.evaluation import periodic
+from jdr.evaluation import metrics as metrics_lib
+from jdr.training import trainer
 from jdr.data import pairs
 from jdr.models import build
 from conftest import write_tiny_beir
@@ -30,12 +31,12 @@ def tiny(tmp_path_factory):
                                         f"data.dataset={write_tiny_beir(root / 'data')}"])
   built = build.build(config.model, config.data)
   data = pairs.load(config.data, root)
-  params = train.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
+  params = trainer.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
   return types.SimpleNamespace(config=config, built=built, data=data, params=params, root=root)
 
 
 def _encoder(tiny):
-  return evaluation.TowerEncoder(tiny.built.model, tiny.built.tokenizer, tiny.data, query_max_length=16,
+  return periodic.TowerEncoder(tiny.built.model, tiny.built.tokenizer, tiny.data, query_max_length=16,
                                  doc_max_length=32)
 
 
@@ -57,8 +58,8 @@ def test_candidates_that_are_the_whole_corpus_score_as_the_full_corpus(tiny, tmp
   qids = sorted(tiny.data.eval_qrels)
   run = tmp_path / "all.trec"  # every document for every query, in an order unrelated to the model's
   run.write_text("".join(f"{q} Q0 {d} {r + 1} {-r} bm25\n" for q in qids for r, d in enumerate(encoder.doc_ids)))
-  full = evaluation.Evaluator(encoder, _config(tiny, candidates="full"), None)(tiny.params)
-  on_run = evaluation.Evaluator(encoder, _config(tiny, candidates="run", candidates_run=str(run),
+  full = periodic.Evaluator(encoder, _config(tiny, candidates="full"), None)(tiny.params)
+  on_run = periodic.Evaluator(encoder, _config(tiny, candidates="run", candidates_run=str(run),
                                                  candidates_depth=40), None)(tiny.params)
   assert set(on_run) == {f"run-top40/{k}" for k in full}
   _close({k[len("run-top40/"):]: v for k, v in on_run.items()}, full)
@@ -68,7 +69,7 @@ def test_bm25_candidates_score_as_a_brute_force_rerank(tiny, tmp_path):
   """BM25 top-5 re-ranked by the model, against numpy over the whole corpus's vectors restricted to the same
   candidates (rows from bm25.search directly)."""
   encoder = _encoder(tiny)
-  evaluator = evaluation.Evaluator(encoder, _config(tiny, candidates="bm25", candidates_depth=5), None,
+  evaluator = periodic.Evaluator(encoder, _config(tiny, candidates="bm25", candidates_depth=5), None,
                                    cache_dir=tmp_path)
   got = evaluator(tiny.params)
   assert set(got) == {"bm25-top5/ndcg@10", "bm25-top5/mrr@10", "bm25-top5/recall@100"}
@@ -90,7 +91,7 @@ def test_bm25_candidates_score_as_a_brute_force_rerank(tiny, tmp_path):
 def test_each_evaluation_says_its_kind(tiny, tmp_path):
   encoder = _encoder(tiny)
   config = _config(tiny, candidates="bm25", candidates_depth=5)
-  evaluator = evaluation.Evaluator(encoder, config, None, cache_dir=tmp_path)
+  evaluator = periodic.Evaluator(encoder, config, None, cache_dir=tmp_path)
   assert evaluator.describe() == "candidates: BM25 top-5 of 10 queries, " + (
       f"{len(evaluator.candidates.unique)} documents")
   assert evaluator.describe(final=True) == "full corpus, 40 documents, 10 queries; " + evaluator.describe()
@@ -98,8 +99,8 @@ def test_each_evaluation_says_its_kind(tiny, tmp_path):
   assert {"ndcg@10", "bm25-top5/ndcg@10", "recall@100", "bm25-top5/recall@100"} <= set(final)
   _close({k: v for k, v in final.items() if k.startswith("bm25")}, evaluator(tiny.params))
   config.eval.final = "candidates"
-  assert evaluation.Evaluator(encoder, config, None, cache_dir=tmp_path).kinds(final=True) == ["bm25"]
-  assert evaluation.Evaluator(encoder, _config(tiny), None).describe() == "full corpus, 40 documents, 10 queries"
+  assert periodic.Evaluator(encoder, config, None, cache_dir=tmp_path).kinds(final=True) == ["bm25"]
+  assert periodic.Evaluator(encoder, _config(tiny), None).describe() == "full corpus, 40 documents, 10 queries"
 
 
 @pytest.mark.parametrize("keys, queries, docs, frozen, kind", [
@@ -114,7 +115,7 @@ def test_each_evaluation_says_its_kind(tiny, tmp_path):
 def test_auto_resolves_to_a_kind(keys, queries, docs, frozen, kind):
   config = defaults.get_config()
   config.eval.update(keys)
-  assert evaluation.periodic_kind(config.eval, queries, docs, frozen) == kind
+  assert periodic.periodic_kind(config.eval, queries, docs, frozen) == kind
 
 
 @pytest.mark.parametrize("keys, message", [
@@ -128,14 +129,14 @@ def test_bad_settings_are_refused(keys, message):
   config = defaults.get_config()
   config.eval.update(keys)
   with pytest.raises(ValueError, match=message.replace("(", r"\(")):
-    evaluation.periodic_kind(config.eval, 10, 40, False)
+    periodic.periodic_kind(config.eval, 10, 40, False)
 
 
 def test_a_run_lacking_an_evaluation_query_is_refused(tiny, tmp_path):
   run = tmp_path / "some.trec"
   run.write_text("q30 Q0 d30 1 1.0 t\n")
   with pytest.raises(ValueError, match="no line for 9 of the 10 evaluation queries"):
-    evaluation.Evaluator(_encoder(tiny), _config(tiny, candidates_run=str(run)), None)
+    periodic.Evaluator(_encoder(tiny), _config(tiny, candidates_run=str(run)), None)
 
 
 def _count(monkeypatch, owner, name):
@@ -153,10 +154,10 @@ def _count(monkeypatch, owner, name):
 def test_a_frozen_document_tower_is_encoded_once(tiny, tmp_path, monkeypatch):
   """ADORE / LTRe: only the query tower trains, so no evaluation after the first encodes a document."""
   encoder = _encoder(tiny)
-  corpus_calls = _count(monkeypatch, corpus_lib, "encode_corpus")  # the resumable full-corpus encoding
+  corpus_calls = _count(monkeypatch, encodings, "encode_corpus")  # the resumable full-corpus encoding
   memory_calls = _count(monkeypatch, encoder, "_encode_corpus")  # the in-memory one
   document_calls = _count(monkeypatch, encoder, "documents")  # candidates
-  full = evaluation.Evaluator(encoder, _config(tiny, candidates="full"), None, doc_tower_frozen=True,
+  full = periodic.Evaluator(encoder, _config(tiny, candidates="full"), None, doc_tower_frozen=True,
                               cache_dir=tmp_path)
   first = full(tiny.params, final=True)
   assert len(corpus_calls) == 1
@@ -166,13 +167,13 @@ def test_a_frozen_document_tower_is_encoded_once(tiny, tmp_path, monkeypatch):
   assert len(corpus_calls) == 1 and not memory_calls
   _close(full(tiny.params), first)
 
-  cands = evaluation.Evaluator(encoder, _config(tiny, candidates="bm25", candidates_depth=5), None,
+  cands = periodic.Evaluator(encoder, _config(tiny, candidates="bm25", candidates_depth=5), None,
                                doc_tower_frozen=True, cache_dir=tmp_path)
   cands(tiny.params)
   cands(moved)
   assert len(document_calls) == 1 and len(corpus_calls) == 1
   # The fixed index's vectors, when the caller has them (negatives.doc_emb): nothing is encoded at all.
-  given = evaluation.Evaluator(encoder, _config(tiny, candidates="bm25", candidates_depth=5), None,
+  given = periodic.Evaluator(encoder, _config(tiny, candidates="bm25", candidates_depth=5), None,
                                doc_tower_frozen=True, fixed_doc_emb=encoder.corpus(tiny.params))
   given(tiny.params)
   given(tiny.params, final=True)
@@ -185,9 +186,9 @@ class Killed(Exception):
 
 def test_a_killed_full_evaluation_resumes_at_its_last_shard(tiny, tmp_path, monkeypatch):
   encoder = _encoder(tiny)
-  expected = evaluation.Evaluator(encoder, _config(tiny), None)(tiny.params)  # in memory, no shards
-  monkeypatch.setattr(evaluation, "SHARD_DOCS", 10)  # 4 shards of the 40 documents
-  encode = corpus_lib.encode_tokens
+  expected = periodic.Evaluator(encoder, _config(tiny), None)(tiny.params)  # in memory, no shards
+  monkeypatch.setattr(periodic, "SHARD_DOCS", 10)  # 4 shards of the 40 documents
+  encode = encoder_runtime.encode_tokens
   encoded = []
 
   def dies_at_the_third(runtime, token_ids, **kwargs):
@@ -198,14 +199,14 @@ def test_a_killed_full_evaluation_resumes_at_its_last_shard(tiny, tmp_path, monk
     return encode(runtime, token_ids, **kwargs)
 
   resumed = False
-  monkeypatch.setattr(corpus_lib, "encode_tokens", dies_at_the_third)
-  evaluator = evaluation.Evaluator(encoder, _config(tiny), None, cache_dir=tmp_path)
+  monkeypatch.setattr(encoder_runtime, "encode_tokens", dies_at_the_third)
+  evaluator = periodic.Evaluator(encoder, _config(tiny), None, cache_dir=tmp_path)
   with pytest.raises(Killed):
     evaluator(tiny.params)
   folder, = (tmp_path / "eval-corpus").iterdir()
   assert len(list(folder.glob("emb-*.npy"))) == 2
   resumed = True
-  _close(evaluation.Evaluator(encoder, _config(tiny), None, cache_dir=tmp_path)(tiny.params), expected)
+  _close(periodic.Evaluator(encoder, _config(tiny), None, cache_dir=tmp_path)(tiny.params), expected)
   assert encoded == [10, 10, 10, 10]  # two before the kill, the other two after: none twice
   assert not (tmp_path / "eval-corpus").exists()  # finished: nothing is left to resume
 
@@ -220,11 +221,12 @@ def test_shards_of_other_weights_are_not_resumed(tiny, tmp_path):
   assert [p.name for p in (tmp_path / "eval-corpus").iterdir()] != ["0123"]
 
 
+@pytest.mark.slow
 def test_training_evaluates_candidates_and_the_full_corpus_at_the_end(tiny, tmp_path, capsys):
   config = _config(tiny, candidates="bm25", candidates_depth=5)
   config.num_train_steps, config.eval_every, config.batch_size, config.checkpoint_every = 2, 1, 4, 0
   config.data.query_max_length, config.data.doc_max_length = 16, 32
-  train.train_and_evaluate(config, tmp_path / "w")
+  trainer.train_and_evaluate(config, tmp_path / "w")
   records = [json.loads(line) for line in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in records if "eval/bm25-top5/ndcg@10" in r] == [0, 1, 2]
   assert [r["step"] for r in records if "eval/ndcg@10" in r] == [2]

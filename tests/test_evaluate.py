@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from conftest import cpu_devices_env
-from jdr import metrics
+from jdr.evaluation import metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -89,6 +89,7 @@ def test_default_metrics(files):
   assert list(json.loads(result.stdout)) == ["ndcg@10", "mrr@10", "recall@100", "map"]
 
 
+@pytest.mark.slow
 def test_errors(files, tmp_path):
   result = _cli("--qrels", files / "qrels.tsv", "--run", files / "run.trec", "--metrics", "ndcg10")
   assert result.returncode == 2 and "valid metrics" in result.stderr
@@ -109,7 +110,13 @@ import numpy as np
 sys.path.insert(0, sys.argv[1])
 sys.path.insert(0, sys.argv[2])
 from conftest import write_tiny_beir
-from jdr import config_files, defaults, evaluation, optimizers, parallel, step, train
+from jdr.training import trainer
+from jdr.runtime import config_files
+from jdr.runtime import defaults
+from jdr.evaluation import periodic
+from jdr.training import optimizers
+from jdr.runtime import parallel
+from jdr.training import step
 from jdr.data import pairs
 from jdr.models import build
 
@@ -119,9 +126,9 @@ config_files.apply_overrides(config, ["model.init_from=", "model.fresh=tiny", "m
                                       f"data.dataset={write_tiny_beir(sys.argv[3])}"])
 built = build.build(config.model, config.data)
 data = pairs.load(config.data, sys.argv[3])
-params = train.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
+params = trainer.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
 kwargs = dict(query_max_length=16, doc_max_length=32, tokens_per_batch=96)  # 3-row batches: padded to 8
-alone = evaluation.TowerEncoder(built.model, built.tokenizer, data, **kwargs)
+alone = periodic.TowerEncoder(built.model, built.tokenizer, data, **kwargs)
 reference = alone.corpus(params), alone.queries(params, sorted(data.queries)[:5])
 for shape, rules in (((8, 1, 1), "dp"), ((2, 4, 1), "fsdp")):
   mesh = parallel.make_mesh(shape)
@@ -129,7 +136,7 @@ for shape, rules in (((8, 1, 1), "dp"), ((2, 4, 1), "fsdp")):
   tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps)
   _, shardings = step.abstract_train_state(built.model, tx, config, mesh, parallel.rules_for(rules))
   sharded = jax.device_put(params, shardings.params)
-  encoder = evaluation.TowerEncoder(built.model, built.tokenizer, data, mesh=mesh, **kwargs)
+  encoder = periodic.TowerEncoder(built.model, built.tokenizer, data, mesh=mesh, **kwargs)
   got = encoder.corpus(sharded), encoder.queries(sharded, sorted(data.queries)[:5])
   for a, b in zip(got, reference):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
@@ -137,6 +144,7 @@ print("rows on mesh ok")
 """
 
 
+@pytest.mark.slow
 def test_evaluation_encoding_split_over_8_devices_equals_one(tmp_path):
   """The trainer's corpus and query encoding with rows split over a mesh of 8 simulated CPU devices (data
   parallel, and fully sharded parameters) gives the single-device vectors; 3-row batches exercise padding."""

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jdr import losses
+from jdr.training import losses
 from jdr.data import pairs
 from jdr.negatives import candidate_mask
 

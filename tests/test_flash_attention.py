@@ -1,5 +1,6 @@
 """jdr's Pallas attention (run in Pallas' interpreter on the CPU) against plain dense attention and the einsum
-path: same outputs and gradients, the same dropout mask, padding, vmapped rows and a sharded mesh."""
+path: same outputs and gradients, the same dropout mask, padding, vmapped rows and a sharded mesh; on a GPU
+(`pytest tests/test_flash_attention.py -m gpu`, skipped elsewhere) the Triton kernel against the einsum path."""
 
 import re
 import textwrap
@@ -29,6 +30,7 @@ def dense_attention(q, k, v, key_mask, scale, rate, key):
   return jnp.einsum("bnqk,bknd->bqnd", probs, v)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rate", [0.0, 0.3])
 @pytest.mark.parametrize("length, heads, dim, lengths", [
     (40, 2, 24, (40, 17, 1)),  # one 64-token block, padded inside; heads of 24 padded to 32
@@ -62,18 +64,19 @@ def test_bad_rates_and_missing_keys_are_refused():
     flash_attention(q, q, q, mask, scale=1.0, rate=1.0, key=jax.random.key(0))
 
 
-def _inputs():
+def encoder_inputs():
   rng = np.random.default_rng(0)
   ids = rng.integers(3, 50, (4, 9)).astype(np.int32)
   mask = (np.arange(9)[None, :] < np.array([[9], [5], [2], [7]])).astype(np.int32)
   return np.where(mask > 0, ids, 0).astype(np.int32), mask
 
 
+@pytest.mark.slow
 def test_encoder_with_flash_attention_equals_the_einsum_encoder():
   """model.attention=flash: the same token vectors and parameter gradients as the einsum path, in evaluation
   and in training with attention dropout (the same probabilities dropped, and the hidden dropouts keep their
   keys), and per row under vmap with each row's key, as gradient caching runs the towers."""
-  ids, mask = _inputs()
+  ids, mask = encoder_inputs()
   einsum, flash = Encoder(TINY.replace(attention="einsum")), Encoder(TINY.replace(attention="flash"))
   params = einsum.init(jax.random.key(0), ids, mask)
   for deterministic in (True, False):
@@ -89,14 +92,68 @@ def test_encoder_with_flash_attention_equals_the_einsum_encoder():
   np.testing.assert_allclose(rows(flash), rows(einsum), rtol=1e-5, atol=1e-5)
 
 
-def test_device_bench_agreement_check_passes_the_kernel_and_fails_other_masks(monkeypatch):
-  """The device bench's check of the kernel where it runs as Triton (`jdr.bench.device.flash_agreement`), run
-  here on the interpreter: in bfloat16 the kernel is as close to the float32 einsum path as the bfloat16
-  einsum path is; the kernel drawing its dropout from another key, or attending to a padded key, is not."""
-  from jdr.bench import device  # pylint: disable=g-import-not-at-top
+def flash_agreement(encoder, rows: int = 4, length: int = 256, seed: int = 0) -> dict:
+  """Whether jdr's flash kernel computes what the einsum path does, on this platform. A training forward
+  (attention dropout on, rows of varied lengths) in `encoder`'s dtype with each attention: its token vectors,
+  parameter gradients and attention parameters' gradients, each as a relative error against the einsum path
+  in float32 (highest matmul precision), same weights and dropout keys. The CPU test below runs the kernel in
+  Pallas' interpreter; on a GPU (the `gpu` test) it runs as Triton. It agrees when each error is within twice the einsum
+  path's own in that dtype: in bfloat16 both are rounding, where the kernel drawing another dropout mask,
+  attending to one padded key or scaling its logits by 1.05 made the attention gradients' error several times
+  the einsum path's (on the interpreter; the tests check the first two; the figures: docs/performance.md,
+  `device`)."""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(5, encoder.vocab_size, (rows, length)).astype(np.int32)
+  lengths = np.maximum(1, (length * np.linspace(1.0, 0.1, rows)).astype(int))
+  mask = (np.arange(length)[None, :] < lengths[:, None]).astype(np.int32)
+  real = jnp.asarray(mask, jnp.float32)[..., None]
+  reference = encoder.replace(attention="einsum", dtype="float32")
+  params = nn.unbox(Encoder(reference).init(jax.random.key(seed), ids, mask))
+  names = lambda path: [getattr(k, "key", None) for k in path]
+  # Query and key weights at N(0, 1 / width) instead of BERT's N(0, 0.02): logits of unit spread, so attention
+  # is far from uniform and a wrong scale, mask or block shows.
+  params = jax.tree_util.tree_map_with_path(
+      lambda path, x: x * (encoder.hidden_size ** -0.5 / 0.02)
+      if names(path)[-1] == "kernel" and ({"query", "key"} & set(names(path))) else x, params)
+
+  def vectors_and_gradients(config):
+    model = Encoder(config)
+
+    def loss(p):
+      out = model.apply(p, ids, mask, deterministic=False, rngs={"dropout": jax.random.key(seed + 1)}) * real
+      return jnp.sum(jnp.sin(out)), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+    flat = jax.tree_util.tree_flatten_with_path(grads)[0]
+    part = lambda keep: np.concatenate([np.asarray(g, np.float64).ravel() for path, g in flat if keep(path)])
+    # Attention's own parameters get their gradients only through the kernel: a wrong probability or mask
+    # shows there first (with random weights attention is a small part of the token vectors).
+    attention = lambda path: bool({"query", "key", "value"} & set(names(path)))
+    return np.asarray(out, np.float64), part(lambda _: True), part(attention)
+
+  with jax.default_matmul_precision("highest"):
+    want = vectors_and_gradients(reference)
+  errors = {}
+  for attention in ("einsum", "flash"):
+    got = vectors_and_gradients(encoder.replace(attention=attention))
+    errors[attention] = [float(np.linalg.norm(g - w) / np.linalg.norm(w)) for g, w in zip(got, want)]
+  return {"rows": rows, "length": length, "layers": encoder.num_layers, "dtype": encoder.dtype,
+          "attention_dropout": encoder.attention_dropout,
+          "vectors_error": {a: round(e[0], 6) for a, e in errors.items()},
+          "gradients_error": {a: round(e[1], 6) for a, e in errors.items()},
+          "attention_gradients_error": {a: round(e[2], 6) for a, e in errors.items()},
+          "agrees": all(f <= 2 * e + 1e-6 for f, e in zip(errors["flash"], errors["einsum"]))}
+
+
+@pytest.mark.slow
+def test_agreement_check_passes_the_kernel_and_fails_other_masks(monkeypatch):
+  """The agreement check, run here on the interpreter: in bfloat16 the kernel is as close to the float32
+  einsum path as the bfloat16 einsum path is; the kernel drawing its dropout from another key, or attending
+  to a padded key, is not."""
   from jdr.models import bert  # pylint: disable=g-import-not-at-top
   cfg = TINY.replace(dtype="bfloat16", attention_dropout=0.1, max_position_embeddings=80)
-  result = device.flash_agreement(cfg, rows=4, length=70)  # two blocks of 64 keys, rows of 70 to 7 tokens
+  result = flash_agreement(cfg, rows=4, length=70)  # two blocks of 64 keys, rows of 70 to 7 tokens
   assert result["agrees"] and 0 < result["gradients_error"]["flash"] < 0.02, result
   kernel = bert.flash_attention
   wrong = {"another dropout key": lambda q, k, v, mask, scale, rate, key: kernel(
@@ -105,8 +162,20 @@ def test_device_bench_agreement_check_passes_the_kernel_and_fails_other_masks(mo
                q, k, v, jnp.asarray(mask).at[:, -1].set(True), scale, rate, key)}
   for what, attention in wrong.items():
     monkeypatch.setattr(bert, "flash_attention", attention)
-    result = device.flash_agreement(cfg, rows=4, length=70)
+    result = flash_agreement(cfg, rows=4, length=70)
     assert not result["agrees"], (what, result)
+
+
+@pytest.mark.gpu
+def test_the_triton_kernel_agrees_with_the_einsum_path_on_the_gpu():
+  """On the card, where the kernel runs as Triton (the CPU tests run it interpreted): two layers of BERT-base's
+  shape (every layer runs the same kernels) in bfloat16 at 256 tokens, attention dropout 0.1 as the train
+  step draws it; token vectors, gradients and the attention weights' gradients each within twice the
+  bfloat16 einsum path's error against a float32 one. `python -m jdr.bench device --sections flash` times
+  the same kernel."""
+  assert jax.default_backend() == "gpu"
+  result = flash_agreement(EncoderConfig(num_layers=2, dtype="bfloat16", attention_dropout=0.1), length=256)
+  assert result["agrees"], result
 
 
 def test_kernels_lower_to_triton_for_gpus(monkeypatch):
@@ -148,7 +217,8 @@ def test_kernels_compile_for_an_h200_on_tensor_cores_without_ptxas_warnings(tmp_
   """Compiled for an NVIDIA H200 (from this host, through jax's CUDA plugin), the forward and both backward
   kernels, dropout on, use tensor cores and ptxas warns of nothing: the dK/dV kernel computed query-major had
   its wgmma instructions serialized (C7515) at 64-wide heads."""
-  from jdr import parallel, sizing  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import parallel  # pylint: disable=g-import-not-at-top
+  from jdr.training import sizing
   from jdr.bench import compiled_kernels  # pylint: disable=g-import-not-at-top
   try:
     (device,) = sizing.gpu_target_devices("h200")
@@ -185,11 +255,11 @@ def test_sharded_flash_attention_equals_one_device():
   shard_map of the caller's, the layer runs the einsums."""
   script = textwrap.dedent("""
       import jax, jax.numpy as jnp, numpy as np
-      from test_flash_attention import TINY, _inputs
-      from jdr import parallel
+      from test_flash_attention import TINY, encoder_inputs
+      from jdr.runtime import parallel
       from jdr.models.bert import Encoder
       assert jax.device_count() == 8, jax.devices()
-      ids, mask = _inputs()
+      ids, mask = encoder_inputs()
       model = Encoder(TINY.replace(attention="flash"))
       params = model.init(jax.random.key(0), ids, mask)
       def loss(p, ids, mask):

@@ -103,7 +103,7 @@ _QRELS_FIRST_ERRORS = [
 
 @pytest.mark.parametrize("lines, line, reason", _QRELS_FIRST_ERRORS)
 def test_qrels_doc_ids_asked_in_bulk_fail_on_the_same_line(tmp_path, monkeypatch, lines, line, reason):
-  monkeypatch.setattr(F, "_QRELS_BLOCK", 2)
+  monkeypatch.setattr(F, "QRELS_BLOCK", 2)
   path = tmp_path / "test.tsv"
   path.write_text("query-id\tcorpus-id\tscore\n" + "".join(x + "\n" for x in lines))
   errors = []
@@ -115,7 +115,7 @@ def test_qrels_doc_ids_asked_in_bulk_fail_on_the_same_line(tmp_path, monkeypatch
 
 
 def test_qrels_doc_ids_asked_in_bulk_skip_what_line_by_line_skips(tmp_path, monkeypatch, capsys):
-  monkeypatch.setattr(F, "_QRELS_BLOCK", 3)
+  monkeypatch.setattr(F, "QRELS_BLOCK", 3)
   rows = []
   for i in range(40):  # unknown docs, repeats of unknown and known pairs, malformed lines, interleaved
     doc = f"d{i % 7}" if i % 5 else f"x{i % 3}"

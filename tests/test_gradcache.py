@@ -15,8 +15,8 @@ import pytest
 from conftest import run_on_cpu_devices
 from flax import linen as nn
 
-from jdr import gradcache
-from jdr import losses
+from jdr.training import gradcache
+from jdr.training import losses
 from jdr.models.bert import EncoderConfig
 from jdr.models.towers import TowerConfig, TwoTower
 
@@ -92,6 +92,7 @@ def case(request):
   return (enc_q, enc_d, loss_fn, params, batch, rng), reference
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk_size", [1, 2, 2 * B], ids=["chunk1", "chunk2", "full"])
 def test_cached_equals_value_and_grad(case, chunk_size):
   (enc_q, enc_d, loss_fn, params, batch, rng), reference = case
@@ -102,6 +103,7 @@ def test_cached_equals_value_and_grad(case, chunk_size):
   assert all(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(cached[2]))
 
 
+@pytest.mark.slow
 def test_reference_uses_dropout_and_row_keys():
   """The oracle is meaningful: dropout is on, and a row's embedding depends on its own key only."""
   enc_q, enc_d, loss_fn, params, batch, rng = setup(True, 4)
@@ -126,6 +128,7 @@ def test_bad_chunk_size():
       gradcache.cached_value_and_grad(enc_q, enc_d, loss_fn, params, batch, rng, chunk_size=bad)
 
 
+@pytest.mark.slow
 def test_program_does_not_grow_with_chunks():
   sizes = {}
   for b in (4, 16):  # 2 and 8 chunks of 2 rows
@@ -135,6 +138,7 @@ def test_program_does_not_grow_with_chunks():
   assert sizes[16] < 1.05 * sizes[4], sizes
 
 
+@pytest.mark.slow
 def test_caching_lowers_compiled_memory():
   model = TwoTower(TowerConfig(TINY), TowerConfig(TINY), shared=True)
   plain = gradcache.step_bytes(model, 32, query_len=LQ, doc_len=LD, compiler_options=O0)
@@ -165,7 +169,7 @@ def test_sharded_over_eight_devices_equals_one_device():
       import jax
       from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
       from test_gradcache import O0, setup, assert_same
-      from jdr import gradcache
+      from jdr.training import gradcache
       assert jax.device_count() == 8, jax.devices()
       mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
       rows, repl = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())

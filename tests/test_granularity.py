@@ -43,6 +43,7 @@ def _batch(kind):
   return ids.astype(np.int32), mask
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["bert", "roberta"])
 @pytest.mark.parametrize("head", [{}, {"projection_dim": 8, "normalize": True}])
 def test_whole_document_span_is_exactly_the_cls_vector(tmp_path, kind, head):
@@ -65,7 +66,7 @@ def test_span_embedding_against_hugging_face_layers(tmp_path, kind):
   """Eq. 7 for windows of 4 tokens, recomputed from transformers' own last layer: [CLS]'s attention
   probabilities over the span's value vectors, then that layer's output dense, residual, norms and MLP."""
   import torch  # pylint: disable=g-import-not-at-top
-  from jdr import granularity  # pylint: disable=g-import-not-at-top
+  from jdr.data import granularity  # pylint: disable=g-import-not-at-top
   reference, tower, params = _tower(tmp_path, kind)
   ids, mask = _batch(kind)
   span_mask, valid = granularity.windows(mask, 4)
@@ -86,7 +87,7 @@ def test_span_embedding_against_hugging_face_layers(tmp_path, kind):
 
 
 def test_windows_cover_every_token_but_cls_once():
-  from jdr import granularity  # pylint: disable=g-import-not-at-top
+  from jdr.data import granularity  # pylint: disable=g-import-not-at-top
   mask = (np.arange(300)[None, :] < np.array([[300], [200], [65], [1]])).astype(np.int32)
   for size in (64, 128):
     span, valid = granularity.windows(mask, size)
@@ -105,7 +106,7 @@ def test_windows_cover_every_token_but_cls_once():
 
 def test_mean_pooled_pieces_are_the_mean_of_their_token_vectors(tmp_path):
   """FGD's "FG pooling" ablation: a piece is the mean of its tokens' last-layer vectors (then the head)."""
-  from jdr import granularity  # pylint: disable=g-import-not-at-top
+  from jdr.data import granularity  # pylint: disable=g-import-not-at-top
   _, tower, params = _tower(tmp_path, "bert")
   ids, mask = _batch("bert")
   span, valid = granularity.windows(mask, 4)
@@ -116,13 +117,14 @@ def test_mean_pooled_pieces_are_the_mean_of_their_token_vectors(tmp_path):
       np.testing.assert_allclose(np.asarray(pieces)[r, s], hidden[r, span[r, s] > 0].mean(0), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("span_pooling", ["attention", "mean"])
 def test_pieces_past_the_end_keep_gradients_finite(tmp_path, span_pooling):
   """A window past a short document's end is empty: mean pooling makes it a zero vector, and the normalizing
   head must give it a finite gradient (x / max(norm, eps) gave NaN, which stopped an FGD run at step 2)."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from jdr import granularity  # pylint: disable=g-import-not-at-top
+  from jdr.data import granularity  # pylint: disable=g-import-not-at-top
   _, tower, params = _tower(tmp_path, "bert", normalize=True)
   ids, mask = _batch("bert")
   span, valid = granularity.windows(mask, 4)

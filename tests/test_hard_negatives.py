@@ -24,7 +24,7 @@ TINY = ["model.init_from=", "model.fresh=tiny", "model.pooling=mean", "model.dro
 
 
 def _config(recipe: str, data, *overrides):
-  from jdr import config_files  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import config_files  # pylint: disable=g-import-not-at-top
   config = config_files.load_config_file(str(ROOT / "configs" / recipe))
   config_files.apply_overrides(config, TINY + [f"data.dataset={data}", *overrides])
   return config
@@ -82,7 +82,7 @@ def test_append_positives_rule():
 _IN_STEP = textwrap.dedent("""
     import json, sys
     import jax, jax.numpy as jnp, numpy as np
-    from jdr import parallel
+    from jdr.runtime import parallel
     from jdr.negatives import retrieved
     rng = np.random.default_rng(0)
     corpus = rng.normal(size=(1003, 16)).astype(np.float32)
@@ -96,6 +96,7 @@ _IN_STEP = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("devices", [1, 8])
 def test_in_step_retrieval_equals_brute_force(devices):
   """The JAX back-end's top-k and row gather over a row-sharded corpus return what numpy returns."""
@@ -112,6 +113,7 @@ def test_in_step_retrieval_equals_brute_force(devices):
   np.testing.assert_allclose(result["emb"], corpus[expected], rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_host_retrieval_equals_brute_force():
   """Faiss on the host (flat) gives the brute-force top-n as corpus rows, and the reconstruction of a flat
   index is the embeddings themselves; a PQ index's reconstruction reproduces its own search scores."""
@@ -131,25 +133,26 @@ def test_host_retrieval_equals_brute_force():
   np.testing.assert_allclose(scores, np.einsum("qd,qkd->qk", queries, recon[rows]), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["faiss", "jax"])
 def test_adore_trains_query_tower_only(tmp_path, backend):
   """ADORE: the document tower and the corpus vectors are bitwise unchanged; the query tower learns."""
-  from jdr import train  # pylint: disable=g-import-not-at-top
-  from jdr.evaluation import TowerEncoder  # pylint: disable=g-import-not-at-top
+  from jdr.training import trainer  # pylint: disable=g-import-not-at-top
+  from jdr.evaluation.periodic import TowerEncoder  # pylint: disable=g-import-not-at-top
   data = write_tiny_beir(tmp_path / "data")
   config = _config(f"adore.py:runlocal{',jax' if backend == 'jax' else ''}", data, "num_train_steps=4",
                    "checkpoint_every=100", "eval_before_training=false")
   workdir = tmp_path / "w"
-  result = train.train_and_evaluate(config, workdir)
+  result = trainer.train_and_evaluate(config, workdir)
   end = jax.device_get(result["state"].params)
   records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
   assert any("train/retrieval_mrr@10" in r for r in records)
-  from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import encodings  # pylint: disable=g-import-not-at-top
   (encoding,) = (workdir / "cache" / "encoding").iterdir()  # the starting tower's shards, kept for a resume
-  cached = np.asarray(corpus_lib.load_embeddings(encoding)[0])
+  cached = np.asarray(encodings.load_embeddings(encoding)[0])
   from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
   built = build_lib.build(config.model, config.data)
-  start = train.initial_params(built.model, built, config, jax.random.PRNGKey(config.seed), None)
+  start = trainer.initial_params(built.model, built, config, jax.random.PRNGKey(config.seed), None)
   start = jax.device_get(start)
   for a, b in zip(jax.tree.leaves(start["doc_tower"]), jax.tree.leaves(end["doc_tower"])):
     np.testing.assert_array_equal(a, b)
@@ -162,22 +165,23 @@ def test_adore_trains_query_tower_only(tmp_path, backend):
   np.testing.assert_allclose(encoder.corpus(end), cached, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_faiss_and_jax_retrieval_train_alike(tmp_path):
   """The retrieval back-end is a config value: host Faiss and in-step JAX give the same training."""
-  from jdr import train  # pylint: disable=g-import-not-at-top
+  from jdr.training import trainer  # pylint: disable=g-import-not-at-top
   data = write_tiny_beir(tmp_path / "data")
   losses = {}
   for backend in ("faiss", "jax"):
     config = _config("adore.py:runlocal", data, "num_train_steps=5", "checkpoint_every=100",
                      "data.eval_split=", f"negatives.retrieval_backend={backend}")
-    train.train_and_evaluate(config, tmp_path / backend)
+    trainer.train_and_evaluate(config, tmp_path / backend)
     records = [json.loads(l) for l in (tmp_path / backend / "metrics.jsonl").read_text().splitlines()]
     losses[backend] = [r["train/loss"] for r in records if "train/loss" in r]
   np.testing.assert_allclose(losses["faiss"], losses["jax"], rtol=1e-4, atol=1e-6)
 
 
 def test_mismatched_encoding_is_refused_before_step_0(tmp_path):
-  from jdr import corpus as corpus_lib, train  # pylint: disable=g-import-not-at-top
+  from jdr.training import trainer  # pylint: disable=g-import-not-at-top
   data = write_tiny_beir(tmp_path / "data")
   enc = tmp_path / "enc"
   enc.mkdir()
@@ -190,7 +194,7 @@ def test_mismatched_encoding_is_refused_before_step_0(tmp_path):
   config = _config("adore.py:runlocal", data, "num_train_steps=3", "data.eval_split=",
                    f"negatives.corpus_encoding={enc}")
   with pytest.raises(ValueError) as e:
-    train.train_and_evaluate(config, tmp_path / "w")
+    trainer.train_and_evaluate(config, tmp_path / "w")
   assert str(enc) in str(e.value) and "data.dataset" in str(e.value)
   assert not (tmp_path / "w" / "checkpoints").exists() or not any((tmp_path / "w" / "checkpoints").iterdir())
 
@@ -227,7 +231,7 @@ def test_killed_and_resumed_equals_uninterrupted(tmp_path, recipe, extra):
   saved = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
   assert 12 in saved and 24 not in saved, saved
   subprocess.run(_cmd(recipe, workdir, data, common), env=_env(), check=True, capture_output=True, timeout=600)
-  from jdr import checkpoint  # pylint: disable=g-import-not-at-top
+  from jdr.training import checkpoint  # pylint: disable=g-import-not-at-top
   straight = jax.tree.leaves(checkpoint.latest_params(tmp_path / "straight"))
   resumed = jax.tree.leaves(checkpoint.latest_params(workdir))
   for a, b in zip(straight, resumed):
@@ -236,7 +240,7 @@ def test_killed_and_resumed_equals_uninterrupted(tmp_path, recipe, extra):
 
 def test_star_weights_make_the_two_parts():
   """STAR Eq. 13: with the weights, the mean pairwise loss is L_s (own hard negatives) + alpha * L_r."""
-  from jdr import losses  # pylint: disable=g-import-not-at-top
+  from jdr.training import losses  # pylint: disable=g-import-not-at-top
   from jdr.data import pairs  # pylint: disable=g-import-not-at-top
   from jdr.negatives import candidate_mask  # pylint: disable=g-import-not-at-top
   qids = ["a", "b", "c"]
@@ -254,9 +258,10 @@ def test_star_weights_make_the_two_parts():
     np.testing.assert_allclose(got[b], expected, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_failing_refresh_keeps_training_on_previous_negatives(tmp_path, monkeypatch, capsys):
   """An ANCE re-mine that dies (here: raises in the worker) is logged; training goes on, on generation 0."""
-  from jdr import train  # pylint: disable=g-import-not-at-top
+  from jdr.training import trainer  # pylint: disable=g-import-not-at-top
   from jdr.negatives import sources  # pylint: disable=g-import-not-at-top
   real = sources.mine_rows
   calls = []
@@ -271,7 +276,7 @@ def test_failing_refresh_keeps_training_on_previous_negatives(tmp_path, monkeypa
   data = write_tiny_beir(tmp_path / "data")
   config = _config("ance.py:runlocal", data, "num_train_steps=8", "checkpoint_every=100", "data.eval_split=",
                    "negatives.refresh_every=2", "negatives.refresh_delay=1")
-  train.train_and_evaluate(config, tmp_path / "w")
+  trainer.train_and_evaluate(config, tmp_path / "w")
   records = [json.loads(l) for l in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
   losses = [r["train/loss"] for r in records if "train/loss" in r]
   assert len(losses) == 8 and all(np.isfinite(losses))
@@ -287,14 +292,15 @@ def test_adore_on_8_devices_equals_one(tmp_path):
   data = write_tiny_beir(tmp_path / "data")
   script = textwrap.dedent(f"""
       import numpy as np, jax
-      from jdr import config_files, train
+      from jdr.training import trainer
+      from jdr.runtime import config_files
       base = {TINY!r} + ["data.dataset={data}", "data.eval_split=", "num_train_steps=6", "checkpoint_every=100"]
       for name, extra in {{"single": ["mesh.shape=(1,1,1)"], "jax8": ["mesh.shape=(8,1,1)"],
                           "faiss8": ["mesh.shape=(2,4,1)", "mesh.rules=fsdp",
                                      "negatives.retrieval_backend=faiss"]}}.items():
         config = config_files.load_config_file("{ROOT / 'configs' / 'adore.py'}:runlocal,jax")
         config_files.apply_overrides(config, base + extra)
-        train.train_and_evaluate(config, "{tmp_path}/" + name)
+        trainer.train_and_evaluate(config, "{tmp_path}/" + name)
   """)
   proc = subprocess.run([sys.executable, "-c", script], env=_env(8), capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-4000:]

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from jdr import paths
+from jdr.runtime import paths
 from jdr.models import hf
 from jdr.models.bert import Encoder, EncoderConfig
 from jdr.models.towers import Tower

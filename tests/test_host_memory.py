@@ -1,4 +1,4 @@
-"""jdr.host_memory: which `python -m jdr...` processes re-execute with huge-page malloc, and that they do."""
+"""jdr.runtime.host_memory: which `python -m jdr...` processes re-execute with huge-page malloc, and that they do."""
 
 import os
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from jdr import host_memory
+from jdr.runtime import host_memory
 
 ARGV = ["python", "-m", "jdr.train", "--config", "c.py"]
 

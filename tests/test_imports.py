@@ -1,12 +1,14 @@
 """The layers of jdr, read from the imports of its modules (ast, nothing imported): the library stands below
-the command lines, and the data package below models and negatives."""
+the command lines, in folders by stage, the data package below models and negatives, and no module reaches
+into another's private names."""
 
 import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # `python -m jdr.X` front ends: thin argument parsing over library modules, which never import them.
-COMMAND_LINES = ("jdr.encode", "jdr.retrieve", "jdr.rerank", "jdr.evaluate", "jdr.export", "jdr.demo")
+COMMAND_LINES = ("jdr.encode", "jdr.retrieve", "jdr.rerank", "jdr.evaluate", "jdr.export", "jdr.demo", "jdr.train",
+                 "jdr.mine")
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -37,17 +39,18 @@ def names(imports: set[str], prefixes) -> list[str]:
 
 def test_the_reader_sees_every_module_and_its_imports():
   found = modules()
-  assert {"jdr.train", "jdr.step", "jdr.data.pairs", "jdr.models.build", "jdr.reranking"} <= set(found)
-  assert "jdr.step" in found["jdr.train"] and "jdr.step" in found["jdr.sizing"]
-  # A function-level import is found too (jdr.corpus loads model code only when it builds a model).
-  assert "jdr.models.build" in found["jdr.corpus"]
+  assert {"jdr.train", "jdr.training.step", "jdr.data.pairs", "jdr.models.build", "jdr.evaluation.reranking"} <= set(found)
+  assert "jdr.training.step" in found["jdr.training.trainer"] and "jdr.training.step" in found["jdr.training.sizing"]
+  # A function-level import is found too (jdr.retrieval.encoder_runtime loads model code only when it builds a model).
+  assert "jdr.models.build" in found["jdr.retrieval.encoder_runtime"]
 
 
 def test_no_library_module_imports_a_command_line():
   # The command lines themselves may call one another (jdr.demo runs encode, retrieve and evaluate as a user
-  # would), and so may the benchmarks, which are command lines too (python -m jdr.bench NAME).
+  # would), and so may the benchmarks and the experiment runner, which are command lines too (python -m
+  # jdr.bench NAME, python -m jdr.reproduce: a table's mined rows run jdr.mine as a user would).
   offenders = {m: names(imps, COMMAND_LINES) for m, imps in modules().items()
-               if m not in COMMAND_LINES and not m.startswith("jdr.bench")}
+               if m not in COMMAND_LINES and not m.startswith(("jdr.bench", "jdr.reproduce"))}
   assert {m: bad for m, bad in offenders.items() if bad} == {}
 
 
@@ -78,3 +81,54 @@ def test_no_import_circles_between_jdr_modules():
     if m not in state:
       visit(m, [m])
   assert cycles == []
+
+
+def test_the_top_level_holds_only_command_lines():
+  """What a user runs sits at the top of jdr/; the library lives in the stage folders below it."""
+  top = {p.stem for p in (ROOT / "jdr").glob("*.py") if p.stem != "__init__"}
+  assert {f"jdr.{m}" for m in top} == set(COMMAND_LINES)
+  for name in top:
+    text = (ROOT / "jdr" / f"{name}.py").read_text()
+    assert "def main(" in text and 'if __name__ == "__main__":' in text, name
+
+
+def private_crossings(path: pathlib.Path) -> list[str]:
+  """`alias._name` where alias is an imported jdr module or class, `from jdr.x import _name`, and
+  `setattr(alias, "_name", ...)`: a private name used outside the module that defines it."""
+  tree = ast.parse(path.read_text(), str(path))
+  aliases, found = {}, []
+  private = lambda name: name.startswith("_") and not name.startswith("__")
+  for node in ast.walk(tree):
+    if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("jdr") and not node.level:
+      for a in node.names:
+        if private(a.name):
+          found.append(f"{path.name}:{node.lineno}: from {node.module} import {a.name}")
+        aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+    elif isinstance(node, ast.Import):
+      aliases.update({a.asname or a.name.split(".")[0]: a.name for a in node.names if a.name.startswith("jdr")})
+  for node in ast.walk(tree):
+    owner = None
+    if isinstance(node, ast.Attribute) and private(node.attr):
+      owner, name = node.value, node.attr
+    elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "setattr"
+          and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
+          and private(node.args[1].value)):
+      owner, name = node.args[0], node.args[1].value
+    while isinstance(owner, ast.Attribute) and owner.attr[:1].isupper():  # module.Class._name
+      owner = owner.value
+    if isinstance(owner, ast.Name) and owner.id in aliases:
+      found.append(f"{path.name}:{node.lineno}: {owner.id}.{name}")
+  return found
+
+
+def test_no_private_name_crosses_a_module_boundary():
+  files = sorted((ROOT / "jdr").rglob("*.py")) + sorted((ROOT / "tests").glob("*.py"))
+  assert [c for f in files for c in private_crossings(f)] == []
+
+
+def test_the_crossing_check_sees_each_form(tmp_path):
+  """The check above can fail: each form of crossing is reported."""
+  example = tmp_path / "example.py"
+  example.write_text("from jdr.data import formats\nfrom jdr.data.formats import _hidden\nformats._x()\n"
+                     "formats.Doc._y\nmonkeypatch.setattr(formats, '_z', 1)\nself._fine = formats.Doc\n")
+  assert len(private_crossings(example)) == 4

@@ -1,4 +1,4 @@
-"""jdr.index: Faiss and JAX retrievers against brute-force numpy, persistence, compressed indexes."""
+"""jdr.retrieval.index: Faiss and JAX retrievers against brute-force numpy, persistence, compressed indexes."""
 
 import os
 import pathlib
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import cpu_devices_env
-from jdr import index
+from jdr.retrieval import index
 
 pytest.importorskip("faiss")
 
@@ -78,7 +78,7 @@ _SHARDED_CHECK = textwrap.dedent("""
     import numpy as np
     sys.path.insert(0, sys.argv[1])
     sys.path.insert(0, sys.argv[2])
-    from jdr import index
+    from jdr.retrieval import index
     from test_index import _unit, assert_exact_topk
 
     assert jax.device_count() == 8, jax.devices()
@@ -104,6 +104,7 @@ _SHARDED_CHECK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_jax_retriever_sharded_over_8_cpu_devices():
   # The device count is fixed when jax initialises, so the check runs in a fresh interpreter.
   env = cpu_devices_env(8, JAX_PLATFORMS="cpu")
@@ -132,6 +133,7 @@ def test_save_load_roundtrip(tmp_path, data, kind, kwargs):
   assert len(loaded) == len(docs) + 3
 
 
+@pytest.mark.slow
 def test_opq_pq_is_small_and_close_to_flat(tmp_path):
   rng = np.random.default_rng(2)
   docs, queries = _structured(rng, 2000, 64), _structured(rng, 100, 64)

@@ -138,8 +138,8 @@ def test_a_failing_profile_leaves_the_device_bench_section_its_timings(monkeypat
   f = jax.jit(lambda x: x + 1)
   x = jnp.ones(3)
   run = lambda: jax.block_until_ready(f(x))  # pylint: disable=unnecessary-lambda-assignment
-  assert device._kernels({"profile": True}, "f", f, (x,), run) == {"error": "RuntimeError: no CUPTI"}
-  assert device._kernels({"profile": False}, "f", f, (x,), run) is None
+  assert device.kernels_if_profiling({"profile": True}, "f", f, (x,), run) == {"error": "RuntimeError: no CUPTI"}
+  assert device.kernels_if_profiling({"profile": False}, "f", f, (x,), run) is None
 
 
 def test_compiled_summary_counts_each_kernel_once_with_its_least_traffic():

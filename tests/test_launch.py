@@ -3,6 +3,8 @@
 
 import shlex
 
+import pytest
+
 from jdr.launch import local, slurm, tpu
 
 TRAIN = ["python", "-m", "jdr.train", "--config", "configs/inbatch.py", "--workdir", "gs://bucket/run"]
@@ -53,6 +55,7 @@ def test_simulated_devices_keep_the_callers_other_xla_flags():
   assert local.xla_flags_with_devices("", 2) == "--xla_force_host_platform_device_count=2"
 
 
+@pytest.mark.slow
 def test_two_hosts_encode_disjoint_shards_equal_to_one(tmp_path):
   """jdr.encode under the local launcher: 2 processes (jax.distributed) each read only their own part of the
   corpus file (half its bytes) and encode and write its shards, their 2 devices each encoding half of every
@@ -62,7 +65,7 @@ def test_two_hosts_encode_disjoint_shards_equal_to_one(tmp_path):
   import sys  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from conftest import write_tiny_beir  # pylint: disable=g-import-not-at-top
-  from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import encodings  # pylint: disable=g-import-not-at-top
   data = write_tiny_beir(tmp_path / "data")
   encode = [sys.executable, "-m", "jdr.encode", "--model", "minilm", "--corpus", str(data), "--max-length", "16",
             "--shard-size", "7"]
@@ -74,14 +77,15 @@ def test_two_hosts_encode_disjoint_shards_equal_to_one(tmp_path):
   log = (tmp_path / "logs" / "process-1.log").read_text()
   assert "host 1 of 2" in log and "2 local devices split" in log  # process 1 encoded shards on both devices
   subprocess.run([*encode, "--out", str(tmp_path / "one")], env=env, check=True, capture_output=True, timeout=600)
-  two, two_ids, two_meta = corpus_lib.load_embeddings(tmp_path / "two")
-  one, one_ids, one_meta = corpus_lib.load_embeddings(tmp_path / "one")
+  two, two_ids, two_meta = encodings.load_embeddings(tmp_path / "two")
+  one, one_ids, one_meta = encodings.load_embeddings(tmp_path / "one")
   assert two_ids == one_ids and two_meta["complete"] and one_meta["num_shards"] > 2
   assert sum(two_meta["part_docs"]) == 40 and min(two_meta["part_docs"]) > 0  # both hosts read a part
   assert not (tmp_path / "two" / ".part-ids").exists()  # the hosts' id lists, swapped before encoding, are gone
   np.testing.assert_allclose(two, one, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_bad_line_in_one_hosts_part_stops_every_host(tmp_path):
   """Host 1 alone reads the bad last line; both hosts exit with an error (none waits for ever), host 1's
   naming the file's own line and host 0's naming host 1."""
@@ -104,6 +108,7 @@ def test_a_bad_line_in_one_hosts_part_stops_every_host(tmp_path):
   assert "host(s) [1] failed reading their part" in launched.stderr, launched.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_an_id_in_two_hosts_parts_stops_both_before_encoding(tmp_path):
   """The second half of the corpus repeats a first-half id: both hosts stop before encoding anything, naming
   the id and the two parts."""

@@ -1,11 +1,11 @@
-"""jdr.losses against slow numpy loops (float64) written straight from the papers' equations."""
+"""jdr.training.losses against slow numpy loops (float64) written straight from the papers' equations."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jdr import losses
+from jdr.training import losses
 
 B, N_NEG = 4, 2
 C = B * (1 + N_NEG)
@@ -377,6 +377,7 @@ def test_labelled_losses_take_bfloat16_scores():
   assert grad.dtype == jnp.bfloat16 and np.all(np.isfinite(np.asarray(grad, np.float32)))
 
 
+@pytest.mark.slow
 def test_identity_labels_give_todays_results():
   scores, valid = _batch(8)
   s, v = jnp.asarray(scores, jnp.float32), jnp.asarray(valid)
@@ -737,7 +738,7 @@ def _np_kl_row(s, t, v, temperature):
 @pytest.mark.parametrize("temperature", [1.0, 0.3])
 def test_granular_distillation_against_loops(temperature):
   """FGD's Eq. 12 at one granularity: the mean over a query's pieces of KL(teacher || student), from loops."""
-  from jdr import losses  # pylint: disable=g-import-not-at-top
+  from jdr.training import losses  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(7)
   b, k, n = 4, 5, 6
   student, teacher = rng.normal(size=(b, k, n)) * 3, rng.normal(size=(b, k, n)) * 3
@@ -756,7 +757,7 @@ def test_granular_distillation_against_loops(temperature):
 
 def test_distillation_kl_gradient_moves_the_student_only():
   import jax  # pylint: disable=g-import-not-at-top
-  from jdr import losses  # pylint: disable=g-import-not-at-top
+  from jdr.training import losses  # pylint: disable=g-import-not-at-top
   s = np.array([[1.0, 0.0, -1.0]], np.float32)
   t = np.array([[-1.0, 0.0, 2.0]], np.float32)
   v = np.ones((1, 3), bool)
@@ -772,7 +773,7 @@ def test_margin_mse_against_loops_and_its_gradient():
   """MarginMSE (Hofstaetter et al. 2020): mean over a row's valid negatives of ((s+ - s-) - (t+ - t-))^2, in
   float64 loops; rows without a valid positive or negative give 0; the teacher gets no gradient."""
   import jax  # pylint: disable=g-import-not-at-top
-  from jdr import losses  # pylint: disable=g-import-not-at-top
+  from jdr.training import losses  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(11)
   b, n = 6, 5
   student, teacher = rng.normal(size=(b, n)) * 2, rng.normal(size=(b, n)) * 4

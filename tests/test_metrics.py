@@ -1,4 +1,4 @@
-"""jdr.metrics against pytrec_eval (trec_eval) per query, and pairwise errors against brute force."""
+"""jdr.evaluation.metrics against pytrec_eval (trec_eval) per query, and pairwise errors against brute force."""
 
 import functools
 import json
@@ -8,7 +8,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from jdr import metrics
+from jdr.evaluation import metrics
 
 pytrec_eval = pytest.importorskip("pytrec_eval")
 
@@ -32,7 +32,7 @@ MRR_CUTS = (1, 3, 10)
 
 
 def _trec_order(scores):
-  # Written out here rather than taken from jdr.metrics so the reference does not share its code.
+  # Written out here rather than taken from jdr.evaluation.metrics so the reference does not share its code.
   return sorted(scores.items(), key=lambda kv: (kv[1], kv[0]), reverse=True)
 
 

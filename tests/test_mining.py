@@ -119,7 +119,7 @@ def test_dense_static_pools_are_the_top_minus_positives(tmp_path):
   data = type("Data", (), {"corpus": corpus, "train_qrels": qrels, "queries": {q: q for q in qids}})()
   config = ml_collections.ConfigDict({"negatives": {"top_n": 10, "mine_extra": 4, "mine_backend": "faiss",
                                                     "corpus_dtype": "float32"}})
-  out = sources._dense_static(config, data, tmp_path, _FixedEncoder(doc_emb, query_emb, qids), None)
+  out = sources.SOURCES["dense_static"].build(config, data, tmp_path, _FixedEncoder(doc_emb, query_emb, qids), None)
   got = out.pools_in_use(qids)
   for i in range(15):
     positives = {top[i, 1], top[i, 6]}
@@ -148,6 +148,7 @@ def test_host_vectors_serve_every_missing_positive_rule(rule):
   np.testing.assert_array_equal(np.asarray(got), expected)
 
 
+@pytest.mark.slow
 def test_compressed_host_index_decodes_what_it_searches():
   """A compressed index keeps codes, not a decoded matrix: the vectors it hands out are its reconstruction
   (sa_decode of sa_encode), and its search finds the rows faiss's own index finds."""
@@ -170,7 +171,7 @@ def test_the_evaluator_searches_adores_device_matrix_and_the_mapped_one_alike(tm
   for the other factories, the vectors where they lie: both give numpy's exact top k."""
   import types  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
-  from jdr import evaluation  # pylint: disable=g-import-not-at-top
+  from jdr.evaluation import periodic  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(8)
   emb = rng.normal(size=(400, 8)).astype(np.float32)
   np.save(tmp_path / "emb.npy", emb)
@@ -183,8 +184,8 @@ def test_the_evaluator_searches_adores_device_matrix_and_the_mapped_one_alike(tm
                              doc_tower_frozen=True)
   expected_rows, expected_scores = brute_force(emb, queries, 12)
   for fixed in (placed, None):  # the step's device copy, then the mapped file by faiss.knn
-    me._fixed_corpus = fixed  # pylint: disable=protected-access
+    me.fixed_corpus = fixed
     for first in (True, False):
-      rows, scores = evaluation.Evaluator._search(me, "Flat", mapped, queries, 12, first)  # pylint: disable=protected-access
+      rows, scores = periodic.Evaluator.search_factory(me, "Flat", mapped, queries, 12, first)
       np.testing.assert_array_equal(rows, expected_rows)
       np.testing.assert_allclose(scores, expected_scores, rtol=1e-5, atol=1e-5)

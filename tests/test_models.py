@@ -29,6 +29,7 @@ def encoder_params():
   return nn.unbox(Encoder(TINY).init(jax.random.key(0), ids, mask)["params"])
 
 
+@pytest.mark.slow
 def test_params_carry_logical_axes():
   ids, mask = batch()
   boxed = Encoder(TINY).init(jax.random.key(0), ids, mask)["params"]
@@ -81,6 +82,7 @@ def test_dropout_only_when_not_deterministic(encoder_params):
   assert np.abs(np.asarray(c - a)).max() > 1e-3 and np.abs(np.asarray(c - d)).max() > 1e-3
 
 
+@pytest.mark.slow
 def test_remat_gives_identical_outputs_and_grads(encoder_params):
   ids, mask = batch()
 
@@ -108,6 +110,7 @@ def test_remat_gives_identical_outputs_and_grads(encoder_params):
     assert np.abs(np.asarray(x - y)).max() <= 1e-5 * scale
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_float32_io(encoder_params):
   ids, mask = batch()
   f32 = Encoder(TINY).apply({"params": encoder_params}, ids, mask)
@@ -295,7 +298,7 @@ def test_model_dtype_auto_is_float32_on_cpu_and_bad_names_are_refused():
 
 def test_attention_dropout_follows_model_dropout_unless_set():
   """model.attention_dropout (-1: model.dropout) reaches the encoders; hidden dropout stays model.dropout."""
-  from jdr import defaults  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import defaults  # pylint: disable=g-import-not-at-top
   from jdr.models import build  # pylint: disable=g-import-not-at-top
   config = defaults.get_config()
   config.model.init_from, config.model.fresh, config.model.pooling = "", "tiny", "mean"
@@ -337,10 +340,10 @@ def test_exact_gelu_in_half_precision_is_the_rounded_float64_gelu():
   jax's own exact GELU."""
   import math  # pylint: disable=g-import-not-at-top
   import torch  # pylint: disable=g-import-not-at-top
-  from jdr.models.bert import _exact_gelu  # pylint: disable=g-import-not-at-top
+  from jdr.models.bert import exact_gelu  # pylint: disable=g-import-not-at-top
   x = np.concatenate([np.linspace(-12, 12, 20001), np.random.default_rng(0).normal(0, 3, 20000)])
   x16 = jnp.asarray(x, jnp.bfloat16)
-  ours = np.asarray(_exact_gelu(x16).astype(jnp.float32), np.float64)
+  ours = np.asarray(exact_gelu(x16).astype(jnp.float32), np.float64)
   xs = np.asarray(x16.astype(jnp.float32), np.float64)
   exact = np.array([0.5 * v * math.erfc(-v / math.sqrt(2)) for v in xs])
   step = np.abs(np.asarray(jnp.asarray(exact, jnp.bfloat16).astype(jnp.float32), np.float64)) * 2.0 ** -7
@@ -349,7 +352,7 @@ def test_exact_gelu_in_half_precision_is_the_rounded_float64_gelu():
   body = xs > -3
   np.testing.assert_array_equal(ours[body], theirs[body])
   x32 = jnp.asarray(x, jnp.float32)
-  np.testing.assert_array_equal(np.asarray(_exact_gelu(x32)), np.asarray(jax.nn.gelu(x32, approximate=False)))
+  np.testing.assert_array_equal(np.asarray(exact_gelu(x32)), np.asarray(jax.nn.gelu(x32, approximate=False)))
 
 
 def _dense_general(cfg, features, names, axis=-1):
@@ -455,6 +458,7 @@ def _cast_leaves(tree) -> dict:
           for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["bert", "roberta"])
 def test_serving_params_give_the_same_vectors_bit_for_bit(model_type):
   """Encoding casts the layers' matmul weights once (towers.serving_params) instead of in every forward;

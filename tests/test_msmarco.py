@@ -171,6 +171,7 @@ def test_trains_and_evaluates_as_its_beir_copy(marco, twin, tmp_path):
   assert sum("train/loss" in r for r in records) == 3
 
 
+@pytest.mark.slow
 def test_a_directory_without_a_corpus_is_one_error_line(tmp_path):
   (tmp_path / "data").mkdir()
   proc = _train(tmp_path / "w", tmp_path / "data")
@@ -180,7 +181,8 @@ def test_a_directory_without_a_corpus_is_one_error_line(tmp_path):
 
 
 def test_the_triples_source_is_refused_without_its_file(marco, tmp_path):
-  from jdr import config_files, defaults  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import config_files  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import defaults
   c = defaults.get_config()
   c.data.dataset, c.negatives.source, c.negatives.per_query = str(marco), "triples", 1
   config_files.check_inputs(c)  # the directory's own triples.train.small.tsv

@@ -7,7 +7,7 @@ import bm25s
 import numpy as np
 import pytest
 
-from jdr import bm25 as bm25_lib
+from jdr.retrieval import bm25 as bm25_lib
 from jdr.data.formats import Doc, write_run
 from jdr.data.text import doc_text
 from jdr.negatives import (BM25Negatives, MixedNegatives, RandomNegatives, StaticNegatives, candidate_mask,
@@ -161,7 +161,7 @@ def test_bm25_errors_for_unmined_queries(bm25):
 
 
 def test_bm25_cache_is_reused(tmp_path, monkeypatch):
-  monkeypatch.setattr(bm25_lib, "_OPEN", {})  # no index open yet, as in a new process
+  monkeypatch.setattr(bm25_lib, "OPEN", {})  # no index open yet, as in a new process
   first = BM25Negatives(CORPUS, QUERIES, QRELS, top_k=5, cache_dir=tmp_path, show_progress=False)
   assert not first.from_cache and first.cache_path.exists()
   mtime = os.stat(first.cache_path / "rows.npy").st_mtime_ns
@@ -169,9 +169,9 @@ def test_bm25_cache_is_reused(tmp_path, monkeypatch):
   def no_work(*args, **kwargs):
     raise AssertionError("indexed or mined again despite the cache")
 
-  monkeypatch.setattr(bm25_lib, "_OPEN", {})
-  monkeypatch.setattr(bm25_lib, "_build", no_work)
-  monkeypatch.setattr(bm25_lib._Scorer, "__call__", no_work)  # pylint: disable=protected-access
+  monkeypatch.setattr(bm25_lib, "OPEN", {})
+  monkeypatch.setattr(bm25_lib, "build_index", no_work)
+  monkeypatch.setattr(bm25_lib.Scorer, "__call__", no_work)
   second = BM25Negatives(CORPUS, QUERIES, QRELS, top_k=5, cache_dir=tmp_path, show_progress=False)
   assert second.from_cache and second.cache_path == first.cache_path
   assert os.stat(second.cache_path / "rows.npy").st_mtime_ns == mtime

@@ -1,7 +1,7 @@
 """The optimizer a config builds: schedule shape, what weight decay touches, AdamW and LAMB.
 
 The LAMB tests hold `lamb` to a float64 numpy transcription of the authors' rule (`authors_lamb`), written
-from the rules that jdr/optimizers.py's docstring quotes from DRhard's / ANCE's lamb.py, not from jdr's code.
+from the rules that jdr/training/optimizers.py's docstring quotes from DRhard's / ANCE's lamb.py, not from jdr's code.
 """
 
 import textwrap
@@ -15,7 +15,7 @@ import optax
 import pytest
 
 from conftest import run_on_cpu_devices
-from jdr import optimizers
+from jdr.training import optimizers
 
 
 def _cfg(name="adamw", **kw):
@@ -245,7 +245,8 @@ def test_lamb_on_fsdp_sharded_params():
   jitted, donated update gives one device's weights: the norms are over whole tensors, not shards."""
   script = textwrap.dedent("""
       import flax.linen as nn, jax, jax.numpy as jnp, ml_collections, numpy as np, optax
-      from jdr import optimizers, parallel
+      from jdr.training import optimizers
+      from jdr.runtime import parallel
       cfg = ml_collections.ConfigDict(dict(name="lamb", learning_rate=0.05, warmup_steps=0, weight_decay=0.1,
                                            b1=0.9, b2=0.999, eps=1e-6, grad_clip_norm=1.0))
       tx = optimizers.make_optimizer(cfg, total_steps=10)

@@ -1,4 +1,4 @@
-"""Object storage through the same code as local disk (jdr.paths, etils.epath): data files, encodings,
+"""Object storage through the same code as local disk (jdr.runtime.paths, etils.epath): data files, encodings,
 indexes, runs and metric logs on a `gs://` bucket served from memory (the `fake_gcs` fixture) equal the same
 work on local disk. Orbax checkpoints reach gs:// through orbax's own GCS support, which needs a real bucket."""
 
@@ -7,11 +7,12 @@ import types
 import numpy as np
 import pytest
 
-from jdr import atomic
-from jdr import corpus as corpus_lib
-from jdr import index as index_lib
-from jdr import metric_writers
-from jdr import paths
+from jdr.runtime import atomic
+from jdr.retrieval import encodings
+from jdr.retrieval import retrievers
+from jdr.retrieval import index as index_lib
+from jdr.training import metric_writers
+from jdr.runtime import paths
 from jdr.data import formats
 from test_corpus import _fake_runtime
 
@@ -40,22 +41,22 @@ def test_corpus_encoding_index_and_run_on_gs_equal_local(tmp_path, fake_gcs):
   tokenize = text_lib.tokenize
   text_lib.tokenize = lambda tok, texts, n: [np.arange(1, 1 + min(n, len(t.split()))) for t in texts]
   try:
-    local_meta = corpus_lib.encode_corpus(runtime, corpus, tmp_path / "enc", shard_size=10)
-    remote_meta = corpus_lib.encode_corpus(runtime, corpus, "gs://bucket/enc", shard_size=10)
+    local_meta = encodings.encode_corpus(runtime, corpus, tmp_path / "enc", shard_size=10)
+    remote_meta = encodings.encode_corpus(runtime, corpus, "gs://bucket/enc", shard_size=10)
   finally:
     text_lib.tokenize = tokenize
   assert remote_meta == local_meta and "gs://bucket/enc/emb-00002.npy" in fake_gcs
-  emb, ids, _ = corpus_lib.load_embeddings("gs://bucket/enc")
-  local_emb, local_ids, _ = corpus_lib.load_embeddings(tmp_path / "enc")
+  emb, ids, _ = encodings.load_embeddings("gs://bucket/enc")
+  local_emb, local_ids, _ = encodings.load_embeddings(tmp_path / "enc")
   np.testing.assert_array_equal(emb, local_emb)
   assert ids == local_ids == list(corpus)
 
-  built = corpus_lib.load_index("gs://bucket/enc", "faiss", "Flat", save=True)
+  built = retrievers.load_index("gs://bucket/enc", "faiss", "Flat", save=True)
   assert "gs://bucket/enc/index-faiss-Flat/index.faiss" in fake_gcs
-  reused = corpus_lib.load_index("gs://bucket/enc", "faiss", "Flat")
+  reused = retrievers.load_index("gs://bucket/enc", "faiss", "Flat")
   queries = np.random.default_rng(0).standard_normal((4, emb.shape[1])).astype(np.float32)
-  run = corpus_lib.retrieve_run(reused, ["a", "b", "c", "d"], queries, 5)
-  assert run == corpus_lib.retrieve_run(built, ["a", "b", "c", "d"], queries, 5)
+  run = retrievers.retrieve_run(reused, ["a", "b", "c", "d"], queries, 5)
+  assert run == retrievers.retrieve_run(built, ["a", "b", "c", "d"], queries, 5)
   for q, row in zip("abcd", queries):  # brute force (the fake vectors tie, so the scores are compared)
     np.testing.assert_allclose(list(run[q].values()), np.sort(emb @ row)[::-1][:5], rtol=1e-5)
   formats.write_run("gs://bucket/runs/test.trec", run)
@@ -63,7 +64,7 @@ def test_corpus_encoding_index_and_run_on_gs_equal_local(tmp_path, fake_gcs):
   rounded = lambda r: {q: {d: round(v, 4) for d, v in docs.items()} for q, docs in r.items()}
   assert rounded(back) == rounded(run)
 
-  jax_index = corpus_lib.build_index(emb, ids, "jax")
+  jax_index = retrievers.build_index(emb, ids, "jax")
   jax_index.save("gs://bucket/jax-index")
   assert index_lib.load_retriever("gs://bucket/jax-index").search(queries, 3)[1] == jax_index.search(queries, 3)[1]
 
@@ -151,7 +152,7 @@ def test_faiss_gpu_path_with_a_stand_in_for_the_gpus(tmp_path, monkeypatch):
   stand_in.index_cpu_to_all_gpus = to_gpus
   stand_in.index_gpu_to_cpu = to_cpu
   stand_in.GpuParameterSpace = faiss.ParameterSpace
-  monkeypatch.setattr(index_lib, "_faiss", lambda: stand_in)
+  monkeypatch.setattr(index_lib, "import_faiss", lambda: stand_in)
   rng = np.random.default_rng(0)
   emb = rng.standard_normal((300, 16)).astype(np.float32)
   ids = [f"d{i}" for i in range(300)]

@@ -15,7 +15,8 @@ import pytest
 import transformers
 
 from conftest import write_tiny_beir
-from jdr import corpus as corpus_lib
+from jdr.retrieval import encoder_runtime
+from jdr.retrieval import encodings
 from jdr import encode
 from jdr import retrieve
 from jdr.data import formats
@@ -62,13 +63,14 @@ def _direct_embeddings(model_dir, texts, max_length, pooling=None, normalize=Non
   return np.asarray(tower.apply({"params": params}, enc["input_ids"], enc["attention_mask"]))
 
 
+@pytest.mark.slow
 def test_encode_matches_direct_and_resumes(tmp_path, tiny_model, capsys):
   data = write_tiny_beir(tmp_path / "data", num_docs=23)
   out = tmp_path / "emb"
   args = ["--model", str(tiny_model), "--corpus", str(data), "--out", str(out), "--pooling", "mean",
           "--normalize", "--max-length", "32", "--shard-size", "5", "--tokens-per-batch", "64"]
   encode.main(args)
-  emb, ids, meta = corpus_lib.load_embeddings(out)
+  emb, ids, meta = encodings.load_embeddings(out)
   corpus = formats.read_corpus(data / "corpus.jsonl")
   assert ids == list(corpus) and meta["num_shards"] == 5 and meta["complete"]
   expected = _direct_embeddings(tiny_model, [text_lib.doc_text(corpus[i]) for i in ids], 32, "mean", True)
@@ -81,11 +83,11 @@ def test_encode_matches_direct_and_resumes(tmp_path, tiny_model, capsys):
   meta_file = out / "meta.json"
   meta_file.write_text(json.dumps({**json.loads(meta_file.read_text()), "complete": False}))
   with pytest.raises(ValueError, match="unfinished"):
-    corpus_lib.load_embeddings(out)
+    encodings.load_embeddings(out)
   untouched = (out / "emb-00000.npy").stat().st_mtime_ns
   encode.main(args)
   assert (out / "emb-00000.npy").stat().st_mtime_ns == untouched  # finished shards are not redone
-  emb2, ids2, _ = corpus_lib.load_embeddings(out)
+  emb2, ids2, _ = encodings.load_embeddings(out)
   assert ids2 == ids
   np.testing.assert_array_equal(emb2, emb)
 
@@ -95,16 +97,17 @@ def test_encode_matches_direct_and_resumes(tmp_path, tiny_model, capsys):
     encode.main([*args[:-2], "--max-length", "16"])
   assert exit_info.value.code == 2
   assert f"error: {out / 'meta.json'}: the existing encoding was made with other settings" in capsys.readouterr().err
-  runtime = corpus_lib.load_runtime(str(tiny_model), max_length=16)
+  runtime = encoder_runtime.load_runtime(str(tiny_model), max_length=16)
   with pytest.raises(ValueError, match="other settings"):  # the library raises, never exits
-    corpus_lib.encode_corpus(runtime, corpus, out, shard_size=5, settings={"max_length": 16})
+    encodings.encode_corpus(runtime, corpus, out, shard_size=5, settings={"max_length": 16})
   # A key only the old encoding has differs too: a FirstP resume of a MaxP directory is refused.
   maxp = tmp_path / "maxp"
-  corpus_lib.encode_corpus(runtime, corpus, maxp, shard_size=50, settings={"max_length": 16}, passages=2)
+  encodings.encode_corpus(runtime, corpus, maxp, shard_size=50, settings={"max_length": 16}, passages=2)
   with pytest.raises(ValueError, match="'passages': \\(2, None\\)"):
-    corpus_lib.encode_corpus(runtime, corpus, maxp, shard_size=50, settings={"max_length": 16})
+    encodings.encode_corpus(runtime, corpus, maxp, shard_size=50, settings={"max_length": 16})
 
 
+@pytest.mark.slow
 def test_retrieve_backends_agree_and_evaluate(tmp_path, tiny_model):
   data = write_tiny_beir(tmp_path / "data")
   emb_dir = tmp_path / "emb"
@@ -120,10 +123,10 @@ def test_retrieve_backends_agree_and_evaluate(tmp_path, tiny_model):
   # Brute-force numpy over the saved embeddings is the oracle. A random tiny model scores some documents
   # within float noise of each other, so rankings are compared by score: every back-end's k-th score is
   # the k-th best, and every returned document carries its true score.
-  emb, ids, _ = corpus_lib.load_embeddings(emb_dir)
-  runtime = corpus_lib.load_runtime(str(tiny_model), max_length=32)
+  emb, ids, _ = encodings.load_embeddings(emb_dir)
+  runtime = encoder_runtime.load_runtime(str(tiny_model), max_length=32)
   queries = formats.load_beir(data, "test")[1]
-  q_emb = corpus_lib.encode_texts(runtime, list(queries.values()))
+  q_emb = encoder_runtime.encode_texts(runtime, list(queries.values()))
   for qid, scores in zip(queries, q_emb @ emb.T):
     best = np.sort(scores)[::-1][:10]
     true_score = dict(zip(ids, scores))
@@ -138,6 +141,7 @@ def test_retrieve_backends_agree_and_evaluate(tmp_path, tiny_model):
   assert set(scores) == {"ndcg@10", "mrr@10"} and all(0 <= v <= 1 for v in scores.values())
 
 
+@pytest.mark.slow
 def test_train_export_then_encode_with_the_trained_towers(tmp_path):
   """jdr.export writes a params checkpoint that jdr.encode loads, and a HF dir that transformers loads."""
   data = write_tiny_beir(tmp_path / "data")
@@ -153,8 +157,8 @@ def test_train_export_then_encode_with_the_trained_towers(tmp_path):
 
   corpus = formats.read_corpus(data / "corpus.jsonl")
   texts = [text_lib.doc_text(d) for d in corpus.values()][:6]
-  from_export = corpus_lib.encode_texts(corpus_lib.load_runtime(str(export)), texts)
-  from_workdir = corpus_lib.encode_texts(corpus_lib.load_runtime(str(tmp_path / "w")), texts)
+  from_export = encoder_runtime.encode_texts(encoder_runtime.load_runtime(str(export)), texts)
+  from_workdir = encoder_runtime.encode_texts(encoder_runtime.load_runtime(str(tmp_path / "w")), texts)
   np.testing.assert_array_equal(from_export, from_workdir)
   # The Hugging Face export with its sentence-transformers pooling files gives the same vectors.
   np.testing.assert_allclose(from_export, _direct_embeddings(export, texts, None), atol=1e-5)  # its serving length
@@ -175,16 +179,18 @@ def test_train_export_then_encode_with_the_trained_towers(tmp_path):
 
 def _tiny_trained(tmp_path, *overrides):
   """A tiny random two-tower model trained 2 steps on 16-token queries: its workdir."""
-  from jdr import config_files, train  # pylint: disable=g-import-not-at-top
+  from jdr.training import trainer  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import config_files
   data = write_tiny_beir(tmp_path / "data")
   config = config_files.load_config_file(str(ROOT / "configs" / "demo.py:tiny"))
   config_files.apply_overrides(config, [f"data.dataset={data}", "num_train_steps=2", "batch_size=4",
                                         "data.eval_split=", "data.query_max_length=16", "data.doc_max_length=32",
                                         *overrides])
-  train.train_and_evaluate(config, tmp_path / "w")
+  trainer.train_and_evaluate(config, tmp_path / "w")
   return tmp_path / "w"
 
 
+@pytest.mark.slow
 def test_a_copied_export_loads_anywhere_and_serves_past_the_training_length(tmp_path):
   """Copy an export, delete the original and the workdir: jdr, transformers and sentence-transformers load the
   copy from its own folder; and a query longer than the 16 training tokens is read whole, not cut at 16."""
@@ -198,14 +204,14 @@ def test_a_copied_export_loads_anywhere_and_serves_past_the_training_length(tmp_
   shutil.rmtree(original)
   shutil.rmtree(workdir)
 
-  query = corpus_lib.load_runtime(str(copy), side="query")
+  query = encoder_runtime.load_runtime(str(copy), side="query")
   assert query.max_length == 512 and query.info["trained_max_length"] == 16
   long_query = " ".join(["alphaton betalith gammamere deltavox"] * 8)
   n_tokens = len(query.tokenizer(long_query)["input_ids"])
   assert n_tokens > 16
-  whole = corpus_lib.encode_texts(query, [long_query])
-  cut = corpus_lib.encode_texts(corpus_lib.load_runtime(str(copy), side="query", max_length=16), [long_query])
-  exact = corpus_lib.encode_texts(corpus_lib.load_runtime(str(copy), side="query", max_length=n_tokens),
+  whole = encoder_runtime.encode_texts(query, [long_query])
+  cut = encoder_runtime.encode_texts(encoder_runtime.load_runtime(str(copy), side="query", max_length=16), [long_query])
+  exact = encoder_runtime.encode_texts(encoder_runtime.load_runtime(str(copy), side="query", max_length=n_tokens),
                                   [long_query])
   # Padded to other lengths, the two encodes are differently shaped compiled programs, whose sums can round
   # apart in the last bit: equal to float32 rounding, not bitwise, where the cut at 16 tokens is far off.
@@ -213,7 +219,7 @@ def test_a_copied_export_loads_anywhere_and_serves_past_the_training_length(tmp_
   assert np.abs(whole - cut).max() > 1e-3
 
   texts = ["alphaton zen", long_query]
-  docs = corpus_lib.encode_texts(corpus_lib.load_runtime(str(copy)), texts)
+  docs = encoder_runtime.encode_texts(encoder_runtime.load_runtime(str(copy)), texts)
   hf_model = transformers.AutoModel.from_pretrained(str(copy))
   assert hf_model.config.hidden_size == 64
   sentence_transformers = pytest.importorskip("sentence_transformers")
@@ -222,6 +228,7 @@ def test_a_copied_export_loads_anywhere_and_serves_past_the_training_length(tmp_
   np.testing.assert_allclose(st_model.encode(texts), docs, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_export_lengths_are_set_at_export_checked_and_a_full_disk_leaves_nothing(tmp_path):
   from jdr import export  # pylint: disable=g-import-not-at-top
   workdir = _tiny_trained(tmp_path)
@@ -229,7 +236,7 @@ def test_export_lengths_are_set_at_export_checked_and_a_full_disk_leaves_nothing
   described = json.loads((out / "jdr_model.json").read_text())
   assert (described["serve_query_max_length"], described["serve_doc_max_length"]) == (64, 256)
   assert (described["query_max_length"], described["doc_max_length"]) == (16, 32)  # training, kept apart
-  assert corpus_lib.load_runtime(str(out), side="query").max_length == 64
+  assert encoder_runtime.load_runtime(str(out), side="query").max_length == 64
   assert json.loads((out / "sentence_bert_config.json").read_text())["max_seq_length"] == 256
   with pytest.raises(ValueError, match="1 to 512 tokens"):
     export.export(workdir, tmp_path / "too-long", doc_max_length=1024)
@@ -260,7 +267,8 @@ def test_export_declares_the_document_length_or_the_base_models():
 
 
 def test_a_model_built_on_minilm_exports_minilms_max_length():
-  from jdr import defaults, export  # pylint: disable=g-import-not-at-top
+  from jdr import export  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import defaults
   from jdr.models import build  # pylint: disable=g-import-not-at-top
   config = defaults.get_config()  # init_from=minilm, doc_max_length 128
   description = build.build(config.model, config.data).description

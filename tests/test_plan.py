@@ -73,6 +73,7 @@ def test_fgd_scores_every_pool_document_and_its_pieces_with_the_teacher():
   assert not any(s.what.startswith("teacher") for s in _stages("fgd:warmup"))
 
 
+@pytest.mark.slow
 def test_the_plan_compiles_a_recipe_with_its_corpus():
   env = cpu_devices_env(8, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
   out = subprocess.run([sys.executable, "-m", "jdr.bench.plan", "--recipes", "adore:jax", "--topology", "cpu",

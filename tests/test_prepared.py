@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from conftest import write_tiny_beir
-from jdr import corpus as corpus_lib
+from jdr.retrieval import encoder_runtime
+from jdr.retrieval import encodings
 from jdr.data import formats
 from jdr.data import pairs
 from jdr.data import prepared
@@ -97,11 +98,11 @@ def test_token_rows_feed_batches_as_the_tokenizer_would(tmp_path, tok, small_chu
   path = _write_corpus(tmp_path / "corpus.jsonl", n=60)
   corpus = prepared.prepare(path, tok, 24, tmp_path / "cache", progress=False)
   texts = [text_lib.doc_text(doc) for doc in formats.read_corpus(path).values()]
-  rows = corpus_lib.document_tokens(tok, corpus, 24, 7, 31)
+  rows = encoder_runtime.document_tokens(tok, corpus, 24, 7, 31)
   expected = tok(texts[7:31], truncation=True, max_length=24)["input_ids"]
   assert [r.tolist() for r in rows] == expected and rows.lengths.tolist() == [len(e) for e in expected]
   assert [r.tolist() for r in rows[2:5]] == expected[2:5] and rows[-1].tolist() == expected[-1]
-  unprepared = corpus_lib.document_tokens(tok, formats.read_corpus(path), 24, 7, 31)
+  unprepared = encoder_runtime.document_tokens(tok, formats.read_corpus(path), 24, 7, 31)
   assert [r.tolist() for r in unprepared] == expected
   for plan_rows in (rows, unprepared):
     batches = list(text_lib.bucketed_batches(plan_rows, max_tokens=64, pad_id=0))
@@ -200,9 +201,9 @@ def test_a_changed_corpus_tokenizer_or_length_prepares_again(tmp_path, tok, monk
 @pytest.mark.parametrize("collide", [False, True], ids=["fnv", "four-hashes"])
 def test_id_lookups_agree_with_a_dict(tmp_path, small_chunks, monkeypatch, collide):
   if collide:  # every id shares its hash with a quarter of the corpus: lookups must compare the ids
-    real_many, real_one = prepared._hash_ids, prepared._hash_one
-    monkeypatch.setattr(prepared, "_hash_ids", lambda blob, offsets: real_many(blob, offsets) & np.uint64(3))
-    monkeypatch.setattr(prepared, "_hash_one", lambda data: real_one(data) & 3)
+    real_many, real_one = prepared.hash_ids, prepared.hash_one
+    monkeypatch.setattr(prepared, "hash_ids", lambda blob, offsets: real_many(blob, offsets) & np.uint64(3))
+    monkeypatch.setattr(prepared, "hash_one", lambda data: real_one(data) & 3)
   path = _write_corpus(tmp_path / "corpus.jsonl")
   corpus = prepared.prepare(path, out_dir=tmp_path / "cache", progress=False)
   expected = formats.read_corpus(path)
@@ -300,15 +301,15 @@ def test_encode_corpus_reads_token_ids_from_the_map(tmp_path, tok, monkeypatch):
     ids = np.asarray(input_ids) * np.asarray(attention_mask)
     return np.stack([attention_mask.sum(1), ids.sum(1), (ids * np.arange(ids.shape[1])).sum(1)], 1).astype(np.float32)
 
-  runtime = corpus_lib.EncoderRuntime(apply_fn, None, tok, 24, {})
+  runtime = encoder_runtime.EncoderRuntime(apply_fn, None, tok, 24, {})
   path = _write_corpus(tmp_path / "corpus.jsonl", n=50)
   corpus = prepared.prepare(path, tok, 24, tmp_path / "cache", progress=False)
   with monkeypatch.context() as patch:
     patch.setattr(text_lib, "tokenize", lambda *a, **k: (_ for _ in ()).throw(AssertionError("tokenized")))
-    corpus_lib.encode_corpus(runtime, corpus, tmp_path / "from-map", shard_size=16, tokens_per_batch=96)
-  corpus_lib.encode_corpus(runtime, formats.read_corpus(path), tmp_path / "from-dict", shard_size=16,
+    encodings.encode_corpus(runtime, corpus, tmp_path / "from-map", shard_size=16, tokens_per_batch=96)
+  encodings.encode_corpus(runtime, formats.read_corpus(path), tmp_path / "from-dict", shard_size=16,
                            tokens_per_batch=96)
-  got, got_ids, _ = corpus_lib.load_embeddings(tmp_path / "from-map")
-  want, want_ids, _ = corpus_lib.load_embeddings(tmp_path / "from-dict")
+  got, got_ids, _ = encodings.load_embeddings(tmp_path / "from-map")
+  want, want_ids, _ = encodings.load_embeddings(tmp_path / "from-dict")
   np.testing.assert_array_equal(got, want)
   assert got_ids == want_ids == list(corpus)

@@ -312,6 +312,7 @@ def test_builtin_articles_on_a_fake_stdlib(tmp_path):
   assert again == arts
 
 
+@pytest.mark.slow
 def test_wikispeedia_smoke():
   directory = shared_dataset("wikispeedia")
   if directory is None:

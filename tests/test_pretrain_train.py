@@ -36,7 +36,7 @@ def write_articles(directory) -> pathlib.Path:
 
 
 def _config(recipe: str, overrides):
-  from jdr import config_files  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import config_files  # pylint: disable=g-import-not-at-top
   config = config_files.load_config_file(f"{ROOT / 'configs' / recipe}.py:runlocal")
   config_files.apply_overrides(config, TINY + list(overrides))
   return config
@@ -53,24 +53,26 @@ def _params(state):
 
 
 # pretrain_ict_bfs_wlp trains in tests/test_readme.py (the tour) and in the BoW-MLP test below.
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["pretrain_ict", "pretrain_bfs", "pretrain_wlp"])
 def test_every_pretrain_recipe_trains(tmp_path, recipe):
-  from jdr import train  # pylint: disable=g-import-not-at-top
+  from jdr.training import trainer  # pylint: disable=g-import-not-at-top
   data = write_articles(tmp_path / "wiki")
   config = _config(recipe, [f"data.dataset={data}", "num_train_steps=2"])
-  result = train.train_and_evaluate(config, tmp_path / "w")
+  result = trainer.train_and_evaluate(config, tmp_path / "w")
   losses = _losses(tmp_path / "w")
   assert len(losses) == 2 and all(np.isfinite(losses))
   assert int(result["state"].step) == 2 and "after" not in result  # no evaluation while pretraining
 
 
+@pytest.mark.slow
 def test_builtin_source_bow_mlp_and_fine_tuning_from_the_workdir(tmp_path):
   """Stdlib articles, the BoW-MLP tower from a config, then configs/finetune.py starts from the workdir."""
   from conftest import write_tiny_beir  # pylint: disable=g-import-not-at-top
-  from jdr import train  # pylint: disable=g-import-not-at-top
+  from jdr.training import trainer  # pylint: disable=g-import-not-at-top
   config = _config("pretrain_ict_bfs_wlp", ["data.pretrain_source=builtin", "num_train_steps=2",
                                             "model.tower=bow_mlp", "model.pooling=mean"])
-  first = train.train_and_evaluate(config, tmp_path / "pre")["state"]
+  first = trainer.train_and_evaluate(config, tmp_path / "pre")["state"]
   assert "bow" in first.params["tower"] and np.all(np.isfinite(_losses(tmp_path / "pre")))
   beir = write_tiny_beir(tmp_path / "beir")
   config = _config("finetune", [f"model.init_from={tmp_path / 'pre'}", f"data.dataset={beir}",
@@ -78,18 +80,19 @@ def test_builtin_source_bow_mlp_and_fine_tuning_from_the_workdir(tmp_path):
   config.model.init_from = str(tmp_path / "pre")
   config.model.fresh = "tiny"
   config.model.projection_dim = 0  # the head comes from the checkpoint
-  result = train.train_and_evaluate(config, tmp_path / "fine")
+  result = trainer.train_and_evaluate(config, tmp_path / "fine")
   assert "after" in result and len(_losses(tmp_path / "fine")) == 2
 
 
+@pytest.mark.slow
 def test_mlm_recipe_trains_and_its_workdir_reads_as_a_retrieval_model(tmp_path):
   """The masked-LM baseline trains through the one trainer; its head stays out of what readers load, so
   fine-tuning starts from the pretrained tower alone."""
   from conftest import write_tiny_beir  # pylint: disable=g-import-not-at-top
-  from jdr import train  # pylint: disable=g-import-not-at-top
+  from jdr.training import trainer  # pylint: disable=g-import-not-at-top
   from jdr.models import build  # pylint: disable=g-import-not-at-top
   config = _config("pretrain_mlm", [f"data.dataset={write_articles(tmp_path / 'wiki')}", "num_train_steps=3"])
-  state = train.train_and_evaluate(config, tmp_path / "pre")["state"]
+  state = trainer.train_and_evaluate(config, tmp_path / "pre")["state"]
   losses = _losses(tmp_path / "pre")
   assert len(losses) == 3 and all(np.isfinite(losses)) and "lm_head" in state.params
   # A fresh head predicts about uniformly over the vocabulary: the loss starts near log V.
@@ -102,7 +105,7 @@ def test_mlm_recipe_trains_and_its_workdir_reads_as_a_retrieval_model(tmp_path):
   config = _config("finetune", [f"data.dataset={beir}", "num_train_steps=2", "eval.doc_max_length=32"])
   config.model.init_from = str(tmp_path / "pre")
   config.model.projection_dim = 0
-  result = train.train_and_evaluate(config, tmp_path / "fine")
+  result = trainer.train_and_evaluate(config, tmp_path / "fine")
   assert "after" in result and "lm_head" not in result["state"].params
 
 
@@ -115,6 +118,7 @@ def test_mlm_refuses_settings_it_cannot_run(tmp_path):
       pretrain_batches.check(config)
 
 
+@pytest.mark.slow
 def test_mlm_logits_equal_hugging_face_bert_for_masked_lm():
   """jdr's masked-LM head on its encoder against transformers' BertForMaskedLM with the same weights."""
   import jax  # pylint: disable=g-import-not-at-top
@@ -158,6 +162,7 @@ def test_mlm_logits_equal_hugging_face_bert_for_masked_lm():
   np.testing.assert_allclose(ours, expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_mlm_batches(tmp_path):
   """Masked-LM batches: labels are the original tokens at the scored positions, everything else unchanged,
   80/10/10 overall, a pure function of (seed, step), and split over processes by rows."""
@@ -238,19 +243,21 @@ def test_logq_probabilities_sum_to_one():
   import test_pretrain_data  # pylint: disable=g-import-not-at-top
   for task in ("ict", "bfs", "wlp", "mixed"):
     gen = pretrain.PretrainPairs(test_pretrain_data.tiny_articles(), task)
-    logq = pretrain_batches._passage_log_probs(gen)  # pylint: disable=protected-access
+    logq = pretrain_batches.passage_log_probs(gen)
     assert np.isclose(sum(np.exp(list(logq.values()))), 1.0), task
     for i in range(30):
       d = gen.draw(i)
       assert (d.pair.article_id,) + tuple(d.doc_place) in logq
 
 
+@pytest.mark.slow
 def test_logq_correction_against_brute_force():
   """The step's loss with loss.logq_correction equals sum_b -log softmax_c(s_bc - log Q_c)[b] by loops."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
-  from jdr import defaults, step  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import defaults  # pylint: disable=g-import-not-at-top
+  from jdr.training import step
   from jdr.models.bert import EncoderConfig  # pylint: disable=g-import-not-at-top
   from jdr.models.towers import TowerConfig, TwoTower  # pylint: disable=g-import-not-at-top
   tower = TowerConfig(EncoderConfig(vocab_size=50, hidden_size=16, num_layers=1, num_heads=2,
@@ -295,12 +302,12 @@ def test_logq_correction_against_brute_force():
 
 
 def _run(tmp_path, name, extra):
-  from jdr import train  # pylint: disable=g-import-not-at-top
+  from jdr.training import trainer  # pylint: disable=g-import-not-at-top
   # eps=1 makes Adam nearly SGD (update ~ lr * g): its 1/sqrt(v) would blow float rounding of ~0
   # gradients up to a good part of a step, and the weights could not be compared closely.
   config = _config("pretrain_ict", [f"data.dataset={write_articles(tmp_path / 'wiki')}", "num_train_steps=2",
                                     "optimizer.eps=1.0", "optimizer.learning_rate=0.1", *extra])
-  state = train.train_and_evaluate(config, tmp_path / name)["state"]
+  state = trainer.train_and_evaluate(config, tmp_path / name)["state"]
   return _losses(tmp_path / name) + _losses(tmp_path / name, "train/grad_norm"), _params(state)
 
 
@@ -311,12 +318,14 @@ def _assert_same(a, b):
     np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_grad_cache_without_dropout_equals_the_plain_step(tmp_path):
   """No dropout: chunks of 3 rows (the last one padded) give the losses and weights of grad_cache off."""
   plain = _run(tmp_path, "plain", ["model.dropout=0.0", "grad_cache.chunk_size=0"])
   _assert_same(plain, _run(tmp_path, "cached", ["model.dropout=0.0", "grad_cache.chunk_size=3"]))
 
 
+@pytest.mark.slow
 def test_grad_cache_chunking_does_not_change_dropout(tmp_path):
   """With dropout, keys are per row: chunks of 2 equal one chunk of the whole batch (8 rows), after 2 steps."""
   whole = _run(tmp_path, "whole", ["grad_cache.chunk_size=8"])
@@ -324,7 +333,8 @@ def test_grad_cache_chunking_does_not_change_dropout(tmp_path):
 
 
 def test_grad_cache_refuses_corpus_candidates():
-  from jdr import defaults, step  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import defaults  # pylint: disable=g-import-not-at-top
+  from jdr.training import step
   config = defaults.get_config()
   config.grad_cache.chunk_size = 4
   with pytest.raises(ValueError, match="grad_cache"):
@@ -342,14 +352,14 @@ def test_sharded_grad_cache_equals_one_device(tmp_path):
       import sys, numpy as np, jax
       sys.path.insert(0, {str(ROOT / 'tests')!r})
       from test_pretrain_train import write_articles, _config, _losses
-      from jdr import train
+      from jdr.training import trainer
       data = write_articles({str(tmp_path / 'wiki')!r})
       out = {{}}
       for name, shape in (("one", "(1,1,1)"), ("two", "(2,1,1)")):
         c = _config("pretrain_ict", [f"data.dataset={{data}}", "num_train_steps=2", "optimizer.eps=1.0",
                                      "optimizer.learning_rate=0.1", "grad_cache.chunk_size=2",
                                      f"mesh.shape={{shape}}"])
-        st = train.train_and_evaluate(c, {str(tmp_path)!r} + "/" + name)["state"]
+        st = trainer.train_and_evaluate(c, {str(tmp_path)!r} + "/" + name)["state"]
         out[name] = (_losses({str(tmp_path)!r} + "/" + name),
                      [np.asarray(x) for x in jax.tree.leaves(jax.device_get(st.params))])
       np.testing.assert_allclose(out["one"][0], out["two"][0], rtol=1e-5)
@@ -362,18 +372,19 @@ def test_sharded_grad_cache_equals_one_device(tmp_path):
   assert proc.returncode == 0 and "SAME" in proc.stdout, proc.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_interrupted_pretraining_resumes_exactly(tmp_path, recipe="pretrain_ict_bfs_wlp"):
   """Batches are a function of (seed, step): a run resumed from its step-2 checkpoint ends with the weights
   of the uninterrupted 4-step run, bitwise. (Masked-LM batches are the same kind of pure function:
   test_mlm_batches.)"""
   import shutil  # pylint: disable=g-import-not-at-top
-  from jdr import train  # pylint: disable=g-import-not-at-top
+  from jdr.training import trainer  # pylint: disable=g-import-not-at-top
   config = _config(recipe, [f"data.dataset={write_articles(tmp_path / 'wiki')}", "num_train_steps=4",
                             "checkpoint_every=2", "keep_checkpoints=5"])
-  straight = _params(train.train_and_evaluate(config, tmp_path / "straight")["state"])
+  straight = _params(trainer.train_and_evaluate(config, tmp_path / "straight")["state"])
   shutil.copytree(tmp_path / "straight", tmp_path / "resumed")
   shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "4")  # as if killed between steps 2 and 4
-  resumed = _params(train.train_and_evaluate(config, tmp_path / "resumed")["state"])
+  resumed = _params(trainer.train_and_evaluate(config, tmp_path / "resumed")["state"])
   assert len(straight) == len(resumed)
   for a, b in zip(straight, resumed):
     np.testing.assert_array_equal(a, b)

@@ -32,7 +32,7 @@ SKIPPED = {
     "python -m pytest": "the test suite itself",
     "XLA_FLAGS=": "8 simulated devices need a process of their own; tests/test_sizing.py compiles that step",
     "python -m jdr.bench": "benchmarks time real models at real sizes; tests/test_bench_smoke.py runs each small",
-    "python -m jdr.gradcache": "a search over batch sizes by compiling each; tests/test_gradcache.py covers it",
+    "python -m jdr.training.gradcache": "a search over batch sizes by compiling each; tests/test_gradcache.py covers it",
     "python -m jdr.reproduce": "the whole table trains for hours; tests/test_reproduce.py runs it end to end with --tiny",
 }
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from jdr import config_files
+from jdr.runtime import config_files
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RECIPES = sorted(p.stem for p in (ROOT / "configs").glob("*.py") if p.stem != "base")

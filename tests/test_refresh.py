@@ -5,6 +5,7 @@ so a test can tell which snapshot produced the negatives in force; `view` reads 
 """
 
 import shutil
+import sys
 import threading
 import time
 
@@ -53,7 +54,7 @@ def snapshot_of(pools):
   return int(float(pools["q1"][1][1:]))
 
 
-def run(refresher, steps, step_seconds=0.0, staleness=None):
+def run(refresher, steps, staleness=None):
   """The trainer's view: prepare before each step, then read the pools in force (and their staleness)."""
   seen = {}
   for s in steps:
@@ -63,8 +64,15 @@ def run(refresher, steps, step_seconds=0.0, staleness=None):
     assert stale == s - snapshot_of(seen[s])
     if staleness is not None:
       staleness[s] = stale
-    time.sleep(step_seconds)
   return seen
+
+
+def wait_for_mines(refresher, mines):
+  """Until `mines` generations have been mined: a count, however long the machine takes."""
+  deadline = time.monotonic() + 60
+  while refresher.stats()["mines"] < mines:
+    assert time.monotonic() < deadline, f"{mines} mines not done in 60 s: {refresher.stats()}"
+    time.sleep(0.002)
 
 
 @pytest.mark.parametrize("every,delay", [(5, 2), (5, 0), (5, 5), (3, 7), (1, 0), (4, 1)])
@@ -96,8 +104,11 @@ def test_schedule(tmp_path, every, delay):
   finished = sorted(set(miner.calls))
   assert finished[:k_last + 1] == list(range(k_last + 1))
   assert set(finished[-2:]) | {k_last} <= gens
-  if delay <= every:  # else generations mined ahead of the one in force are kept until it is superseded
+  if delay < every:  # else generations mined ahead of the one in force are kept until it is superseded
     assert gens == set(finished[-2:])
+  elif delay == every:  # a snapshot step is also a switch step, and prepare() queues the mine before it switches:
+    # a fast last mine can find the generation before it still in force, keep it, and nothing removes it later
+    assert set(finished[-2:]) <= gens <= set(finished[-3:])
   removed = [line for line in lines if line.startswith("refresh: removed generation")]
   assert sorted(int(line.split()[3]) for line in removed) == sorted(set(finished) - gens)
   snapshots = {int(p.stem.split("-")[1]) // every for p in tmp_path.glob("snapshot-*.npz")}
@@ -207,13 +218,15 @@ def test_resume_while_a_mine_was_in_flight(tmp_path):
   assert any("re-mining it from snapshot-00000010.npz" in line for line in lines)
   assert not (tmp_path / "killed" / "snapshot-00000010.npz").exists()
 
-  # With a bounded wait, the resumed run falls back on generation 1 from disk while 2 is re-mined.
-  slow = fake_mine(0.3)
-  third = AsyncRefresher(slow, every=5, delay=2, directory=tmp_path / "killed-too", max_wait_s=0.01,
-                         log=lambda _: None)
+  # With a bounded wait, the resumed run falls back on generation 1 from disk while 2 is re-mined (held until
+  # released, so it is still mining when step 12 gives up on it).
+  started, release = threading.Event(), threading.Event()
+  third = AsyncRefresher(fake_mine(block={2: (started, release)}), every=5, delay=2,
+                         directory=tmp_path / "killed-too", max_wait_s=0.01, log=lambda _: None)
   third.prepare(12, params_at(12))
   assert view(third.pools(12)) == expected[11] and third.staleness(12) == 7
-  time.sleep(0.5)
+  release.set()
+  wait_for_mines(third, 1)
   assert view(third.pools(13)) == expected[13]
   assert third.stats()["late_switches"] == 1
   third.close()
@@ -248,39 +261,62 @@ def test_failed_mine_keeps_the_previous_generation(tmp_path, how):
 
 def test_slow_mine_with_bounded_wait_switches_late(tmp_path):
   lines = []
-  slow = {1: 0.5}
-  base = fake_mine()
-
-  def mine(params, generation):
-    time.sleep(slow.get(generation, 0.0))
-    return base(params, generation)
-
-  r = AsyncRefresher(mine, every=5, delay=2, directory=tmp_path, max_wait_s=0.05, log=lines.append)
-  seen = run(r, range(8))
+  started, release = threading.Event(), threading.Event()
+  r = AsyncRefresher(fake_mine(block={1: (started, release)}), every=5, delay=2, directory=tmp_path,
+                     max_wait_s=0.05, log=lines.append)
+  seen = run(r, range(8))  # generation 1 (due at step 7) is held mining until released
   assert seen[7]["q1"][0] == "gen0", "generation 1 is late at step 7: generation 0 stays in force"
   assert r.staleness(7) == 7
   assert any("generation 1 not ready at step 7" in line for line in lines)
-  time.sleep(0.6)
+  waited = r.stats()["wait_seconds"]
+  assert waited >= 0.05 * 0.99, "step 7 waited its max_wait_s (to float rounding) for generation 1"
+  release.set()
+  wait_for_mines(r, 2)
   seen = run(r, range(8, 10))
   r.close()
   assert seen[8]["q1"] == ["gen1", "w5"], "switched in at the first step it was ready"
   assert r.staleness(8) == 3
   stats = r.stats()
   assert stats["late_switches"] == 1 and stats["generation"] == 1
-  assert 0.04 <= stats["wait_seconds"] < 0.2
+  assert stats["wait_seconds"] == waited, "a generation that timed out once is not waited for again"
   assert any("late (due at step 7)" in line for line in lines)
 
 
-@pytest.mark.parametrize("mine_seconds,waits", [(0.0, False), (0.15, True)])
-def test_wait_seconds_count_only_a_miner_slower_than_delay_steps(tmp_path, mine_seconds, waits):
-  # Steps take 30 ms and the delay is 3 steps: a 0 s miner is always done in time, a 150 ms one never.
-  r = AsyncRefresher(fake_mine(mine_seconds), every=4, delay=3, directory=tmp_path, log=lambda _: None)
-  seen = run(r, range(12), step_seconds=0.03)
+def _waiting_on_a_condition(thread: threading.Thread) -> bool:
+  """Whether `thread` is blocked in threading.Condition.wait (the refresher's trainer side waits only there)."""
+  frame = sys._current_frames().get(thread.ident)  # pylint: disable=protected-access  (documented in sys)
+  return frame is not None and frame.f_code is threading.Condition.wait.__code__
+
+
+@pytest.mark.parametrize("waits", [False, True])
+def test_wait_seconds_count_only_a_miner_not_done_when_due(tmp_path, waits):
+  """The trainer's wait is counted only when a generation is still mining at its due step: a miner done
+  before its due step adds nothing; one that finishes while the trainer waits adds to wait_seconds."""
+  trainer = threading.current_thread()
+  base = fake_mine()
+
+  def mine(params, generation):
+    if waits and generation:  # held until the trainer waits for it at its due step
+      deadline = time.monotonic() + 60
+      while not _waiting_on_a_condition(trainer):
+        assert time.monotonic() < deadline, "the trainer never waited for a generation still mining"
+        time.sleep(0.001)
+    return base(params, generation)
+
+  every, delay = 4, 3
+  r = AsyncRefresher(mine, every=every, delay=delay, directory=tmp_path, log=lambda _: None)
+  seen = {}
+  for s in range(12):
+    k = generation_at(s, every, delay)
+    if not waits and k and s == activation_step(k, every, delay):
+      wait_for_mines(r, k + 1)  # done before its due step
+    r.prepare(s, params_at(s))
+    seen[s] = view(r.pools(s))
   r.close()
   assert [seen[s]["q1"][0] for s in range(12)] == ["gen0"] * 7 + ["gen1"] * 4 + ["gen2"]
   stats = r.stats()
   assert stats["late_switches"] == 0 and stats["mines"] == 3
   if waits:
-    assert stats["wait_seconds"] > 0.1  # two generations, each ~60 ms late
+    assert stats["wait_seconds"] > 0
   else:
     assert stats["wait_seconds"] == 0.0

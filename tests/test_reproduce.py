@@ -83,7 +83,7 @@ def test_full_table_job_count():
 
 @pytest.mark.long
 def test_tiny_table_end_to_end_and_rerun_skips(tmp_path, monkeypatch, capsys):
-  from jdr import train as train_lib  # pylint: disable=g-import-not-at-top
+  from jdr.training import trainer  # pylint: disable=g-import-not-at-top
   from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
   from jdr.reproduce import __main__ as command  # pylint: disable=g-import-not-at-top
   out = tmp_path / "repro"
@@ -123,7 +123,7 @@ def test_tiny_table_end_to_end_and_rerun_skips(tmp_path, monkeypatch, capsys):
   def refuse(*args, **kwargs):
     raise AssertionError("a finished run was run again")
   with monkeypatch.context() as m:
-    m.setattr(train_lib, "train_and_evaluate", refuse)
+    m.setattr(trainer, "train_and_evaluate", refuse)
     m.setattr(runs_lib, "score_model", refuse)
     command.main(argv)
   second = capsys.readouterr().out
@@ -217,10 +217,11 @@ def test_claims_are_judged_on_gains_paired_by_seed():
   assert len(claims.judge_all({}, "PQ")) == len(claims.CLAIMS) == 9
 
 
+@pytest.mark.slow
 def test_a_signal_in_a_run_ends_the_table_with_one_resume_line(tmp_path, monkeypatch, capsys):
   """SIGTERM in a run: the trainer saved its step; the table says where, and that the same command resumes
   it, with the signal's status and no traceback. Ctrl-C while scoring: one line, status 130."""
-  from jdr import preemption  # pylint: disable=g-import-not-at-top
+  from jdr.training import preemption  # pylint: disable=g-import-not-at-top
   from jdr.reproduce import __main__ as command  # pylint: disable=g-import-not-at-top
   argv = ["scifact", "--out", str(tmp_path / "repro"), "--tiny", "--methods", "inbatch", "--seeds", "0"]
   workdir = tmp_path / "repro" / "runs" / "inbatch" / "w"
@@ -273,14 +274,14 @@ def test_the_eta_prices_only_unfinished_runs_by_their_kind(tmp_path):
                                  "score": 28 - 1}
   assert progress.eta() == "ETA after the first run"
   progress.end("two-tower step", 100, 1000.0)  # 10 s a step; query-only steps not timed: at most that
-  left = runs_lib._duration(10 * (two_tower - 100 + query_only))
+  left = runs_lib.duration(10 * (two_tower - 100 + query_only))
   assert progress.eta() == f"ETA {left} + {ance} ANCE steps (not timed yet) + 27 scorings (not timed yet)"
   progress.end("query-only step", 100, 100.0)
   progress.end("score", 1, 60.0)
   left = 10 * (two_tower - 100) + query_only - 100 + 26 * 60
-  assert progress.eta() == f"ETA {runs_lib._duration(left)} + {ance} ANCE steps (not timed yet)"
+  assert progress.eta() == f"ETA {runs_lib.duration(left)} + {ance} ANCE steps (not timed yet)"
   progress.end("ANCE step", 104, 2080.0)
-  assert progress.eta() == f"ETA {runs_lib._duration(left + 20 * (ance - 104))}"
+  assert progress.eta() == f"ETA {runs_lib.duration(left + 20 * (ance - 104))}"
 
 
 def test_given_warm_up_rates_train_no_grid_and_are_marked(tmp_path, monkeypatch):
@@ -329,7 +330,7 @@ def test_run_records_round_trip_through_runs_csv_and_imported_warm_ups_are_retra
   """A runs.csv restores the done.json / test.json it was written from (another output directory, such as a
   fresh checkout's, takes its runs as finished); a warm-up imported without its weights is trained again when
   a new stage starts from it; a malformed line is refused by file, line and run."""
-  from jdr import train as train_lib  # pylint: disable=g-import-not-at-top
+  from jdr.training import trainer  # pylint: disable=g-import-not-at-top
   from jdr.reproduce import report  # pylint: disable=g-import-not-at-top
   plan = rows_lib.tiny_plan()
   bm25 = runs_lib.StageRun((("bm25_neg", 4, 1e-3),), 0)
@@ -371,8 +372,8 @@ def test_run_records_round_trip_through_runs_csv_and_imported_warm_ups_are_retra
     (pathlib.Path(workdir) / "checkpoints").mkdir(parents=True)
     return {"after": {"ndcg@10": 0.8}}
 
-  monkeypatch.setattr(train_lib, "train_and_evaluate", fake_train)
-  monkeypatch.setattr(runs_lib, "_release", lambda: None)
+  monkeypatch.setattr(trainer, "train_and_evaluate", fake_train)
+  monkeypatch.setattr(runs_lib, "release", lambda: None)
   lines = []
   progress = runs_lib.Progress({("train", star.chain, 0): 4}, write=lines.append,
                                finished={("train", star.chain, 0)})

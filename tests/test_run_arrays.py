@@ -59,8 +59,8 @@ def test_kept_lines_cut_back_to_the_depth_give_the_same_arrays(tmp_path, monkeyp
   is the one read whole."""
   path = _write_trec(tmp_path / "run.trec", seed=1, queries=12, per_query=40)
   whole = run_arrays.read(path, [f"q{i}" for i in range(12)], IDS, depth=5)
-  monkeypatch.setattr(run_arrays, "_BLOCK", 7)
-  monkeypatch.setattr(run_arrays, "_SLACK", 1)
+  monkeypatch.setattr(run_arrays, "BLOCK", 7)
+  monkeypatch.setattr(run_arrays, "SLACK", 1)
   cut = run_arrays.read(path, [f"q{i}" for i in range(12)], IDS, depth=5)
   np.testing.assert_array_equal(cut.rows, whole.rows)
   np.testing.assert_array_equal(cut.scores, whole.scores)

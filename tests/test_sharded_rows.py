@@ -4,9 +4,9 @@ import jax
 import numpy as np
 import pytest
 
-from jdr import index as index_lib
-from jdr import sharded_rows
-from jdr import topk
+from jdr.retrieval import index as index_lib
+from jdr.retrieval import sharded_rows
+from jdr.retrieval import topk
 from jdr.negatives import retrieved
 
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from conftest import cpu_devices_env
-from jdr import sizing
+from jdr.training import sizing
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = ["--config.model.init_from=", "--config.model.fresh=tiny", "--config.batch_size=16",
@@ -25,6 +25,7 @@ def _sizes(*extra, config="demo.py"):
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_compile_only_reports_per_device_memory_and_flops(tmp_path):
   dp = _sizes("--config.mesh.shape=(8,1,1)", "--config.mesh.rules=dp")
   fsdp = _sizes("--config.mesh.shape=(2,4,1)", "--config.mesh.rules=fsdp")
@@ -42,10 +43,11 @@ def test_compile_only_reports_per_device_memory_and_flops(tmp_path):
   assert not (tmp_path / "w").exists()  # nothing written: no workdir was given
 
 
+@pytest.mark.slow
 def test_adore_and_ltre_compile_against_an_abstract_ms_marco_corpus():
   """ADORE's full recipe (Faiss on the host) and LTRe's with the JAX search in the step compile with
   --compile-only against MS MARCO's 8,841,823 rows without creating them; the bytes are checked against the
-  shapes the step takes (jdr/data/batch.py's corpus form, jdr.topk's padded row shards)."""
+  shapes the step takes (jdr/data/batch.py's corpus form, jdr.retrieval.topk's padded row shards)."""
   n, d, b, lq, top, devices = sizing.MSMARCO_PASSAGES, 32, 16, 16, 200, 8
   tiny = ["--config.model.projection_dim=32", "--config.mesh.shape=(8,1,1)"]
   host = _sizes(*tiny, config="adore.py")
@@ -77,7 +79,7 @@ def test_tpu_slices_compile_ahead_of_time_with_tpu_defaults():
   """--topology: the devices come from libtpu's description of the slice (no TPU needed, but libtpu is: its
   absence is a clear error), and the model is traced with the TPU's defaults (bfloat16, fused attention)."""
   import importlib.util  # pylint: disable=g-import-not-at-top
-  from jdr import parallel  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import parallel  # pylint: disable=g-import-not-at-top
   from jdr.models import build  # pylint: disable=g-import-not-at-top
   assert build.compute_dtype("auto") == "float32" and parallel.platform() == "cpu"
   with parallel.compiling_for("tpu"):
@@ -104,7 +106,7 @@ def test_gpu_targets_compile_from_a_cpu_host_or_say_what_it_takes():
   if plugin:
     (device,) = sizing.gpu_target_devices("h200")
     assert device.platform in ("gpu", "cuda")
-    from jdr import defaults  # pylint: disable=g-import-not-at-top
+    from jdr.runtime import defaults  # pylint: disable=g-import-not-at-top
     config = defaults.get_config()
     config.model.init_from, config.model.fresh, config.batch_size = "", "tiny", 4
     sizes = sizing.size_step(config, topology="h200")
@@ -116,10 +118,10 @@ def test_gpu_targets_compile_from_a_cpu_host_or_say_what_it_takes():
 
 
 def test_the_train_step_compiles_without_the_dot_merger_on_gpus_only():
-  """Every jitted train step takes jdr.step.compiler_options for the platform it is compiled for: on GPUs the
+  """Every jitted train step takes jdr.training.step.compiler_options for the platform it is compiled for: on GPUs the
   dot merger is off (it concatenated the shared towers' query and document activations), elsewhere nothing."""
-  from jdr import parallel  # pylint: disable=g-import-not-at-top
-  from jdr import step as step_lib  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import parallel  # pylint: disable=g-import-not-at-top
+  from jdr.training import step as step_lib  # pylint: disable=g-import-not-at-top
   assert step_lib.compiler_options() == {}
   with parallel.compiling_for("gpu"):
     assert step_lib.compiler_options() == {"xla_gpu_dot_merger_threshold_mb": 0}

@@ -56,7 +56,8 @@ def test_bucketed_batches_cover_every_index_with_few_shapes(kwargs):
   plans = T.plan_batches(lengths, bucket_lengths=buckets, **kwargs)
   # Sorted by length, only the bucket rounding pads (two buckets per octave: ~1/6 for uniform lengths), far
   # less than padding every batch to the longest length.
-  assert T.padding_fraction(plans, lengths) < 0.2
+  padding = 1 - sum(int(lengths[p.indices].sum()) for p in plans) / sum(p.rows * p.length for p in plans)
+  assert padding < 0.2  # filler rows count as padding too
   assert 1 - lengths.mean() / 256 > 0.45
 
 
@@ -217,16 +218,17 @@ def _trained_tokenizer(kind: str):
 @pytest.mark.parametrize("max_length", [8, 16, 64])
 def test_tokenize_equals_the_tokenizers_own_call_wordpiece(minilm_tokenizer, max_length):
   texts = _random_texts(max_length)
-  assert T._TruncatingBackend.of(minilm_tokenizer, max_length).cut  # the cut texts are what is checked
+  assert T.TruncatingBackend.of(minilm_tokenizer, max_length).cut  # the cut texts are what is checked
   got = T.tokenize(minilm_tokenizer, texts, max_length, chunk_size=97)
   assert [g.tolist() for g in got] == _wrapper_ids(minilm_tokenizer, texts, max_length)
   assert all(g.dtype == np.int32 for g in got)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, cuts", [("bpe", True), ("unigram", False)])
 def test_tokenize_equals_the_tokenizers_own_call_bpe_and_sentencepiece(kind, cuts):
   tokenizer = _trained_tokenizer(kind)
-  assert T._TruncatingBackend.of(tokenizer, 16).cut == cuts  # Metaspace splits only at " ": never cut
+  assert T.TruncatingBackend.of(tokenizer, 16).cut == cuts  # Metaspace splits only at " ": never cut
   for max_length in (8, 16, 48):
     texts = _random_texts(100 + max_length)
     got = T.tokenize(tokenizer, texts, max_length)
@@ -237,7 +239,7 @@ def test_tokenize_truncating_on_the_left_keeps_the_end(minilm_tokenizer):
   transformers = pytest.importorskip("transformers")
   left = transformers.AutoTokenizer.from_pretrained(minilm_tokenizer.name_or_path, truncation_side="left")
   texts = _random_texts(5, 50)
-  assert not T._TruncatingBackend.of(left, 16).cut
+  assert not T.TruncatingBackend.of(left, 16).cut
   assert [g.tolist() for g in T.tokenize(left, texts, 16)] == _wrapper_ids(left, texts, 16)
   text = "first " + "middle " * 100 + "last"
   kept = [left.convert_ids_to_tokens(T.tokenize(tok, [text], 8)[0].tolist()) for tok in (left, minilm_tokenizer)]

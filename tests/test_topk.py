@@ -1,4 +1,4 @@
-"""The exact sharded top-k (jdr.topk) against brute-force numpy: the same rows, ties to the lower row."""
+"""The exact sharded top-k (jdr.retrieval.topk) against brute-force numpy: the same rows, ties to the lower row."""
 
 import json
 import os
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import cpu_devices_env
-from jdr import topk
+from jdr.retrieval import topk
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -42,7 +42,7 @@ _CHECK = textwrap.dedent("""
     import jax, numpy as np
     sys.path.insert(0, sys.argv[1])
     sys.path.insert(0, sys.argv[2])
-    from jdr import topk
+    from jdr.retrieval import topk
     from test_topk import CASES, tied_data
     topk.PUT_CHUNK_BYTES = 4 * 8 * 37  # 37 rows a chunk: every shard filled in several pieces
     out = {"devices": jax.device_count(), "cases": []}
@@ -62,6 +62,7 @@ _CHECK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("devices", [1, 8])
 def test_sharded_top_k_equals_brute_force(devices):
   env = cpu_devices_env(devices, JAX_PLATFORMS="cpu")
@@ -131,7 +132,7 @@ def test_dtype_defaults_follow_the_platform():
 def test_abstract_corpus_is_what_put_corpus_places(dtype):
   """The corpus compiled against without data (sizing, jdr.bench compiled) has the shapes, dtypes and
   shardings of the one put_corpus places."""
-  from jdr import parallel  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import parallel  # pylint: disable=g-import-not-at-top
   mesh = parallel.make_mesh((1, 1, 1))
   placed = topk.put_corpus(np.ones((300, 8), np.float32), mesh, dtype, block_rows=64)
   rows, bias = topk.abstract_corpus(300, 8, mesh, dtype, block_rows=64)

@@ -66,7 +66,7 @@ def test_mapping_equals_a_dict_mapping_and_is_cached(marco, tmp_path, monkeypatc
   def never(*args):
     raise AssertionError("mapped again")
 
-  monkeypatch.setattr(triples_lib._Mapper, "run", never)  # pylint: disable=protected-access
+  monkeypatch.setattr(triples_lib.Mapper, "run", never)
   again = triples_lib.load(path, queries, qrels, corpus, progress=False)
   assert again.folder == mapped.folder and np.array_equal(_arrays(again), _arrays(mapped))
 
@@ -107,7 +107,7 @@ def test_a_killed_mapping_resumes_to_the_same_arrays(marco, tmp_path, monkeypatc
   path.write_bytes((marco / "triples.train.small.tsv").read_bytes())
   expected = brute_force(path, queries, qrels, corpus)
   monkeypatch.setattr(triples_lib, "CHUNK_LINES", 5)
-  write = triples_lib._Mapper._write  # pylint: disable=protected-access
+  write = triples_lib.Mapper.write_arrays
   written = []
 
   def killed(self, k, arrays, end):
@@ -116,10 +116,10 @@ def test_a_killed_mapping_resumes_to_the_same_arrays(marco, tmp_path, monkeypatc
     written.append(k)
     write(self, k, arrays, end)
 
-  monkeypatch.setattr(triples_lib._Mapper, "_write", killed)  # pylint: disable=protected-access
+  monkeypatch.setattr(triples_lib.Mapper, "write_arrays", killed)
   with pytest.raises(KeyboardInterrupt):
     triples_lib.load(path, queries, qrels, corpus, cache_dir=tmp_path, progress=False)
-  monkeypatch.setattr(triples_lib._Mapper, "_write", write)  # pylint: disable=protected-access
+  monkeypatch.setattr(triples_lib.Mapper, "write_arrays", write)
   mapped = triples_lib.load(path, queries, qrels, corpus, cache_dir=tmp_path, progress=False)
   assert f"resuming the mapping of {path} at line 16" in capsys.readouterr().err  # after 3 chunks of 5 lines
   assert np.array_equal(_arrays(mapped), expected)

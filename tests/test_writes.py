@@ -12,8 +12,8 @@ import threading
 
 import pytest
 
-from jdr import atomic
-from jdr import cli
+from jdr.runtime import atomic
+from jdr.runtime import cli
 from jdr.data import formats
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -72,6 +72,7 @@ def _evaluate(tmp_path, *args):
                         capture_output=True, text=True, env=env, timeout=300)
 
 
+@pytest.mark.slow
 def test_evaluate_per_query_to_stdout_and_to_a_full_device(tmp_path):
   proc = _evaluate(tmp_path, "--per-query", "-")
   assert proc.returncode == 0, proc.stderr
@@ -89,7 +90,7 @@ _LATE_REPORTS = """
 import os, resource, sys, time
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
 import numpy as np, orbax.checkpoint as ocp
-from jdr import checkpoint
+from jdr.training import checkpoint
 rng = np.random.default_rng(0)
 params = {f"w{i}": rng.random((1000, 1000), dtype=np.float32) for i in range(8)}  # incompressible, 32 MB
 try:
@@ -102,6 +103,7 @@ os._exit(0)
 """
 
 
+@pytest.mark.slow
 def test_late_reports_of_a_failed_checkpoint_write_stay_quiet(tmp_path):
   proc = subprocess.run([sys.executable, "-c", _LATE_REPORTS, str(tmp_path / "ckpt")], capture_output=True,
                         text=True, cwd=ROOT, timeout=300)

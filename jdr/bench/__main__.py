@@ -5,7 +5,7 @@ import importlib
 import os
 import sys
 
-from jdr import host_memory
+from jdr.runtime import host_memory
 
 BENCHMARKS = {
     "adore-step": "jdr.bench.adore_step",
@@ -15,11 +15,9 @@ BENCHMARKS = {
     "device": "jdr.bench.device",
     "encode": "jdr.bench.encode_speed",
     "eval-candidates": "jdr.bench.eval_candidates",
-    "fgd-ablation": "jdr.bench.fgd_ablation",
     "fgd-step": "jdr.bench.fgd_step",
     "plan": "jdr.bench.plan",
     "pretrain": "jdr.bench.pretrain_speed",
-    "pretrain-ablation": "jdr.bench.pretrain_ablation",
     "scale": "jdr.bench.scale",
     "sizing": "jdr.bench.sizing_table",
     "train-step": "jdr.bench.train_step",

@@ -33,7 +33,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from jdr import step as step_lib
+from jdr.training import step as step_lib
 from jdr.models.build import FRESH
 from jdr.bench import recipes
 
@@ -85,7 +85,9 @@ class Bench:
   """The model, its state and the two jitted steps, built once and reused for every corpus."""
 
   def __init__(self, args, mesh=None):
-    from jdr import optimizers, parallel, train  # pylint: disable=g-import-not-at-top
+    from jdr.training import trainer  # pylint: disable=g-import-not-at-top
+    from jdr.training import optimizers
+    from jdr.runtime import parallel
     from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
     from jdr.negatives import retrieved  # pylint: disable=g-import-not-at-top
     self.args, self.parallel, self.retrieved = args, parallel, retrieved
@@ -95,7 +97,7 @@ class Bench:
     built = build_lib.build(config.model, config.data)
     model = built.model
     tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps, config.model.train_towers)
-    params = train.initial_params(model, built, config, jax.random.PRNGKey(0), None)
+    params = trainer.initial_params(model, built, config, jax.random.PRNGKey(0), None)
     rep = parallel.replicated(mesh)
     state = step_lib.TrainState(step=jax.numpy.int32(0), params=params, opt_state=tx.init(params),
                              rng=jax.random.PRNGKey(1))

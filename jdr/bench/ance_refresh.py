@@ -4,7 +4,7 @@
 
 Trains the bundled MiniLM with the settings of configs/ance.py:runlocal (tied towers, one ANN negative per
 query from the top 200 plus in-batch, softmax NLL at temperature 0.05, AdamW 2e-5, batch 32, mining at 256
-document tokens) through `jdr.train.train_and_evaluate`, with a log line every step and no evaluation, in a
+document tokens) through `jdr.training.trainer.train_and_evaluate`, with a log line every step and no evaluation, in a
 fresh workdir. From the workdir's metrics.jsonl it reports
 
   wait_fraction  the refresher's wait_seconds over the training wall time (goal 0: a mine should finish
@@ -107,11 +107,12 @@ def main(argv=None) -> None:
   if args.workdir and pathlib.Path(args.workdir).exists() and any(pathlib.Path(args.workdir).iterdir()):
     parser.error(f"--workdir {args.workdir} is not empty (the trainer would resume from it)")
 
-  from jdr import metric_writers, train  # pylint: disable=g-import-not-at-top
+  from jdr.training import trainer  # pylint: disable=g-import-not-at-top
+  from jdr.training import metric_writers
   workdir = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="jdr-ance-refresh-"))
   try:
     start = time.perf_counter()
-    train.train_and_evaluate(_config(args), workdir)
+    trainer.train_and_evaluate(_config(args), workdir)
     total = time.perf_counter() - start
     result = analyse(metric_writers.read(workdir))
   finally:

@@ -42,10 +42,10 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from jdr import config_files
-from jdr import defaults
-from jdr import parallel
-from jdr import sizing
+from jdr.runtime import config_files
+from jdr.runtime import defaults
+from jdr.runtime import parallel
+from jdr.training import sizing
 from jdr.bench import kernel_profile
 
 PROGRAMS = ("forward", "train", "adore", "adore-given")
@@ -159,7 +159,7 @@ def compile_adore(config: ml_collections.ConfigDict, devices, corpus_rows: int, 
                   compiler_options: dict | None):
   """ADORE's step (configs/adore.py: the query tower trains against the fixed corpus) with its top-n over
   [corpus_rows, dim] retrieved inside the step, or given as candidate rows (what the device benchmark's
-  ADORE section times, to tell the retrieval's share): jdr.sizing.compile_corpus_step, as --compile-only."""
+  ADORE section times, to tell the retrieval's share): jdr.training.sizing.compile_corpus_step, as --compile-only."""
   return sizing.compile_corpus_step(config, devices, corpus_rows, "in_step" if retrieval_in_step else "given",
                                     compiler_options).compiled
 

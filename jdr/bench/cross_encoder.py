@@ -50,7 +50,7 @@ def main(argv=None) -> None:
   import torch  # pylint: disable=g-import-not-at-top
   torch.set_num_threads(os.cpu_count() or 1)
   from sentence_transformers import CrossEncoder  # pylint: disable=g-import-not-at-top
-  from jdr import reranking  # pylint: disable=g-import-not-at-top
+  from jdr.evaluation import reranking  # pylint: disable=g-import-not-at-top
   from jdr.models import build, cross  # pylint: disable=g-import-not-at-top
 
   if build.is_jdr_model(args.model):

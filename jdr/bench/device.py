@@ -24,13 +24,12 @@ all together as the last JSON line; a section that fails is reported as its erro
   train   the in-batch train step (AdamW, dropout on), jdr against transformers + torch (SDPA attention, fused
           AdamW and bf16 autocast on a GPU), ms and fraction of peak (3x the forward FLOPs of real tokens);
           jdr again with model.attention_dropout=0 (fused attention): what attention dropout costs.
-  flash   (GPUs, not in the default list) jdr's Pallas attention (model.attention=flash): first whether its
-          token vectors and gradients (two layers, dropout on) are as close to a float32 einsum reference as
-          the einsum path's in the same dtype; the encode section's
-          one-batch forward with it and with the default (cuDNN's kernel), then the train section's step with
-          it (attention dropout drawn inside), its speed-up over the default step and its ratio to the
-          reference when the train section ran first in the same command.
-  topk    exact top-200 of 32 queries: jdr.topk (bf16 on accelerators, also int8) against torch.mm +
+  flash   (GPUs, not in the default list) jdr's Pallas attention (model.attention=flash): the encode
+          section's one-batch forward with it and with the default (cuDNN's kernel), then the train section's
+          step with it (attention dropout drawn inside), its speed-up over the default step and its ratio to
+          the reference when the train section ran first in the same command. Whether the kernel computes
+          what the einsum path does on the card is a test: `pytest tests/test_flash_attention.py -m gpu`.
+  topk    exact top-200 of 32 queries: jdr.retrieval.topk (bf16 on accelerators, also int8) against torch.mm +
           torch.topk on the same matrix, with the bound and the two's agreement on the rows; whether jdr's
           rows are those of one lax.top_k over all the scores, and that plain search's time.
   adore   the ADORE recipe's step (configs/adore.py with in-step JAX retrieval) with and without its retrieval,
@@ -54,8 +53,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdr import step as step_lib
-from jdr import topk
+from jdr.training import step as step_lib
+from jdr.retrieval import topk
 from jdr.bench import peak as peak_lib
 
 SECTIONS = ("peak", "encode", "train", "topk", "adore", "int8-scifact", "flash")
@@ -90,7 +89,7 @@ def _waiting(fn, *args):
   return lambda: jax.block_until_ready(fn(*args))
 
 
-def _kernels(size: dict, label: str, jitted, args: tuple, run) -> dict | None:
+def kernels_if_profiling(size: dict, label: str, jitted, args: tuple, run) -> dict | None:
   """Where the device time of `jitted(*args)` goes (`jdr.bench.kernel_profile`) when --profile asked for it;
   `run()` makes one call and waits for it. The compiled text comes from the executable already built."""
   if not size.get("profile"):
@@ -196,36 +195,37 @@ def section_encode(size: dict, torch_device: str, model_dir: str, shape: dict, p
   from sentence_transformers import SentenceTransformer  # pylint: disable=g-import-not-at-top
   # Not sentence_transformers.models: deprecated since 6.2, and 6.0 already has this path.
   from sentence_transformers.sentence_transformer import modules  # pylint: disable=g-import-not-at-top
-  from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import encoder_runtime  # pylint: disable=g-import-not-at-top
   from jdr.bench import encode_speed  # pylint: disable=g-import-not-at-top
   from jdr.data import text as text_lib  # pylint: disable=g-import-not-at-top
   texts = _scifact_texts(size["encode_docs"])
   length = size["encode_length"]
-  runtime = corpus_lib.load_runtime(model_dir, pooling="mean", normalize=False, max_length=length,
+  runtime = encoder_runtime.load_runtime(model_dir, pooling="mean", normalize=False, max_length=length,
                                     dtype=size["dtype"])
   start = time.perf_counter()
   token_ids = text_lib.tokenize(runtime.tokenizer, texts, length)
   tokenize_s = time.perf_counter() - start
   lengths = [len(t) for t in token_ids]
   flops = _flops(lengths, shape)
-  tokens_per_batch = corpus_lib.default_tokens_per_batch()
+  tokens_per_batch = encoder_runtime.default_tokens_per_batch()
   # Padding bounds what packing several documents into a row could save: the share of the cells of the
   # batches encode_texts encodes below that hold no token.
   masks = encode_speed.streamed_masks(runtime, lengths, tokens_per_batch)
   padding = 1 - sum(int(m.sum()) for m in masks) / sum(m.size for m in masks)
   compile_s = encode_speed.warm_up(runtime, lengths, tokens_per_batch)
   start = time.perf_counter()
-  jdr_emb = corpus_lib.encode_texts(runtime, texts, tokens_per_batch=tokens_per_batch)
+  jdr_emb = encoder_runtime.encode_texts(runtime, texts, tokens_per_batch=tokens_per_batch)
   jdr_s = time.perf_counter() - start
   # Where the time goes: the same encoding from token ids (no tokenizer), and the model alone on one full
   # batch of the longest length already on the device (no host work, no padding: the kernels' own rate).
   start = time.perf_counter()
-  corpus_lib.encode_tokens(runtime, token_ids, tokens_per_batch=tokens_per_batch)
+  encoder_runtime.encode_tokens(runtime, token_ids, tokens_per_batch=tokens_per_batch)
   from_ids_s = time.perf_counter() - start
   rows, ids, mask = _full_batch(length, tokens_per_batch)
   forward = _waiting(runtime.apply_fn, runtime.params, ids, mask)
   forward_s = median_seconds(forward, size["repeats"])
-  forward_kernels = _kernels(size, "the encoder's forward", runtime.apply_fn, (runtime.params, ids, mask), forward)
+  forward_kernels = kernels_if_profiling(size, "the encoder's forward", runtime.apply_fn,
+                                         (runtime.params, ids, mask), forward)
 
   transformer = modules.Transformer(model_dir, max_seq_length=length)
   reference = SentenceTransformer(modules=[transformer, modules.Pooling(shape["hidden_size"], "mean")],
@@ -265,7 +265,7 @@ def section_encode(size: dict, torch_device: str, model_dir: str, shape: dict, p
 
 
 def _train_config(size: dict, model_dir: str):
-  from jdr import defaults  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import defaults  # pylint: disable=g-import-not-at-top
   c = defaults.get_config()
   c.model.init_from = model_dir
   c.model.pooling = "mean"
@@ -288,11 +288,12 @@ def _token_batch(b: int, query_length: int, doc_length: int) -> dict[str, np.nda
 
 def jdr_train_step_seconds(config, batch: dict, size: dict, label: str) -> tuple[float, dict | None]:
   """(median seconds of jdr's jitted train step, its kernel breakdown when --profile asked for it)."""
-  from jdr import optimizers, train  # pylint: disable=g-import-not-at-top
+  from jdr.training import trainer  # pylint: disable=g-import-not-at-top
+  from jdr.training import optimizers
   from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
   built = build_lib.build(config.model, config.data)
   tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps)
-  params = train.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
+  params = trainer.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
   state = step_lib.TrainState(step=jnp.int32(0), params=params, opt_state=tx.init(params), rng=jax.random.PRNGKey(1))
   step_fn = step_lib.jit(step_lib.make_train_step(built.model, tx, config), donate_argnums=(0,))
   batch = jax.device_put(batch)
@@ -303,7 +304,7 @@ def jdr_train_step_seconds(config, batch: dict, size: dict, label: str) -> tuple
     jax.block_until_ready(metrics["loss"])
 
   seconds = median_seconds(run, size["repeats"])
-  return seconds, _kernels(size, label, step_fn, (holder["state"], batch), run)
+  return seconds, kernels_if_profiling(size, label, step_fn, (holder["state"], batch), run)
 
 
 def torch_train_step_seconds(model_dir: str, batch: dict, torch_device: str, bf16: bool, repeats: int) -> float:
@@ -362,79 +363,21 @@ def section_train(size: dict, torch_device: str, model_dir: str, shape: dict, pe
   return _with_profile(out, "jdr_attention_dropout_0_kernels", no_attention_dropout_kernels)
 
 
-def flash_agreement(encoder, rows: int = 4, length: int = 256, seed: int = 0) -> dict:
-  """Whether jdr's flash kernel computes what the einsum path does, on this platform. A training forward
-  (attention dropout on, rows of varied lengths) in `encoder`'s dtype with each attention: its token vectors,
-  parameter gradients and attention parameters' gradients, each as a relative error against the einsum path
-  in float32 (highest matmul precision), same weights and dropout keys. The CPU tests run the kernel in
-  Pallas' interpreter; on a GPU it runs as Triton. It agrees when each error is within twice the einsum
-  path's own in that dtype: in bfloat16 both are rounding, ~0.5%, where the kernel drawing another dropout
-  mask, attending to one padded key or scaling its logits by 1.05 made the attention gradients' error 17x, 6x
-  and 2.7x the einsum path's (on the interpreter; the tests check the first two)."""
-  import flax.linen as nn  # pylint: disable=g-import-not-at-top
-  from jdr.models.bert import Encoder  # pylint: disable=g-import-not-at-top
-  rng = np.random.default_rng(seed)
-  ids = rng.integers(5, encoder.vocab_size, (rows, length)).astype(np.int32)
-  lengths = np.maximum(1, (length * np.linspace(1.0, 0.1, rows)).astype(int))
-  mask = (np.arange(length)[None, :] < lengths[:, None]).astype(np.int32)
-  real = jnp.asarray(mask, jnp.float32)[..., None]
-  reference = encoder.replace(attention="einsum", dtype="float32")
-  params = nn.unbox(Encoder(reference).init(jax.random.key(seed), ids, mask))
-  names = lambda path: [getattr(k, "key", None) for k in path]
-  # Query and key weights at N(0, 1 / width) instead of BERT's N(0, 0.02): logits of unit spread, so attention
-  # is far from uniform and a wrong scale, mask or block shows.
-  params = jax.tree_util.tree_map_with_path(
-      lambda path, x: x * (encoder.hidden_size ** -0.5 / 0.02)
-      if names(path)[-1] == "kernel" and ({"query", "key"} & set(names(path))) else x, params)
-
-  def vectors_and_gradients(config):
-    model = Encoder(config)
-
-    def loss(p):
-      out = model.apply(p, ids, mask, deterministic=False, rngs={"dropout": jax.random.key(seed + 1)}) * real
-      return jnp.sum(jnp.sin(out)), out
-
-    (_, out), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
-    flat = jax.tree_util.tree_flatten_with_path(grads)[0]
-    part = lambda keep: np.concatenate([np.asarray(g, np.float64).ravel() for path, g in flat if keep(path)])
-    # Attention's own parameters get their gradients only through the kernel: a wrong probability or mask
-    # shows there first (with random weights attention is a small part of the token vectors).
-    attention = lambda path: bool({"query", "key", "value"} & set(names(path)))
-    return np.asarray(out, np.float64), part(lambda _: True), part(attention)
-
-  with jax.default_matmul_precision("highest"):
-    want = vectors_and_gradients(reference)
-  errors = {}
-  for attention in ("einsum", "flash"):
-    got = vectors_and_gradients(encoder.replace(attention=attention))
-    errors[attention] = [float(np.linalg.norm(g - w) / np.linalg.norm(w)) for g, w in zip(got, want)]
-  return {"rows": rows, "length": length, "layers": encoder.num_layers, "dtype": encoder.dtype,
-          "attention_dropout": encoder.attention_dropout,
-          "vectors_error": {a: round(e[0], 6) for a, e in errors.items()},
-          "gradients_error": {a: round(e[1], 6) for a, e in errors.items()},
-          "attention_gradients_error": {a: round(e[2], 6) for a, e in errors.items()},
-          "agrees": all(f <= 2 * e + 1e-6 for f, e in zip(errors["flash"], errors["einsum"]))}
-
-
 def section_flash(size: dict, model_dir: str, shape: dict, peak_flops: float, train: dict | None) -> dict:
   """The train section's step with model.attention=flash (jdr's Pallas kernel draws the attention dropout),
   against the train section's default step when it ran in this command."""
   if jax.default_backend() != "gpu":
     raise RuntimeError("the flash section times a Triton kernel: GPUs only (elsewhere it runs interpreted)")
   import dataclasses  # pylint: disable=g-import-not-at-top
-  from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import encoder_runtime  # pylint: disable=g-import-not-at-top
   from jdr.models import hf  # pylint: disable=g-import-not-at-top
   from jdr.models import towers  # pylint: disable=g-import-not-at-top
   # Inference first (no dropout, where the default is cuDNN's kernel and the transposes jax puts around it):
   # the encode section's forward of one full batch, the tower with each attention.
   length = size["encode_length"]
-  rows, ids, mask = _full_batch(length, corpus_lib.default_tokens_per_batch())
+  rows, ids, mask = _full_batch(length, encoder_runtime.default_tokens_per_batch())
   tower, params, _, _ = hf.load_tower(model_dir, pooling="mean", normalize=False, max_length=length,
                                       dtype=size["dtype"])
-  # First whether the Triton kernel computes the right thing: two layers of this model's shape suffice (every
-  # layer runs the same kernels), at the train step's attention dropout.
-  agreement = flash_agreement(tower.config.encoder.replace(num_layers=2, attention_dropout=0.1), length=length)
-  _report("flash agreement", agreement)
   params = towers.serving_params(params, tower)  # as encoding holds them (load_runtime), so the two compare
   forward, forward_kernels = {}, {}
   for attention in ("auto", "flash"):
@@ -442,8 +385,8 @@ def section_flash(size: dict, model_dir: str, shape: dict, peak_flops: float, tr
     apply = jax.jit(tower.clone(config=cfg).apply)
     run = _waiting(apply, {"params": params}, ids, mask)
     forward[attention] = median_seconds(run, size["repeats"])
-    forward_kernels[attention] = _kernels(size, f"the encoder's forward, attention={attention}", apply,
-                                          ({"params": params}, ids, mask), run)
+    forward_kernels[attention] = kernels_if_profiling(size, f"the encoder's forward, attention={attention}",
+                                                      apply, ({"params": params}, ids, mask), run)
   forward_flops = _flops([length] * rows, shape)
   b, lq, ld = size["train_batch"], size["train_query_length"], size["train_doc_length"]
   flops = 3 * (_flops([lq] * b, shape) + _flops([ld] * b, shape))
@@ -451,7 +394,7 @@ def section_flash(size: dict, model_dir: str, shape: dict, peak_flops: float, tr
   config.model.attention = "flash"
   flash_s, flash_kernels = jdr_train_step_seconds(config, _token_batch(b, lq, ld), size,
                                                  "the train step, attention=flash")
-  out = {"agreement": agreement, "forward": {"rows": rows, "length": length,
+  out = {"forward": {"rows": rows, "length": length,
                      **{f"{a}_ms": round(1e3 * t, 2) for a, t in forward.items()},
                      **{f"{a}_peak_fraction": round(forward_flops / t / peak_flops, 3) for a, t in forward.items()},
                      **{f"{a}_kernels": k for a, k in forward_kernels.items() if k is not None}},
@@ -563,16 +506,17 @@ def _topk_row(row: dict, n: int, dim: int, dtype: str, k: int, queries, size: di
 def section_int8_scifact(mesh, k: int = 200) -> dict:
   """Real vectors: SciFact encoded by the bundled MiniLM, its test queries' top-k from float32 (exact),
   bfloat16 and int8 storage; Recall@k of each against exact, and each one's nDCG@10."""
-  from jdr import corpus as corpus_lib, metrics  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import encoder_runtime  # pylint: disable=g-import-not-at-top
+  from jdr.evaluation import metrics
   from jdr.data import formats, shared, text  # pylint: disable=g-import-not-at-top
   path = shared.shared_dataset("scifact")
   if path is None:
     raise SystemExit(f"the int8 section reads SciFact from {shared.shared_data_dir() / 'scifact'}")
   corpus, queries, qrels = formats.load_beir(path, "test")
   doc_ids, qids = list(corpus), list(queries)
-  runtime = corpus_lib.load_runtime("minilm")
-  docs = corpus_lib.encode_texts(runtime, [text.doc_text(corpus[d]) for d in doc_ids])
-  q = corpus_lib.encode_texts(corpus_lib.load_runtime("minilm", side="query"), [queries[i] for i in qids])
+  runtime = encoder_runtime.load_runtime("minilm")
+  docs = encoder_runtime.encode_texts(runtime, [text.doc_text(corpus[d]) for d in doc_ids])
+  q = encoder_runtime.encode_texts(encoder_runtime.load_runtime("minilm", side="query"), [queries[i] for i in qids])
   out, exact = {"docs": len(doc_ids), "queries": len(qids), "k": k}, None
   for dtype in ("float32", "bfloat16", "int8"):
     placed = topk.put_corpus(docs, mesh, dtype)
@@ -622,6 +566,7 @@ def main(argv=None) -> None:
                            "report where their device time goes: kernel ms by kind of work and the largest HLO "
                            "instructions")
   parser.add_argument("--topk-sizes", default=None, help="override the top-k corpus sizes, comma-separated")
+  parser.add_argument("--adore-sizes", default=None, help="override ADORE's corpus sizes, comma-separated")
   args = parser.parse_args(argv)
   platform = jax.default_backend()
   size_name = args.size or ("small" if platform == "cpu" else "full")
@@ -633,6 +578,8 @@ def main(argv=None) -> None:
   size["profile"] = args.profile
   if args.topk_sizes:
     size["topk_sizes"] = tuple(int(s) for s in args.topk_sizes.split(","))
+  if args.adore_sizes:
+    size["adore_sizes"] = tuple(int(s) for s in args.adore_sizes.split(","))
   torch_device = peak_lib.torch_device()
   if platform != "cpu":
     # Compiling dominates the command's time on a GPU (BERT-base steps at 12 unrolled layers, each matmul
@@ -643,7 +590,7 @@ def main(argv=None) -> None:
     jax.config.update("jax_compilation_cache_dir", cache.name)
   import transformers  # pylint: disable=g-import-not-at-top
   transformers.logging.set_verbosity_error()  # its load reports would bury the sections' lines
-  from jdr import parallel  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import parallel  # pylint: disable=g-import-not-at-top
   mesh = parallel.make_mesh((-1, 1, 1))
   result = {"benchmark": "device", "device": jax.devices()[0].device_kind, "platform": platform,
             "devices": jax.device_count(), "reference_device": torch_device,

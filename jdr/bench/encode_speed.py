@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from jdr import corpus as corpus_lib
+from jdr.retrieval import encoder_runtime
 from jdr.bench import peak as peak_lib
 from jdr.data import formats
 from jdr.data import shared
@@ -34,20 +34,20 @@ def _texts(num_docs: int) -> list[str]:
   return [text_lib.doc_text(doc) for doc in list(corpus.values())[:num_docs]]
 
 
-def streamed_masks(runtime: corpus_lib.EncoderRuntime, lengths: list[int], tokens_per_batch: int) -> list[np.ndarray]:
+def streamed_masks(runtime: encoder_runtime.EncoderRuntime, lengths: list[int], tokens_per_batch: int) -> list[np.ndarray]:
   """The attention mask of each batch `encode_texts` builds for texts of these token lengths: it batches as
   the background tokenizer's chunks arrive (`streamed_batches`), so its batches are not `plan_batches`'."""
-  plan_args = corpus_lib.batch_plan_args(runtime.max_length, tokens_per_batch, runtime.rows_multiple)
+  plan_args = encoder_runtime.batch_plan_args(runtime.max_length, tokens_per_batch, runtime.rows_multiple)
   stand_ins = [np.zeros(n, np.int32) for n in lengths]
   chunks = ((a, stand_ins[a:b]) for a, b in text_lib.chunk_bounds(len(lengths)))
   return [mask for _, _, mask in text_lib.streamed_batches(chunks, **plan_args)]
 
 
-def warm_up(runtime: corpus_lib.EncoderRuntime, lengths: list[int], tokens_per_batch: int) -> float:
+def warm_up(runtime: encoder_runtime.EncoderRuntime, lengths: list[int], tokens_per_batch: int) -> float:
   """Compiles every batch shape `encode_texts` and `encode_tokens` will use for texts of these token lengths;
   returns seconds."""
   start = time.perf_counter()
-  plan_args = corpus_lib.batch_plan_args(runtime.max_length, tokens_per_batch, runtime.rows_multiple)
+  plan_args = encoder_runtime.batch_plan_args(runtime.max_length, tokens_per_batch, runtime.rows_multiple)
   shapes = {(p.rows, p.length) for p in text_lib.plan_batches(lengths, **plan_args)}  # encode_tokens'
   shapes |= {mask.shape for mask in streamed_masks(runtime, lengths, tokens_per_batch)}  # encode_texts'
   for rows, length in sorted(shapes):
@@ -77,7 +77,7 @@ def main(argv=None) -> None:
   print(f"float32 matmul peak: {peak['peak'] / 1e9:.1f} GFLOP/s "
         f"({', '.join(f'{k} {v / 1e9:.1f}' for k, v in peak.items() if k != 'peak')})", file=sys.stderr)
 
-  runtime = corpus_lib.load_runtime("minilm", max_length=args.max_length, dtype=args.dtype)
+  runtime = encoder_runtime.load_runtime("minilm", max_length=args.max_length, dtype=args.dtype)
   # The tokenizer's own call on the same texts (first, so any warm-up is its): what jdr.tokenize replaces,
   # and the ids it must equal.
   call_s, call = _seconds(lambda: runtime.tokenizer(texts, truncation=True, max_length=args.max_length))
@@ -87,10 +87,10 @@ def main(argv=None) -> None:
   lengths = [len(t) for t in token_ids]
   flops = peak_lib.encoder_flops(lengths, layers=6, hidden=384, intermediate=1536)
 
-  tokens_per_batch = args.tokens_per_batch or corpus_lib.default_tokens_per_batch()
+  tokens_per_batch = args.tokens_per_batch or encoder_runtime.default_tokens_per_batch()
   compile_s = warm_up(runtime, lengths, tokens_per_batch)
   start = time.perf_counter()
-  jdr_emb = corpus_lib.encode_texts(runtime, texts, tokens_per_batch=tokens_per_batch)
+  jdr_emb = encoder_runtime.encode_texts(runtime, texts, tokens_per_batch=tokens_per_batch)
   jdr_s = time.perf_counter() - start
 
   import torch  # pylint: disable=g-import-not-at-top

@@ -3,7 +3,7 @@
   python -m jdr.bench eval-candidates [--depth 100] [--model minilm] [--max-queries 0]
   python -m jdr.bench eval-candidates --passages 1000000      # a synthetic MS MARCO-shaped corpus instead
 
-Both kinds are `jdr.evaluation.Evaluator`'s, as `jdr.train` runs them: "bm25" (BM25's top `--depth` of each
+Both kinds are `jdr.evaluation.periodic.Evaluator`'s, as `jdr.train` runs them: "bm25" (BM25's top `--depth` of each
 evaluation query, only the distinct candidates encoded, re-ranked by dot product) and "full" (every document
 encoded, in resumable shards, and searched exactly). Data: SciFact's test split from the shared data folder,
 or with `--passages N` the dev split of `jdr.data.synthetic`'s dataset of N passages (made under --root once).
@@ -24,12 +24,12 @@ import time
 import jax
 import numpy as np
 
-from jdr import config_files
-from jdr import corpus as corpus_lib
-from jdr import defaults
-from jdr import eval_candidates
-from jdr import evaluation
-from jdr import train
+from jdr.runtime import config_files
+from jdr.retrieval import encoder_runtime
+from jdr.runtime import defaults
+from jdr.evaluation import eval_candidates
+from jdr.evaluation import periodic
+from jdr.training import trainer
 from jdr.bench import encode_speed
 from jdr.data import pairs
 from jdr.data import prepared
@@ -47,7 +47,7 @@ def _config(args, dataset: pathlib.Path, split: str):
   return config
 
 
-def _warm_up(encoder: evaluation.TowerEncoder, params, candidates, qids) -> float:
+def _warm_up(encoder: periodic.TowerEncoder, params, candidates, qids) -> float:
   """Compiles the shapes the full corpus, the candidates and the queries are encoded in; returns seconds."""
   start = time.perf_counter()
   corpus = encoder.data.corpus
@@ -57,10 +57,10 @@ def _warm_up(encoder: evaluation.TowerEncoder, params, candidates, qids) -> floa
     doc_lengths = [len(t) for t in encoder.doc_tokens]
   candidate_lengths = [len(t) for t in eval_candidates.tokenize(encoder.tokenizer, corpus, encoder.doc_ids,
                                                                 candidates.unique, encoder.doc_max_length)]
-  serving = encoder._serving(params)  # pylint: disable=protected-access  (the weights the evaluation encodes with)
-  docs = corpus_lib.EncoderRuntime(encoder.encode_doc, serving, encoder.tokenizer, encoder.doc_max_length, {})
-  queries = corpus_lib.EncoderRuntime(encoder.encode_query, serving, encoder.tokenizer, encoder.query_max_length, {})
-  tokens_per_batch = encoder.tokens_per_batch or corpus_lib.default_tokens_per_batch()
+  serving = encoder.serving(params)  # the weights the evaluation encodes with
+  docs = encoder_runtime.EncoderRuntime(encoder.encode_doc, serving, encoder.tokenizer, encoder.doc_max_length, {})
+  queries = encoder_runtime.EncoderRuntime(encoder.encode_query, serving, encoder.tokenizer, encoder.query_max_length, {})
+  tokens_per_batch = encoder.tokens_per_batch or encoder_runtime.default_tokens_per_batch()
   query_lengths = [len(t) for t in text_lib.tokenize(encoder.tokenizer, [encoder.data.queries[q] for q in qids],
                                                       encoder.query_max_length)]
   for runtime, lengths in ((docs, [int(n) for n in doc_lengths]), (docs, candidate_lengths),
@@ -94,18 +94,18 @@ def main(argv=None) -> None:
   config = _config(args, dataset, split)
   built = build.build(config.model, config.data)
   data = pairs.load(config.data, root)
-  params = train.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
-  encoder = evaluation.TowerEncoder(built.model, built.tokenizer, data, query_max_length=config.data.query_max_length,
+  params = trainer.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
+  encoder = periodic.TowerEncoder(built.model, built.tokenizer, data, query_max_length=config.data.query_max_length,
                                     doc_max_length=config.eval.doc_max_length,
                                     tokens_per_batch=config.eval.tokens_per_batch)
   cache = root / "cache"
 
   config.eval.candidates = "bm25"
   start = time.perf_counter()
-  on_candidates = evaluation.Evaluator(encoder, config, None, cache_dir=cache)
+  on_candidates = periodic.Evaluator(encoder, config, None, cache_dir=cache)
   setup_s = time.perf_counter() - start
   config.eval.candidates = "full"
-  full = evaluation.Evaluator(encoder, config, None, cache_dir=cache)
+  full = periodic.Evaluator(encoder, config, None, cache_dir=cache)
   compile_s = _warm_up(encoder, params, on_candidates.candidates, on_candidates.qids)
 
   timed = {}

@@ -17,8 +17,8 @@ import time
 import jax
 import numpy as np
 
-from jdr import defaults
-from jdr import step as step_lib
+from jdr.runtime import defaults
+from jdr.training import step as step_lib
 
 
 def _config(args, variant: str):
@@ -40,7 +40,7 @@ def _config(args, variant: str):
 
 
 def _batch(args, config) -> dict:
-  from jdr import distill  # pylint: disable=g-import-not-at-top
+  from jdr.training import distill  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(0)
   b, n, length = args.batch_size, args.negatives, args.doc_length
   c = b * (1 + n)
@@ -55,12 +55,13 @@ def _batch(args, config) -> dict:
 
 
 def step_seconds(args, variant: str) -> float:
-  from jdr import optimizers, train  # pylint: disable=g-import-not-at-top
+  from jdr.training import trainer  # pylint: disable=g-import-not-at-top
+  from jdr.training import optimizers
   from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
   config = _config(args, variant)
   built = build_lib.build(config.model, config.data)
   tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps)
-  params = train.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
+  params = trainer.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
   state = {"s": step_lib.TrainState(step=jax.numpy.int32(0), params=params, opt_state=tx.init(params),
                                  rng=jax.random.PRNGKey(1))}
   step_fn = step_lib.jit(step_lib.make_train_step(built.model, tx, config), donate_argnums=(0,))

@@ -1,5 +1,5 @@
 """Paper-size runs, planned: each full recipe at MS MARCO size, its step compiled for the host it would run on,
-and the hours of each stage from figures measured before (docs/performance.md).
+and the hours of each stage from figures measured before (docs/performance.md, `plan`).
 
   python -m jdr.bench plan                          # the hours table only: no compiles, seconds
   PYTHONPATH=<jax CUDA plugin> python -m jdr.bench plan --topology h100:8   # and each step compiled for 8 H100s
@@ -13,8 +13,8 @@ none of which a planning host has) is a fresh BERT-base of the same shape (`mode
 12 x 768, [CLS] + the recipe's head), whose vocabulary is the MiniLM tokenizer's 30,522 where RoBERTa's is
 50,265: the 19,743 rows more are 15.2M parameters, 57.8 MiB of float32 parameters, the same again of
 gradients and twice that of Adam / LAMB moments per device under data parallelism. ADORE / LTRe compile
-against their corpus of 8,841,823 rows (jdr.sizing.compile_corpus_step). A compile of a BERT-base step takes
-minutes on a 2-core host.
+against their corpus of 8,841,823 rows (jdr.training.sizing.compile_corpus_step). A compile of a BERT-base step is
+slow on a small host (docs/performance.md, `plan`, has the times).
 
 The hours come from the recipe's settings (steps, batch, lengths, negatives, refreshes) and FIGURES, each
 measured once with the command it names; a stage whose figure was never measured says so (None) rather than
@@ -43,7 +43,8 @@ class Figure:
 
 
 # Every rate the hours are built from. Device figures: one NVIDIA H200, BERT-base-shaped, bf16
-# (`python -m jdr.bench device`, docs/performance.md "On an NVIDIA H200"); host figures: the 2-core x86 CPU.
+# (`python -m jdr.bench device`, docs/performance.md, `device`, "On an NVIDIA H200"); host figures: the 2-core
+# x86 CPU.
 FIGURES = {
     "encode_docs_per_s": Figure(6_722, "H200, SciFact's 5,183 documents at up to 256 tokens from token ids "
                                        "(`python -m jdr.bench device`, encoding)"),
@@ -63,8 +64,8 @@ FIGURES = {
                                       "them with the index pass (68.1 s) and their token ids at up to 120 tokens "
                                       "(751.3 s), `python -m jdr.bench scale --passages 8841823`"),
     "prepare_tokens_per_doc": Figure(100.2, "the word pieces of those passages (same run)"),
-    "bm25_index_s": Figure(722.5, "2-core x86 CPU, jdr.bm25's index of those 8,841,823 passages (same run)"),
-    "bm25_queries_per_s": Figure(502_939 / 971.0, "2-core x86 CPU, jdr.bm25's top-200 of 502,939 queries over "
+    "bm25_index_s": Figure(722.5, "2-core x86 CPU, jdr.retrieval.bm25's index of those 8,841,823 passages (same run)"),
+    "bm25_queries_per_s": Figure(502_939 / 971.0, "2-core x86 CPU, jdr.retrieval.bm25's top-200 of 502,939 queries over "
                                                   "that index in 971.0 s (same run)"),
     "fgd_step_factor": Figure(19.16 / 16.70, "2-core x86 CPU, MiniLM: the FGD step (passage and sentence KD) over "
                                              "the contrastive one (`python -m jdr.bench fgd-step --batch-size 8 "
@@ -107,7 +108,7 @@ class Stage:
 
 
 def recipe_config(spec: str, configs_dir: pathlib.Path) -> ml_collections.ConfigDict:
-  from jdr import config_files  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import config_files  # pylint: disable=g-import-not-at-top
   name, _, arg = spec.partition(":")
   return config_files.load_config_file(str(configs_dir / f"{name}.py") + (f":{arg}" if arg else ""))
 
@@ -191,7 +192,7 @@ def step_tokens(config: ml_collections.ConfigDict) -> int:
 
 def stages(config: ml_collections.ConfigDict) -> list[Stage]:
   """Prepare, mine, train and evaluate of a full recipe at its corpus's size (module docstring)."""
-  from jdr import distill  # pylint: disable=g-import-not-at-top
+  from jdr.training import distill  # pylint: disable=g-import-not-at-top
   corpus, neg = corpus_of(config), config.negatives
   out = []
   # ---- prepare: the corpus tokenized once into memory-mapped arrays (jdr.data.prepared), on the host.
@@ -246,6 +247,7 @@ def stages(config: ml_collections.ConfigDict) -> list[Stage]:
 
 def _evaluation(config: ml_collections.ConfigDict, corpus: Corpus) -> list[Stage]:
   from jdr.negatives import sources  # pylint: disable=g-import-not-at-top
+  from jdr.training import optimizers  # pylint: disable=g-import-not-at-top
   dev, depth = corpus.dev_queries, config.eval.get("candidates_depth", 100)
   times = 1 + int(config.eval_before_training) + (config.num_train_steps // config.eval_every
                                                    if config.eval_every else 0)
@@ -258,7 +260,7 @@ def _evaluation(config: ml_collections.ConfigDict, corpus: Corpus) -> list[Stage
                   f"{times} x {n:,} pairs x {ld} tokens / {rate / 1e6:.2f}M tokens/s", "device")]
   qs, qs_f = _query_encode(dev, config.data.query_max_length)
   se, se_f = _search(dev, corpus.docs)
-  if config.model.train_towers == "query":  # the fixed index is searched, never re-encoded
+  if optimizers.query_only(config.model):  # the fixed index is searched, never re-encoded
     return [Stage("evaluate", f"{times} x the fixed index", times * (qs + se), f"{times} x ({qs_f} + {se_f})",
                   "device")]
   kind = config.eval.get("candidates", "full")
@@ -343,7 +345,7 @@ def compile_table(results: list[dict], memory: int | None) -> str:
 
 def device_memory(topology: str | None) -> int | None:
   """Bytes of one device of `topology`, for the table's last column (None where unknown)."""
-  from jdr import sizing  # pylint: disable=g-import-not-at-top
+  from jdr.training import sizing  # pylint: disable=g-import-not-at-top
   if not topology or topology == "cpu":
     return None
   gpu = sizing.gpu_target(topology)
@@ -371,7 +373,7 @@ def main(argv=None) -> None:
   print(table, file=sys.stderr)
   compiled = []
   if args.topology:
-    from jdr import sizing  # pylint: disable=g-import-not-at-top
+    from jdr.training import sizing  # pylint: disable=g-import-not-at-top
     for spec, config in configs.items():
       config.model.init_from, config.model.fresh = "", args.fresh  # the module docstring says why
       start = time.perf_counter()

@@ -9,7 +9,7 @@ and document 128 tokens; in-batch sampled softmax on raw dot products, dropout 0
 clipping at 1.0.
 
 1. The batch B is the largest whose un-cached step fits `--budget-mib` of XLA's compiled memory on this
-   backend (`jdr.gradcache.largest_batch`; `--batch-size` sets it instead). The largest batch the cached step
+   backend (`jdr.training.gradcache.largest_batch`; `--batch-size` sets it instead). The largest batch the cached step
    reaches within the same budget is reported too.
 2. jdr trains B pairs a step through `jdr.step_lib.make_train_step`, without caching and with
    grad_cache.chunk_size = `--chunk-size`.
@@ -35,8 +35,8 @@ import jax
 import ml_collections
 import numpy as np
 
-from jdr import defaults
-from jdr import step as step_lib
+from jdr.runtime import defaults
+from jdr.training import step as step_lib
 from jdr.bench import peak as peak_lib
 
 
@@ -66,7 +66,7 @@ def _median_seconds(run_step, steps: int) -> float:
 
 
 def largest_batches(model, budget_bytes: int, chunk_size: int, max_batch: int) -> dict:
-  from jdr import gradcache  # pylint: disable=g-import-not-at-top
+  from jdr.training import gradcache  # pylint: disable=g-import-not-at-top
   out = {}
   for name, chunk in (("uncached", None), ("cached", chunk_size)):
     best, stats = gradcache.largest_batch(model, budget_bytes, query_len=32, doc_len=128, chunk_size=chunk,
@@ -77,9 +77,10 @@ def largest_batches(model, budget_bytes: int, chunk_size: int, max_batch: int) -
 
 
 def jdr_seconds(built, config, batches, steps: int) -> float:
-  from jdr import optimizers, train  # pylint: disable=g-import-not-at-top
+  from jdr.training import trainer  # pylint: disable=g-import-not-at-top
+  from jdr.training import optimizers
   tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps)
-  params = train.initial_params(built.model, built, config, jax.random.PRNGKey(config.seed), None)
+  params = trainer.initial_params(built.model, built, config, jax.random.PRNGKey(config.seed), None)
   state = {"s": step_lib.TrainState(step=jax.numpy.int32(0), params=params, opt_state=tx.init(params),
                                  rng=jax.random.PRNGKey(1))}
   step_fn = step_lib.jit(step_lib.make_train_step(built.model, tx, config), donate_argnums=(0,))
@@ -151,7 +152,7 @@ def main(argv=None) -> None:
   from jdr.data import pretrain_batches  # pylint: disable=g-import-not-at-top
   from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
   from jdr.models import hf  # pylint: disable=g-import-not-at-top
-  from jdr import train  # pylint: disable=g-import-not-at-top
+  from jdr.training import trainer  # pylint: disable=g-import-not-at-top
 
   config = _config(args.batch_size or 8, args.chunk_size)
   built = build_lib.build(config.model, config.data)
@@ -165,7 +166,7 @@ def main(argv=None) -> None:
   config = _config(batch_size, 0)
   maker, _ = pretrain_batches.make(config, built.tokenizer)
   batches = [maker.local(s) for s in range(args.steps + 1)]
-  params = jax.device_get(train.initial_params(built.model, built, config, jax.random.PRNGKey(config.seed), None))
+  params = jax.device_get(trainer.initial_params(built.model, built, config, jax.random.PRNGKey(config.seed), None))
 
   result = {"benchmark": "pretrain", "units": "pairs/s", "batch_size": batch_size,
             "chunk_size": args.chunk_size, "budget_mib": args.budget_mib, "largest_batch": largest,

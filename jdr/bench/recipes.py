@@ -4,7 +4,7 @@ import pathlib
 
 import ml_collections
 
-from jdr import config_files
+from jdr.runtime import config_files
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
 

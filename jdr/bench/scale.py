@@ -155,7 +155,7 @@ def _overrides(ctx: Context, *stage: str) -> list[str]:
 
 
 def _config(ctx: Context, *stage: str):
-  from jdr import config_files  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import config_files  # pylint: disable=g-import-not-at-top
   from jdr.bench import recipes  # pylint: disable=g-import-not-at-top
   config = recipes.load(RECIPE)
   config_files.apply_overrides(config, _overrides(ctx, *stage))
@@ -227,14 +227,15 @@ def text_sample(data, count: int = 1000) -> dict:
 
 
 def _train_first_step(ctx: Context, workdir_name: str = "train") -> dict:
-  from jdr import metric_writers, train  # pylint: disable=g-import-not-at-top
+  from jdr import train  # pylint: disable=g-import-not-at-top
+  from jdr.training import metric_writers
   from jdr.data import prepared  # pylint: disable=g-import-not-at-top
   workdir = ctx.path(workdir_name)
   argv = _train_command(ctx, workdir, "data.eval_split=", "num_train_steps=1", "log_every=1",
                         "eval_before_training=false", "checkpoint_every=0")
   marks = _Marks()  # the preparing passes, which run only where the corpus is not prepared yet
-  marks.wrap(prepared._Indexer, "run", "index")  # pylint: disable=protected-access
-  marks.wrap(prepared._Tokenizer, "run", "tokenize")  # pylint: disable=protected-access
+  marks.wrap(prepared.Indexer, "run", "index")
+  marks.wrap(prepared.Tokenizer, "run", "tokenize")
   wall, start = time.time(), time.perf_counter()
   train.main(argv)
   total = time.perf_counter() - start
@@ -257,8 +258,8 @@ def _bm25_mine(ctx: Context) -> dict:
   load_s = time.perf_counter() - start
   # BM25Negatives indexes and mines in its constructor: timing the library's two calls splits it.
   marks = _Marks()
-  marks.wrap_if_present("jdr.bm25", "corpus_index", "index")
-  marks.wrap_if_present("jdr.bm25", "mine", "mine")
+  marks.wrap_if_present("jdr.retrieval.bm25", "corpus_index", "index")
+  marks.wrap_if_present("jdr.retrieval.bm25", "mine", "mine")
   start = time.perf_counter()
   negatives = sampled.BM25Negatives(data.corpus, data.queries, data.train_qrels, top_k=TOP_N,
                                     cache_dir=ctx.path("bm25-cache"))
@@ -301,8 +302,8 @@ def random_encoding(corpus: str, out: pathlib.Path, *, seed: int = 0, dim: int =
   `vectors: random`), of seeded random unit vectors for the corpus' documents in corpus order."""
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tqdm  # pylint: disable=g-import-not-at-top
-  from jdr import atomic  # pylint: disable=g-import-not-at-top
-  from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import atomic  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import encodings  # pylint: disable=g-import-not-at-top
   from jdr.data import formats  # pylint: disable=g-import-not-at-top
   from jdr.data import prepared  # pylint: disable=g-import-not-at-top
   corpus_file = formats.corpus_file(corpus)
@@ -316,9 +317,9 @@ def random_encoding(corpus: str, out: pathlib.Path, *, seed: int = 0, dim: int =
     lo, hi = shard * SHARD_SIZE, min(len(ids), (shard + 1) * SHARD_SIZE)
     emb = rng.standard_normal((hi - lo, dim), dtype=np.float32)
     emb /= np.linalg.norm(emb, axis=1, keepdims=True)
-    emb_path, ids_path = corpus_lib._shard_paths(out, shard)  # pylint: disable=protected-access  (jdr.encode's layout)
+    emb_path, ids_path = encodings.shard_paths(out, shard)  # jdr.encode's layout
     atomic.write_text(ids_path, "".join(i + "\n" for i in ids[lo:hi]))
-    corpus_lib._save_npy(emb_path, emb)  # pylint: disable=protected-access
+    encodings.save_npy(emb_path, emb)
   meta = {"num_docs": len(ids), "shard_size": SHARD_SIZE, "num_shards": num_shards, "vectors": "random",
           "seed": seed, "corpus": str(pathlib.Path(corpus).absolute()), "complete": True, "dim": dim}
   atomic.write_text(out / "meta.json", json.dumps(meta, indent=1))
@@ -326,13 +327,14 @@ def random_encoding(corpus: str, out: pathlib.Path, *, seed: int = 0, dim: int =
 
 
 def _dense_mine(ctx: Context) -> dict:
-  from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import encoder_runtime  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import encodings  # pylint: disable=g-import-not-at-top
   from jdr.data import formats  # pylint: disable=g-import-not-at-top
   from jdr.data import msmarco  # pylint: disable=g-import-not-at-top
   from jdr.negatives import retrieved  # pylint: disable=g-import-not-at-top
   where = msmarco.files(ctx.data, "train")
   start = time.perf_counter()
-  doc_emb, _, _ = corpus_lib.load_embeddings(ctx.path("encoding"))
+  doc_emb, _, _ = encodings.load_embeddings(ctx.path("encoding"))
   queries = formats.read_queries(where.train_queries)
   qrels = formats.read_qrels(where.train_qrels)
   qids = sorted(q for q, docs in qrels.items() if any(r > 0 for r in docs.values()))  # as the miners do
@@ -342,8 +344,8 @@ def _dense_mine(ctx: Context) -> dict:
     picked = np.sort(np.random.default_rng(ctx.seed).choice(total, ctx.dense_queries, replace=False))
     qids = [qids[i] for i in picked]
   loaded = time.perf_counter()
-  runtime = corpus_lib.load_runtime(str(ctx.path("tiny-model")), side="query")
-  query_emb = corpus_lib.encode_texts(runtime, [queries[q] for q in qids])
+  runtime = encoder_runtime.load_runtime(str(ctx.path("tiny-model")), side="query")
+  query_emb = encoder_runtime.encode_texts(runtime, [queries[q] for q in qids])
   encoded = time.perf_counter()
   rows, _ = retrieved.exact_top_rows(doc_emb, query_emb, TOP_N, ctx.dense_backend)
   end = time.perf_counter()
@@ -360,12 +362,12 @@ def _adore_index(ctx: Context) -> dict:
   the encoding memory-mapped, retrieval over it and the batch's candidates' vectors, for ADORE_STEPS batches.
   `matrix_copies` is the peak memory this adds over the process before loading, in float32 matrices."""
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import encodings  # pylint: disable=g-import-not-at-top
   from jdr.negatives import retrieved  # pylint: disable=g-import-not-at-top
   before, anon_before = peak_rss_bytes(), anonymous_rss_bytes()
   anon_peak = anon_before
   start = time.perf_counter()
-  emb, _, _ = corpus_lib.load_embeddings(ctx.path("encoding"))
+  emb, _, _ = encodings.load_embeddings(ctx.path("encoding"))
   index = retrieved.HostIndex(emb, "Flat")
   built = time.perf_counter()
   rng = np.random.default_rng(ctx.seed)
@@ -390,17 +392,18 @@ def _adore_index(ctx: Context) -> dict:
 
 
 def _evaluate(ctx: Context) -> dict:
-  from jdr import evaluation, train  # pylint: disable=g-import-not-at-top
+  from jdr.training import trainer
+  from jdr.evaluation import periodic
   marks = _Marks()
-  marks.wrap(evaluation.Evaluator, "__call__", "evaluate")
-  marks.wrap(evaluation.TowerEncoder, "corpus", "encode_corpus")
-  marks.wrap(evaluation.TrainingDiagnostics, "__call__", "diagnostics")
+  marks.wrap(periodic.Evaluator, "__call__", "evaluate")
+  marks.wrap(periodic.TowerEncoder, "corpus", "encode_corpus")
+  marks.wrap(periodic.TrainingDiagnostics, "__call__", "diagnostics")
   # The full-corpus evaluation, as the end of training runs it (python -m jdr.bench eval-candidates times the
   # candidates the evaluations during training score).
   config = _config(ctx, "num_train_steps=0", "eval_before_training=false", "checkpoint_every=0",
                    "eval.candidates=full")
   start = time.perf_counter()
-  results = train.train_and_evaluate(config, ctx.path("evaluate"))
+  results = trainer.train_and_evaluate(config, ctx.path("evaluate"))
   if "evaluate" not in marks.first_start:
     raise ValueError(f"the trainer evaluated nothing (data.eval_split={config.data.eval_split!r})")
   return {"seconds": marks.seconds["evaluate"], "setup_s": marks.first_start["evaluate"] - start,
@@ -435,8 +438,8 @@ STAGES = {
     "adore_index": Stage(_adore_index, needs=("encode_corpus",), requires=("jdr.negatives.retrieved:HostIndex",)),
     "mine": Stage(_mine, per="query", needs=("generate",), workers=True, requires=("jdr.mine:main",)),
     "evaluate": Stage(_evaluate, per="query", needs=("generate",),
-                      requires=("jdr.evaluation:Evaluator", "jdr.evaluation:TowerEncoder",
-                                "jdr.evaluation:TrainingDiagnostics")),
+                      requires=("jdr.evaluation.periodic:Evaluator", "jdr.evaluation.periodic:TowerEncoder",
+                                "jdr.evaluation.periodic:TrainingDiagnostics")),
 }
 BASELINE = Stage(_baseline)
 
@@ -581,7 +584,7 @@ def run_stage(name: str, ctx: Context, timeout: float | None) -> dict:
   # Worker processes (a tokenizer pool) have memory of their own, which the stage's VmHWM does not count: the
   # whole group's is sampled too, for the stages that start workers. Only for those: reading a process's
   # smaps_rollup walks its page tables under its memory-map lock, which its own threads then wait for (a
-  # tokenizing stage sampled twice a second ran at half its unsampled rate).
+  # tokenizing stage sampled twice a second ran far below its unsampled rate: docs/performance.md, `scale`).
   group_peak, group_size, done = 0, 0, threading.Event()
 
   def sample():
@@ -695,7 +698,7 @@ def main(argv=None) -> None:
   if argv[:1] == ["--stage"]:  # a stage's own process (run_stage)
     _stage_process(argv)
     return
-  from jdr import config_files  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import config_files  # pylint: disable=g-import-not-at-top
   from jdr.data import synthetic  # pylint: disable=g-import-not-at-top
   rest, overrides = config_files.split_config_args(argv)
   public = [name for name, stage in STAGES.items() if not stage.internal]

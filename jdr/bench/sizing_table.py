@@ -6,12 +6,12 @@ the per-device corpus matrix of an 8.8M-document corpus.
   python -m jdr.bench sizing --topology v5e:2x4   # the same rows compiled for a TPU slice (needs libtpu)
 
 Each row compiles the in-batch training step (queries of 32 tokens, documents of 128, AdamW) for the mesh on
-simulated CPU devices, exactly as `python -m jdr.train ... --compile-only` does (jdr.sizing.size_step), and
+simulated CPU devices, exactly as `python -m jdr.train ... --compile-only` does (jdr.training.sizing.size_step), and
 prints XLA's per-device bytes. Rules follow the mesh: (8,1,1) data parallel (dp), (2,4,1) fully sharded
 (fsdp), (4,1,2) fsdp plus tensor parallel (fsdp_tp). `minilm` is the bundled all-MiniLM-L6-v2 (6 x 384),
 `base` a fresh BERT-base (12 x 768, the MiniLM vocabulary of 30,522). The corpus rows are
-jdr.sizing.corpus_matrix_bytes: ceil(8,841,823 / devices) x 768 x (4 or 2) bytes. Then the ADORE step's exact
-retrieval (jdr.topk.sharded_top_k: top-200 of 32 queries over 8,841,823 x 768 rows split over the devices) is
+jdr.training.sizing.corpus_matrix_bytes: ceil(8,841,823 / devices) x 768 x (4 or 2) bytes. Then the ADORE step's exact
+retrieval (jdr.retrieval.topk.sharded_top_k: top-200 of 32 queries over 8,841,823 x 768 rows split over the devices) is
 compiled alone for bfloat16, int8 and float32 storage: per-device corpus bytes, temporaries and FLOPs.
 """
 
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdr import topk
+from jdr.retrieval import topk
 
 MSMARCO_PASSAGES = 8_841_823
 RULES = {(8, 1, 1): "dp", (2, 4, 1): "fsdp", (4, 1, 2): "fsdp_tp"}
@@ -31,9 +31,9 @@ RULES = {(8, 1, 1): "dp", (2, 4, 1): "fsdp", (4, 1, 2): "fsdp_tp"}
 
 def size_retrieval(devices, num_docs: int = MSMARCO_PASSAGES, dim: int = 768, k: int = 200, queries: int = 32,
                    dtype: str = "bfloat16") -> dict:
-  """Compiles the exact per-step retrieval (jdr.topk.sharded_top_k, as the ADORE step runs it) for the corpus
+  """Compiles the exact per-step retrieval (jdr.retrieval.topk.sharded_top_k, as the ADORE step runs it) for the corpus
   rows split over `devices`, without data; returns XLA's per-device bytes and FLOPs."""
-  from jdr import sizing  # pylint: disable=g-import-not-at-top
+  from jdr.training import sizing  # pylint: disable=g-import-not-at-top
   mesh = jax.sharding.Mesh(np.array(devices), ("docs",))
   rows, bias = topk.abstract_corpus(num_docs, dim, mesh, dtype)
   whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -51,7 +51,9 @@ def size_retrieval(devices, num_docs: int = MSMARCO_PASSAGES, dim: int = 768, k:
 
 
 def main(argv=None) -> None:
-  from jdr import defaults, parallel, sizing  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import defaults  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import parallel
+  from jdr.training import sizing
   parser = argparse.ArgumentParser(prog="python -m jdr.bench sizing", description=__doc__.splitlines()[0])
   parser.add_argument("--models", default="minilm,base", help="comma-separated; empty: the retrieval rows only")
   parser.add_argument("--batches", default="32,1024")

@@ -26,13 +26,13 @@ import jax
 import ml_collections
 import numpy as np
 
-from jdr import defaults
-from jdr import step as step_lib
+from jdr.runtime import defaults
+from jdr.training import step as step_lib
 from jdr.bench import peak as peak_lib
 from jdr.models import hf
 
 
-def _config(args) -> ml_collections.ConfigDict:
+def bench_config(args) -> ml_collections.ConfigDict:
   c = defaults.get_config()
   c.model.init_from = "minilm"
   c.data.query_max_length, c.data.doc_max_length = args.query_length, args.doc_length
@@ -58,14 +58,16 @@ def jdr_step_seconds(args, batch, dropout: float | None = None, devices: int = 1
   """Median seconds of jdr's jitted step; `dropout` overrides the model's rates (0.0: the step without masks);
   `devices` > 1 splits the batch over that many devices (a (devices, 1, 1) mesh, parameters replicated: the
   trainer's mesh.rules=dp), as the trainer does with mesh.cpu_devices on a CPU host."""
-  from jdr import optimizers, parallel, train  # pylint: disable=g-import-not-at-top
+  from jdr.training import trainer  # pylint: disable=g-import-not-at-top
+  from jdr.training import optimizers
+  from jdr.runtime import parallel
   from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
-  config = _config(args)
+  config = bench_config(args)
   if dropout is not None:
     config.model.dropout = dropout
   built = build_lib.build(config.model, config.data)
   tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps)
-  params = train.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
+  params = trainer.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
   state = step_lib.TrainState(step=jax.numpy.int32(0), params=params, opt_state=tx.init(params),
                            rng=jax.random.PRNGKey(1))
   step = step_lib.make_train_step(built.model, tx, config)
@@ -93,12 +95,14 @@ def jdr_part_seconds(args, batch) -> dict[str, float]:
   """The optimizer update and the loss alone, jitted like the step: with the step with and without dropout,
   the step splits into towers (forward + backward), dropout masks, loss and update."""
   import optax  # pylint: disable=g-import-not-at-top
-  from jdr import losses, optimizers, train  # pylint: disable=g-import-not-at-top
+  from jdr.training import trainer  # pylint: disable=g-import-not-at-top
+  from jdr.training import losses
+  from jdr.training import optimizers
   from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
-  config = _config(args)
+  config = bench_config(args)
   built = build_lib.build(config.model, config.data)
   tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps)
-  params = train.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
+  params = trainer.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
   grads = jax.tree_util.tree_map(lambda p: jax.numpy.full_like(p, 1e-3), params)
   holder = {"params": params, "opt": tx.init(params)}
 
@@ -178,7 +182,7 @@ def main(argv=None) -> None:
     args.cpu_devices = max(n for n in range(1, cores + 1) if args.batch_size % n == 0)
   elif args.batch_size % args.cpu_devices:
     parser.error(f"--batch-size {args.batch_size} does not split over --cpu-devices {args.cpu_devices}")
-  from jdr import parallel  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import parallel  # pylint: disable=g-import-not-at-top
   parallel.use_cpu_devices(args.cpu_devices if args.cpu_devices > 1 else 0)
   if jax.default_backend() != "cpu":
     args.cpu_devices = 1  # an accelerator host: the step runs on the accelerator, as the trainer's would

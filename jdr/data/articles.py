@@ -301,7 +301,7 @@ def builtin_articles(stdlib=None, check_sentences: bool = True) -> tuple[list[Ar
   stdlib = pathlib.Path(stdlib or sysconfig.get_paths()["stdlib"])
   report = Report(f"stdlib {stdlib}")
   modules = []
-  for path in builtin._source_files(stdlib):  # pylint: disable=protected-access
+  for path in builtin.source_files(stdlib):
     parts = path.relative_to(stdlib).with_suffix("").parts
     name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
     try:
@@ -318,7 +318,7 @@ def builtin_articles(stdlib=None, check_sentences: bool = True) -> tuple[list[Ar
     one_line_summary = doc and "\n" not in inspect.cleandoc(doc).split("\n\n")[0]
     n_lead = 2 if one_line_summary and len(paragraphs) > 1 else min(1, len(paragraphs))
     lead, body = paragraphs[:n_lead], paragraphs[n_lead:]
-    for qualname, _, entry_doc in builtin._entries(tree, name):  # pylint: disable=protected-access
+    for qualname, _, entry_doc in builtin.entries(tree, name):
       if qualname != name:
         text = " ".join(_docstring_paragraphs(entry_doc))
         if text:

@@ -4,7 +4,7 @@ Leading axes: B = global batch of queries (split over the data-parallel devices)
 
   query_ids, query_mask   int32 [B, Lq]   the queries' token ids and attention mask
 
-and the candidates, in one of three forms (`Negatives.candidates` names it; jdr/step.py scores each):
+and the candidates, in one of three forms (`Negatives.candidates` names it; jdr/training/step.py scores each):
 
   tokens (documents encoded in the step by the document tower; DPR-style, STAR, ANCE):
     doc_ids, doc_mask     int32 [C, L]    C = B * (1 + negatives.per_query): docs[0:B] are the positives
@@ -39,7 +39,7 @@ and the candidates, in one of three forms (`Negatives.candidates` names it; jdr/
 
 Masked-LM pretraining (jdr/data/pretrain_batches.MLMBatches) hands `mlm_*` fields instead; see there.
 
-Losses are built by `jdr.losses.make_loss(config.loss)` and take `(scores [B, C], fields)` with `valid`,
+Losses are built by `jdr.training.losses.make_loss(config.loss)` and take `(scores [B, C], fields)` with `valid`,
 optional `labels` and `weights`, so a new method adds fields, never a new step.
 """
 

@@ -20,8 +20,8 @@ from jdr.data import formats
 
 _SKIP_DIRS = {"test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3", "site-packages", "dist-packages",
               "ensurepip", "__pycache__", "__phello__"}
-# Sizes that keep encoding the corpus with MiniLM on two CPU cores under about a minute (~100k tokens; it ran
-# at ~2k tokens/s there). Long docstrings cost the most and would be truncated at 256 tokens anyway.
+# Sizes that keep encoding the corpus with MiniLM on two CPU cores under about a minute (~100k tokens;
+# docs/performance.md, `encode`). Long docstrings cost the most and would be truncated at 256 tokens anyway.
 MAX_DOCS = 1200
 TEST_QUERIES = 200  # the rest of the judged docstrings (~470 on Python 3.11) form the train split
 REST_WORDS = (20, 80)
@@ -44,7 +44,7 @@ def _signature(node: ast.AST, qualname: str, is_method: bool) -> str:
   return f"{qualname}({ast.unparse(args)}){returns}"
 
 
-def _entries(node: ast.AST, qualname: str, is_method: bool = False):
+def entries(node: ast.AST, qualname: str, is_method: bool = False):
   """(qualified name, signature, docstring) for a node and the public functions/classes directly in it."""
   doc = ast.get_docstring(node)
   if doc:
@@ -52,7 +52,7 @@ def _entries(node: ast.AST, qualname: str, is_method: bool = False):
   if isinstance(node, (ast.Module, ast.ClassDef)):
     for child in node.body:
       if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and not child.name.startswith("_"):
-        yield from _entries(child, f"{qualname}.{child.name}", isinstance(node, ast.ClassDef))
+        yield from entries(child, f"{qualname}.{child.name}", isinstance(node, ast.ClassDef))
 
 
 def _split(doc: str) -> tuple[str, str] | None:
@@ -66,7 +66,7 @@ def _split(doc: str) -> tuple[str, str] | None:
   return summary, rest
 
 
-def _source_files(stdlib: pathlib.Path) -> list[pathlib.Path]:
+def source_files(stdlib: pathlib.Path) -> list[pathlib.Path]:
   """Public stdlib .py files in sorted order; skipped folders are pruned, not walked (site-packages is big)."""
   files = []
   for root, dirs, names in os.walk(stdlib):
@@ -78,18 +78,18 @@ def _source_files(stdlib: pathlib.Path) -> list[pathlib.Path]:
 
 
 def _candidates(stdlib: pathlib.Path):
-  for path in _source_files(stdlib):
+  for path in source_files(stdlib):
     parts = path.relative_to(stdlib).with_suffix("").parts
     module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
     try:
       tree = ast.parse(path.read_bytes(), filename=str(path))
     except (SyntaxError, ValueError):
       continue
-    yield from _entries(tree, module)
+    yield from entries(tree, module)
 
 
 @functools.lru_cache(maxsize=1)
-def _build(stdlib: str) -> tuple[tuple[formats.Doc, str | None], ...]:
+def build(stdlib: str) -> tuple[tuple[formats.Doc, str | None], ...]:
   """(doc, summary query or None) pairs in a deterministic hash order."""
   seen_names, seen_summaries, seen_rests, items = set(), set(), set(), []
   for qualname, signature, doc in _candidates(pathlib.Path(stdlib)):
@@ -118,7 +118,7 @@ def builtin_dataset(split: str = "test") -> tuple[formats.Corpus, formats.Querie
   "q:" + the doc id, so they never equal a doc id (BEIR's evaluator drops retrieved docs whose id equals the
   query's).
   """
-  items = _build(sysconfig.get_paths()["stdlib"])
+  items = build(sysconfig.get_paths()["stdlib"])
   corpus = {doc.id: doc for doc, _ in items}
   judged = [(doc, summary) for doc, summary in items if summary is not None]
   if split not in ("test", "train"):

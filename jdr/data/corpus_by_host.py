@@ -22,8 +22,8 @@ from typing import Iterator
 
 import numpy as np
 
-from jdr import parallel
-from jdr import paths
+from jdr.runtime import parallel
+from jdr.runtime import paths
 from jdr.data import formats
 
 
@@ -32,7 +32,7 @@ class LineCorpus(collections.abc.Mapping):
 
   def __init__(self, path: str | pathlib.Path, ids: list[str], offsets: np.ndarray, lengths: np.ndarray):
     self.path = str(path)
-    self._jsonl = formats._is_jsonl(paths.as_path(path))  # pylint: disable=protected-access
+    self._jsonl = formats.is_jsonl(paths.as_path(path))
     self._ids = ids
     self._row = {doc_id: i for i, doc_id in enumerate(ids)}
     self._offsets, self._lengths = offsets, lengths
@@ -104,7 +104,7 @@ def read_by_hosts(path: str | pathlib.Path, exchange_dir: str | pathlib.Path, *,
   import jax  # pylint: disable=g-import-not-at-top
   part = jax.process_index() if part is None else part
   parts = jax.process_count() if parts is None else parts
-  path = formats._corpus_file(path)  # pylint: disable=protected-access
+  path = formats.corpus_file(path)
   error, ids, offsets, lengths = None, [], [], []
   try:
     for doc, offset, length in formats.iter_corpus_lines(path, skip_invalid=skip_invalid, part=part, parts=parts):

@@ -27,8 +27,8 @@ import sys
 from collections.abc import Container, Iterator, Mapping
 from typing import NamedTuple
 
-from jdr import atomic
-from jdr import paths
+from jdr.runtime import atomic
+from jdr.runtime import paths
 
 PathLike = str | os.PathLike
 
@@ -69,7 +69,7 @@ class DataFormatError(ValueError):
     return f"{where}: {self.reason}"
 
 
-class _Invalid(Exception):
+class Invalid(Exception):
   """A bad record found while parsing one line; `_File.bad` turns it into an error or a count."""
 
   def __init__(self, kind: str, detail: str):
@@ -102,7 +102,7 @@ class _File:
       self._lines_before = line_number_at(self.path, self.byte_range[0]) - 1
     return self._lines_before + local
 
-  def bad(self, lineno: int, err: _Invalid) -> None:
+  def bad(self, lineno: int, err: Invalid) -> None:
     if not self.skip_invalid:
       raise DataFormatError(self.path, self.line(lineno), f"{err.kind}: {err.detail}")
     self.counts[err.kind] += 1
@@ -137,7 +137,7 @@ class _File:
       try:
         line = raw.decode("utf-8")
       except UnicodeDecodeError as e:
-        self.bad(lineno, _Invalid(BAD_UTF8, f"invalid byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line"))
+        self.bad(lineno, Invalid(BAD_UTF8, f"invalid byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line"))
         continue
       line = line.rstrip("\r\n")
       if line.strip():
@@ -157,7 +157,7 @@ def _open_bytes(path: PathLike, mode: str = "rb"):
 
 
 @contextlib.contextmanager
-def _reading(path: PathLike, skip_invalid: bool, byte_range: tuple[int, int | None] | None = None,
+def reading(path: PathLike, skip_invalid: bool, byte_range: tuple[int, int | None] | None = None,
              lines_before: int | None = None) -> Iterator[_File]:
   f = _File(paths.as_path(path), skip_invalid, byte_range, _lines_before=lines_before)
   try:
@@ -178,17 +178,16 @@ def is_jsonl(path: paths.epath.Path) -> bool:
     return (gzip.open(f, "rb") if path.suffix == ".gz" else f).read(4096).lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"{")
 
 
-_is_jsonl = is_jsonl  # the name jdr.data.corpus_by_host uses
 
 
-def _json_record(line: str) -> dict:
+def json_record(line: str) -> dict:
   try:
     obj = json.loads(line)
   except json.JSONDecodeError as e:
     # json's messages may end in "at" ("Unterminated string starting at"): the column completes them.
-    raise _Invalid(MALFORMED, f"bad JSON ({e.msg}{'' if e.msg.endswith(' at') else ' at'} column {e.colno})") from None
+    raise Invalid(MALFORMED, f"bad JSON ({e.msg}{'' if e.msg.endswith(' at') else ' at'} column {e.colno})") from None
   if not isinstance(obj, dict):
-    raise _Invalid(MALFORMED, f"expected a JSON object, got {type(obj).__name__}")
+    raise Invalid(MALFORMED, f"expected a JSON object, got {type(obj).__name__}")
   return obj
 
 
@@ -196,31 +195,31 @@ def _json_field(obj: dict, key: str, *, required: bool = True) -> str:
   value = obj.get(key)
   if value is None:
     if required:
-      raise _Invalid(MALFORMED, f"missing field {key!r}")
+      raise Invalid(MALFORMED, f"missing field {key!r}")
     return ""
   if key == "_id" and isinstance(value, int) and not isinstance(value, bool):
     return str(value)  # some BEIR exports write numeric ids; BEIR itself treats ids as strings
   if not isinstance(value, str):
-    raise _Invalid(MALFORMED, f"field {key!r} must be a string, got {type(value).__name__}")
+    raise Invalid(MALFORMED, f"field {key!r} must be a string, got {type(value).__name__}")
   return value
 
 
 def _tsv_fields(line: str, n: int, what: str) -> list[str]:
   fields = line.split("\t")
   if len(fields) != n:
-    raise _Invalid(MALFORMED, f"expected {n} tab-separated columns ({what}), got {len(fields)}")
+    raise Invalid(MALFORMED, f"expected {n} tab-separated columns ({what}), got {len(fields)}")
   return fields
 
 
-def _check_id(value: str, what: str) -> str:
+def check_id(value: str, what: str) -> str:
   if not value.strip():
-    raise _Invalid(MALFORMED, f"empty {what} id")
+    raise Invalid(MALFORMED, f"empty {what} id")
   return value
 
 
 def _check_new(seen: dict, key, what: str, line=lambda local: local) -> None:
   if key in seen:
-    raise _Invalid(DUPLICATE, already(what, key, line(seen[key])))
+    raise Invalid(DUPLICATE, already(what, key, line(seen[key])))
 
 
 def already(what: str, key, line: int) -> str:
@@ -243,7 +242,6 @@ def corpus_file(path: PathLike) -> paths.epath.Path:
   return path
 
 
-_corpus_file = corpus_file  # the name jdr.data.corpus_by_host uses
 
 
 def iter_corpus(path: PathLike, *, skip_invalid: bool = False, part: int = 0, parts: int = 1) -> Iterator[Doc]:
@@ -291,15 +289,15 @@ def _corpus_records(path: paths.epath.Path, skip_invalid: bool, byte_range, line
   """The validated records of a corpus file, line numbers counted from the range's first line; ids are checked
   for duplicates against `seen` unless None."""
   jsonl = is_jsonl(path)
-  with _reading(path, skip_invalid, byte_range, lines_before) as f:
+  with reading(path, skip_invalid, byte_range, lines_before) as f:
     for lineno, offset, length, line in f.lines_at():
       try:
         doc = parse_doc(line, jsonl)
         if seen is not None:
           _check_new(seen, doc.id, "doc id", f.line)
         if not doc.title.strip() and not doc.text.strip():
-          raise _Invalid(EMPTY, f"doc {doc.id!r} has empty title and text")
-      except _Invalid as e:
+          raise Invalid(EMPTY, f"doc {doc.id!r} has empty title and text")
+      except Invalid as e:
         f.bad(lineno, e)
         continue
       if seen is not None:
@@ -308,13 +306,13 @@ def _corpus_records(path: paths.epath.Path, skip_invalid: bool, byte_range, line
 
 
 def parse_doc(line: str, jsonl: bool) -> Doc:
-  """One corpus line (BEIR JSON or `pid\ttext`) -> Doc; raises _Invalid (a malformed line)."""
+  """One corpus line (BEIR JSON or `pid\ttext`) -> Doc; raises Invalid (a malformed line)."""
   if jsonl:
-    obj = _json_record(line)
-    return Doc(_check_id(_json_field(obj, "_id"), "doc"), _json_field(obj, "title", required=False),
+    obj = json_record(line)
+    return Doc(check_id(_json_field(obj, "_id"), "doc"), _json_field(obj, "title", required=False),
                _json_field(obj, "text"))
   doc_id, text = _tsv_fields(line, 2, "pid, text")
-  return Doc(_check_id(doc_id, "doc"), "", text)
+  return Doc(check_id(doc_id, "doc"), "", text)
 
 
 def line_number_at(path: PathLike, offset: int) -> int:
@@ -336,7 +334,7 @@ def corpus_part_bytes(path: PathLike, part: int, parts: int) -> tuple[int, int]:
   finding a boundary reads one line."""
   if not 0 <= part < parts:
     raise ValueError(f"part {part} is not in 0..{parts - 1}")
-  path = paths.as_path(_corpus_file(path))
+  path = paths.as_path(corpus_file(path))
   size = path.stat().length
 
   def line_start(offset: int) -> int:  # where the first line starting at or after `offset` begins
@@ -365,25 +363,25 @@ def iter_queries(path: PathLike, *, skip_invalid: bool = False,
   checked for duplicates: MS MARCO's queries.train.tsv holds 808,731 queries of which the training qrels judge
   502,939, and remembering every id's line would cost a Python object per unused query."""
   path = paths.as_path(path)
-  jsonl = _is_jsonl(path)
+  jsonl = is_jsonl(path)
   seen: dict[str, int] = {}
-  with _reading(path, skip_invalid) as f:
+  with reading(path, skip_invalid) as f:
     for lineno, line in f.lines():
       try:
         if jsonl:
-          obj = _json_record(line)
-          qid, text = _check_id(_json_field(obj, "_id"), "query"), _json_field(obj, "text")
+          obj = json_record(line)
+          qid, text = check_id(_json_field(obj, "_id"), "query"), _json_field(obj, "text")
         else:
           qid, text = _tsv_fields(line, 2, "qid, text")
-          _check_id(qid, "query")
+          check_id(qid, "query")
         wanted = only is None or qid in only
         if wanted:
           _check_new(seen, qid, "query id")
         if not text.strip():
-          raise _Invalid(EMPTY, f"query {qid!r} has empty text")
+          raise Invalid(EMPTY, f"query {qid!r} has empty text")
         if not wanted:
           continue
-      except _Invalid as e:
+      except Invalid as e:
         f.bad(lineno, e)
         continue
       seen[qid] = lineno
@@ -428,10 +426,10 @@ def read_qrels(path: PathLike, *, doc_ids: Container[str] | None = None, query_i
         qrels.setdefault(qid, {})[doc_id] = rel
       else:
         del seen[(qid, doc_id)]  # a rejected line is no pair a later line could repeat
-        f.bad(lineno, _Invalid(UNKNOWN, f"doc id {doc_id!r} is not in the corpus"))
+        f.bad(lineno, Invalid(UNKNOWN, f"doc id {doc_id!r} is not in the corpus"))
     pending.clear()
 
-  with _reading(path, skip_invalid) as f:
+  with reading(path, skip_invalid) as f:
     for lineno, line in f.lines():
       try:
         if trec is None:
@@ -442,24 +440,24 @@ def read_qrels(path: PathLike, *, doc_ids: Container[str] | None = None, query_i
         if trec:
           fields = line.split()
           if len(fields) != 4:
-            raise _Invalid(MALFORMED, f"expected 4 columns (TREC qrels: qid 0 docid rel), got {len(fields)}")
+            raise Invalid(MALFORMED, f"expected 4 columns (TREC qrels: qid 0 docid rel), got {len(fields)}")
           qid, _, doc_id, rel = fields
         else:
           qid, doc_id, rel = _tsv_fields(line, 3, "BEIR qrels: query-id, corpus-id, score")
-          _check_id(qid, "query")
-          _check_id(doc_id, "doc")
+          check_id(qid, "query")
+          check_id(doc_id, "doc")
         try:
           rel = int(rel)
         except ValueError:
-          raise _Invalid(MALFORMED, f"relevance {rel!r} is not an integer") from None
+          raise Invalid(MALFORMED, f"relevance {rel!r} is not an integer") from None
         if pending and seen.get((qid, doc_id), 0) >= pending[0][0]:
           settle(f)  # a repeat of a pending pair: a duplicate only if that pair's doc id is known
         _check_new(seen, (qid, doc_id), "qrels pair")
         if query_ids is not None and qid not in query_ids:
-          raise _Invalid(UNKNOWN, f"query id {qid!r} is not among the queries")
+          raise Invalid(UNKNOWN, f"query id {qid!r} is not among the queries")
         if contains is None and doc_ids is not None and doc_id not in doc_ids:
-          raise _Invalid(UNKNOWN, f"doc id {doc_id!r} is not in the corpus")
-      except _Invalid as e:
+          raise Invalid(UNKNOWN, f"doc id {doc_id!r} is not in the corpus")
+      except Invalid as e:
         settle(f)  # earlier lines' errors come first
         f.bad(lineno, e)
         continue
@@ -468,13 +466,13 @@ def read_qrels(path: PathLike, *, doc_ids: Container[str] | None = None, query_i
         qrels.setdefault(qid, {})[doc_id] = rel
         continue
       pending.append((lineno, qid, doc_id, rel))
-      if len(pending) >= _QRELS_BLOCK:
+      if len(pending) >= QRELS_BLOCK:
         settle(f)
     settle(f)
   return qrels
 
 
-_QRELS_BLOCK = 1 << 16  # lines whose doc ids read_qrels checks at once against a corpus that looks up in bulk
+QRELS_BLOCK = 1 << 16  # lines whose doc ids read_qrels checks at once against a corpus that looks up in bulk
 
 
 def write_qrels(path: PathLike, qrels: Mapping[str, Mapping[str, int]], *, trec: bool = False) -> None:
@@ -510,25 +508,25 @@ def read_run(path: PathLike, *, skip_invalid: bool = False) -> Run:
   path = paths.as_path(path)
   run: Run = {}
   seen: dict[tuple[str, str], int] = {}
-  with _reading(path, skip_invalid) as f:
+  with reading(path, skip_invalid) as f:
     for lineno, line in f.lines():
       try:
         fields = line.split()
         if len(fields) != 6:
-          raise _Invalid(MALFORMED, f"expected 6 columns (TREC run: qid Q0 docid rank score tag), got {len(fields)}")
+          raise Invalid(MALFORMED, f"expected 6 columns (TREC run: qid Q0 docid rank score tag), got {len(fields)}")
         qid, _, doc_id, rank, score, _ = fields
         try:
           int(rank)
         except ValueError:
-          raise _Invalid(MALFORMED, f"rank {rank!r} is not an integer") from None
+          raise Invalid(MALFORMED, f"rank {rank!r} is not an integer") from None
         try:
           score = float(score)
         except ValueError:
-          raise _Invalid(MALFORMED, f"score {score!r} is not a number") from None
+          raise Invalid(MALFORMED, f"score {score!r} is not a number") from None
         if not math.isfinite(score):
-          raise _Invalid(MALFORMED, f"score {score!r} is not finite")
+          raise Invalid(MALFORMED, f"score {score!r} is not finite")
         _check_new(seen, (qid, doc_id), "run pair")
-      except _Invalid as e:
+      except Invalid as e:
         f.bad(lineno, e)
         continue
       seen[(qid, doc_id)] = lineno

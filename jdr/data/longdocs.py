@@ -25,8 +25,8 @@ import sys
 
 import numpy as np
 
-from jdr import cli
-from jdr import paths
+from jdr.runtime import cli
+from jdr.runtime import paths
 from jdr.data import formats
 from jdr.data import text as text_lib
 

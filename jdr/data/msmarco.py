@@ -19,7 +19,7 @@ import dataclasses
 import sys
 from collections.abc import Mapping
 
-from jdr import paths
+from jdr.runtime import paths
 from jdr.data import formats
 
 BEIR_CORPUS = "corpus.jsonl"

@@ -44,15 +44,16 @@ def load(data_cfg: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> Re
   The directory is BEIR's layout or MS MARCO's own (jdr.data.msmarco). On one host a local corpus file
   (corpus.jsonl or collection.tsv) is prepared once (jdr.data.prepared: validated, indexed, memory-mapped, in
   `data.prepared_dir` when the config has one, else the user's cache folder) and read from the map after that:
-  at MS MARCO's size a dict of documents took minutes to read and gigabytes to hold. Several hosts each parse
-  their own part (jdr.data.corpus_by_host); a gzip or object-storage corpus is read whole."""
+  at MS MARCO's size a dict of documents was slow to read and large to hold (docs/performance-history.md, "MS
+  MARCO stages before the prepared corpus"). Several hosts each parse their own part (jdr.data.corpus_by_host);
+  a gzip or object-storage corpus is read whole."""
   if data_cfg.dataset == "builtin":
     directory = pathlib.Path(workdir) / "data" / "stdlib-docstrings"
     builtin.write_builtin(directory)
   else:
     directory = pathlib.Path(data_cfg.dataset)
     if not directory.is_dir():
-      from jdr import config_files  # pylint: disable=g-import-not-at-top  (the refusal's one wording)
+      from jdr.runtime import config_files  # pylint: disable=g-import-not-at-top  (the refusal's one wording)
       raise FileNotFoundError(config_files.not_found("data.dataset", data_cfg.dataset,
                                                      data_cfg.get("description") or config_files.DATASET))
   where = msmarco.files(directory, data_cfg.train_split, data_cfg.eval_split)
@@ -133,7 +134,13 @@ def training_pairs(qrels: dict) -> list[tuple[str, str]]:
   return sorted((q, d) for q, docs in qrels.items() for d, rel in docs.items() if rel > 0)
 
 
-def _pad(rows: Sequence[np.ndarray], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+def training_queries(qrels: dict) -> list[str]:
+  """The training queries (those with a positive) in the one order every part of jdr indexes them by: the
+  batches' `query_index` rows, the negative sources' pools and caches."""
+  return sorted({q for q, docs in qrels.items() if any(rel > 0 for rel in docs.values())})
+
+
+def pad(rows: Sequence[np.ndarray], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
   ids = np.full((len(rows), length), pad_id, np.int32)
   mask = np.zeros((len(rows), length), np.int32)
   for i, row in enumerate(rows):
@@ -185,7 +192,7 @@ class Batches:
     self.triples_per_query = triples_per_query
     self._triple_perms: dict[tuple[int, int], np.ndarray] = {}
     # Training queries in a fixed order: `query_index` rows of a batch point into it.
-    self.train_qids = sorted({q for q, _ in self.pairs})
+    self.train_qids = training_queries(data.train_qrels)
     self.query_row = {q: i for i, q in enumerate(self.train_qids)}
     # Every query's positives, its batch positive first (the missing-positive rules put them in the list).
     self.max_positives = max(sum(1 for r in data.train_qrels[q].values() if r > 0) for q in self.train_qids)
@@ -263,7 +270,7 @@ class Batches:
     return self.negative_source.sample([q], [d], rng, self.triples_per_query)[0]
 
   def _tokens(self, texts: list[str], max_length: int) -> tuple[np.ndarray, np.ndarray]:
-    return _pad(text_lib.tokenize(self.tokenizer, texts, max_length), max_length, self.pad_id)
+    return pad(text_lib.tokenize(self.tokenizer, texts, max_length), max_length, self.pad_id)
 
   def doc_rows(self, doc_ids: Sequence[str]) -> np.ndarray:
     """int32 corpus rows of `doc_ids` (a KeyError names an id the corpus lacks)."""
@@ -286,8 +293,8 @@ class Batches:
     if self.candidates == "pairs":
       return self._local_pairs(step)
     qids, doc_ids, valid = self.global_layout(step)
-    q_lo, q_hi = self._rows(len(qids))
-    d_lo, d_hi = self._rows(len(doc_ids))
+    q_lo, q_hi = self.host_rows(len(qids))
+    d_lo, d_hi = self.host_rows(len(doc_ids))
     query_ids, query_mask = self._tokens([self.data.queries[q] for q in qids[q_lo:q_hi]],
                                          self.query_max_length)
     doc_index = self.doc_rows(doc_ids[d_lo:d_hi])
@@ -302,7 +309,7 @@ class Batches:
   def _local_corpus(self, step: int) -> dict[str, np.ndarray]:
     """Queries and their positives as corpus rows; the candidates come from retrieval (ADORE / LTRe)."""
     chosen = [self.pairs[i] for i in self.pair_indices(step)]
-    lo, hi = self._rows(len(chosen))
+    lo, hi = self.host_rows(len(chosen))
     chosen = chosen[lo:hi]
     query_ids, query_mask = self._tokens([self.data.queries[q] for q, _ in chosen], self.query_max_length)
     positive_rows = np.full((len(chosen), self.max_positives), -1, np.int32)
@@ -321,7 +328,7 @@ class Batches:
     negative) and `labels` [B, 1 + n] (1 in column 0)."""
     qids, doc_ids, valid = self.global_layout(step)
     num, per = len(qids), self.per_query
-    lo, hi = self._rows(num)
+    lo, hi = self.host_rows(num)
     columns = [[b] + [num + b * per + j for j in range(per)] for b in range(lo, hi)]
     length, n = self.doc_max_length, 1 + per
     ids = np.full((hi - lo, n, length), self.pad_id, np.int32)
@@ -338,7 +345,7 @@ class Batches:
     pair_valid = np.stack([valid[b, cols] for b, cols in zip(range(lo, hi), columns)])
     return {"pair_ids": ids, "pair_mask": mask, "pair_types": types, "valid": pair_valid, "labels": labels}
 
-  def _rows(self, n: int) -> tuple[int, int]:
+  def host_rows(self, n: int) -> tuple[int, int]:
     per = n // self.process_count
     return self.process_index * per, (self.process_index + 1) * per
 

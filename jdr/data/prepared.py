@@ -1,8 +1,8 @@
 """A corpus prepared once on disk and memory-mapped: its ids, where each line lies, and its token ids.
 
-Held as Python objects (a dict of documents, a dict of rows) a corpus costs several objects a passage and
-minutes to read, and tokenizing it for each evaluation far more; at MS MARCO's size (8.8M passages) both
-dominate a run. So a corpus file is read and validated once into arrays, and tokenized once per (tokenizer,
+Held as Python objects (a dict of documents, a dict of rows) a corpus costs several objects a passage and a
+slow read, and tokenizing it for each evaluation far more; at MS MARCO's size (8.8M passages) both dominate a
+run (docs/performance.md, `scale`). So a corpus file is read and validated once into arrays, and tokenized once per (tokenizer,
 max_length); every run after that maps the arrays and holds nothing per passage:
 
   corpus = prepared.prepare("msmarco/corpus.jsonl")                   # validated and indexed, once
@@ -62,8 +62,8 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 import tqdm
 
-from jdr import atomic
-from jdr import paths
+from jdr.runtime import atomic
+from jdr.runtime import paths
 from jdr.data import formats
 from jdr.data import text as text_lib
 
@@ -166,7 +166,7 @@ def prepare(corpus_file: formats.PathLike, tokenizer=None, max_length: int | Non
       if not (folder / MANIFEST).exists():
         _remove_stale(root, folder)
         atomic.write_text(folder / SOURCE, json.dumps(source, indent=1))
-        _Indexer(path, folder, source, skip_invalid, progress).run()
+        Indexer(path, folder, source, skip_invalid, progress).run()
   corpus = PreparedCorpus(folder)
   if tokenizer is not None:
     if max_length is None:
@@ -288,7 +288,7 @@ class PreparedCorpus(collections.abc.Mapping):
     if not doc_ids or not self._n:
       return rows
     blob, offsets = _encode_ids(doc_ids)
-    hashes = _hash_ids(blob, offsets)
+    hashes = hash_ids(blob, offsets)
     lo = np.searchsorted(self._hashes, hashes, "left")
     hi = np.searchsorted(self._hashes, hashes, "right")
     candidate = self._hash_rows[np.minimum(lo, self._n - 1)].astype(np.int64)
@@ -320,7 +320,7 @@ class PreparedCorpus(collections.abc.Mapping):
   def _row(self, doc_id: str) -> int:
     """One id's row (-1: absent) without numpy's per-call overhead on arrays: `in` and `[]` are asked often."""
     wanted = doc_id.encode("utf-8")
-    h = _hash_one(wanted)
+    h = hash_one(wanted)
     p = int(self._hashes.searchsorted(np.uint64(h)))
     while p < self._n and int(self._hashes[p]) == h:
       row = int(self._hash_rows[p])
@@ -348,7 +348,7 @@ class PreparedCorpus(collections.abc.Mapping):
       raws = [_pread(self._fd, n, o) for o, n in zip(offsets, lengths)]
     try:
       return [formats.parse_doc(raw.decode("utf-8").rstrip("\r\n"), self._jsonl) for raw in raws]
-    except (UnicodeDecodeError, formats._Invalid) as e:  # pylint: disable=protected-access
+    except (UnicodeDecodeError, formats.Invalid) as e:
       raise ValueError(f"{self.source} no longer holds the lines {self.folder} was prepared from ({e}); "
                        "prepare it again") from None
 
@@ -371,7 +371,7 @@ class PreparedCorpus(collections.abc.Mapping):
     if not (folder / MANIFEST).exists():
       with _locked(folder):
         if not (folder / MANIFEST).exists():
-          _Tokenizer(self, tokenizer, int(max_length), key, folder, progress).run()
+          Tokenizer(self, tokenizer, int(max_length), key, folder, progress).run()
     return PreparedCorpus(self.folder, folder)
 
   def _need_tokens(self) -> None:
@@ -513,7 +513,7 @@ def _encode_ids(doc_ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
   return np.frombuffer(b"".join(encoded), np.uint8), offsets
 
 
-def _hash_ids(blob: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+def hash_ids(blob: np.ndarray, offsets: np.ndarray) -> np.ndarray:
   """64-bit FNV-1a of each id, vectorized over ids: one pass per byte position, over the ids that long."""
   lengths = np.diff(offsets)
   out = np.full(len(lengths), _FNV_OFFSET, np.uint64)
@@ -529,7 +529,7 @@ def _hash_ids(blob: np.ndarray, offsets: np.ndarray) -> np.ndarray:
   return out
 
 
-def _hash_one(data: bytes) -> int:
+def hash_one(data: bytes) -> int:
   h = _FNV_OFFSET
   for byte in data:
     h = ((h ^ byte) * _FNV_PRIME) & _MASK
@@ -584,7 +584,7 @@ def _save_npz(path: pathlib.Path, **arrays) -> None:
   atomic.write_atomic(path, lambda f: np.savez(f, **arrays))
 
 
-def _write_npy(path: pathlib.Path, dtype, size: int, pieces: Iterable[np.ndarray]) -> None:
+def write_npy(path: pathlib.Path, dtype, size: int, pieces: Iterable[np.ndarray]) -> None:
   """A 1-D .npy of `size` items written piece by piece (never whole in memory), atomically."""
   dtype = np.dtype(dtype)
 
@@ -610,7 +610,7 @@ def _chunk_files(partial: pathlib.Path, prefix: str) -> list[pathlib.Path]:
   return out
 
 
-class _Indexer:
+class Indexer:
   """The indexing pass: validated lines -> ids, hashes and line positions, in chunks, then the final arrays."""
 
   def __init__(self, path: pathlib.Path, folder: pathlib.Path, source: dict, skip_invalid: bool, progress: bool):
@@ -685,7 +685,7 @@ class _Indexer:
         else:
           first[doc_id] = i
     blob, offsets = _encode_ids(ids)
-    hashes = _hash_ids(blob, offsets)
+    hashes = hash_ids(blob, offsets)
     lo = np.searchsorted(self.hashes, hashes, "left")
     hi = np.searchsorted(self.hashes, hashes, "right")
     for i in np.nonzero(hi > lo)[0].tolist():
@@ -749,13 +749,13 @@ class _Indexer:
     for lengths in (np.diff(o) for o in column("id_offsets")):
       id_offsets[at + 1:at + 1 + len(lengths)] = id_offsets[at] + np.cumsum(lengths)
       at += len(lengths)
-    _write_npy(self.folder / "ids.npy", np.uint8, int(id_offsets[-1]), column("ids"))
-    _write_npy(self.folder / "id_offsets.npy", np.int64, n + 1, [id_offsets])
-    _write_npy(self.folder / "id_hashes.npy", np.uint64, n, [self.hashes])
+    write_npy(self.folder / "ids.npy", np.uint8, int(id_offsets[-1]), column("ids"))
+    write_npy(self.folder / "id_offsets.npy", np.int64, n + 1, [id_offsets])
+    write_npy(self.folder / "id_hashes.npy", np.uint64, n, [self.hashes])
     row_type = np.int32 if n < 2 ** 31 else np.int64
-    _write_npy(self.folder / "id_hash_rows.npy", row_type, n, [self.hash_rows])
-    _write_npy(self.folder / "line_offsets.npy", np.int64, n, column("line_offsets"))
-    _write_npy(self.folder / "line_lengths.npy", np.int32, n, column("line_lengths"))
+    write_npy(self.folder / "id_hash_rows.npy", row_type, n, [self.hash_rows])
+    write_npy(self.folder / "line_offsets.npy", np.int64, n, column("line_offsets"))
+    write_npy(self.folder / "line_lengths.npy", np.int32, n, column("line_lengths"))
     manifest = {"format": FORMAT, "kind": "index", "key": self.folder.name, "source": self.source,
                 "skip_invalid": self.skip_invalid, "jsonl": formats.is_jsonl(formats.corpus_file(self.path)),
                 "num_docs": n, "id_bytes": int(id_offsets[-1]), "hash": "fnv1a-64"}
@@ -763,7 +763,7 @@ class _Indexer:
     shutil.rmtree(self.partial, ignore_errors=True)
 
 
-class _Tokenizer:
+class Tokenizer:
   """The tokenizing pass: a chunk's texts read and parsed here while a thread tokenizes the one before."""
 
   def __init__(self, corpus: PreparedCorpus, tokenizer, max_length: int, key: str, folder: pathlib.Path,
@@ -825,8 +825,8 @@ class _Tokenizer:
         with np.load(chunk) as arrays:
           yield arrays["tokens"]
 
-    _write_npy(self.folder / "tokens.npy", self.dtype, int(offsets[-1]), pieces())
-    _write_npy(self.folder / "token_offsets.npy", np.int64, len(offsets), [offsets])
+    write_npy(self.folder / "tokens.npy", self.dtype, int(offsets[-1]), pieces())
+    write_npy(self.folder / "token_offsets.npy", np.int64, len(offsets), [offsets])
     tok = self.tokenizer
     manifest = {"format": FORMAT, "kind": "tokens", "index": self.corpus.manifest["key"],
                 "num_docs": len(self.corpus), "num_tokens": int(offsets[-1]), "max_length": self.max_length,

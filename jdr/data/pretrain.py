@@ -79,14 +79,14 @@ class PretrainPairs:
     self.wlp_require_mention = wlp_require_mention
     self.build_stats = collections.Counter()  # units left out when building, counted once
     self._index = {a.id: i for i, a in enumerate(self.articles)}
-    self._passages = [a.passages() for a in self.articles]
-    self._body = [a.passages(body_only=True) for a in self.articles]
+    self.passage_places = [a.passages() for a in self.articles]
+    self.body_places = [a.passages(body_only=True) for a in self.articles]
     self._mentions = {}  # (a, b) -> passages of a that mention b, cached
 
     # ICT: every passage; BFS: body passages of articles with a lead.
-    self._ict_ends = np.cumsum([len(p) for p in self._passages], dtype=np.int64)
+    self._ict_ends = np.cumsum([len(p) for p in self.passage_places], dtype=np.int64)
     bfs_counts = []
-    for a, body in zip(self.articles, self._body):
+    for a, body in zip(self.articles, self.body_places):
       if not a.lead:
         self.build_stats["bfs_no_lead"] += 1
       elif not body:
@@ -104,15 +104,15 @@ class PretrainPairs:
           self.build_stats["wlp_self_link"] += 1
         elif not self.articles[j].lead:
           self.build_stats["wlp_target_no_lead"] += 1
-        elif not self._passages[i]:
+        elif not self.passage_places[i]:
           self.build_stats["wlp_source_no_passage"] += 1
         else:
           links.append((i, j))
     self.stats = collections.Counter(self.build_stats)  # plus draws rejected so far
-    self._links = np.asarray(links, dtype=np.int64).reshape(-1, 2)
+    self.link_units = np.asarray(links, dtype=np.int64).reshape(-1, 2)
     self.units = {"ict": int(self._ict_ends[-1]) if len(self._ict_ends) else 0,
                   "bfs": int(self._bfs_ends[-1]) if len(self._bfs_ends) else 0,
-                  "wlp": len(self._links)}
+                  "wlp": len(self.link_units)}
     if empty := [t for t in self.tasks if not self.units[t]]:
       raise ValueError(f"no candidates for {empty} among {len(self.articles)} articles "
                        f"(skipped so far: {dict(self.stats)}); pass tasks= without them")
@@ -145,7 +145,7 @@ class PretrainPairs:
     rng = np.random.default_rng([self.seed, index, 1])  # a stream apart from the pairs' own
     i, k = self._locate(self._ict_ends, int(rng.integers(self.units["ict"])))
     a = self.articles[i]
-    return a.id, a.title, a.paragraph(*self._passages[i][k])
+    return a.id, a.title, a.paragraph(*self.passage_places[i][k])
 
   # ------------------------------------------------------------------------------------------------ tasks
 
@@ -156,7 +156,7 @@ class PretrainPairs:
   def _ict(self, rng, unit):
     i, k = self._locate(self._ict_ends, unit)
     a = self.articles[i]
-    s, p = self._passages[i][k]
+    s, p = self.passage_places[i][k]
     sentences = a.sentences(s, p)
     if len(sentences) < 2:
       self.stats["ict_short_passage"] += 1
@@ -180,7 +180,7 @@ class PretrainPairs:
     if query is None:
       return None
     p, q, sentence = query
-    s, d = self._body[i][k]
+    s, d = self.body_places[i][k]
     return Draw(Pair(sentence, a.title, a.paragraph(s, d), "bfs", a.id), a.id, (LEAD, p, q), (s, d))
 
   def mention_passages(self, i: int, j: int) -> list[tuple[int, int]]:
@@ -191,12 +191,12 @@ class PretrainPairs:
       places = a.mentions.get(b.id)
       if not places:
         variants = _title_variants(b.title)
-        places = [pl for pl in self._passages[i] if any(v in a.paragraph(*pl).lower() for v in variants)]
+        places = [pl for pl in self.passage_places[i] if any(v in a.paragraph(*pl).lower() for v in variants)]
       self._mentions[key] = list(places)
     return self._mentions[key]
 
   def _wlp(self, rng, unit):
-    i, j = (int(x) for x in self._links[unit])
+    i, j = (int(x) for x in self.link_units[unit])
     a, b = self.articles[i], self.articles[j]
     query = self._lead_query(rng, b, "wlp_no_lead_sentence")
     if query is None:
@@ -207,7 +207,7 @@ class PretrainPairs:
       if self.wlp_require_mention:
         return None
     p, q, sentence = query
-    s, d = (places or self._passages[i])[int(rng.integers(len(places or self._passages[i])))]
+    s, d = (places or self.passage_places[i])[int(rng.integers(len(places or self.passage_places[i])))]
     return Draw(Pair(sentence, a.title, a.paragraph(s, d), "wlp", a.id), b.id, (LEAD, p, q), (s, d),
                 mention=bool(places))
 
@@ -225,7 +225,7 @@ class PretrainPairs:
     try:
       usable = pairs = 0
       for i, a in enumerate(self.articles):
-        for s, p in self._passages[i]:
+        for s, p in self.passage_places[i]:
           n = len(a.sentences(s, p))
           if n >= 2:
             usable, pairs = usable + 1, pairs + n
@@ -234,15 +234,15 @@ class PretrainPairs:
       out["ict"] = {"units": self.units["ict"], "usable": usable, "pairs": pairs}
       usable = pairs = 0
       for i, a in enumerate(self.articles):
-        if a.lead and self._body[i]:
+        if a.lead and self.body_places[i]:
           n = len(a.lead_sentences())
           if n:
-            usable, pairs = usable + len(self._body[i]), pairs + n * len(self._body[i])
+            usable, pairs = usable + len(self.body_places[i]), pairs + n * len(self.body_places[i])
           else:
-            self.stats["bfs_no_lead_sentence"] += len(self._body[i])
+            self.stats["bfs_no_lead_sentence"] += len(self.body_places[i])
       out["bfs"] = {"units": self.units["bfs"], "usable": usable, "pairs": pairs}
       usable = pairs = mentioned = 0
-      for i, j in self._links.tolist():
+      for i, j in self.link_units.tolist():
         n = len(self.articles[j].lead_sentences())
         places = self.mention_passages(i, j)
         if not n:
@@ -251,7 +251,7 @@ class PretrainPairs:
         self.stats["wlp_no_mention"] += not places
         if places or not self.wlp_require_mention:
           usable, mentioned = usable + 1, mentioned + bool(places)
-          pairs += n * len(places or self._passages[i])
+          pairs += n * len(places or self.passage_places[i])
       out["wlp"] = {"units": self.units["wlp"], "usable": usable, "pairs": pairs, "with_mention": mentioned}
       out["skipped"] = dict(self.build_stats + self.stats)
     finally:

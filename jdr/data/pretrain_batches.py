@@ -112,7 +112,7 @@ class PretrainBatches:
     self.pad_id = tokenizer.pad_token_id or 0
     self.logq = logq
     if logq:
-      self._passage_logq = _passage_log_probs(generator)
+      self._passage_logq = passage_log_probs(generator)
 
   @property
   def examples_per_epoch(self) -> int:
@@ -128,12 +128,12 @@ class PretrainBatches:
     per = self.batch_size // self.process_count
     lo, hi = self.process_index * per, (self.process_index + 1) * per
     mine = draws[lo:hi]
-    query_ids, query_mask = pairs_lib._pad(  # pylint: disable=protected-access
+    query_ids, query_mask = pairs_lib.pad(
         [np.asarray(t, np.int32) for t in self.tokenizer(
             [d.pair.query for d in mine], truncation=True, max_length=self.query_max_length,
             return_attention_mask=False, return_token_type_ids=False)["input_ids"]],
         self.query_max_length, self.pad_id)
-    doc_ids, doc_mask = pairs_lib._pad(  # pylint: disable=protected-access
+    doc_ids, doc_mask = pairs_lib.pad(
         [np.asarray(t, np.int32) for t in self.tokenizer(
             [d.pair.doc_title for d in mine], [d.pair.doc_text for d in mine], truncation="longest_first",
             max_length=self.doc_max_length, return_attention_mask=False,
@@ -158,7 +158,7 @@ def duplicate_mask(docs: list) -> np.ndarray:
   return ~same | np.eye(len(docs), dtype=bool)
 
 
-def _passage_log_probs(gen: pretrain.PretrainPairs) -> dict[tuple, float]:
+def passage_log_probs(gen: pretrain.PretrainPairs) -> dict[tuple, float]:
   """log of P(document passage) = sum over the generator's tasks of P(task) P(passage | task)."""
   probs: dict[tuple, float] = {}
   p_task = 1.0 / len(gen.tasks)
@@ -169,17 +169,17 @@ def _passage_log_probs(gen: pretrain.PretrainPairs) -> dict[tuple, float]:
   for task in gen.tasks:
     units = gen.units[task]
     if task == "ict":
-      for a, places in zip(gen.articles, gen._passages):  # pylint: disable=protected-access
+      for a, places in zip(gen.articles, gen.passage_places):
         for s, p in places:
           add((a.id, s, p), p_task / units)
     elif task == "bfs":
-      for a, places in zip(gen.articles, gen._body):  # pylint: disable=protected-access
+      for a, places in zip(gen.articles, gen.body_places):
         if a.lead:
           for s, p in places:
             add((a.id, s, p), p_task / units)
     else:  # wlp: a uniform link, then (approximately) a uniform passage of the linking article
-      for i, _ in gen._links.tolist():  # pylint: disable=protected-access
-        places = gen._passages[i]  # pylint: disable=protected-access
+      for i, _ in gen.link_units.tolist():
+        places = gen.passage_places[i]
         for s, p in places:
           add((gen.articles[i].id, s, p), p_task / units / len(places))
   return {k: float(np.log(v)) for k, v in probs.items()}
@@ -214,7 +214,7 @@ class MLMBatches:
     per = self.batch_size // self.process_count
     first = step * self.batch_size + self.process_index * per
     passages = [self.generator.passage(i) for i in range(first, first + per)]
-    ids, mask = pairs_lib._pad(  # pylint: disable=protected-access
+    ids, mask = pairs_lib.pad(
         [np.asarray(t, np.int32) for t in self.tokenizer(
             [p[1] for p in passages], [p[2] for p in passages], truncation="longest_first",
             max_length=self.max_length, return_attention_mask=False, return_token_type_ids=False)["input_ids"]],

@@ -35,16 +35,15 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from jdr import paths
+from jdr.runtime import paths
 from jdr.data import formats
 from jdr.data import prepared
 
-# pylint: disable=protected-access  (formats' line reader and reasons are this module's too)
-_Invalid = formats._Invalid
+_Invalid = formats.Invalid
 
 TREC, TOP1000 = "trec", "top1000"
-_BLOCK = 1 << 16  # lines whose doc ids are looked up at once
-_SLACK = 4  # with a depth, kept entries are cut back once they pass this many times Q x depth
+BLOCK = 1 << 16  # lines whose doc ids are looked up at once
+SLACK = 4  # with a depth, kept entries are cut back once they pass this many times Q x depth
 
 
 @dataclasses.dataclass
@@ -71,7 +70,7 @@ def read(path: formats.PathLike, query_ids: Sequence[str], corpus, *, depth: int
   kind = None
   position: dict[int, int] = {}  # top1000: lines seen per query, its rank in file order
 
-  with formats._reading(path, skip_invalid) as f:
+  with formats.reading(path, skip_invalid) as f:
 
     def settle() -> None:
       """Looks up the pending lines' doc ids, rejecting unknown ones in line order."""
@@ -105,7 +104,7 @@ def read(path: formats.PathLike, query_ids: Sequence[str], corpus, *, depth: int
         position[i] = position.get(i, 0) + 1
         score = -float(position[i])
       pending.append((lineno, i, doc, score))
-      if len(pending) >= _BLOCK:
+      if len(pending) >= BLOCK:
         settle()
     settle()
     kept.check_repeats(f)
@@ -120,7 +119,7 @@ def _parse(line: str, kind: str) -> tuple[str, str, float]:
     if len(fields) != 4:
       raise _Invalid(formats.MALFORMED, f"expected 4 tab-separated columns (MS MARCO top1000: qid, pid, query, "
                      f"passage), got {len(fields)}")
-    qid, doc = formats._check_id(fields[0], "query"), formats._check_id(fields[1], "doc")
+    qid, doc = formats.check_id(fields[0], "query"), formats.check_id(fields[1], "doc")
     return qid, doc, 0.0
   fields = line.split()
   if len(fields) != 6:
@@ -165,13 +164,13 @@ class _Rows:
 
 class _Kept:
   """The entries (query index, row, score, line) kept so far, in blocks; cut back to each query's best
-  `depth` when they grow past _SLACK x Q x depth."""
+  `depth` when they grow past SLACK x Q x depth."""
 
   def __init__(self, query_ids: list[str], depth: int | None, rows_of: _Rows):
     self.query_ids, self.q, self.depth, self.rows_of = query_ids, len(query_ids), depth, rows_of
     self.blocks: list[tuple[np.ndarray, ...]] = []
     self.size = 0
-    self.limit = max(_SLACK * self.q * depth, _BLOCK) if depth else None
+    self.limit = max(SLACK * self.q * depth, BLOCK) if depth else None
 
   def add(self, qi, rows, scores, lines, f) -> None:
     if len(qi):

@@ -195,7 +195,7 @@ def passage_lengths(rng: np.random.Generator, n: int) -> np.ndarray:
   return np.clip(np.rint(rng.lognormal(mu, PASSAGE_SIGMA, n)), *PASSAGE_RANGE).astype(np.int64)
 
 
-class _Plan:
+class Plan:
   """What is decided before the corpus is written: the queries, their positives, and which passage each of
   their positive-derived words comes from (filled in while that passage's block is generated)."""
 
@@ -242,7 +242,7 @@ class _Plan:
     self.request_word[chosen] = words[np.where(available > 0, nth, anywhere)]
 
 
-def _corpus_block(rng: np.random.Generator, lo: int, n: int, plan: _Plan,
+def _corpus_block(rng: np.random.Generator, lo: int, n: int, plan: Plan,
                   tsv: bool = False) -> tuple[list[bytes], int]:
   """corpus.jsonl (or, `tsv`, collection.tsv) lines of passages lo .. lo + n - 1, and their number of words."""
   matrix, byte_lengths = vocabulary()
@@ -261,7 +261,7 @@ def _corpus_block(rng: np.random.Generator, lo: int, n: int, plan: _Plan,
   return lines, int(lengths.sum())
 
 
-def _query_texts(plan: _Plan, seed: int) -> list[str]:
+def query_texts(plan: Plan, seed: int) -> list[str]:
   if (plan.request_word < 0).any():
     raise AssertionError("a query word was never filled: its passage was not generated")
   rng = np.random.default_rng([seed, 2])
@@ -289,7 +289,7 @@ def generate(directory: str | os.PathLike, passages: int, *, seed: int = 0, prog
   directory = pathlib.Path(directory)
   tsv = layout == "msmarco"
   directory.mkdir(parents=True, exist_ok=True)
-  plan = _Plan(passages, seed)
+  plan = Plan(passages, seed)
   vocabulary()  # built before the bar starts, so the bar's rate is the corpus's
   word_count = 0
   line_ends = []  # collection.tsv: where each line ends, to read passages back for the triples
@@ -305,7 +305,7 @@ def generate(directory: str | os.PathLike, passages: int, *, seed: int = 0, prog
         line_ends.append(f.tell() - sizes.sum() + np.cumsum(sizes))
       word_count += count
       bar.update(n)
-  texts = _query_texts(plan, seed)
+  texts = query_texts(plan, seed)
   qids = [str(q) for q in range(len(texts))]  # training queries first, then dev
   splits = {"train": range(plan.train), "dev": range(plan.train, plan.train + plan.dev)}
   judgments = {split: [(q, p) for q in queries for p in plan.positives[
@@ -337,7 +337,7 @@ def generate(directory: str | os.PathLike, passages: int, *, seed: int = 0, prog
   return manifest
 
 
-def _write_msmarco(directory: pathlib.Path, plan: _Plan, texts: list[str], judgments: dict, line_ends: np.ndarray,
+def _write_msmarco(directory: pathlib.Path, plan: Plan, texts: list[str], judgments: dict, line_ends: np.ndarray,
                    seed: int, triples_per_query: int, top1000: int) -> dict:
   """MS MARCO's files beside collection.tsv (see the module's docstring); returns the manifest's counts."""
   passages = len(line_ends)

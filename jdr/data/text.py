@@ -19,16 +19,16 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jdr import paths
+from jdr.runtime import paths
 
 
 def load_tokenizer(path: str | pathlib.Path):
   """The Hugging Face tokenizer saved in directory `path` (local or remote), as AutoTokenizer would load it.
 
   The class tokenizer_config.json names is the one AutoTokenizer picks; imported by itself it leaves torch
-  unloaded, where AutoTokenizer's import pulls torch in through transformers' model configs: about 2 s in
-  every process that only needs to tokenize (2-core CPU). A directory that names no class, or one this
-  transformers lacks, goes through AutoTokenizer.
+  unloaded, where AutoTokenizer's import pulls torch in through transformers' model configs, a cost in every
+  process that only needs to tokenize (docs/performance.md, `encode`). A directory that names no class, or one
+  this transformers lacks, goes through AutoTokenizer.
   """
   import transformers  # pylint: disable=g-import-not-at-top  (slow to import; only loaders need it)
   with paths.local_copy(path) as local_path:  # transformers reads local directories only
@@ -59,11 +59,11 @@ def tokenize(tokenizer, texts: Sequence[str], max_length: int, *, chunk_size: in
 
   Exactly what `tokenizer(texts, truncation=True, max_length=max_length)` returns, in chunks so a large corpus
   never holds two full copies of its ids. A fast tokenizer is run through its own Rust `tokenizers.Tokenizer`
-  (`_TruncatingBackend`), 1.5x faster on SciFact's documents (1.11 s against 1.71 s on 2 cores); any other
+  (`TruncatingBackend`), faster on SciFact's documents (docs/performance.md, `encode`); any other
   callable goes through its `__call__`. Queries and documents are tokenized by separate calls, each with its
   own tower's `max_length`.
   """
-  backend = _TruncatingBackend.of(tokenizer, max_length)
+  backend = TruncatingBackend.of(tokenizer, max_length)
   out: list[np.ndarray] = []
   for start in range(0, len(texts), chunk_size):
     chunk = list(texts[start:start + chunk_size])
@@ -89,7 +89,7 @@ _SPLITS_BY_CHARACTER_CLASS = {"Punctuation", "Digits"}
 _LOCAL_NORMALIZERS = {"BertNormalizer", "Lowercase", "NFC", "NFD", "NFKC", "NFKD", "StripAccents", "Strip"}
 
 
-class _TruncatingBackend:
+class TruncatingBackend:
   """A fast tokenizer's Rust tokenizer, copied and set to truncate at `max_length`, with no padding.
 
   Three things make it faster than the wrapper's call, each without changing an id (tested against the
@@ -102,7 +102,7 @@ class _TruncatingBackend:
   the wrapper's own backend untouched: the wrapper resets its truncation at every call, from any thread.
   """
   CHARS_PER_TOKEN = 6  # about 4.5 in English text; a text that falls short is redone whole, never wrong
-  _cache = weakref.WeakKeyDictionary()  # tokenizer -> {(max_length, side, vocab size): _TruncatingBackend}
+  _cache = weakref.WeakKeyDictionary()  # tokenizer -> {(max_length, side, vocab size): TruncatingBackend}
   _lock = threading.Lock()
 
   def __init__(self, backend, max_length: int, cut: bool):
@@ -110,7 +110,7 @@ class _TruncatingBackend:
     self._encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
 
   @classmethod
-  def of(cls, tokenizer, max_length: int) -> "_TruncatingBackend | None":
+  def of(cls, tokenizer, max_length: int) -> "TruncatingBackend | None":
     """The backend for `tokenizer` at `max_length`, made once; None when it is not a fast tokenizer."""
     rust = getattr(tokenizer, "backend_tokenizer", None)
     if rust is None or not getattr(tokenizer, "is_fast", False) or not hasattr(rust, "encode_batch"):
@@ -127,7 +127,7 @@ class _TruncatingBackend:
       return by_length[key]
 
   @classmethod
-  def _make(cls, tokenizer, rust, max_length: int) -> "_TruncatingBackend":
+  def _make(cls, tokenizer, rust, max_length: int) -> "TruncatingBackend":
     import tokenizers  # pylint: disable=g-import-not-at-top  (present wherever a fast tokenizer is)
     serialized = rust.to_str()
     spec, copy = json.loads(serialized), tokenizers.Tokenizer.from_str(serialized)
@@ -192,8 +192,8 @@ def tokenize_in_background(tokenizer, texts: Sequence[str], max_length: int, *, 
   """`tokenize`'s ids in chunks, (index of the chunk's first text, its ids), made by a background thread up to
   `ahead` chunks before they are taken.
 
-  An accelerator encodes faster than one host tokenizes (an NVIDIA H200 encodes SciFact with a BERT-base in
-  0.77 s; its tokenizing took 0.51 s more before a batch could start), and the fast tokenizer's batch call
+  An accelerator encodes faster than one host tokenizes (on an NVIDIA H200 tokenizing SciFact took most of
+  the time of encoding it with a BERT-base: docs/performance.md, `device`), and the fast tokenizer's batch call
   runs outside the GIL, so the two overlap. The first chunk is small so the device starts early. Stopping
   the iteration early stops the thread; a tokenizer error is raised here, in the caller's thread.
   """
@@ -267,8 +267,8 @@ def pair_tokens(tokenizer, query: str, doc: str, max_length: int, query_max_leng
 def pairs_tokens(tokenizer, pairs: Sequence[tuple[str, str]], max_length: int, query_max_length: int | None = None,
                  *, chunk_size: int = 2048) -> list[tuple[list[int], list[int]]]:
   """`pair_tokens` of each (query, document), in batch calls of the tokenizer: a cross-encoder scores a query
-  against many documents, and one call a pair (0.61 ms a pair on a 2-core CPU, single-threaded) would bound
-  scoring on an accelerator; a batch call runs on every core (0.31 ms a pair on the same 2 cores)."""
+  against many documents, and one call a pair (single-threaded) would bound scoring on an accelerator; a batch
+  call runs on every core (docs/performance.md, `cross-encoder`)."""
   specials = tokenizer.num_special_tokens_to_add(pair=True)
   query_room = max_length - specials - 1
   if query_max_length is not None:
@@ -425,11 +425,3 @@ def streamed_batches(chunks: Iterable[tuple[int, Sequence[np.ndarray]]], *, buck
         [x for _, x in rest], batch_size=batch_size, max_tokens=max_tokens, bucket_lengths=bucket_lengths,
         pad_id=pad_id, multiple_of=multiple_of, short_rows_to_power_of_two=short_rows_to_power_of_two):
       yield where[indices], input_ids, mask
-
-
-def padding_fraction(plans: Sequence[BatchPlan], lengths: Sequence[int]) -> float:
-  """Share of the batch cells (filler rows included) that are padding rather than real tokens."""
-  lengths = np.asarray(lengths, dtype=np.int64)
-  total = sum(p.rows * p.length for p in plans)
-  real = sum(int(lengths[p.indices].sum()) for p in plans)
-  return 1.0 - real / total if total else 0.0

@@ -46,8 +46,8 @@ from collections.abc import Mapping
 import numpy as np
 import tqdm
 
-from jdr import atomic
-from jdr import paths
+from jdr.runtime import atomic
+from jdr.runtime import paths
 from jdr.data import formats
 from jdr.data import prepared
 
@@ -98,7 +98,7 @@ def load(path: formats.PathLike, queries: Mapping[str, str], qrels: Mapping[str,
   if not (folder / MANIFEST).exists():
     with atomic.exclusive(folder / LOCK, waiting=f"jdr: waiting for another process mapping {path} into {folder}"):
       if not (folder / MANIFEST).exists():
-        _Mapper(path, folder, qids, queries, qrels, texts, skip_invalid, progress).run()
+        Mapper(path, folder, qids, queries, qrels, texts, skip_invalid, progress).run()
   return read(folder)
 
 
@@ -239,11 +239,11 @@ class PassageRows:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _shown(text: str) -> str:
+def shown(text: str) -> str:
   return repr(text if len(text) <= _SHOWN else text[:_SHOWN] + "...")
 
 
-class _Mapper:
+class Mapper:
   """Streams the file once: lines are parsed here, their passages looked up a chunk at a time."""
 
   def __init__(self, path, folder, qids, queries, qrels, texts: CorpusTexts, skip_invalid, progress):
@@ -282,7 +282,7 @@ class _Mapper:
     problems = []
     for i in np.nonzero(~keep)[0].tolist():
       which, text = ("positive", lines[i][3]) if positive[i] == -1 else ("negative", lines[i][4])
-      problems.append((lines[i][0], UNKNOWN_PASSAGE, f"the {which} passage {_shown(text)} is not in the corpus"))
+      problems.append((lines[i][0], UNKNOWN_PASSAGE, f"the {which} passage {shown(text)} is not in the corpus"))
     # Texts of several queries or several rows: settled one by one (the qrels decide).
     for i in np.nonzero(keep & ((query < 0) | (positive < 0) | (negative < 0)))[0].tolist():
       lineno, q, text, _, _ = lines[i]
@@ -290,7 +290,7 @@ class _Mapper:
         q, positive[i] = self._settle_shared(q, text, several_positive.get(i, [int(positive[i])]))
         if q < 0:
           keep[i] = False
-          problems.append((lineno, AMBIGUOUS_QUERY, f"the query text {_shown(text)} is the text of queries "
+          problems.append((lineno, AMBIGUOUS_QUERY, f"the query text {shown(text)} is the text of queries "
                            f"{', '.join(repr(self.qids[c]) for c in self.shared[text][:3])}, none of whose qrels "
                            "judge its positive relevant"))
           continue
@@ -362,11 +362,11 @@ class _Mapper:
         read += 1
         offset += len(raw)
         if read == CHUNK_LINES:
-          self._write(done, self._settle(lines), (offset, lineno))
+          self.write_arrays(done, self._settle(lines), (offset, lineno))
           bar.update(offset - bar.n)
           done, lines, read = done + 1, [], 0
     if read:
-      self._write(done, self._settle(lines), (offset, lineno))
+      self.write_arrays(done, self._settle(lines), (offset, lineno))
       done += 1
     bar.update(size - bar.n)
     bar.close()
@@ -388,11 +388,11 @@ class _Mapper:
     query, positive, negative = fields
     q = self.query_of.get(query)
     if q is None:
-      raise _Problem(UNKNOWN_QUERY, f"the query text {_shown(query)} is not among the queries of the dataset's "
+      raise _Problem(UNKNOWN_QUERY, f"the query text {shown(query)} is not among the queries of the dataset's "
                                     "splits")
     lines.append((lineno, q, query, positive, negative))
 
-  def _write(self, k: int, arrays: tuple[np.ndarray, ...], end: tuple[int, int]) -> None:
+  def write_arrays(self, k: int, arrays: tuple[np.ndarray, ...], end: tuple[int, int]) -> None:
     state = {"counts": dict(self.counts), "first": self.first, "same_text": self.same_text}
     query, positive, negative = arrays
     atomic.write_atomic(self.partial / f"chunk-{k:05d}.npz", lambda f: np.savez(
@@ -421,7 +421,7 @@ class _Mapper:
         with np.load(chunk) as arrays:
           yield arrays[name]
 
-    write = prepared._write_npy  # pylint: disable=protected-access  (the prepared corpus's writer: piece by piece)
+    write = prepared.write_npy  # the prepared corpus's writer: piece by piece
     for name in ("query", "positive", "negative"):
       write(self.folder / f"{name}.npy", np.int32, total, pieces(name))
     query = np.load(self.folder / "query.npy", mmap_mode="r")

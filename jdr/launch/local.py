@@ -4,7 +4,7 @@
       python -m jdr.train --config configs/inbatch.py --workdir runs/x
 
 Each process gets JDR_COORDINATOR=127.0.0.1:PORT, JDR_NUM_PROCESSES and JDR_PROCESS_ID (what
-jdr.parallel.initialize_distributed reads); `--devices-per-process D` also simulates D CPU devices per process
+jdr.runtime.parallel.initialize_distributed reads); `--devices-per-process D` also simulates D CPU devices per process
 (XLA's host platform device count, added to the XLA_FLAGS already set), so a multi-host run can be tried on
 one machine. Process 0's output is shown; the others write to --log-dir (default: a temporary directory, named
 at the end).

@@ -7,7 +7,7 @@ coordinator from the node list.
 `--per host` (the default, JAX's usual layout) runs one task per node that sees all its GPUs; `--per gpu`
 runs one task per GPU with CUDA_VISIBLE_DEVICES set to its local rank. Each task exports JDR_COORDINATOR (the
 first node of the allocation, --port), JDR_NUM_PROCESSES (SLURM_NTASKS) and JDR_PROCESS_ID (SLURM_PROCID),
-which jdr.parallel.initialize_distributed reads. Without --dry-run the script is written and submitted with
+which jdr.runtime.parallel.initialize_distributed reads. Without --dry-run the script is written and submitted with
 sbatch; with it, the script and the sbatch command are printed.
 """
 

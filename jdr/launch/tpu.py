@@ -5,7 +5,7 @@
 
 Steps (each a `gcloud compute tpus tpu-vm` command on --worker=all): copy the working tree (--copy DIR, optional),
 set up the environment (--setup), then run the command in --repo-dir. On a TPU VM, jax.distributed finds the
-other workers by itself (jdr.parallel.initialize_distributed), so the command is the single-host one.
+other workers by itself (jdr.runtime.parallel.initialize_distributed), so the command is the single-host one.
 --dry-run prints the commands, and what each of the --workers workers runs.
 """
 

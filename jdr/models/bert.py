@@ -3,7 +3,7 @@
 The module tree mirrors Hugging Face's layer by layer (`embeddings`, `layer_0` ... `layer_{n-1}`) so that
 `jdr.models.hf` converts weights with a flat name table and no model surgery. Every parameter carries
 logical axis names ("vocab", "embed", "mlp", "heads", "kv", "position", "type") through
-`nn.with_logical_partitioning`: sharding is decided by a rule table in `jdr.parallel`, never here.
+`nn.with_logical_partitioning`: sharding is decided by a rule table in `jdr.runtime.parallel`, never here.
 
 Mixed precision: parameters are always float32; `EncoderConfig.dtype` is the compute dtype of matmuls and the
 residual stream. Attention logits, softmax and LayerNorm statistics stay in float32 and the encoder's output
@@ -20,7 +20,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jdr import parallel
+from jdr.runtime import parallel
 from jdr.models.dropout import Dropout
 
 # Hugging Face model_type values whose checkpoints use RoBERTa's embeddings (padding-offset positions).
@@ -157,8 +157,9 @@ def add_bias(y: jax.Array, bias: jax.Array) -> jax.Array:
 
   Autodiff transposes `y + bias.astype(y.dtype)` into a sum of the bfloat16 cotangent over every token in
   bfloat16: compiled for an NVIDIA H200, BERT-base's train step summed each layer's six bias gradients over
-  32,768 document tokens in bfloat16 reductions, about 2% off at that size (the tests measure it). Here
-  the bfloat16 cotangent is summed in float32, as PyTorch's autocast does.
+  32,768 document tokens in bfloat16 reductions, visibly off at that size (the tests measure it; the figures:
+  docs/performance-history.md, "Compiled for the H200, change by change"). Here the bfloat16 cotangent is
+  summed in float32, as PyTorch's autocast does.
   """
   if y.dtype == jnp.bfloat16 and bias.dtype == jnp.float32:
     return _add_bias_bfloat16(y, bias)
@@ -178,8 +179,9 @@ def _add_bias_bfloat16_bwd(_, grad):
   # bfloat16 is float32's upper half: widening the bits is the exact conversion. grad.astype(float32) is
   # the same values, but XLA (excess precision allowed, its default) cancels it against the float32 ->
   # bfloat16 cast that made grad, so the sum read the unrounded float32 cotangent, which it then wrote to
-  # memory instead of fusing: the H200 flash train step +13 GB of traffic. The widened bits it keeps, and
-  # still fuses most sums where they were: +4.5 GB (docs/performance.md).
+  # memory instead of fusing, adding traffic to the H200 flash train step. The widened bits it keeps, and
+  # still fuses most sums where they were: far less traffic added (docs/performance-history.md, "Compiled for
+  # the H200, change by change").
   bits = jax.lax.bitcast_convert_type(grad, jnp.uint16).astype(jnp.uint32) << 16
   widened = jax.lax.bitcast_convert_type(bits, jnp.float32)
   return grad, jnp.sum(widened, axis=tuple(range(grad.ndim - 1)))
@@ -228,8 +230,8 @@ def attention_logits(q: jax.Array, k: jax.Array) -> jax.Array:
   In half precision the backward rounds the logits' cotangent to the inputs' dtype before the two products
   that give dQ and dK, as FlashAttention's backward (and jdr's flash kernel) rounds dS: autodiff would carry
   it in float32, writing and reading [B, N, L, L] float32 arrays for float32 products with float32 results
-  (BERT-base's train step at 128 x 256 tokens compiled for an NVIDIA H200: 159.1 -> 143.6 GB). float32
-  inputs keep autodiff's own backward, bit for bit.
+  (what that cost BERT-base's train step compiled for an NVIDIA H200: docs/performance-history.md, "Compiled
+  for the H200, change by change"). float32 inputs keep autodiff's own backward, bit for bit.
   """
   if q.dtype == jnp.float32:
     return jnp.einsum("bnqd,bnkd->bnqk", q, k, preferred_element_type=jnp.float32)
@@ -259,9 +261,9 @@ def _layer_norm(cfg: EncoderConfig, name: str, deterministic: bool) -> nn.LayerN
   # Flax computes the statistics in float32 even for bfloat16 inputs; `dtype` is only the output dtype.
   # The variance: a forward that trains keeps Flax's one-pass E[x^2] - E[x]^2, whose backward needs only x;
   # the variance of x - mean (PyTorch's) made a BERT-base train step keep every LayerNorm's float32 x - mean,
-  # 10 GB more traffic (compiled for an NVIDIA H200). A deterministic forward (encoding, evaluation) takes the
+  # more traffic (compiled for an NVIDIA H200). A deterministic forward (encoding, evaluation) takes the
   # variance of x - mean, which XLA's GPU compiler computes with the normalization in one kernel instead of
-  # two: BERT-base's [256, 256] forward 178 -> 129 kernels, 47.0 -> 44.9 GB.
+  # two (the figures of both: docs/performance-history.md, "Compiled for the H200, change by change").
   return nn.LayerNorm(
       epsilon=cfg.layer_norm_eps, dtype=cfg.compute_dtype, param_dtype=jnp.float32,
       use_fast_variance=not deterministic,
@@ -269,12 +271,13 @@ def _layer_norm(cfg: EncoderConfig, name: str, deterministic: bool) -> nn.LayerN
       bias_init=_init(("embed",), nn.initializers.zeros_init()), name=name)
 
 
-def _exact_gelu(x: jax.Array) -> jax.Array:
+def exact_gelu(x: jax.Array) -> jax.Array:
   """GELU with the Gaussian CDF from erf; half-precision inputs are computed in float32 and rounded once.
 
   jax.nn.gelu's exact form goes through erfc, whose float32 kernel computes two branches and an exp: on an
-  NVIDIA H200 its fusion over BERT-base's [tokens, 3072] MLP activations ran at 3x the time of reading and
-  writing them, the largest non-matmul kernel of the forward. The erf form is what PyTorch computes (in float32
+  NVIDIA H200 its fusion over BERT-base's [tokens, 3072] MLP activations ran at several times the time of
+  reading and writing them, the largest non-matmul kernel of the forward (docs/performance-history.md, "The
+  H200 runs, run to run"). The erf form is what PyTorch computes (in float32
   for bfloat16 tensors), so Hugging Face parity holds as before. float32 inputs keep jax's form, bit for bit.
   """
   if x.dtype == jnp.float32:
@@ -285,7 +288,7 @@ def _exact_gelu(x: jax.Array) -> jax.Array:
 
 def _activation(name: str):
   if name == "gelu":
-    return _exact_gelu
+    return exact_gelu
   if name in ("gelu_new", "gelu_pytorch_tanh"):
     return lambda x: jax.nn.gelu(x, approximate=True)
   return jax.nn.relu
@@ -443,9 +446,9 @@ def serving_params(params: dict, cfg: EncoderConfig) -> dict:
 
   The layers cast exactly these at every call, so a forward gives the same result bit for bit; what a
   forward that only reads the weights (encoding a corpus, evaluation) saves is the casts themselves: BERT-base
-  in bfloat16 compiled for an NVIDIA H200, one [256, 256] batch, 322 kernels before, 178 after (each cast was
-  a kernel of its own). Embedding tables and LayerNorm parameters stay float32, as the layers read them.
-  float32 models are returned as they are.
+  in bfloat16 compiled for an NVIDIA H200, one [256, 256] batch, where each cast was a kernel of its own
+  (docs/performance-history.md, "Compiled for the H200, change by change"). Embedding tables and LayerNorm
+  parameters stay float32, as the layers read them. float32 models are returned as they are.
   """
   dtype = cfg.compute_dtype
   if dtype == jnp.float32:

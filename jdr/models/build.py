@@ -13,9 +13,9 @@ import jax
 import ml_collections
 import numpy as np
 
-from jdr import config_files
-from jdr import parallel
-from jdr import paths
+from jdr.runtime import config_files
+from jdr.runtime import parallel
+from jdr.runtime import paths
 from jdr.data import text
 from jdr.models import cross
 from jdr.models import hf

@@ -42,8 +42,8 @@ def dropout_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   Each element's bits depend only on (key, its index in the whole array), so a sharded array draws the same
   mask as one device (the index comes from per-axis iotas, which XLA partitions), and under vmap each row's
   key gives that row its own mask. Two rounds of a full-avalanche mixer with the key's two words folded in
-  between cost ~12 integer ops an element, where threefry's 20 rounds gave 16 bits for ~40: on a 2-core
-  x86 CPU the masks of one [32, 12, 128, 128] attention took 16.6 ms with threefry and ~2 ms with this.
+  between cost ~12 integer ops an element, where threefry's 20 rounds gave 16 bits for ~40, so the masks take
+  a fraction of threefry's time (docs/performance.md, `train-step`, "Dropout masks").
   """
   words = key_words(key)
   index = jnp.zeros(shape, jnp.uint32)
@@ -58,10 +58,10 @@ class Dropout(nn.Module):
   """Inverted dropout whose masks come from `dropout_bits` (a keyed hash, not threefry).
 
   flax's nn.Dropout draws a float32 uniform per element, one threefry evaluation each; on a CPU those masks
-  were 0.39 s of a 1.71 s MiniLM training step (0.15 s of 1.37 s after packing two 16-bit draws per threefry
-  word). The hash keeps the rate exact to 2^-32. Same rng stream ("dropout") and the same per-call key as
-  nn.Dropout, so gradient caching's per-row keys still hold. Arrays of 2^32 elements or more (where a 32-bit
-  index would repeat) draw from threefry instead.
+  were a large part of a MiniLM training step, even after packing two 16-bit draws per threefry word
+  (docs/performance-history.md, the train step's section). The hash keeps the rate exact to 2^-32. Same rng
+  stream ("dropout") and the same per-call key as nn.Dropout, so gradient caching's per-row keys still hold.
+  Arrays of 2^32 elements or more (where a 32-bit index would repeat) draw from threefry instead.
   """
   rate: float
 

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from jdr import paths
+from jdr.runtime import paths
 from jdr.data import text
 from jdr.models.bert import EncoderConfig
 from jdr.models.towers import Tower, TowerConfig
@@ -277,7 +277,7 @@ def export_hf(config: EncoderConfig, params: dict[str, Any], path: str | Path, *
 # ---------------------------------------------------------------------------------------------- towers
 
 
-minilm_path = paths.minilm_path  # the bundled checkpoint; it lives in jdr/paths.py, below data/ and models/
+minilm_path = paths.minilm_path  # the bundled checkpoint; it lives in jdr/runtime/paths.py, below data/ and models/
 
 
 def sentence_transformers_settings(path: str | Path) -> dict[str, Any]:

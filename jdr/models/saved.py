@@ -9,8 +9,8 @@ import json
 import pathlib
 from typing import Any
 
-from jdr import checkpoint
-from jdr import paths
+from jdr.training import checkpoint
+from jdr.runtime import paths
 from jdr.data import text
 
 

@@ -77,9 +77,10 @@ def pool(hidden: jax.Array, mask: jax.Array, how: str) -> jax.Array:
     # The masked sum as a matrix product with a second, all-zero row of weights ([B, 2, L] x [B, L, H]).
     # XLA rewrites a matrix-vector product, or jnp.sum over L, into a reduction over L; on GPUs that
     # reduction asks for L as the fastest-varying dimension of its input, and XLA gave that layout to every
-    # layer's residual stream, transposing [tokens, hidden] twice a layer (BERT-base compiled for an NVIDIA
-    # H200: 24 transposes of 100 MB a forward, and no residual add fused into its matmul). The unused zero
-    # row keeps a matrix product, whose operand cuBLAS reads in the encoder's own layout.
+    # layer's residual stream, transposing [tokens, hidden] twice a layer with no residual add fused into its
+    # matmul (BERT-base compiled for an NVIDIA H200: docs/performance-history.md, "Compiled for the H200, change
+    # by change"). The unused zero row keeps a matrix product, whose operand cuBLAS reads in the encoder's own
+    # layout.
     weights = mask.astype(hidden.dtype)
     weights = jnp.stack([weights, jnp.zeros_like(weights)], axis=1)
     total = jnp.einsum("bkl,blh->bkh", weights, hidden, preferred_element_type=jnp.float32)[:, 0]

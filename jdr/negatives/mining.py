@@ -43,7 +43,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from jdr import atomic
+from jdr.runtime import atomic
 from jdr.data import prepared
 
 FORMAT = 1
@@ -289,8 +289,8 @@ def teacher_scores(score: Callable[[Sequence[tuple[str, str]]], np.ndarray], cor
 
 
 def bm25_scores(index, query_texts: Sequence[str], rows: np.ndarray) -> np.ndarray:
-  """float32 [Q, P] BM25 score of each query with each of its rows (-1: NaN), from `jdr.bm25`'s index: the
-  same sum `jdr.bm25.search` ranks by."""
+  """float32 [Q, P] BM25 score of each query with each of its rows (-1: NaN), from `jdr.retrieval.bm25`'s index: the
+  same sum `jdr.retrieval.bm25.search` ranks by."""
   rows = np.asarray(rows)
   terms, starts = index.query_terms(query_texts)
   out = np.where(rows >= 0, 0.0, np.nan)

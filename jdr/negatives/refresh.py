@@ -44,8 +44,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdr import atomic
-from jdr import paths
+from jdr.runtime import atomic
+from jdr.runtime import paths
 
 Pools = np.ndarray
 
@@ -162,7 +162,7 @@ class AsyncRefresher:
     self._first_host = jax.process_index() == 0
     if self._first_host:
       for tmp in self.directory.glob(".*.tmp"):
-        tmp.unlink(missing_ok=True)  # half-written by a killed run (see jdr.atomic)
+        tmp.unlink(missing_ok=True)  # half-written by a killed run (see jdr.runtime.atomic)
     self._check_schedule_file()
 
     self._cond = threading.Condition()
@@ -273,7 +273,7 @@ class AsyncRefresher:
   def close(self, wait: bool = True) -> None:
     """Stop the worker: queued mines are dropped, their snapshots stay on disk, so a resume re-mines them. A
     mine in flight finishes (threads cannot be interrupted); `wait=False` does not wait for it (a preempted
-    run, which exits next): its generation, if it gets written at all, is written whole (jdr.atomic)."""
+    run, which exits next): its generation, if it gets written at all, is written whole (jdr.runtime.atomic)."""
     with self._cond:
       self._closing = True
       worker, jobs = self._worker, self._queue

@@ -13,7 +13,7 @@ Where the retrieval runs is a config value (`negatives.retrieval_backend`):
   faiss  on the host, between steps: `HostRetrieval` encodes the batch's queries with the current query
          tower (the same dropout rng the step will use, so the ranking is the one the loss sees), searches
          any Faiss index (flat, or OPQ+PQ), and hands the ids to the step as the batch field `cand_rows`;
-  jax    inside the jitted step: `sharded_top_k` (`jdr.topk`) over the corpus matrix sharded by rows
+  jax    inside the jitted step: `sharded_top_k` (`jdr.retrieval.topk`) over the corpus matrix sharded by rows
          across the mesh, each device searching its own rows.
 Either way the step then runs the same code: `candidates` (the missing-positive rule), the candidates'
 vectors, scores, loss.
@@ -41,8 +41,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdr import sharded_rows
-from jdr import topk
+from jdr.retrieval import sharded_rows
+from jdr.retrieval import topk
 
 
 # ------------------------------------------------------------------------------------------------ the corpus
@@ -52,7 +52,7 @@ from jdr import topk
 class CorpusMatrix:
   """The fixed document vectors the step scores against, on the devices and on the host.
 
-  `device` holds the rows sharded over every mesh axis (`jdr.topk`: float32, bfloat16 by default on
+  `device` holds the rows sharded over every mesh axis (`jdr.retrieval.topk`: float32, bfloat16 by default on
   accelerators, or int8 with a scale per row; padding rows are zeros) and `bias` [N_pad] is 0 for documents,
   -inf for padding rows, so padding never wins a top-k. `host` is the matrix it was placed from, as given (a
   memory-mapped encoding: not a second copy).
@@ -85,7 +85,7 @@ def corpus_shardings(mesh):
 def sharded_top_k(queries: jax.Array, corpus, bias: jax.Array, k: int, mesh,
                   recall_target: float = 1.0, block_rows: int = topk.DEFAULT_BLOCK_ROWS) -> jax.Array:
   """Rows [B, k] of the top-k inner products of queries [B, D] against the row-sharded corpus, best first:
-  `jdr.topk.sharded_top_k`, the search every JAX caller shares."""
+  `jdr.retrieval.topk.sharded_top_k`, the search every JAX caller shares."""
   return topk.sharded_top_k(queries, corpus, bias, k, mesh, block_rows, recall_target)[1]
 
 
@@ -121,7 +121,7 @@ def append_positives(rows: jax.Array, positive_rows: jax.Array) -> tuple[jax.Arr
   Returns (rows [B, n + P]: the n retrieved, then the query's positives where none of the n is relevant and
   -1 (no candidate) elsewhere, labels [B, n + P], retrieved_labels [B, n]), as `replace_last`. The P extra
   columns are there for every query so the shapes stay static under jit; an appended positive's position in
-  the list (n + 1 + its column) is what its lambda weight reads (`jdr.losses`, lambda_delta="positions").
+  the list (n + 1 + its column) is what its lambda weight reads (`jdr.training.losses`, lambda_delta="positions").
   """
   relevant = _relevant(rows, positive_rows)
   missed = ~jnp.any(relevant, axis=1, keepdims=True)
@@ -204,7 +204,7 @@ class HostIndex:
       self.matrix, self.retriever = embeddings, None
       self.vectors = HostVectors(matrix=embeddings)
       return
-    from jdr import index as index_lib  # pylint: disable=g-import-not-at-top
+    from jdr.retrieval import index as index_lib  # pylint: disable=g-import-not-at-top
     self.matrix = None
     self.retriever = index_lib.FaissRetriever(embeddings.shape[1], factory=factory, train_size=train_size,
                                               seed=seed, use_gpu="auto")
@@ -213,8 +213,8 @@ class HostIndex:
       sample = embeddings[np.sort(np.random.default_rng(seed).choice(len(embeddings), train_size, replace=False))]
     self.retriever.train(sample)
     # The Faiss index itself, added to and searched by row: the retriever's string ids are N Python objects.
-    self._index = self.retriever._index  # pylint: disable=protected-access
-    cpu = self.retriever._cpu  # pylint: disable=protected-access  (the trained CPU index holds the codecs)
+    self._index = self.retriever.search_index
+    cpu = self.retriever.cpu_index  # the trained CPU index holds the codecs
     codes = []
     for start in range(0, len(embeddings), 65536):
       block = np.ascontiguousarray(embeddings[start:start + 65536], np.float32)
@@ -244,7 +244,7 @@ class HostIndex:
 def reconstruct(embeddings: np.ndarray, factory: str, *, seed: int = 0, train_size: int = 100_000):
   """(A Faiss retriever over the embeddings, the index's own reconstruction of every document [N, D]): the
   whole decoded matrix, for the benchmarks that compare against it; training uses `HostIndex`."""
-  from jdr import index as index_lib  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import index as index_lib  # pylint: disable=g-import-not-at-top
   retriever = index_lib.FaissRetriever(embeddings.shape[1], factory=factory, train_size=train_size, seed=seed,
                                        use_gpu="auto")
   retriever.add(embeddings, [str(i) for i in range(len(embeddings))])
@@ -371,7 +371,7 @@ def exact_top_rows(doc_emb: np.ndarray, queries: np.ndarray, n: int, backend: st
       if bar is not None:
         bar.update(len(part))
   else:
-    from jdr import parallel  # pylint: disable=g-import-not-at-top
+    from jdr.runtime import parallel  # pylint: disable=g-import-not-at-top
     mesh = mesh if mesh is not None else parallel.make_mesh((-1, 1, 1), devices=jax.local_devices())
     corpus = topk.put_corpus(doc_emb, mesh, dtype)
     search = topk.search_fn(corpus, k, mesh)

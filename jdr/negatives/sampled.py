@@ -3,11 +3,11 @@
 A training batch holds B queries and C = B * (1 + n_neg) documents: docs[0:B] are the positives (doc b is
 query b's positive) and query b's n_neg sampled negatives sit at B + b*n_neg ... B + (b+1)*n_neg - 1.
 A `NegativeSource` fills the second part; `jdr.data.batch.candidate_mask` builds the `valid` [B, C]
-matrix the losses in `jdr.losses` take.
+matrix the losses in `jdr.training.losses` take.
 
 Sources (the "negatives come from" column of DESIGN.md):
   RandomNegatives   uniform over the corpus (Rand Neg)
-  BM25Negatives     uniform over BM25's top-k, mined once with `jdr.bm25` and cached (BM25 Neg; DPR, ANCE warm-up)
+  BM25Negatives     uniform over BM25's top-k, mined once with `jdr.retrieval.bm25` and cached (BM25 Neg; DPR, ANCE warm-up)
   StaticNegatives   top-k of a TREC run file, e.g. a warm-up dense model's (STAR's static hard negatives)
   MixedNegatives    per-query mixture by fractions (DPR's 1:1 BM25 + random)
 
@@ -28,7 +28,7 @@ import numpy as np
 from jdr.data.formats import Doc, read_run
 
 if TYPE_CHECKING:
-  from jdr import bm25
+  from jdr.retrieval import bm25
 
 log = logging.getLogger(__name__)
 
@@ -224,13 +224,13 @@ class BM25Negatives(_PoolNegatives):
   """Negatives drawn uniformly from each training query's BM25 top-k (default 100, as DPR and ANCE).
 
   Training queries are the qrels' queries with a positive; each must have text in `queries` (which may
-  also hold other splits' queries: they are not mined). Documents are scored by `jdr.bm25` (Lucene's BM25
+  also hold other splits' queries: they are not mined). Documents are scored by `jdr.retrieval.bm25` (Lucene's BM25
   with Anserini's MS MARCO k1=0.9, b=0.4; bm25s's tokens: lowercase, English stopwords, no stemming).
 
   `corpus` is a {doc id: Doc} dict, indexed as `doc_text` (title + " " + text) with `k1` and `b`; or the
-  corpus's doc ids in row order, with `index` the BM25 index of its texts (`jdr.bm25.index_for`, e.g. over a
+  corpus's doc ids in row order, with `index` the BM25 index of its texts (`jdr.retrieval.bm25.index_for`, e.g. over a
   prepared corpus), whose own settings then apply.
-  The index and the mined top-k rows and scores are kept under `cache_dir` (see `jdr.bm25` for the layout),
+  The index and the mined top-k rows and scores are kept under `cache_dir` (see `jdr.retrieval.bm25` for the layout),
   keyed by the corpus texts, the settings, k and the mined queries' ids and texts, so any change mines again
   and an unchanged setup reads the arrays memory-mapped. Mining uses `n_threads` cores (-1: all), shows a
   progress bar, and a killed mine resumes at its last finished chunk of `chunk_size` queries.
@@ -243,7 +243,7 @@ class BM25Negatives(_PoolNegatives):
                top_k: int = 100, cache_dir: str | os.PathLike | None = None, k1: float = 0.9, b: float = 0.4,
                chunk_size: int = 4096, n_threads: int = -1, show_progress: bool = True,
                index: bm25.Index | None = None):
-    from jdr import bm25  # pylint: disable=g-import-not-at-top  (imported here: only BM25 users need numba)
+    from jdr.retrieval import bm25  # pylint: disable=g-import-not-at-top  (imported here: only BM25 users need numba)
     super().__init__(qrels, RandomNegatives(corpus, qrels), "BM25Negatives")
     if top_k < 1:
       raise ValueError(f"top_k must be >= 1, got {top_k}")
@@ -255,7 +255,7 @@ class BM25Negatives(_PoolNegatives):
       raise ValueError(f"{len(missing)} qrels queries have no text in `queries`, e.g. {missing[:5]}")
     if index is None:
       if not isinstance(corpus, Mapping):
-        raise ValueError("BM25Negatives: a corpus given as doc ids needs index= (jdr.bm25.index_for over its "
+        raise ValueError("BM25Negatives: a corpus given as doc ids needs index= (jdr.retrieval.bm25.index_for over its "
                          "texts in the same order)")
       index = bm25.corpus_index(corpus, cache_dir=cache_dir, k1=k1, b=b, show_progress=show_progress)
     if len(index) != len(self.corpus_ids):
@@ -304,7 +304,7 @@ def bm25_run(corpus: Mapping[str, Doc], queries: Mapping[str, str], qids: Sequen
 
   The index is this process's for the same corpus and settings if any (e.g. BM25Negatives'), else
   `cache_dir`'s, else built once."""
-  from jdr import bm25  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import bm25  # pylint: disable=g-import-not-at-top
   ids = list(corpus)
   index = bm25.corpus_index(corpus, cache_dir=cache_dir, k1=k1, b=b, show_progress=show_progress)
   rows, scores = bm25.search(index, [queries[q] for q in qids], min(k, len(ids)), n_threads=n_threads)

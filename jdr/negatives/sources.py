@@ -26,9 +26,10 @@ import jax
 import ml_collections
 import numpy as np
 
-from jdr import atomic
-from jdr import corpus as corpus_lib
-from jdr import paths
+from jdr.runtime import atomic
+from jdr.data import pairs
+from jdr.retrieval import encodings
+from jdr.runtime import paths
 from jdr.negatives import given
 from jdr.negatives import mining
 from jdr.negatives import refresh
@@ -142,10 +143,6 @@ def make(config: ml_collections.ConfigDict, data, workdir: pathlib.Path, encoder
   return out
 
 
-def _train_qids(data) -> list[str]:
-  return sorted({q for q, docs in data.train_qrels.items() if any(r > 0 for r in docs.values())})
-
-
 def _sampled_source(config, data, workdir, *_) -> Negatives:
   """none | random | bm25 | bm25_random | static | triples: fixed pools, sampled on the host into token batches."""
   neg = config.negatives
@@ -154,7 +151,7 @@ def _sampled_source(config, data, workdir, *_) -> Negatives:
 
 def _dense_static(config, data, workdir, encoder, initial_params, *_) -> Negatives:
   """STAR's static hard negatives: the starting model's own top-n, mined once and cached, held as rows."""
-  neg, train_qids = config.negatives, _train_qids(data)
+  neg, train_qids = config.negatives, pairs.training_queries(data.train_qrels)
   depth = neg.top_n + neg.mine_extra
   rows = mine_rows(encoder, initial_params, train_qids, depth,
                    workdir / "cache" / _cache_name("dense_static", depth, encoder, train_qids),
@@ -167,7 +164,7 @@ def _dense_static(config, data, workdir, encoder, initial_params, *_) -> Negativ
 
 def _ance(config, data, workdir, encoder, initial_params, *_) -> Negatives:
   """ANCE: the model's own top-n, re-mined every `refresh_every` steps by a background re-encode."""
-  neg, qid_list = config.negatives, _train_qids(data)
+  neg, qid_list = config.negatives, pairs.training_queries(data.train_qrels)
 
   def mine(params, generation):
     # Runs in the refresher's worker thread, beside training (jitted calls release the GIL); on several
@@ -191,7 +188,7 @@ def _retrieval(config, data, workdir, encoder, initial_params, mesh, step_query_
 
   The corpus matrix exists once: memory-mapped on the host for Faiss (the batch carries its candidates'
   vectors), or on the devices for the in-step JAX search (the host keeps only the map)."""
-  neg, cache, train_qids = config.negatives, workdir / "cache", _train_qids(data)
+  neg, cache, train_qids = config.negatives, workdir / "cache", pairs.training_queries(data.train_qrels)
   corpus_ids = sampled.id_sequence(data.corpus)
   emb = corpus_embeddings(neg, encoder, initial_params, cache, corpus_ids)
   out = Negatives("corpus", top_n=neg.top_n, doc_emb=emb)
@@ -335,9 +332,9 @@ def corpus_embeddings(neg, encoder, params, cache: pathlib.Path, corpus_ids: lis
   """The fixed document vectors: a `jdr.encode` directory when given, else the starting document tower's."""
   if neg.corpus_encoding:
     # Refused before step 0: rows of another corpus would silently score the wrong documents.
-    corpus_lib.check_ids_match(neg.corpus_encoding, corpus_ids,
+    encodings.check_ids_match(neg.corpus_encoding, corpus_ids,
                                f"negatives.corpus_encoding vs data.dataset={encoder.data.name}")
-    emb, _, _ = corpus_lib.load_embeddings(neg.corpus_encoding)
+    emb, _, _ = encodings.load_embeddings(neg.corpus_encoding)
     return emb
   # Encoded a shard at a time into the workdir (resumable; named for the weights, so a resumed run finds the
   # starting tower's) and read back memory-mapped: the shards are the one copy of the matrix the host keeps.

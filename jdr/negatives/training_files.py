@@ -33,8 +33,7 @@ from jdr.data import formats
 from jdr.data import triples
 from jdr.negatives import mining
 
-# pylint: disable=protected-access  (formats' line reader and reasons are this module's too)
-_Invalid = formats._Invalid
+_Invalid = formats.Invalid
 
 TEVATRON_V1, TEVATRON_V2, SENTENCE_TRANSFORMERS = "tevatron-v1", "tevatron-v2", "sentence-transformers"
 
@@ -153,16 +152,16 @@ class _Reader:
     for i, r in enumerate(found.tolist()):
       if r == -1:
         what = "positive" if i == 0 else "negative"
-        raise _Invalid(formats.UNKNOWN, f"the {what} passage {triples._shown(([positive] + negatives)[i])} is not "
+        raise _Invalid(formats.UNKNOWN, f"the {what} passage {triples.shown(([positive] + negatives)[i])} is not "
                        "in the corpus")
     rows = [several[i][0] if r == -2 else r for i, r in enumerate(found.tolist())]
     positive_rows = several.get(0, [rows[0]])
     qids = self._query_of.get(anchor, [])
     if not qids:
-      raise _Invalid(formats.UNKNOWN, f"the anchor {triples._shown(anchor)} is not the text of a training query")
+      raise _Invalid(formats.UNKNOWN, f"the anchor {triples.shown(anchor)} is not the text of a training query")
     judging = [q for q in qids if self.relevant(q) & set(positive_rows)]
     if len(qids) > 1 and not judging:
-      raise _Invalid(formats.MALFORMED, f"the anchor {triples._shown(anchor)} is the text of queries "
+      raise _Invalid(formats.MALFORMED, f"the anchor {triples.shown(anchor)} is the text of queries "
                      f"{', '.join(map(repr, qids[:3]))}, none of whose qrels judge its positive relevant")
     qid = (judging or qids)[0]
     return qid, [r for r in positive_rows if r in self.relevant(qid)] or positive_rows[:1], rows[1:], scores
@@ -228,10 +227,10 @@ def read(path: formats.PathLike, corpus, queries: Mapping[str, str], qrels: Mapp
       print(f"jdr: skipped {sum(counts.values())} invalid rows of {path}: " + ", ".join(
           f"{n} {kind} (first at row {first[kind]})" for kind, n in sorted(counts.items())), file=sys.stderr)
   else:
-    with formats._reading(path, skip_invalid) as f:
+    with formats.reading(path, skip_invalid) as f:
       for lineno, line in f.lines():
         try:
-          reader.record(formats._json_record(line))
+          reader.record(formats.json_record(line))
         except _Invalid as e:
           f.bad(lineno, e)
   if reader.schema is None:

@@ -9,5 +9,12 @@ test queries are scored once, for the final models:
   report.py    the markdown table, the CSV of every run and the two plots
   claims.py    the papers' claims, each judged from two rows' test figures paired by seed
 
+The ablations are further experiments of the same command, each one module, with the table's resume (a
+stage's record is its finished mark), plan check, progress lines, runs.csv and statistic:
+
+  pretraining.py  `pretrain-ablation`: Chang et al.'s pretraining tasks, each fine-tuned and scored zero-shot
+  fgd.py          `fgd-ablation`: FGD's rows on long-document SciFact, the teacher's reranking, MaxP, Eq. 16
+  commands.py     running their stages as the public commands, each a process of its own
+
 `__main__.py` is the command line over these.
 """

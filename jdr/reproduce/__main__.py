@@ -19,6 +19,12 @@ go on after a stop (finished runs are skipped, a killed one resumes from its che
   python -m jdr.reproduce scifact --out runs/repro --report-only                  # the outputs from disk
   python -m jdr.reproduce scifact --out runs/repro-tiny --tiny                    # a tiny random BERT on the
                                                                                   # built-in dataset (its test)
+
+The ablations are experiments of the same runner, each with its own flags (`EXPERIMENT --help`), the same
+resume, runs.csv and table statistic (mean ± sample std over seeds):
+
+  python -m jdr.reproduce pretrain-ablation --out runs/ablation   # Chang et al.'s pretraining tasks (pretraining.py)
+  python -m jdr.reproduce fgd-ablation --out runs/fgd             # FGD on long-document SciFact (fgd.py)
 """
 
 import argparse
@@ -26,9 +32,11 @@ import dataclasses
 import pathlib
 import sys
 
-from jdr import cli
+from jdr.runtime import cli
 from jdr.data import shared
 from jdr.reproduce import devsplit
+from jdr.reproduce import fgd
+from jdr.reproduce import pretraining
 from jdr.reproduce import report
 from jdr.reproduce import rows as rows_lib
 from jdr.reproduce import runs as runs_lib
@@ -42,9 +50,17 @@ def _floats(text: str) -> tuple[float, ...]:
   return tuple(float(x) for x in text.split(",") if x.strip())
 
 
+# The experiments besides the SciFact table: {name: module with add_arguments(parser) and main(args, parser)}.
+EXPERIMENTS = {"pretrain-ablation": pretraining, "fgd-ablation": fgd}
+
+
 def main(argv=None) -> str:
-  parser = argparse.ArgumentParser(prog="python -m jdr.reproduce", description=__doc__.splitlines()[0])
-  parser.add_argument("table", choices=["scifact"], help="the table to rebuild")
+  top = argparse.ArgumentParser(prog="python -m jdr.reproduce",
+                                description="Rebuilds an experiment's table from its runs, training what is missing.")
+  experiments = top.add_subparsers(dest="table", required=True, metavar="EXPERIMENT",
+                                   help=f"scifact, {', '.join(EXPERIMENTS)} (EXPERIMENT --help: its flags)")
+  parser = experiments.add_parser("scifact", help="the SciFact table of the hard-negative methods",
+                                  description=__doc__.splitlines()[0])
   parser.add_argument("--out", required=True, help="output directory (runs, dev split, table, CSV, plots)")
   parser.add_argument("--methods", default="", help="comma-separated rows (default: all); rows a warm-up "
                       "needs are trained for their rate choice too")
@@ -64,7 +80,12 @@ def main(argv=None) -> str:
   parser.add_argument("--tiny", action="store_true", help="a tiny random BERT, a few steps, on the built-in "
                       "dataset: checks the whole command in about a minute, measures nothing")
   parser.add_argument("--report-only", action="store_true", help="write the outputs from the finished runs")
-  args = parser.parse_args(argv)
+  for name, module in EXPERIMENTS.items():
+    module.add_arguments(experiments.add_parser(name, help=module.__doc__.splitlines()[0], description=module.__doc__,
+                                                formatter_class=argparse.RawDescriptionHelpFormatter))
+  args = top.parse_args(argv)
+  if args.table in EXPERIMENTS:
+    return EXPERIMENTS[args.table].main(args, experiments.choices[args.table])
 
   plan = rows_lib.tiny_plan() if args.tiny else rows_lib.Plan()
   if args.rates:
@@ -116,7 +137,7 @@ def main(argv=None) -> str:
       progress = runs_lib.Progress(jobs, write=lambda line: print(line, flush=True),
                                    finished=runs_lib.finished_jobs(out, plan, jobs))
       ctx = runs_lib.Context(plan=plan, out=out, dataset=dataset, zero_shot=zero_shot, progress=progress)
-      from jdr import preemption  # pylint: disable=g-import-not-at-top  (JAX starts with the runs)
+      from jdr.training import preemption  # pylint: disable=g-import-not-at-top  (JAX starts with the runs)
       try:
         runs_lib.run_table(ctx, selected, list(plan.seeds))
       except preemption.Stopped as stopped:  # SIGTERM / SIGINT in a run: its step is saved, the rest resumes

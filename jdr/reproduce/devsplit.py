@@ -15,7 +15,7 @@ import shutil
 
 import numpy as np
 
-from jdr import atomic
+from jdr.runtime import atomic
 from jdr.data import formats
 
 

@@ -12,7 +12,7 @@ import json
 import pathlib
 import statistics
 
-from jdr import atomic
+from jdr.runtime import atomic
 from jdr.reproduce import claims as claims_lib
 from jdr.reproduce import rows as rows_lib
 from jdr.reproduce import runs as runs_lib
@@ -51,7 +51,9 @@ def final_runs(plan: rows_lib.Plan, out: pathlib.Path) -> dict[str, list[dict]]:
   return result
 
 
-def _stat(values: list[float]) -> str:
+def mean_std(values: list[float]) -> str:
+  """The one statistic of every experiment's table: the mean ± the sample standard deviation over the seeds
+  (their figure alone for one seed, "—" for none)."""
   if not values:
     return "—"
   if len(values) == 1:
@@ -86,8 +88,8 @@ def table_markdown(plan: rows_lib.Plan, out: pathlib.Path) -> str:
       dev = grid[name]["dev_ndcg@10"].get(rate)  # a given rate's: once its seed 0 has trained here
       dev = "—" if dev is None else f"{dev:.4f}"
     seeds = "—" if name == "start" else ",".join(str(r["seed"]) for r in found)
-    lines.append(f"| {labels[name]} | {rate} | {dev} | {_stat(col('ndcg@10'))} | {_stat(col('mrr@10'))} | "
-                 f"{_stat(col('recall@100'))} | {_stat(col(f'{cq}/ndcg@10'))} | {seeds} |")
+    lines.append(f"| {labels[name]} | {rate} | {dev} | {mean_std(col('ndcg@10'))} | {mean_std(col('mrr@10'))} | "
+                 f"{mean_std(col('recall@100'))} | {mean_std(col(f'{cq}/ndcg@10'))} | {seeds} |")
   lines += ["", f"The LTRe-style row trains on {cq} and its dev figure is measured there; its test figures are "
             f"on Flat in the middle columns and on {cq} in the last one, which is filled for the rows that keep "
             "a fixed document index (the ADORE rows, LTRe) and the start. Mean ± sample standard deviation "
@@ -102,8 +104,8 @@ def table_markdown(plan: rows_lib.Plan, out: pathlib.Path) -> str:
         continue
       col = lambda key: [z[key] for z in zs]
       delta = [z["ndcg@10"] - start["ndcg@10"] for z in zs] if start and name != "start" else []
-      lines.append(f"| {labels[name]} | {_stat(col('recall@1'))} | {_stat(col('recall@5'))} | "
-                   f"{_stat(col('recall@100'))} | {_stat(col('ndcg@10'))} | {_stat(delta)} |")
+      lines.append(f"| {labels[name]} | {mean_std(col('recall@1'))} | {mean_std(col('recall@5'))} | "
+                   f"{mean_std(col('recall@100'))} | {mean_std(col('ndcg@10'))} | {mean_std(delta)} |")
     lines.append("")
   lines += mined_section(out)
   lines += ["## Claims (test, paired by seed)", ""]
@@ -159,7 +161,8 @@ def mined_section(out: pathlib.Path) -> list[str]:
   return lines + [""]
 
 
-def _flat(prefix: str, values: dict) -> dict:
+def flat(prefix: str, values: dict | None) -> dict:
+  """A record's figures as CSV columns: {PREFIX + name: value}."""
   return {f"{prefix}{k}": v for k, v in (values or {}).items()}
 
 
@@ -172,14 +175,19 @@ def write_csv(out: pathlib.Path) -> pathlib.Path:
     line = {k: r.get(k, "") for k in ("run", "method", "steps", "batch_size", "rate", "seed", "after", "parent",
                                       "seconds", "score_seconds")}
     line["dev_curve"] = json.dumps(r["dev_curve"]) if "dev_curve" in r else ""
-    line.update(_flat("dev_", r.get("dev")))
-    line.update(_flat("test_", r.get("test")))
-    line.update(_flat("zero_shot_", r.get("zero_shot")))
+    line.update(flat("dev_", r.get("dev")))
+    line.update(flat("test_", r.get("test")))
+    line.update(flat("zero_shot_", r.get("zero_shot")))
     lines.append(line)
+  return write_rows_csv(out / "runs.csv", lines)
+
+
+def write_rows_csv(path: pathlib.Path, lines: list[dict]) -> pathlib.Path:
+  """Writes one CSV line per run record (the columns in the order they first appear, empty where a record
+  lacks one) atomically: every experiment's runs.csv."""
   fields = []
   for line in lines:
     fields += [k for k in line if k not in fields]
-  path = out / "runs.csv"
 
   def write(f):
     import io  # pylint: disable=g-import-not-at-top

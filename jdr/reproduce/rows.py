@@ -1,6 +1,6 @@
 """The rows of the methods table, the budget they share, and the trainer config of each stage.
 
-A row is a chain of stages. Each stage is one run of `jdr.train.train_and_evaluate` on a recipe of
+A row is a chain of stages. Each stage is one run of `jdr.training.trainer.train_and_evaluate` on a recipe of
 configs/; a later stage starts from the workdir of the one before it (the papers' warm-ups: BM25
 negatives before STAR and ANCE, STAR before ADORE+STAR). The warm-up steps are part of the row's budget,
 so every row trains `Plan.steps` steps of `Plan.batch_size` in all. A warm-up stage trains at the rate
@@ -23,8 +23,8 @@ import pathlib
 
 import ml_collections
 
-from jdr import atomic
-from jdr import config_files
+from jdr.runtime import atomic
+from jdr.runtime import config_files
 
 CONFIGS_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
 
@@ -47,20 +47,33 @@ class Plan:
   tiny: bool = False  # a tiny random BERT instead of MiniLM: the command's own test
 
 
-def record_plan(plan: Plan, out: pathlib.Path) -> None:
+def record_plan(plan, out: pathlib.Path, free: tuple[str, ...] = ("rates", "seeds")) -> None:
   """Writes OUT/plan.json, or refuses a plan that differs from the one its runs were trained under in
-  anything but the rate grid and the seeds (which only add runs)."""
+  anything but the `free` fields (the table's: the rate grid and the seeds, which only add runs). `plan` is
+  a frozen dataclass: this table's Plan, or an ablation's."""
   path = pathlib.Path(out) / "plan.json"
-  fixed = {k: v for k, v in dataclasses.asdict(plan).items() if k not in ("rates", "seeds")}
+  # JSON has lists where a plan has tuples: compared as JSON holds them.
+  fixed = {k: v for k, v in json.loads(json.dumps(dataclasses.asdict(plan))).items() if k not in free}
   if path.exists():
     # A field added to the plan after a directory's runs were trained reads as its default there.
-    defaults = {f.name: f.default for f in dataclasses.fields(Plan)}
-    old = {k: v for k, v in {**defaults, **json.loads(path.read_text())}.items() if k not in ("rates", "seeds")}
+    defaults = json.loads(json.dumps({f.name: f.default for f in dataclasses.fields(plan)}))
+    old = {k: v for k, v in {**defaults, **json.loads(path.read_text())}.items() if k not in free}
     if old != fixed:
       changed = ", ".join(f"{k} {old.get(k)!r} -> {v!r}" for k, v in fixed.items() if old.get(k) != v)
       raise ValueError(f"{path}: the runs here were trained under another plan ({changed}); use another "
                        "output directory")
   atomic.write_text(path, json.dumps(dataclasses.asdict(plan), indent=1))
+
+
+def recorded_plan(plan, out: pathlib.Path):
+  """The plan OUT/plan.json records, as `plan`'s type (a field it lacks keeps `plan`'s value), or `plan` where
+  none is recorded: what a report of the runs there states."""
+  path = pathlib.Path(out) / "plan.json"
+  if not path.exists():
+    return plan
+  names = {f.name for f in dataclasses.fields(plan)}
+  return dataclasses.replace(plan, **{k: tuple(v) if isinstance(v, list) else v
+                                      for k, v in json.loads(path.read_text()).items() if k in names})
 
 
 # Rows whose last stage trains the query tower only, over a fixed document index: their test is also scored
@@ -72,8 +85,8 @@ QUERY_ONLY = ("adore", "adore_ranknet", "adore_static", "adore_star", "ltre_pq")
 
 def tiny_plan() -> Plan:
   """A few steps of a 2x64 random BERT. Its compressed index is a PQ of 16 sub-vectors with 4-bit codes,
-  which 1,200 documents can train, and no OPQ: OPQ's rotation took a minute or more to train on the 2-core
-  CPU, where the rest of a tiny run takes seconds."""
+  which 1,200 documents can train, and no OPQ: OPQ's rotation is slow to train on a small CPU next to the rest
+  of a tiny run (docs/performance.md, "Measured outside the benchmarks")."""
   return Plan(steps=8, batch_size=8, rates=(1e-3, 3e-3), eval_every=4, query_max_length=16, eval_doc_length=32,
               compressed="IVF1,PQ16x4", teacher_steps=4, tiny=True)
 

@@ -24,8 +24,8 @@ import sys
 import time
 from typing import Callable
 
-from jdr import atomic
-from jdr import metric_writers
+from jdr.runtime import atomic
+from jdr.training import metric_writers
 from jdr.reproduce import rows as rows_lib
 
 TEST_METRICS = ("ndcg@10", "mrr@10", "recall@100")
@@ -145,7 +145,7 @@ def finished_jobs(out: pathlib.Path, plan: rows_lib.Plan, jobs: dict[tuple, int]
   return finished
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
   seconds = int(round(seconds))
   if seconds >= 3600:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
@@ -153,9 +153,9 @@ def _duration(seconds: float) -> str:
 
 
 def step_kind(method: str) -> str:
-  """The ADORE / LTRe steps train one tower over a fixed index: on the 2-core CPU a tenth of a two-tower step.
-  ANCE's steps carry its refreshes' corpus re-encodings: about twice a two-tower step there (17.7 s against
-  8.7 s a step over 104 steps), so they are priced by their own measurements."""
+  """The ADORE / LTRe steps train one tower over a fixed index, far cheaper than a two-tower step. ANCE's steps
+  carry its refreshes' corpus re-encodings, dearer than a two-tower step (the figures: docs/performance.md,
+  "Measured outside the benchmarks"), so they are priced by their own measurements."""
   if method in rows_lib.QUERY_ONLY:
     return "query-only step"
   return "ANCE step" if method == "ance" else "two-tower step"
@@ -173,14 +173,16 @@ class Progress:
   """Prints "run i of n: WHAT (ETA ...)" before each job; the ETA prices what is left of each kind of work
   (`job_kind`) at the seconds per unit measured so far in this invocation; a two-tower or query-only step not
   measured yet at the other's rate, ANCE steps and scorings not measured yet are named apart. The `finished`
-  jobs (done in an earlier sitting) cost nothing."""
+  jobs (done in an earlier sitting) cost nothing. `kind` names a job's kind of work (the table's `job_kind`
+  by default; an ablation passes its own)."""
 
-  def __init__(self, jobs: dict[tuple, int], write: Callable[[str], None], finished: set[tuple] = frozenset()):
+  def __init__(self, jobs: dict[tuple, int], write: Callable[[str], None], finished: set[tuple] = frozenset(),
+               kind: Callable[[tuple], str] = job_kind):
     self.total = len(jobs)
     self.left = collections.Counter()
     for key, steps in jobs.items():
       if key not in finished:
-        self.left[job_kind(key)] += steps or 1  # a step count, or one scoring / mining
+        self.left[kind(key)] += steps or 1  # a step count, or one scoring / mining
     self.write = write
     self.index = 0
     self.seconds, self.units = collections.Counter(), collections.Counter()
@@ -203,7 +205,7 @@ class Progress:
     untimed = [f"{n} {noun.get(kind, kind)}{'s' if n > 1 else ''}" for kind, n in sorted(self.left.items())
                if n and kind not in rates]
     timed = sum(n * rates[kind] for kind, n in self.left.items() if kind in rates)
-    return f"ETA {_duration(timed)}" + "".join(f" + {what} (not timed yet)" for what in untimed)
+    return f"ETA {duration(timed)}" + "".join(f" + {what} (not timed yet)" for what in untimed)
 
   def begin(self, what: str) -> None:
     self.index += 1
@@ -239,7 +241,7 @@ class Context:
 
   @property
   def vector_cache(self) -> pathlib.Path:
-    """Corpus vectors by document side (`jdr.corpus_cache`), shared by every run and scoring: a model's last
+    """Corpus vectors by document side (`jdr.retrieval.corpus_cache`), shared by every run and scoring: a model's last
     evaluation, its scoring, its successor's mining and fixed index, and every start from MiniLM encode the
     same corpus with the same tower (minutes each on the 2-core CPU)."""
     return self.out / "data" / "corpus-vectors"
@@ -265,7 +267,7 @@ def _output_to(path: pathlib.Path):
     os.close(saved[0]), os.close(saved[1])
 
 
-def _release() -> None:
+def release() -> None:
   """Drops the finished run's compiled programs: dozens of runs share one process."""
   import jax  # pylint: disable=g-import-not-at-top
   jax.clear_caches()
@@ -306,14 +308,14 @@ def train(ctx: Context, run: StageRun) -> dict:
     if first:
       ctx.progress.skip(f"train {run.name}")
     return done
-  from jdr import train as train_lib  # pylint: disable=g-import-not-at-top  (JAX starts here, not at import)
+  from jdr.training import trainer  # pylint: disable=g-import-not-at-top  (JAX starts here, not at import)
   config = rows_lib.stage_config(ctx.plan, run.method, steps=run.steps, rate=run.rate, seed=run.seed,
                                  dataset=ctx.dataset, init_from=init_from, configs_dir=ctx.configs_dir)
   ctx.progress.begin(f"train {run.name}")
   start = time.perf_counter()
   config.eval.corpus_cache = str(ctx.vector_cache)
   with _output_to(workdir / "train.log"):
-    results = train_lib.train_and_evaluate(config, workdir)
+    results = trainer.train_and_evaluate(config, workdir)
   seconds = time.perf_counter() - start
   record = {"run": run.name, "method": run.method, "steps": run.steps, "batch_size": ctx.plan.batch_size,
             "rate": run.rate, "seed": run.seed,
@@ -323,7 +325,7 @@ def train(ctx: Context, run: StageRun) -> dict:
             "seconds": round(seconds, 1)}
   atomic.write_text(workdir / "done.json", json.dumps(record, indent=1))
   del results
-  _release()
+  release()
   ctx.progress.end(step_kind(run.method), run.steps, seconds)
   return record
 
@@ -339,8 +341,9 @@ def choose_rate(ctx: Context, row: rows_lib.Row, choices: dict[str, float]) -> d
 
 
 # Trained Faiss indexes by (corpus vectors, factory). The ADORE / LTRe rows keep the starting document tower,
-# so all their models share one corpus encoding: OPQ48,IVF1,PQ48 over SciFact took minutes to train on the
-# 2-core CPU, and is trained once per sitting for them instead of once per model.
+# so all their models share one corpus encoding: OPQ48,IVF1,PQ48 over SciFact is slow to train on a small CPU
+# (docs/performance.md, "Measured outside the benchmarks"), and is trained once per sitting for them instead
+# of once per model.
 _INDEXES: dict[tuple[str, str], object] = {}
 
 
@@ -351,15 +354,15 @@ def evaluate_on(model, params, tokenizer, dataset: pathlib.Path, split: str, met
   the others "FACTORY/metric"), encoded by the trainer's own TowerEncoder and read from the trainer's cache
   where a run encoded the corpus with this document side before (its last evaluation, or the start's)."""
   import hashlib  # pylint: disable=g-import-not-at-top
-  from jdr import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
-  from jdr import evaluation  # pylint: disable=g-import-not-at-top
-  from jdr import index as index_lib  # pylint: disable=g-import-not-at-top
-  from jdr import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import retrievers  # pylint: disable=g-import-not-at-top
+  from jdr.evaluation import periodic  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import index as index_lib  # pylint: disable=g-import-not-at-top
+  from jdr.evaluation import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
   from jdr.data import formats  # pylint: disable=g-import-not-at-top
   from jdr.data import pairs  # pylint: disable=g-import-not-at-top
   corpus, queries, qrels = formats.load_beir(dataset, split)
   data = pairs.RetrievalData(corpus, queries, {}, qrels, pathlib.Path(dataset).name)
-  encoder = evaluation.TowerEncoder(model, tokenizer, data, query_max_length=query_max_length,
+  encoder = periodic.TowerEncoder(model, tokenizer, data, query_max_length=query_max_length,
                                     doc_max_length=doc_max_length, cache_dir=str(vector_cache))
   doc_emb = encoder.corpus(params, progress=True)
   qids = sorted(qrels)
@@ -369,7 +372,7 @@ def evaluate_on(model, params, tokenizer, dataset: pathlib.Path, split: str, met
   for i, factory in enumerate(factories):
     key = (digest, factory)
     if key not in _INDEXES:
-      _INDEXES[key] = corpus_lib.build_index(doc_emb, encoder.doc_ids, "faiss", factory)
+      _INDEXES[key] = retrievers.build_index(doc_emb, encoder.doc_ids, "faiss", factory)
     scores, ids = _INDEXES[key].search(query_emb, min(100, len(encoder.doc_ids)))
     scored = metrics_lib.evaluate(qrels, index_lib.to_run(qids, scores, ids), list(metrics))
     results.update({("" if i == 0 else f"{factory}/") + k: float(v) for k, v in scored.items()})
@@ -405,7 +408,7 @@ def score(ctx: Context, run: StageRun) -> dict:
     record = score_model(ctx, model, params, tokenizer, run.method in rows_lib.QUERY_ONLY)
   record["score_seconds"] = round(time.perf_counter() - start, 1)
   atomic.write_text(path, json.dumps(record, indent=1))
-  _release()
+  release()
   ctx.progress.end("score", 1, record["score_seconds"])
   return record
 
@@ -418,21 +421,21 @@ def score_start(ctx: Context) -> dict:
     ctx.progress.skip("score the start model")
     return record
   import jax  # pylint: disable=g-import-not-at-top
-  from jdr import train as train_lib  # pylint: disable=g-import-not-at-top
+  from jdr.training import trainer  # pylint: disable=g-import-not-at-top
   from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
   ctx.progress.begin("score the start model on dev, test" + (" and zero-shot" if ctx.zero_shot else ""))
   start = time.perf_counter()
   with _output_to(path.parent / "score.log"):
     config = rows_lib.start_config(ctx.plan, ctx.dataset, ctx.configs_dir)
     built = build_lib.build(config.model, config.data)
-    params = train_lib.initial_params(built.model, built, config, jax.random.PRNGKey(config.seed), None)
+    params = trainer.initial_params(built.model, built, config, jax.random.PRNGKey(config.seed), None)
     dev = evaluate_on(built.model, params, built.tokenizer, ctx.dataset, "dev", TEST_METRICS, ["Flat"],
                       query_max_length=ctx.plan.query_max_length, doc_max_length=ctx.plan.eval_doc_length,
                       vector_cache=ctx.vector_cache)
     record = {"dev": dev, **score_model(ctx, built.model, params, built.tokenizer, True)}
   record["score_seconds"] = round(time.perf_counter() - start, 1)
   atomic.write_text(path, json.dumps(record, indent=1))
-  _release()
+  release()
   ctx.progress.end("score", 1, record["score_seconds"])
   return record
 
@@ -458,18 +461,18 @@ def train_teacher(ctx: Context) -> dict:
     if first:
       ctx.progress.skip("train the cross-encoder")
     return done
-  from jdr import train as train_lib  # pylint: disable=g-import-not-at-top
+  from jdr.training import trainer  # pylint: disable=g-import-not-at-top
   config = rows_lib.teacher_config(ctx.plan, ctx.dataset, ctx.configs_dir)
   ctx.progress.begin(f"train the cross-encoder ({config.num_train_steps} steps) and rerank dev")
   start = time.perf_counter()
   with _output_to(workdir / "train.log"):
-    results = train_lib.train_and_evaluate(config, workdir)
+    results = trainer.train_and_evaluate(config, workdir)
   seconds = time.perf_counter() - start
   done = {"steps": config.num_train_steps, "rate": config.optimizer.learning_rate, "seed": config.seed,
           "dev": {k: float(v) for k, v in results["after"].items()}, "seconds": round(seconds, 1)}
   atomic.write_text(workdir / "done.json", json.dumps(done, indent=1))
   del results
-  _release()
+  release()
   ctx.progress.end("cross-encoder step", config.num_train_steps, seconds)
   return done
 
@@ -496,7 +499,7 @@ def prepare_mined(ctx: Context) -> None:
                "--cross-encoder", str(teacher_dir(ctx.out)), "--ce-max-length", str(ctx.plan.eval_doc_length)])
     mine.main(["--from", str(everything), "--out", str(filtered), "--ce-threshold", "dev"])
   ctx.progress.end("mining", 1, time.perf_counter() - start)
-  _release()
+  release()
 
 
 def record_given_rates(out: pathlib.Path, given: dict[str, float], selected: list[str]) -> None:

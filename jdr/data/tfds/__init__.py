@@ -5,7 +5,7 @@
   train[0] == {"query_id": "0", "query": "...", "doc_id": "31715818", "title": "...", "text": "...",
                "relevance": 1}
   corpus = load_corpus("/data/tfds", "scifact")                      # {"doc_id", "title", "text"} per index
-  queries, qrels = load_qrels("/data/tfds", "scifact", "test")       # for jdr.metrics
+  queries, qrels = load_qrels("/data/tfds", "scifact", "test")       # for jdr.evaluation.metrics
 
   python -m jdr.data.tfds /data/scifact /data/tfds --name scifact    # the same `prepare` from a shell
 
@@ -143,7 +143,7 @@ def load_corpus(data_dir: PathLike, name: str) -> Examples:
 
 
 def load_qrels(data_dir: PathLike, name: str, split: str) -> tuple[dict[str, str], dict[str, dict[str, int]]]:
-  """(queries, qrels) of a prepared split, for `jdr.metrics.evaluate`.
+  """(queries, qrels) of a prepared split, for `jdr.evaluation.metrics.evaluate`.
 
   Built from the stored positive pairs, so judgments with relevance <= 0 are absent: no jdr metric counts them,
   but a query judged only non-relevant is missing too (BEIR datasets have none).

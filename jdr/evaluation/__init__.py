@@ -1,0 +1,1 @@
+"""Evaluation: metrics, the trainer's periodic evaluator and its candidate mode, reranking."""

@@ -1,0 +1,217 @@
+"""The device mesh, logical-axis sharding rules, multi-host start-up and global batches.
+
+One mesh with axes ("data", "fsdp", "model") serves every scale: a single CPU is a 1x1x1 mesh, eight
+GPUs are 8x1x1 for data parallelism, and a pod adds fsdp/model axes. Models name their parameter axes
+("vocab", "embed", "mlp", "heads", "kv"); a rule table maps those names to mesh axes, so changing the
+parallelism edits the rules, never the model.
+"""
+
+import contextlib
+import os
+import threading
+from typing import Any, Sequence
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "model")
+# The batch is split over every axis that holds a data-parallel replica of the step.
+BATCH_AXES = ("data", "fsdp")
+
+# Rule presets: logical parameter axis -> mesh axis (None = replicated). Activations' batch axis is
+# always ("data", "fsdp").
+RULES = {
+    # Data parallel: parameters replicated, batch split.
+    "dp": (("batch", BATCH_AXES),),
+    # Fully sharded data parallel (ZeRO-3 style): each parameter's embed axis split over "fsdp".
+    "fsdp": (("batch", BATCH_AXES), ("embed", "fsdp")),
+    # Tensor parallel (Megatron style): attention heads and the MLP's hidden axis split over "model".
+    "tp": (("batch", BATCH_AXES), ("heads", "model"), ("mlp", "model"), ("vocab", "model")),
+    "fsdp_tp": (("batch", BATCH_AXES), ("embed", "fsdp"), ("heads", "model"), ("mlp", "model"),
+                ("vocab", "model")),
+}
+
+
+@contextlib.contextmanager
+def _scoped(state: threading.local, value):
+  """Sets `state.value` while the block runs (traces read it), restoring what was there before."""
+  previous = getattr(state, "value", None)
+  state.value = value
+  try:
+    yield
+  finally:
+    state.value = previous
+
+
+_TARGET = threading.local()
+
+
+def platform() -> str:
+  """The platform the code being traced will run on: jax's default backend, or the one `compiling_for` names
+  (ahead-of-time compilation for a TPU slice from a CPU host). Platform-dependent defaults (bfloat16 compute,
+  fused attention) ask this, not jax.default_backend()."""
+  return getattr(_TARGET, "value", None) or jax.default_backend()
+
+
+def compiling_for(target: str):
+  """Traces inside take `target` ("tpu", "gpu", "cpu") as their platform (see `platform`)."""
+  return _scoped(_TARGET, target)
+
+
+_ACTIVATIONS = threading.local()
+
+
+def activations_on(mesh: Mesh):
+  """While a step is traced: the towers keep their activations split by rows over the mesh's batch axes
+  (`constrain_rows`). Explicit NamedShardings, since a global mesh cannot be set inside jit."""
+  return _scoped(_ACTIVATIONS, mesh)
+
+
+def activation_mesh() -> Mesh | None:
+  """The mesh set by `activations_on` while a step is traced, else None."""
+  return getattr(_ACTIVATIONS, "value", None)
+
+
+def constrain_rows(x: jax.Array) -> jax.Array:
+  """x [rows, ...] with the batch sharding inside `activations_on` (a no-op elsewhere, and for row counts
+  the batch axes do not divide, such as gradient caching's single rows)."""
+  mesh = activation_mesh()
+  if mesh is None or x.shape[0] % data_parallel_size(mesh):
+    return x
+  return jax.lax.with_sharding_constraint(x, batch_sharding(mesh))
+
+
+def initialize_distributed() -> None:
+  """Joins a multi-host job when the launcher set the coordinator variables; a no-op otherwise.
+
+  TPU pods and SLURM are detected by jax itself; JDR_COORDINATOR / JDR_NUM_PROCESSES /
+  JDR_PROCESS_ID start any other launcher's processes (several on one machine included).
+  """
+  # Nothing here may touch a jax backend (not even jax.process_count()) before initialize().
+  if getattr(initialize_distributed, "_done", False):
+    return
+  if "JDR_COORDINATOR" in os.environ:
+    jax.distributed.initialize(
+        coordinator_address=os.environ["JDR_COORDINATOR"],
+        num_processes=int(os.environ["JDR_NUM_PROCESSES"]),
+        process_id=int(os.environ["JDR_PROCESS_ID"]))
+  elif any(k in os.environ for k in ("SLURM_JOB_ID", "TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS")):
+    jax.distributed.initialize()
+  initialize_distributed._done = True  # pytype: disable=attribute-error
+
+
+def use_cpu_devices(count: int) -> None:
+  """Splits this host's CPU into `count` XLA devices (config mesh.cpu_devices); 0 keeps JAX's one device.
+
+  With mesh.shape (-1, 1, 1) the batch is then split over the host's cores as over any devices. Why: XLA's CPU
+  runtime runs one program's graph with a core idle much of the time, while two programs keep both busy, so on
+  a 2-core CPU two devices train faster than one (docs/performance.md, `train-step`, "Two CPU devices"). It only
+  adds CPU devices: on a GPU or TPU host the mesh still takes the accelerators. JAX fixes the count when its
+  first backend starts, so this must come before anything runs on JAX (the trainer calls it first).
+  """
+  if count <= 0:
+    return
+  try:
+    jax.config.update("jax_num_cpu_devices", count)
+  except RuntimeError as e:  # a backend has started already
+    have = len(jax.devices("cpu"))
+    if have != count:
+      raise ValueError(f"mesh.cpu_devices={count}: JAX already runs in this process with {have} CPU device(s); "
+                       "set it for a fresh process (python -m jdr.train ... --config.mesh.cpu_devices=N)") from e
+
+
+def make_mesh(shape: Sequence[int] = (-1, 1, 1), devices: Sequence[Any] | None = None) -> Mesh:
+  """A ("data", "fsdp", "model") mesh; one -1 entry takes all the remaining devices."""
+  devices = list(devices if devices is not None else jax.devices())
+  shape = list(shape)
+  if len(shape) != len(MESH_AXES):
+    raise ValueError(f"mesh shape {shape} must have {len(MESH_AXES)} entries for axes {MESH_AXES}")
+  if shape.count(-1) > 1:
+    raise ValueError(f"mesh shape {shape}: at most one -1")
+  known = int(np.prod([s for s in shape if s != -1]))
+  if -1 in shape:
+    if len(devices) % known:
+      raise ValueError(f"mesh shape {shape} does not divide the {len(devices)} devices")
+    shape[shape.index(-1)] = len(devices) // known
+  needed = int(np.prod(shape))
+  if needed > len(devices) or (needed < len(devices) and jax.process_count() > 1):
+    raise ValueError(f"mesh shape {tuple(shape)} needs {needed} devices, but {len(devices)} are present")
+  # A smaller mesh on one host takes the first devices: (1, 1, 1) is the single-device reference run.
+  devices = devices[:needed]
+  # Auto axes: shardings are given explicitly at the jit boundary and XLA propagates the rest.
+  return jax.make_mesh(tuple(shape), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
+                       devices=devices)
+
+
+def rules_for(preset: str | Sequence[Sequence[Any]]) -> tuple:
+  """A rule table from a preset name or an explicit ((logical, mesh_axis), ...) list."""
+  if isinstance(preset, str):
+    if preset not in RULES:
+      raise ValueError(f"unknown sharding rules {preset!r}; choose one of {sorted(RULES)} "
+                       "or give ((logical_axis, mesh_axis), ...)")
+    return RULES[preset]
+  return tuple((name, tuple(axis) if isinstance(axis, list) else axis) for name, axis in preset)
+
+
+def tree_shardings(abstract_tree: Any, mesh: Mesh, rules: tuple) -> Any:
+  """NamedShardings for a pytree whose leaves may be nn.LogicallyPartitioned boxes (others: replicated).
+
+  Works on optimizer states too: optax copies the boxes into its moments, and a box holding optax's
+  MaskedNode (a frozen parameter) stays a leafless MaskedNode, so the result matches the unboxed tree.
+  """
+  def sharding(leaf):
+    if isinstance(leaf, nn.LogicallyPartitioned):
+      if not jax.tree.leaves(leaf.value):
+        return leaf.value
+      return NamedSharding(mesh, nn.logical_to_mesh_axes(leaf.names, rules))
+    return NamedSharding(mesh, P())
+
+  return jax.tree.map(sharding, abstract_tree, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Leading (example) axis split over the data-parallel axes, the rest replicated."""
+  return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def data_parallel_size(mesh: Mesh) -> int:
+  return int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
+
+
+def global_batch(local_batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
+  """Assembles each host's slice of the batch into global arrays sharded over the batch axes.
+
+  Every host passes only its own rows (global_batch_size / process_count of them); on one host this
+  is a plain device_put with the batch sharding.
+  """
+  sharding = batch_sharding(mesh)
+  return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local_batch.items()}
+
+
+def check_batch_size(global_batch_size: int, mesh: Mesh) -> None:
+  """Refuses, before any step runs, a batch that does not split evenly over devices and hosts."""
+  n = data_parallel_size(mesh)
+  if global_batch_size % n:
+    raise ValueError(f"batch_size={global_batch_size} is not divisible by the {n} data-parallel "
+                     f"devices of the mesh {dict(mesh.shape)}; use a multiple of {n}")
+  if global_batch_size % jax.process_count():
+    raise ValueError(f"batch_size={global_batch_size} is not divisible by the "
+                     f"{jax.process_count()} processes")
+
+
+def raise_if_any_host_failed(error: BaseException | None, what: str) -> None:
+  """Every host learns whether any host failed `what`, and all raise together: a host that raised alone
+  would leave the others waiting in their next collective for ever. One host: raises `error` if any."""
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    failed = np.asarray(multihost_utils.process_allgather(np.int32(error is not None))).ravel()
+    if error is None and failed.any():
+      raise ValueError(f"host(s) {np.flatnonzero(failed).tolist()} failed {what}; their logs say why")
+  if error is not None:
+    raise error
