@@ -142,23 +142,17 @@ def test_retrieve_backends_agree_and_evaluate(tmp_path, tiny_model):
 
 
 @pytest.mark.slow
-def test_train_export_then_encode_with_the_trained_towers(tmp_path):
+def test_train_export_then_encode_with_the_trained_towers(trained, tmp_path):
   """jdr.export writes a params checkpoint that jdr.encode loads, and a HF dir that transformers loads."""
-  data = write_tiny_beir(tmp_path / "data")
-  env_cmd = [sys.executable, "-m", "jdr.train", "--config", str(ROOT / "configs" / "demo.py:tiny"),
-             "--workdir", str(tmp_path / "w"), f"--config.data.dataset={data}", "--config.num_train_steps=3",
-             "--config.batch_size=4", "--config.data.eval_split=", "--config.checkpoint_every=3",
-             "--config.data.doc_max_length=32", "--config.data.query_max_length=16"]
-  subprocess.run(env_cmd, check=True, capture_output=True, cwd=ROOT)
-  subprocess.run([sys.executable, "-m", "jdr.export", "--workdir", str(tmp_path / "w"), "--out",
-                  str(tmp_path / "export")], check=True, capture_output=True, cwd=ROOT)
+  from jdr import export as export_command  # pylint: disable=g-import-not-at-top
+  export_command.main(["--workdir", str(trained), "--out", str(tmp_path / "export")])  # what `python -m` runs
   export = tmp_path / "export"
   assert (export / "jdr_model.json").exists() and (export / "model.safetensors").exists()
 
-  corpus = formats.read_corpus(data / "corpus.jsonl")
+  corpus = formats.read_corpus(trained.parent / "data" / "corpus.jsonl")
   texts = [text_lib.doc_text(d) for d in corpus.values()][:6]
   from_export = encoder_runtime.encode_texts(encoder_runtime.load_runtime(str(export)), texts)
-  from_workdir = encoder_runtime.encode_texts(encoder_runtime.load_runtime(str(tmp_path / "w")), texts)
+  from_workdir = encoder_runtime.encode_texts(encoder_runtime.load_runtime(str(trained)), texts)
   np.testing.assert_array_equal(from_export, from_workdir)
   # The Hugging Face export with its sentence-transformers pooling files gives the same vectors.
   np.testing.assert_allclose(from_export, _direct_embeddings(export, texts, None), atol=1e-5)  # its serving length
@@ -177,26 +171,28 @@ def test_train_export_then_encode_with_the_trained_towers(tmp_path):
   np.testing.assert_allclose(st_model.encode(texts), from_export, atol=1e-5)
 
 
-def _tiny_trained(tmp_path, *overrides):
-  """A tiny random two-tower model trained 2 steps on 16-token queries: its workdir."""
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  """A tiny random two-tower model trained 2 steps on 16-token queries: its workdir (beside its data/), shared
+  by the module's export tests, which only read it."""
   from jdr.training import trainer  # pylint: disable=g-import-not-at-top
   from jdr.runtime import config_files
-  data = write_tiny_beir(tmp_path / "data")
+  root = tmp_path_factory.mktemp("trained")
+  data = write_tiny_beir(root / "data")
   config = config_files.load_config_file(str(ROOT / "configs" / "demo.py:tiny"))
   config_files.apply_overrides(config, [f"data.dataset={data}", "num_train_steps=2", "batch_size=4",
-                                        "data.eval_split=", "data.query_max_length=16", "data.doc_max_length=32",
-                                        *overrides])
-  trainer.train_and_evaluate(config, tmp_path / "w")
-  return tmp_path / "w"
+                                        "data.eval_split=", "data.query_max_length=16", "data.doc_max_length=32"])
+  trainer.train_and_evaluate(config, root / "w")
+  return root / "w"
 
 
 @pytest.mark.slow
-def test_a_copied_export_loads_anywhere_and_serves_past_the_training_length(tmp_path):
+def test_a_copied_export_loads_anywhere_and_serves_past_the_training_length(trained, tmp_path):
   """Copy an export, delete the original and the workdir: jdr, transformers and sentence-transformers load the
   copy from its own folder; and a query longer than the 16 training tokens is read whole, not cut at 16."""
   import shutil  # pylint: disable=g-import-not-at-top
   from jdr import export  # pylint: disable=g-import-not-at-top
-  workdir = _tiny_trained(tmp_path)
+  workdir = shutil.copytree(trained, tmp_path / "w")  # this test deletes it
   original = export.export(workdir, tmp_path / "export")
   assert json.loads((original / "jdr_model.json").read_text())["tokenizer"] == "."
   copy = tmp_path / "elsewhere" / "model"
@@ -229,9 +225,9 @@ def test_a_copied_export_loads_anywhere_and_serves_past_the_training_length(tmp_
 
 
 @pytest.mark.slow
-def test_export_lengths_are_set_at_export_checked_and_a_full_disk_leaves_nothing(tmp_path):
+def test_export_lengths_are_set_at_export_checked_and_a_full_disk_leaves_nothing(trained, tmp_path):
   from jdr import export  # pylint: disable=g-import-not-at-top
-  workdir = _tiny_trained(tmp_path)
+  workdir = trained
   out = export.export(workdir, tmp_path / "export", query_max_length=64, doc_max_length=256)
   described = json.loads((out / "jdr_model.json").read_text())
   assert (described["serve_query_max_length"], described["serve_doc_max_length"]) == (64, 256)
