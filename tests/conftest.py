@@ -8,12 +8,13 @@ import tempfile
 # One XLA compilation cache for the whole run, set before jax is imported: the tests' in-process models and
 # the many `python -m jdr...` subprocesses (and pytest-xdist's workers, which inherit the environment)
 # compile the same tiny programs again and again. A fresh folder each run, removed at its end, so a run
-# never depends on an earlier one. A cache the caller set is left alone.
+# never depends on an earlier one. A cache the caller set is left alone. Every program is kept, however quick
+# to compile: most of the tests' programs take well under a second, and a subprocess compiles a dozen of them.
 _CACHE_MADE_HERE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   _CACHE_MADE_HERE = tempfile.mkdtemp(prefix="jdr-tests-xla-cache-")
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE_MADE_HERE
-  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 # Prepared corpora (jdr.data.prepared) of the tests' tiny datasets go to a folder of the run, not the user's
 # ~/.cache/jdr, so no test reads another run's preparation and nothing is left behind.
