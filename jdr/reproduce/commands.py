@@ -7,10 +7,12 @@ to a log file beside its outputs; a failure raises with the log's tail.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 import subprocess
 import sys
+from typing import Callable
 
 from jdr.runtime import atomic
 from jdr.training import metric_writers
@@ -62,3 +64,32 @@ def record_device(out: pathlib.Path) -> dict:
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic.write_text(path, found)
   return json.loads(path.read_text())
+
+
+def seeds_of(text: str) -> tuple[int, ...]:
+  """--seeds' comma-separated seeds."""
+  return tuple(int(s) for s in text.split(",") if s.strip())
+
+
+def builtin_data(out: pathlib.Path) -> pathlib.Path:
+  """The tiny mode's dataset: the built-in docstrings, written under OUT/data."""
+  from jdr.data import builtin  # pylint: disable=g-import-not-at-top
+  return builtin.write_builtin(pathlib.Path(out) / "data" / "stdlib-docstrings")
+
+
+@contextlib.contextmanager
+def finished_stages_kept():
+  """Ctrl-C ends the experiment with status 130 and says the same command goes on from its finished stages."""
+  try:
+    yield
+  except KeyboardInterrupt:
+    print("jdr.reproduce: interrupted; finished stages are kept, and the same command goes on from there",
+          file=sys.stderr)
+    raise SystemExit(130) from None
+
+
+def write_outputs(out: pathlib.Path, text: str, write_csv: Callable[[pathlib.Path], pathlib.Path]) -> str:
+  """Writes OUT/table.md (`text`) and OUT/runs.csv (`write_csv`); returns `text`."""
+  atomic.write_text(pathlib.Path(out) / "table.md", text)
+  write_csv(out)
+  return text

@@ -384,10 +384,7 @@ def write_csv(out: pathlib.Path) -> pathlib.Path:
 
 def write_report(plan: Plan, out: pathlib.Path) -> str:
   """Writes table.md and runs.csv; returns the table's markdown."""
-  text = table_markdown(plan, out)
-  atomic.write_text(out / "table.md", text)
-  write_csv(out)
-  return text
+  return commands.write_outputs(out, table_markdown(plan, out), write_csv)
 
 
 def add_arguments(parser) -> None:
@@ -419,7 +416,7 @@ def main(args, parser) -> str:
   if args.teacher_steps is not None:
     plan = dataclasses.replace(plan, teacher_steps=args.teacher_steps)
   if args.seeds:
-    plan = dataclasses.replace(plan, seeds=tuple(int(s) for s in args.seeds.split(",") if s.strip()))
+    plan = dataclasses.replace(plan, seeds=commands.seeds_of(args.seeds))
   for item in args.set:
     if "=" not in item:
       parser.error(f"--set {item!r}: expected KEY=VALUE")
@@ -445,20 +442,15 @@ def main(args, parser) -> str:
       rows_lib.record_plan(plan, out, free=("seeds",))
       commands.record_device(out)
       if plan.tiny:
-        from jdr.data import builtin  # pylint: disable=g-import-not-at-top
-        scifact = builtin.write_builtin(out / "data" / "stdlib-docstrings")
+        scifact = commands.builtin_data(out)
       else:
         scifact = pathlib.Path(args.data) if args.data else commands.shared_data("scifact")
       jobs = planned_jobs(plan, plan_rows, args.extras_row)
       progress = runs_lib.Progress(jobs, write=lambda line: print(line, flush=True),
                                    finished=finished_jobs(out, jobs), kind=job_kind)
       ctx = Context(plan=plan, out=out, scifact=scifact, backend=args.backend, progress=progress)
-      try:
+      with commands.finished_stages_kept():
         failed = run_stages(ctx, plan_rows, args.extras_row, args.jobs)
-      except KeyboardInterrupt:
-        print("jdr.reproduce: interrupted; finished stages are kept, and the same command goes on from there",
-              file=sys.stderr)
-        raise SystemExit(130) from None
     text = write_report(plan, out)
   print(text)
   print(f"wrote {out / 'table.md'}, {out / 'runs.csv'}")

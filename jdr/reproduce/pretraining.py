@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-import sys
 import time
 
 from jdr.runtime import atomic
@@ -249,10 +248,7 @@ def write_csv(out: pathlib.Path) -> pathlib.Path:
 
 def write_report(plan: Plan, out: pathlib.Path) -> str:
   """Writes table.md and runs.csv; returns the table's markdown."""
-  text = table_markdown(plan, out)
-  atomic.write_text(out / "table.md", text)
-  write_csv(out)
-  return text
+  return commands.write_outputs(out, table_markdown(plan, out), write_csv)
 
 
 def add_arguments(parser) -> None:
@@ -272,7 +268,7 @@ def main(args, parser) -> str:
   if args.pretrain_steps:
     plan = dataclasses.replace(plan, steps=args.pretrain_steps)
   if args.seeds:
-    plan = dataclasses.replace(plan, seeds=tuple(int(s) for s in args.seeds.split(",") if s.strip()))
+    plan = dataclasses.replace(plan, seeds=commands.seeds_of(args.seeds))
   selected = [m.strip() for m in args.methods.split(",") if m.strip()] or list(ROWS)
   unknown = [m for m in selected if m not in ROWS]
   if unknown:
@@ -285,16 +281,11 @@ def main(args, parser) -> str:
       rows_lib.record_plan(plan, out, free=("seeds",))
       commands.record_device(out)
       if plan.tiny:
-        from jdr.data import builtin  # pylint: disable=g-import-not-at-top
-        scifact = reqa = builtin.write_builtin(out / "data" / "stdlib-docstrings")
+        scifact = reqa = commands.builtin_data(out)
       else:
         scifact, reqa = commands.shared_data("scifact"), commands.shared_data("reqa-squad-sample")
-      try:
+      with commands.finished_stages_kept():
         run_rows(plan, Data(scifact, reqa), selected, out)
-      except KeyboardInterrupt:
-        print("jdr.reproduce: interrupted; finished stages are kept, and the same command goes on from there",
-              file=sys.stderr)
-        raise SystemExit(130) from None
     text = write_report(plan, out)
   print(text)
   print(f"wrote {out / 'table.md'}, {out / 'runs.csv'}")
