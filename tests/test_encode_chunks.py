@@ -7,7 +7,7 @@ import optax
 import pytest
 
 from jdr.runtime import defaults
-from jdr.training import distill
+from jdr.training import span_embeddings
 from jdr.training import step
 from jdr.models.bert import EncoderConfig
 from jdr.models.towers import TowerConfig, TwoTower
@@ -81,11 +81,11 @@ def test_chunked_spans_equal_whole():
   model, batch = _model(0.0, pooling="cls"), _batch()
   params = model.init(jax.random.PRNGKey(0), batch["query_ids"], batch["query_mask"], batch["doc_ids"],
                       batch["doc_mask"])["params"]
-  spans = distill.span_masks(jnp.asarray(batch["doc_mask"]), [("passage", 4), ("sentence", 2)])
+  spans = span_embeddings.span_masks(jnp.asarray(batch["doc_mask"]), [("passage", 4), ("sentence", 2)])
 
   def encode(a, key):
     del key
-    return model.apply({"params": params}, a[0], a[1], method=TwoTower.encode_doc, span_mask=a[2])
+    return model.apply({"params": params}, *a, method=span_embeddings.two_tower_document_spans())
 
   whole = encode((batch["doc_ids"], batch["doc_mask"], spans), None)
   chunked = jax.jit(lambda a: step.encode_in_chunks(encode, a, jax.random.PRNGKey(0), 2))(

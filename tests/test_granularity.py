@@ -34,6 +34,11 @@ def _tower(tmp_path, kind, **tower_args):
   return reference, tower, params
 
 
+def _spans(tower, params, ids, mask, span, pooling="attention"):
+  from jdr.training import span_embeddings  # pylint: disable=g-import-not-at-top
+  return tower.apply({"params": params}, ids, mask, span, pooling=pooling, method=span_embeddings.document_and_span_vectors)
+
+
 def _batch(kind):
   rng = np.random.default_rng(3)
   ids = rng.integers(3, 90, (3, 14))
@@ -52,12 +57,12 @@ def test_whole_document_span_is_exactly_the_cls_vector(tmp_path, kind, head):
   _, tower, params = _tower(tmp_path, kind, **head)
   ids, mask = _batch(kind)
   full = mask[:, None, :].astype(np.float32)  # one span: every real token, [CLS] included
-  vectors, spans = tower.apply({"params": params}, ids, mask, span_mask=full)
+  vectors, spans = _spans(tower, params, ids, mask, full)
   np.testing.assert_allclose(np.asarray(spans[:, 0]), np.asarray(vectors), rtol=0, atol=5e-7)
   plain = tower.apply({"params": params}, ids, mask)
   np.testing.assert_array_equal(np.asarray(plain), np.asarray(vectors))  # asking for spans changes nothing
   half = (mask * (np.arange(14) < 5))[:, None, :].astype(np.float32)
-  _, part = tower.apply({"params": params}, ids, mask, span_mask=half)
+  _, part = _spans(tower, params, ids, mask, half)
   assert np.abs(np.asarray(part[:, 0]) - np.asarray(vectors)).max() > 1e-3  # a part is not the whole
 
 
@@ -70,7 +75,7 @@ def test_span_embedding_against_hugging_face_layers(tmp_path, kind):
   reference, tower, params = _tower(tmp_path, kind)
   ids, mask = _batch(kind)
   span_mask, valid = granularity.windows(mask, 4)
-  _, spans = tower.apply({"params": params}, ids, mask, span_mask=span_mask)
+  _, spans = _spans(tower, params, ids, mask, span_mask)
   with torch.no_grad():
     out = reference(input_ids=torch.from_numpy(ids.astype(np.int64)),
                     attention_mask=torch.from_numpy(mask.astype(np.int64)), output_hidden_states=True,
@@ -110,7 +115,7 @@ def test_mean_pooled_pieces_are_the_mean_of_their_token_vectors(tmp_path):
   _, tower, params = _tower(tmp_path, "bert")
   ids, mask = _batch("bert")
   span, valid = granularity.windows(mask, 4)
-  _, pieces = tower.apply({"params": params}, ids, mask, span_mask=span, span_pooling="mean")
+  _, pieces = _spans(tower, params, ids, mask, span, "mean")
   hidden = np.asarray(tower.apply({"params": params}, ids, mask, token_vectors=True))
   for r in range(3):
     for s in np.flatnonzero(valid[r]):
@@ -131,7 +136,7 @@ def test_pieces_past_the_end_keep_gradients_finite(tmp_path, span_pooling):
   assert not valid.all()  # the short rows do have empty windows
 
   def loss(p):
-    doc, pieces = tower.apply({"params": p}, ids, mask, span_mask=span, span_pooling=span_pooling)
+    doc, pieces = _spans(tower, p, ids, mask, span, span_pooling)
     return jnp.sum(doc) + jnp.sum(pieces * jnp.asarray(valid, jnp.float32)[..., None])
 
   grads = jax.grad(loss)(params)

@@ -92,6 +92,35 @@ def test_the_top_level_holds_only_command_lines():
     assert "def main(" in text and 'if __name__ == "__main__":' in text, name
 
 
+def identifiers(path: pathlib.Path) -> set[str]:
+  """Every name a module defines, takes or reads (functions, arguments, variables, attributes, keywords)."""
+  out = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+      out.add(node.name)
+    elif isinstance(node, ast.arg):
+      out.add(node.arg)
+    elif isinstance(node, ast.Name):
+      out.add(node.id)
+    elif isinstance(node, ast.Attribute):
+      out.add(node.attr)
+    elif isinstance(node, ast.keyword) and node.arg:
+      out.add(node.arg)
+  return out
+
+
+def test_the_models_know_no_training_method(tmp_path):
+  """Methods plug in around the encoder: FGD's span pooling lives in jdr.training.span_embeddings, on what the
+  encoder hands out, and no model module takes or names a span."""
+  found = {p.relative_to(ROOT).as_posix(): sorted(n for n in identifiers(p) if "span" in n.lower())
+           for p in sorted((ROOT / "jdr" / "models").rglob("*.py"))}
+  assert {path: names for path, names in found.items() if names} == {}
+  # The check reads what it should: the old threading would be caught.
+  old = tmp_path / "threaded.py"
+  old.write_text("def layer(x, span_mask=None):\n  return x.span_pooling\n")
+  assert identifiers(old) >= {"span_mask", "span_pooling"}
+
+
 def private_crossings(path: pathlib.Path) -> list[str]:
   """`alias._name` where alias is an imported jdr module or class, `from jdr.x import _name`, and
   `setattr(alias, "_name", ...)`: a private name used outside the module that defines it."""

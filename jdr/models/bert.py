@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -257,7 +257,7 @@ def _half_precision_logits_bwd(residuals, grad):
 _half_precision_logits.defvjp(_half_precision_logits_fwd, _half_precision_logits_bwd)
 
 
-def _layer_norm(cfg: EncoderConfig, name: str, deterministic: bool) -> nn.LayerNorm:
+def _layer_norm(cfg: EncoderConfig, name: str | None, deterministic: bool, **module_args) -> nn.LayerNorm:
   # Flax computes the statistics in float32 even for bfloat16 inputs; `dtype` is only the output dtype.
   # The variance: a forward that trains keeps Flax's one-pass E[x^2] - E[x]^2, whose backward needs only x;
   # the variance of x - mean (PyTorch's) made a BERT-base train step keep every LayerNorm's float32 x - mean,
@@ -268,7 +268,7 @@ def _layer_norm(cfg: EncoderConfig, name: str, deterministic: bool) -> nn.LayerN
       epsilon=cfg.layer_norm_eps, dtype=cfg.compute_dtype, param_dtype=jnp.float32,
       use_fast_variance=not deterministic,
       scale_init=_init(("embed",), nn.initializers.ones_init()),
-      bias_init=_init(("embed",), nn.initializers.zeros_init()), name=name)
+      bias_init=_init(("embed",), nn.initializers.zeros_init()), name=name, **module_args)
 
 
 def exact_gelu(x: jax.Array) -> jax.Array:
@@ -364,39 +364,75 @@ def flash_attention(q, k, v, key_mask, scale: float, rate: float, key):
   return flash_kernel.flash_attention(q, k, v, key_mask, scale=scale, rate=rate, key=key, interpret=interpret)
 
 
-class Layer(nn.Module):
-  """One post-LayerNorm transformer block: self-attention, add & norm, GELU MLP, add & norm.
+class FirstTokenAttention(NamedTuple):
+  """What a block's attention gives its first token, for a caller that pools it its own way (FGD's Eq. 7 in
+  jdr.training.span_embeddings): the first token's attention probabilities [B, N, L] (after attention
+  dropout), the values [B, N, L, D] they weight, in the compute dtype, and the first token's input to the
+  block [B, H], the residual its attention output is added to."""
+  probabilities: jax.Array
+  values: jax.Array
+  residual: jax.Array
 
-  With `span_mask` [B, S, L] (FGD's global-consistent granularity embeddings, Zhou et al. Eq. 7) it also
-  returns [B, S, H]: for each span, the first token's ([CLS]) attention output restricted to the span's
-  tokens (its attention probabilities as they are, not renormalized), then the rest of the block as [CLS]
-  gets it (output projection, the residual of [CLS]'s own input, norms, MLP). The whole sequence as the span
-  gives [CLS]'s output exactly.
-  """
+
+class Norm(nn.Module):
+  """nn.LayerNorm's parameters (`scale`, `bias`: same names, shapes, initial values and logical axes) with the
+  variance form chosen at each call (`_layer_norm`), so one norm built in `setup` serves training and
+  deterministic forwards alike."""
   config: EncoderConfig
 
   @nn.compact
-  def __call__(self, x, key_mask, deterministic: bool, span_mask=None):
-    # `deterministic` is positional: nn.remat marks it static by position.
+  def __call__(self, x, deterministic: bool):
+    features = (x.shape[-1],)
+    scale = self.param("scale", _init(("embed",), nn.initializers.ones_init()), features, jnp.float32)
+    bias = self.param("bias", _init(("embed",), nn.initializers.zeros_init()), features, jnp.float32)
+    norm = _layer_norm(self.config, None, deterministic, parent=None)
+    return norm.apply({"params": {"scale": scale, "bias": bias}}, x)
+
+
+class Layer(nn.Module):
+  """One post-LayerNorm transformer block: self-attention, add & norm, GELU MLP, add & norm.
+
+  `first_token_attention=True` also returns the first token's attention (`FirstTokenAttention`), and `tail`
+  runs the rest of the block (output projection, norms, MLP) on any attention output: together they let a
+  caller pool the first token's attention its own way and finish the block as the first token does.
+  """
+  config: EncoderConfig
+
+  def setup(self):
     cfg = self.config
     # [B, L, E] -> [B, L, N, D]: heads come out of the projection with no transpose (its reshape is free).
-    q = heads_projection(cfg, "query")(x)
-    k = heads_projection(cfg, "key")(x)
-    v = heads_projection(cfg, "value")(x)
-    # FGD's spans need the [CLS] probabilities: they stay on einsums. Attention dropout needs a kernel that
-    # draws it (jdr's flash kernel), else the einsums too.
-    no_probs_needed = span_mask is None and (deterministic or cfg.attention_dropout == 0.0)
+    self.query = heads_projection(cfg, "query")
+    self.key = heads_projection(cfg, "key")
+    self.value = heads_projection(cfg, "value")
+    self.attention_output = Dense(cfg, cfg.hidden_size, ("heads", "kv", "embed"), contracted=2,
+                                  name="attention_output")
+    self.attention_norm = Norm(cfg, name="attention_norm")
+    self.intermediate = Dense(cfg, cfg.intermediate_size, ("embed", "mlp"), name="intermediate")
+    self.output = Dense(cfg, cfg.hidden_size, ("mlp", "embed"), name="output")
+    self.output_norm = Norm(cfg, name="output_norm")
+    # Dropout masks are keyed by the module's path: these are the names the layer's dropouts have always had,
+    # so training draws the same masks as before they were named here.
+    self.attention_dropout = Dropout(cfg.attention_dropout, name="Dropout_0")
+    self.attention_output_dropout = Dropout(cfg.hidden_dropout, name="Dropout_1")
+    self.output_dropout = Dropout(cfg.hidden_dropout, name="Dropout_2")
+
+  def __call__(self, x, key_mask, deterministic: bool, first_token_attention: bool = False):
+    # `deterministic` and `first_token_attention` are positional: nn.remat marks them static by position.
+    cfg = self.config
+    q, k, v = self.query(x), self.key(x), self.value(x)
+    # The first token's attention needs the probabilities: they stay on einsums. Attention dropout needs a
+    # kernel that draws it (jdr's flash kernel), else the einsums too.
+    no_probs_needed = not first_token_attention and (deterministic or cfg.attention_dropout == 0.0)
     fused = no_probs_needed and (cfg.attention == "fused" or (
         cfg.attention == "auto" and parallel.platform() != "cpu"))
     # Inside a shard_map that checks each value's manual axes (gradient caching's chunk loops over a mesh)
     # a Pallas call's operands would all have to vary alike, which its interpreter cannot do: the einsums
     # run there, with the same masks.
-    if span_mask is None and cfg.attention == "flash" and not jax.sharding.get_abstract_mesh().manual_axes:
-      # Created even when it draws nothing, so the layer's later Dropouts keep the einsum path's names and keys.
-      attention_dropout = Dropout(cfg.attention_dropout)
+    if (not first_token_attention and cfg.attention == "flash"
+        and not jax.sharding.get_abstract_mesh().manual_axes):
       drop = not deterministic and cfg.attention_dropout > 0.0
       ctx = flash_attention(q, k, v, key_mask, cfg.head_dim ** -0.5, cfg.attention_dropout if drop else 0.0,
-                            attention_dropout.rng_key() if drop else None).astype(cfg.compute_dtype)
+                            self.attention_dropout.rng_key() if drop else None).astype(cfg.compute_dtype)
     elif fused:
       ctx = fused_attention(q, k, v, key_mask, cfg.head_dim ** -0.5).astype(cfg.compute_dtype)
     else:
@@ -409,31 +445,21 @@ class Layer(nn.Module):
       # Boolean mask + where (not an additive bias) keeps padded keys at exactly zero weight.
       logits = jnp.where(key_mask[:, None, None, :], logits, jnp.finfo(jnp.float32).min)
       probs = jax.nn.softmax(logits, axis=-1)
-      probs = Dropout(cfg.attention_dropout)(probs, deterministic=deterministic)
+      probs = self.attention_dropout(probs, deterministic)
       ctx = jnp.swapaxes(jnp.einsum("bnqk,bnkd->bnqd", probs.astype(cfg.compute_dtype), v), 1, 2)
-    attention_output = Dense(cfg, cfg.hidden_size, ("heads", "kv", "embed"), contracted=2,
-                             name="attention_output")
-    attention_norm = _layer_norm(cfg, "attention_norm", deterministic)
-    intermediate = Dense(cfg, cfg.intermediate_size, ("embed", "mlp"), name="intermediate")
-    output = Dense(cfg, cfg.hidden_size, ("mlp", "embed"), name="output")
-    output_norm = _layer_norm(cfg, "output_norm", deterministic)
-
-    def rest(context, residual):
-      attn = Dropout(cfg.hidden_dropout)(attention_output(context), deterministic=deterministic)
-      h = attention_norm(residual + attn)
-      y = output(_activation(cfg.hidden_act)(intermediate(h)))
-      y = Dropout(cfg.hidden_dropout)(y, deterministic=deterministic)
-      return output_norm(h + y)
-
-    out = rest(ctx, x)
-    if span_mask is None:
+    out = self.tail(ctx, x, deterministic)
+    if not first_token_attention:
       return out
-    # [CLS]'s attention pooled over each span: sum_i p(CLS -> i) v_i for i in the span, per head.
-    # The same contraction as [CLS]'s own context above (weights [B, N, S, L] in place of its row of
-    # probabilities), so the whole sequence as one span reproduces [CLS] to the last bit.
-    weights = probs[:, :, 0, None, :] * span_mask[:, None, :, :].astype(probs.dtype)
-    span_ctx = jnp.swapaxes(jnp.einsum("bnqk,bnkd->bnqd", weights.astype(cfg.compute_dtype), v), 1, 2)
-    return out, rest(span_ctx, x[:, None, 0, :])
+    return out, FirstTokenAttention(probs[:, :, 0, :], v, x[:, 0, :])
+
+  def tail(self, context, residual, deterministic: bool):
+    """The block after attention, on heads' outputs `context` [..., N, D] with their block inputs `residual`
+    [..., H]: output projection, dropout, add & norm, MLP, dropout, add & norm."""
+    attn = self.attention_output_dropout(self.attention_output(context), deterministic)
+    h = self.attention_norm(residual + attn, deterministic)
+    y = self.output(_activation(self.config.hidden_act)(self.intermediate(h)))
+    y = self.output_dropout(y, deterministic)
+    return self.output_norm(h + y, deterministic)
 
 
 # The layer's matmuls: Dense keeps float32 kernels and biases and casts them to the
@@ -467,24 +493,30 @@ class Encoder(nn.Module):
   """
   config: EncoderConfig
 
-  @nn.compact
-  def __call__(self, input_ids, attention_mask, token_type_ids=None, *, deterministic: bool = True,
-               span_mask=None):
-    """`span_mask` [B, S, L] (token i in span s) also returns the spans' Eq. 7 embeddings [B, S, H] from the
-    last layer (see Layer): (hidden [B, L, H], spans [B, S, H])."""
+  def setup(self):
     cfg = self.config
+    self.embeddings = Embeddings(cfg, name="embeddings")
+    # Same param tree with or without remat, so checkpoints and HF conversion do not care.
+    layer_cls = nn.remat(Layer, static_argnums=(3, 4)) if cfg.remat else Layer
+    self.layers = [layer_cls(cfg, name=f"layer_{i}") for i in range(cfg.num_layers)]
+
+  def __call__(self, input_ids, attention_mask, token_type_ids=None, *, deterministic: bool = True,
+               first_token_attention: bool = False):
+    """`first_token_attention=True` also returns the last layer's `FirstTokenAttention`: (hidden, attention)."""
     key_mask = attention_mask.astype(bool)
     # Activations stay split by rows (the "batch" logical axis) through every layer. A no-op unless the
     # caller traces under parallel.activations_on (the train step does, on its mesh): with fsdp's
     # embed-sharded weights XLA otherwise re-split the activations along their width.
     constrain = parallel.constrain_rows
-    x = constrain(Embeddings(cfg, name="embeddings")(input_ids, token_type_ids, deterministic=deterministic))
-    # Same param tree with or without remat, so checkpoints and HF conversion do not care.
-    layer_cls = nn.remat(Layer, static_argnums=(3,)) if cfg.remat else Layer
-    for i in range(cfg.num_layers):
-      last = i == cfg.num_layers - 1
-      if last and span_mask is not None:
-        x, spans = layer_cls(cfg, name=f"layer_{i}")(x, key_mask, deterministic, span_mask)
-        return x.astype(jnp.float32), spans.astype(jnp.float32)
-      x = constrain(layer_cls(cfg, name=f"layer_{i}")(x, key_mask, deterministic))
+    x = constrain(self.embeddings(input_ids, token_type_ids, deterministic=deterministic))
+    for i, layer in enumerate(self.layers):
+      if first_token_attention and i == len(self.layers) - 1:
+        x, attention = layer(x, key_mask, deterministic, True)
+        return x.astype(jnp.float32), attention
+      x = constrain(layer(x, key_mask, deterministic, False))
     return x.astype(jnp.float32)
+
+  def last_block_tail(self, context, residual, deterministic: bool = True):
+    """The last layer's `Layer.tail` in float32: what the encoder outputs at a position whose last-layer
+    attention output is `context` [..., N, D] and whose input to that layer is `residual` [..., H]."""
+    return self.layers[-1].tail(context, residual, deterministic).astype(jnp.float32)

@@ -138,67 +138,54 @@ class Tower(nn.Module):
   """Token ids -> one float32 vector per text, [B, config.dim]."""
   config: TowerConfig
 
-  @nn.compact
-  def __call__(self, input_ids, attention_mask, token_type_ids=None, *, deterministic: bool = True,
-               token_vectors: bool = False, span_mask=None, span_pooling: str = "attention"):
-    """`token_vectors=True` returns the encoder's [B, L, H] output instead (the masked-LM baseline's input).
-    `span_mask` [B, S, L] returns (vectors [B, D], span vectors [B, S, D]) through the same head: with
-    span_pooling="attention", FGD's global-consistent granularity embeddings (Eq. 7; jdr.models.bert.Layer;
-    [CLS] pooling only); with "mean", the mean of the span's token vectors (FGD's "FG pooling" ablation)."""
+  def setup(self):
     cfg = self.config
-    spans = None
     if cfg.kind == "bow_mlp":
-      if token_vectors or span_mask is not None:
-        raise ValueError("the BoW-MLP tower has no token vectors (masked-LM and span embeddings need a "
-                         "transformer tower)")
-      x = BowMLP(cfg, name="bow")(input_ids, attention_mask, deterministic=deterministic)
+      self.bow = BowMLP(cfg, name="bow")
     else:
-      attention_spans = span_mask is not None and span_pooling == "attention"
-      if span_pooling not in ("attention", "mean"):
-        raise ValueError(f"span_pooling must be 'attention' or 'mean', got {span_pooling!r}")
-      if attention_spans and cfg.pooling != "cls":
-        raise ValueError(f"span embeddings (Eq. 7) pool with [CLS]'s attention: the tower's pooling must be "
-                         f"cls, not {cfg.pooling}")
-      hidden = Encoder(cfg.encoder, name="encoder")(
-          input_ids, attention_mask, token_type_ids, deterministic=deterministic,
-          span_mask=span_mask if attention_spans else None)
-      if attention_spans:
-        hidden, spans = hidden
-      elif span_mask is not None:
-        weights = span_mask.astype(hidden.dtype)
-        spans = jnp.einsum("bsl,blh->bsh", weights, hidden) / jnp.maximum(weights.sum(-1, keepdims=True), 1.0)
-      if token_vectors:
-        return hidden
-      x = pool(hidden, attention_mask, cfg.pooling)
-    head = self._head_fn()
-    x = head(x)
-    if spans is not None:
-      return x, head(spans)
-    return x
-
-  def _head_fn(self):
-    """Projection (+ LayerNorm) and normalization as one function, its modules created once (so vectors and
-    span vectors share them)."""
-    cfg = self.config
-    layers = []
+      self.encoder = Encoder(cfg.encoder, name="encoder")
     if cfg.projection_dim is not None:
       # The head is tiny: it stays float32 and replicated (its output axis has no logical name).
-      layers.append(nn.Dense(
+      self.projection = nn.Dense(
           cfg.projection_dim, kernel_init=nn.with_logical_partitioning(nn.initializers.normal(0.02), ("embed", None)),
-          bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), (None,)), name="projection"))
+          bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), (None,)), name="projection")
       eps = cfg.encoder.layer_norm_eps if cfg.encoder is not None else 1e-5
-      layers.append(nn.LayerNorm(
+      self.projection_norm = nn.LayerNorm(
           epsilon=eps, scale_init=nn.with_logical_partitioning(nn.initializers.ones_init(), (None,)),
-          bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), (None,)), name="projection_norm"))
+          bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), (None,)), name="projection_norm")
 
-    def head(x):
-      for layer in layers:
-        x = layer(x)
-      if cfg.normalize:
-        x = l2_normalize(x)
-      return x.astype(jnp.float32)
+  def __call__(self, input_ids, attention_mask, token_type_ids=None, *, deterministic: bool = True,
+               token_vectors: bool = False, first_token_attention: bool = False):
+    """`token_vectors=True` returns the encoder's [B, L, H] output instead (the masked-LM baseline's input).
+    `first_token_attention=True` returns (vectors, the last layer's jdr.models.bert.FirstTokenAttention), for
+    callers that pool that attention their own way and finish with `through_last_block`."""
+    cfg = self.config
+    if cfg.kind == "bow_mlp":
+      if token_vectors or first_token_attention:
+        raise ValueError("the BoW-MLP tower has no token vectors or attention (the masked-LM loss and FGD "
+                         "need a transformer tower)")
+      return self.head(self.bow(input_ids, attention_mask, deterministic=deterministic))
+    hidden = self.encoder(input_ids, attention_mask, token_type_ids, deterministic=deterministic,
+                          first_token_attention=first_token_attention)
+    if first_token_attention:
+      hidden, attention = hidden
+      return self.head(pool(hidden, attention_mask, cfg.pooling)), attention
+    if token_vectors:
+      return hidden
+    return self.head(pool(hidden, attention_mask, cfg.pooling))
 
-    return head
+  def head(self, x):
+    """Pooled [..., H] -> vectors [..., D]: projection (+ LayerNorm) and normalization."""
+    if self.config.projection_dim is not None:
+      x = self.projection_norm(self.projection(x))
+    if self.config.normalize:
+      x = l2_normalize(x)
+    return x.astype(jnp.float32)
+
+  def through_last_block(self, context, residual, deterministic: bool = True):
+    """Vectors [..., D] of positions whose last-layer attention output is `context` [..., N, D_head] and
+    whose input to that layer is `residual` [..., H]: the rest of the last block, then the head."""
+    return self.head(self.encoder.last_block_tail(context, residual, deterministic))
 
 
 class MLMHead(nn.Module):
@@ -257,15 +244,18 @@ class TwoTower(nn.Module):
     return self.lm_head(picked, nn.unbox(word))
 
   def encode_query(self, input_ids, attention_mask, token_type_ids=None, *, deterministic: bool = True):
-    tower = self.tower if self.shared else self.query_tower
-    return tower(input_ids, attention_mask, token_type_ids, deterministic=deterministic)
+    return self.tower_of("query")(input_ids, attention_mask, token_type_ids, deterministic=deterministic)
 
-  def encode_doc(self, input_ids, attention_mask, token_type_ids=None, *, deterministic: bool = True,
-                 span_mask=None, span_pooling: str = "attention"):
-    """Document vectors [B, D]; with `span_mask`, also span vectors [B, S, D] (Tower)."""
-    tower = self.tower if self.shared else self.doc_tower
-    return tower(input_ids, attention_mask, token_type_ids, deterministic=deterministic, span_mask=span_mask,
-                 span_pooling=span_pooling)
+  def encode_doc(self, input_ids, attention_mask, token_type_ids=None, *, deterministic: bool = True):
+    return self.tower_of("doc")(input_ids, attention_mask, token_type_ids, deterministic=deterministic)
+
+  def tower_of(self, side: str) -> Tower:
+    """The query ("query") or document ("doc") tower, for a function applied with `apply(..., method=)`."""
+    if side not in ("query", "doc"):
+      raise ValueError(f"side must be 'query' or 'doc', got {side!r}")
+    if self.shared:
+      return self.tower
+    return self.query_tower if side == "query" else self.doc_tower
 
   def __call__(self, query_ids, query_mask, doc_ids, doc_mask, *, deterministic: bool = True):
     """Returns (query vectors [Bq, D], doc vectors [Bd, D])."""

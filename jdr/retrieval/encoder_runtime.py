@@ -123,6 +123,7 @@ def load_runtime(model: str, *, pooling: str | None = None, normalize: bool | No
   from jdr.models import build
   from jdr.models import hf
   from jdr.models.towers import TwoTower
+  from jdr.training import span_embeddings
   if side not in ("query", "doc"):
     raise ValueError(f"side must be 'query' or 'doc', got {side!r}")
   if build.is_jdr_model(model):
@@ -139,8 +140,8 @@ def load_runtime(model: str, *, pooling: str | None = None, normalize: bool | No
 
     @jax.jit
     def spans_two_tower(params, input_ids, attention_mask, span_mask):
-      return two_tower.apply({"params": params}, input_ids, attention_mask, span_mask=span_mask,
-                             method=TwoTower.encode_doc)
+      return two_tower.apply({"params": params}, input_ids, attention_mask, span_mask,
+                             method=span_embeddings.two_tower_document_spans())
 
     params = _serving(params, two_tower)
     length, source = (max_length, "--max-length") if max_length else build.serving_length(description, side)
@@ -159,7 +160,8 @@ def load_runtime(model: str, *, pooling: str | None = None, normalize: bool | No
 
   @jax.jit
   def apply_spans(params, input_ids, attention_mask, span_mask):
-    return one_tower.apply({"params": params}, input_ids, attention_mask, span_mask=span_mask)
+    return one_tower.apply({"params": params}, input_ids, attention_mask, span_mask,
+                           method=span_embeddings.document_and_span_vectors)
 
   return EncoderRuntime(apply_fn, params, tokenizer, int(info["max_length"]), info, apply_spans)
 

@@ -104,19 +104,6 @@ def check(config: ml_collections.ConfigDict) -> None:
     raise ValueError("distillation and gradient caching do not combine yet: set grad_cache.chunk_size=0")
 
 
-def span_masks(doc_mask, level_sizes: Sequence[tuple[str, int]]):
-  """In-step jnp version of jdr.data.granularity.windows for every level, concatenated: [C, sum K, L] (float32)."""
-  length = doc_mask.shape[1]
-  position = jnp.arange(length)
-  out = []
-  for _, size in level_sizes:
-    count = max(1, -(-(length - 1) // size))
-    which = jnp.where(position >= 1, (position - 1) // size, -1)
-    member = which[None, :] == jnp.arange(count)[:, None]  # [K, L]
-    out.append((member[None] & doc_mask.astype(bool)[:, None, :]).astype(jnp.float32))
-  return jnp.concatenate(out, axis=1)
-
-
 def hierarchical_negatives(scores: Sequence, valid: Sequence, sizes: Sequence[int], keep: int) -> list:
   """FGD's hierarchical hard negatives (Eq. 14-15) as masks, in the step: level 0's negative pieces are the
   `keep` highest-scoring valid ones; each finer level's candidates are the pieces inside a kept piece of the

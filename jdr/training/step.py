@@ -32,6 +32,7 @@ import optax
 from jdr.training import distill
 from jdr.training import gradcache
 from jdr.training import losses
+from jdr.training import span_embeddings
 from jdr.training import optimizers
 from jdr.runtime import parallel
 from jdr.data import pretrain_batches
@@ -212,18 +213,22 @@ def tokens_scorer(model, config: ml_collections.ConfigDict, mesh=None, retrieve_
   frozen = optimizers.query_only(config.model)
   chunk_rows = config.model.get("encode_chunk_rows", 0)
   span_levels = tuple(distill.levels(config)) if distill.enabled(config) else ()
-  span_pooling = config.distill.pooling
+  doc_and_spans = span_embeddings.two_tower_document_spans(config.distill.pooling)
   objective = tokens_objective(config)
 
   def score(params, batch, rngs, corpus=None, bias=None):
     del corpus, bias
     q = encode_queries(model, chunk_rows, params, batch, rngs[0])
-    span_mask = distill.span_masks(batch["doc_mask"], span_levels) if span_levels else None
-    d = encode_in_chunks(
-        lambda a, key: model.apply({"params": params}, a[0], a[1], deterministic=frozen,
-                                   rngs={} if frozen else {"dropout": key}, method=TwoTower.encode_doc,
-                                   span_mask=a[2], span_pooling=span_pooling),
-        (batch["doc_ids"], batch["doc_mask"], span_mask), rngs[1], chunk_rows)
+    span_mask = span_embeddings.span_masks(batch["doc_mask"], span_levels) if span_levels else None
+
+    def encode_docs(a, key):
+      ids, mask, spans = a
+      options = {"deterministic": frozen, "rngs": {} if frozen else {"dropout": key}}
+      if spans is None:
+        return model.apply({"params": params}, ids, mask, method=TwoTower.encode_doc, **options)
+      return model.apply({"params": params}, ids, mask, spans, method=doc_and_spans, **options)
+
+    d = encode_in_chunks(encode_docs, (batch["doc_ids"], batch["doc_mask"], span_mask), rngs[1], chunk_rows)
     spans = None
     if span_mask is not None:
       d, spans = d
