@@ -31,7 +31,6 @@ from jdr.data import pairs
 from jdr.retrieval import encodings
 from jdr.runtime import paths
 from jdr.negatives import given
-from jdr.negatives import mining
 from jdr.negatives import refresh
 from jdr.negatives import retrieved
 from jdr.negatives import sampled
