@@ -26,6 +26,26 @@ def test_dev_split_is_fixed_disjoint_and_a_fifth():
     devsplit.split_queries(qids, 1.0, seed=0)
 
 
+def test_writing_the_dev_split_again_leaves_its_files_as_they_were(tmp_path):
+  # A second build beside a running one writes the split again; a rewritten corpus file (new modification
+  # time) would invalidate the prepared corpus the running build reads from it.
+  write_tiny_beir(tmp_path / "src")
+  target = devsplit.write_dev_split(tmp_path / "src", tmp_path / "out", fraction=0.2, seed=0)
+  files = sorted(p for p in target.rglob("*") if p.is_file())
+  assert {p.relative_to(target).as_posix() for p in files} == {
+      "corpus.jsonl", "queries.jsonl", "split.json", "qrels/train.tsv", "qrels/dev.tsv", "qrels/test.tsv"}
+  before = {p: (p.stat().st_mtime_ns, p.stat().st_ino, p.read_bytes()) for p in files}
+  assert devsplit.write_dev_split(tmp_path / "src", tmp_path / "out", fraction=0.2, seed=0) == target
+  assert {p: (p.stat().st_mtime_ns, p.stat().st_ino, p.read_bytes()) for p in files} == before
+  assert sorted(p for p in target.rglob("*") if p.is_file()) == files  # no scratch left behind
+  # A changed source is copied again.
+  with open(tmp_path / "src" / "corpus.jsonl", "a") as f:
+    f.write('{"_id": "extra", "title": "", "text": "one more"}\n')
+  devsplit.write_dev_split(tmp_path / "src", tmp_path / "out", fraction=0.2, seed=0)
+  assert (target / "corpus.jsonl").read_bytes() == (tmp_path / "src" / "corpus.jsonl").read_bytes()
+  assert (target / "qrels" / "dev.tsv").read_bytes() == before[target / "qrels" / "dev.tsv"][2]
+
+
 def test_every_row_is_a_recipe_config_at_the_same_budget():
   plan = rows_lib.Plan()
   expect = {"inbatch": ("none", "softmax_nll"), "bm25_neg": ("bm25", "softmax_nll"),

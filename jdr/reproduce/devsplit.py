@@ -4,14 +4,19 @@
 training qrels split by query into train (the rest) and dev (`fraction` of the queries, drawn with `seed`),
 and split.json naming the dev queries. Every choice of the table (the learning rate) is made on dev; the
 test queries are only scored for the final models. A second call with the same settings writes the same
-bytes; an output directory made with other settings is refused, since its runs trained on another split.
+bytes, and leaves a file that already holds them untouched: its modification time stays, so a prepared
+corpus another build running beside it reads from the file stays valid (a prepared corpus is keyed on the
+file's size and modification time). An output directory made with other settings is refused, since its runs
+trained on another split.
 """
 
 from __future__ import annotations
 
+import filecmp
 import json
 import pathlib
 import shutil
+import tempfile
 
 import numpy as np
 
@@ -34,10 +39,22 @@ def split_queries(qids: list[str], fraction: float, seed: int) -> tuple[list[str
 
 
 def _copy(src: pathlib.Path, dst: pathlib.Path) -> None:
+  """Copies src to dst unless dst already holds the same bytes."""
+  if dst.is_file() and filecmp.cmp(src, dst, shallow=False):
+    return
+
   def write(f):
     with open(src, "rb") as s:
       shutil.copyfileobj(s, f)
   atomic.write_atomic(dst, write)
+
+
+def _write_unless_same(dst: pathlib.Path, write) -> None:
+  """`write(path)` writes dst's new content; dst is replaced only when that content differs from its own."""
+  with tempfile.TemporaryDirectory(dir=dst.parent) as scratch:
+    fresh = pathlib.Path(scratch) / dst.name
+    write(fresh)
+    _copy(fresh, dst)
 
 
 def write_dev_split(source: pathlib.Path, out: pathlib.Path, *, fraction: float, seed: int) -> pathlib.Path:
@@ -61,7 +78,8 @@ def write_dev_split(source: pathlib.Path, out: pathlib.Path, *, fraction: float,
   for name in ("corpus.jsonl", "queries.jsonl", "qrels/test.tsv"):
     _copy(source / name, target / name)
   # Queries judged with relevance 0 only cannot be trained on or scored; they stay out of both parts.
-  formats.write_qrels(target / "qrels" / "train.tsv", {q: qrels[q] for q in train})
-  formats.write_qrels(target / "qrels" / "dev.tsv", {q: qrels[q] for q in dev})
-  atomic.write_text(record_file, json.dumps(record, indent=1))
+  for name, part in (("train.tsv", train), ("dev.tsv", dev)):
+    _write_unless_same(target / "qrels" / name, lambda path, part=part: formats.write_qrels(
+        path, {q: qrels[q] for q in part}))
+  _write_unless_same(record_file, lambda path: atomic.write_text(path, json.dumps(record, indent=1)))
   return target
