@@ -388,10 +388,11 @@ def test_run_records_round_trip_through_runs_csv_and_imported_warm_ups_are_retra
   trained = []
 
   def fake_train(config, workdir):
-    trained.append(pathlib.Path(workdir).relative_to(second / "runs").as_posix())
-    (pathlib.Path(workdir) / "checkpoints").mkdir(parents=True)
+    trained.append(pathlib.Path(workdir).relative_to(out / "runs").as_posix())
+    (pathlib.Path(workdir) / "checkpoints" / str(config.num_train_steps)).mkdir(parents=True, exist_ok=True)
     return {"after": {"ndcg@10": 0.8}}
 
+  out = second
   monkeypatch.setattr(trainer, "train_and_evaluate", fake_train)
   monkeypatch.setattr(runs_lib, "release", lambda: None)
   lines = []
@@ -405,3 +406,18 @@ def test_run_records_round_trip_through_runs_csv_and_imported_warm_ups_are_retra
   assert trained == [bm25.name, star.name, adore_star.name]
   assert not json.loads((second / "runs" / star.name / "done.json").read_text()).get("imported")
   assert not (second / "runs" / star.name / "test.json").exists()  # scored again if it is a final run
+
+  # A retraining of an imported warm-up that was stopped early leaves a checkpoint before its last step; the
+  # next build imports its record again, and the warm-up is still trained before a stage starts from it.
+  out = tmp_path / "fourth"
+  report.import_records(csv_path, out)
+  (out / "runs" / bm25.name / "checkpoints" / "2").mkdir(parents=True)
+  trained.clear()
+  ctx = runs_lib.Context(plan=plan, out=out, dataset=tmp_path / "data", zero_shot=None, progress=progress)
+  ance = runs_lib.StageRun(bm25.chain + (("ance", 4, 1e-3),), 0)
+  runs_lib.train(ctx, ance)
+  assert trained == [bm25.name, ance.name]
+  trained.clear()
+  (out / "runs" / ance.name / "done.json").unlink()
+  runs_lib.train(ctx, ance)  # the warm-up has its last step now
+  assert trained == [ance.name]

@@ -287,6 +287,13 @@ def read_json(path: pathlib.Path) -> dict | None:
   return json.loads(path.read_text()) if path.exists() else None
 
 
+def trained_to(workdir: pathlib.Path, steps: int) -> bool:
+  """Whether `workdir` holds a checkpoint at step `steps` or later (the trainer saves its last step; orbax
+  names a finished checkpoint by its step alone)."""
+  folder = workdir / "checkpoints"
+  return folder.is_dir() and any(p.name.isdigit() and int(p.name) >= steps for p in folder.iterdir())
+
+
 def train(ctx: Context, run: StageRun) -> dict:
   """The stage's done.json record, training it (and its warm-ups first) unless it finished before."""
   workdir = ctx.workdir(run)
@@ -296,9 +303,9 @@ def train(ctx: Context, run: StageRun) -> dict:
   if run.parent is not None:  # visited even when this stage finished, so the progress count stays exact
     parent_dir = ctx.workdir(run.parent)
     parent = read_json(parent_dir / "done.json")
-    from jdr.models import saved  # pylint: disable=g-import-not-at-top  (it loads the checkpoint library)
-    if done is None and parent is not None and parent.get("imported") and not saved.is_jdr_model(parent_dir):
-      # Its record came from another build's runs.csv, its weights did not: train it again here.
+    if done is None and parent is not None and parent.get("imported") and not trained_to(parent_dir, run.parent.steps):
+      # Its record came from another build's runs.csv, its weights did not (or a retraining of it was stopped
+      # before its last step, and the record was imported again): train it again here, from its checkpoint.
       (parent_dir / "done.json").unlink()
       (parent_dir / "test.json").unlink(missing_ok=True)
       ctx.progress.add(step_kind(run.parent.method), run.parent.steps)
