@@ -1,6 +1,5 @@
 """jdr.retrieval.index: Faiss and JAX retrievers against brute-force numpy, persistence, compressed indexes."""
 
-import os
 import pathlib
 import subprocess
 import sys

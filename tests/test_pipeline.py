@@ -23,7 +23,6 @@ from jdr.data import formats
 from jdr.data import text as text_lib
 from jdr.models import hf
 from jdr.models.bert import Encoder, EncoderConfig
-from jdr.models.towers import Tower, TowerConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

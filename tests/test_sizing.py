@@ -2,7 +2,6 @@
 XLA, without data or training."""
 
 import json
-import os
 import pathlib
 import subprocess
 import sys

@@ -1,7 +1,6 @@
 """The exact sharded top-k (jdr.retrieval.topk) against brute-force numpy: the same rows, ties to the lower row."""
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
