@@ -290,13 +290,7 @@ def read_json(path: pathlib.Path) -> dict | None:
 def trained_to(workdir: pathlib.Path, steps: int) -> bool:
   """Whether `workdir` holds a checkpoint at step `steps` or later (the trainer saves its last step)."""
   from jdr.training import checkpoint  # pylint: disable=g-import-not-at-top  (it loads the checkpoint library)
-  if not checkpoint.directory(workdir).is_dir():  # the manager would create it
-    return False
-  mngr = checkpoint.manager(workdir)
-  try:
-    latest = mngr.latest_step()
-  finally:
-    mngr.close()
+  latest = checkpoint.latest_step(workdir)
   return latest is not None and latest >= steps
 
 

@@ -37,6 +37,18 @@ def manager(workdir: paths.PathLike, *, keep: int = 3) -> ocp.CheckpointManager:
                                item_names=(STATE, META))
 
 
+def latest_step(workdir: paths.PathLike) -> int | None:
+  """The step of a workdir's latest finished checkpoint, None when it has none; creates nothing (a manager
+  would create the folder)."""
+  if not directory(workdir).is_dir():
+    return None
+  mngr = manager(workdir)
+  try:
+    return mngr.latest_step()
+  finally:
+    mngr.close()
+
+
 def save(mngr: ocp.CheckpointManager, step: int, state: Any, meta: dict, *, force: bool = False) -> bool:
   """Saves state and JSON metadata at `step`; returns whether a checkpoint was written."""
   return mngr.save(step, args=ocp.args.Composite(**{STATE: ocp.args.StandardSave(state),
