@@ -30,6 +30,7 @@ import argparse
 import dataclasses
 import json
 import pathlib
+import shutil
 import sys
 import time
 from collections.abc import Iterable
@@ -227,21 +228,27 @@ def mine_queries(args, data, out: pathlib.Path, retriever: Retriever, score, fil
           "cross_encoder": args.cross_encoder, "ce_max_length": args.ce_max_length}
   chunks = mining.Chunks(out, plan, len(qids), args.chunk)
   bounds = chunks.bounds()
-  done = sum(1 for k in range(len(bounds)) if chunks.done(k))
-  bar = tqdm.tqdm(total=len(qids), initial=sum(hi - lo for lo, hi in bounds[:done]), desc="filter", unit="query",
-                  mininterval=1.0, file=sys.stderr)
-  for k, (lo, hi) in enumerate(bounds):
-    if chunks.done(k):
-      continue
+  todo = [k for k in range(len(bounds)) if not chunks.done(k)]
+  cheap = None
+  if score is not None:  # what the cross-encoder must score, known before it starts: its bar counts pairs
+    cheap = mining.apply(rows, scores, positives, _cheap(filters), positive_scores=pos_scores, qids=qids).alive
+    left = np.zeros(len(qids), bool)
+    for k in todo:
+      left[slice(*bounds[k])] = True
+    total = int(mining.scored_mask(rows[left], cheap[left]).sum() + mining.scored_mask(positives[left]).sum())
+    bar = tqdm.tqdm(total=total, desc="cross-encoder (training)", unit="pair", mininterval=5.0, file=sys.stderr)
+  else:
+    bar = tqdm.tqdm(total=len(qids), initial=len(qids) - sum(hi - lo for lo, hi in (bounds[k] for k in todo)),
+                    desc="filter", unit="query", mininterval=1.0, file=sys.stderr)
+  for k in todo:
+    lo, hi = bounds[k]
     part = slice(lo, hi)
     part_pos_scores = None if pos_scores is None else pos_scores[part]
     teacher = pos_teacher = None
     if score is not None:
-      cheap = mining.apply(rows[part], scores[part], positives[part], _cheap(filters),
-                           positive_scores=part_pos_scores, qids=qids[part])
       texts = [data.queries[q] for q in qids[part]]
-      teacher = mining.teacher_scores(score, data.corpus, texts, rows[part], cheap.alive)
-      pos_teacher = mining.teacher_scores(score, data.corpus, texts, positives[part])
+      teacher = mining.teacher_scores(score, data.corpus, texts, rows[part], cheap[part], bar=bar)
+      pos_teacher = mining.teacher_scores(score, data.corpus, texts, positives[part], bar=bar)
     result = mining.apply(rows[part], scores[part], positives[part], filters, positive_scores=part_pos_scores,
                           teacher=teacher, positive_teacher=pos_teacher, qids=qids[part])
     kept = mining.compact(result.alive, rows[part], scores[part], *([teacher] if teacher is not None else []),
@@ -252,7 +259,8 @@ def mine_queries(args, data, out: pathlib.Path, retriever: Retriever, score, fil
     if teacher is not None:
       arrays["teacher"], arrays["positive_teacher"] = kept[2], pos_teacher
     chunks.save(k, **arrays)
-    bar.update(hi - lo)
+    if score is None:
+      bar.update(hi - lo)
   bar.close()
   parts = [chunks.load(k) for k in range(len(bounds))]
   join = lambda name: np.concatenate([p[name] for p in parts]) if parts else None
@@ -279,7 +287,8 @@ def _kept(rows: np.ndarray, filters: mining.Filters, on_dev: list[str]) -> dict:
           "chosen_on_dev": {name: getattr(filters, name) for name in on_dev}}
 
 
-def dev_queries(args, data, retriever: Retriever, score, filters: mining.Filters) -> dict | None:
+def dev_queries(args, data, out: pathlib.Path, retriever: Retriever, score, filters: mining.Filters
+                ) -> dict | None:
   if args.dev_split:
     qrels, what = data.eval_qrels or {}, f"--dev-split {args.dev_split}"
   elif args.dev_fraction > 0:
@@ -294,11 +303,31 @@ def dev_queries(args, data, retriever: Retriever, score, filters: mining.Filters
   pos_scores = retriever.positive_scores(qids, positives, rows, scores, query_emb)
   teacher = pos_teacher = None
   if score is not None:
-    texts = [data.queries[q] for q in qids]
-    teacher = mining.teacher_scores(score, data.corpus, texts, rows)
-    pos_teacher = mining.teacher_scores(score, data.corpus, texts, positives)
+    teacher, pos_teacher = dev_teacher_scores(args, data, out, score, qids, rows, positives)
   return mining.dev_report(rows, scores, positives, filters, positive_scores=pos_scores, teacher=teacher,
                            positive_teacher=pos_teacher)
+
+
+def dev_teacher_scores(args, data, out: pathlib.Path, score, qids: list[str], rows: np.ndarray,
+                       positives: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """The cross-encoder's scores of every dev candidate and positive, chunk by chunk under OUT/partial-dev (a
+  restart scores only the chunks it had not finished), with a bar of pairs."""
+  plan = {"dev": [args.dev_split, args.dev_fraction], "retriever": args.retriever, "model": args.model,
+          "run": args.run, "depth": args.depth, "cross_encoder": args.cross_encoder, "ce_max_length": args.ce_max_length}
+  chunks = mining.Chunks(out, plan, len(qids), args.chunk, folder=mining.PARTIAL_DEV)
+  bounds = chunks.bounds()
+  todo = [k for k in range(len(bounds)) if not chunks.done(k)]
+  total = sum(int(mining.scored_mask(rows[lo:hi]).sum() + mining.scored_mask(positives[lo:hi]).sum())
+              for lo, hi in (bounds[k] for k in todo))
+  bar = tqdm.tqdm(total=total, desc="cross-encoder (dev)", unit="pair", mininterval=5.0, file=sys.stderr)
+  for k in todo:
+    lo, hi = bounds[k]
+    texts = [data.queries[q] for q in qids[lo:hi]]
+    chunks.save(k, teacher=mining.teacher_scores(score, data.corpus, texts, rows[lo:hi], bar=bar),
+                positive_teacher=mining.teacher_scores(score, data.corpus, texts, positives[lo:hi], bar=bar))
+  bar.close()
+  parts = [chunks.load(k) for k in range(len(bounds))]
+  return (np.concatenate([p["teacher"] for p in parts]), np.concatenate([p["positive_teacher"] for p in parts]))
 
 
 def describe(report: dict) -> str:
@@ -378,7 +407,7 @@ def main(argv: Iterable[str] | None = None) -> None:
     score = _scorer(args)
     retriever = Retriever(args, data, out)
     # The dev report first: a filter whose value is "dev" is chosen on it before the training queries are mined.
-    dev = dev_queries(args, data, retriever, score, filters)
+    dev = dev_queries(args, data, out, retriever, score, filters)
     filters = choose(filters, on_dev, dev, "jdr.mine")
     mined, counts = mine_queries(args, data, out, retriever, score, filters, qids)
     report = {"queries": len(qids), "retriever": args.retriever, "depth": args.depth, "training": counts,
@@ -392,6 +421,7 @@ def main(argv: Iterable[str] | None = None) -> None:
     mining.write(out, qids, mined["rows"], mined["scores"], mined["positives"], meta, teacher=mined["teacher"],
                  positive_teacher=mined["positive_teacher"])
     mined["chunks"].remove()
+    shutil.rmtree(out / mining.PARTIAL_DEV, ignore_errors=True)
   print(describe(report))
   print(json.dumps(report))
 

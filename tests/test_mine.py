@@ -188,6 +188,88 @@ def test_teacher_scores_read_each_document_once_and_score_in_place(tmp_path):
   assert got[1].tolist() == _overlap_scorer([("gammavox", by_row[r]) for r in (0, 5, 3)]).tolist()
 
 
+def test_teacher_scores_in_slices_equal_one_call_and_advance_the_bar_by_each_pair(tmp_path, monkeypatch):
+  from jdr.data import prepared
+  beir = write_tiny_beir(tmp_path / "beir", num_docs=20)
+  corpus = prepared.prepare(beir / "corpus.jsonl", out_dir=tmp_path / "cache", progress=False)
+  rng = np.random.default_rng(0)
+  rows = rng.integers(-1, 20, size=(6, 5)).astype(np.int32)
+  alive = rng.random((6, 5)) < 0.8
+  texts = [f"alphaton q{i}" for i in range(6)]
+  whole = mining.teacher_scores(_overlap_scorer, corpus, texts, rows, alive)
+  calls, bar = [], _Bar()
+  monkeypatch.setattr(mining, "SCORE_SLICE", 3)
+  sliced = mining.teacher_scores(lambda p: calls.append(len(p)) or _overlap_scorer(p), corpus, texts, rows, alive,
+                                 bar=bar)
+  np.testing.assert_array_equal(sliced, whole)
+  expected = int(((rows >= 0) & alive).sum())
+  assert bar.n == sum(calls) == expected and max(calls) == 3
+
+
+class _Bar:
+  def __init__(self):
+    self.n = 0
+
+  def update(self, n):
+    self.n += n
+
+
+class _Stop(Exception):
+  pass
+
+
+def test_mine_with_a_cross_encoder_resumes_without_scoring_a_finished_chunk_again(mine_data, tmp_path, monkeypatch,
+                                                                                   capsys):
+  """Stopped while scoring the training queries, a second run scores only what the first had not saved: neither
+  the dev report's chunks nor the finished training chunks again; the result equals an uninterrupted run's."""
+  from jdr import mine  # pylint: disable=g-import-not-at-top
+  scored = []
+
+  def scorer(limit=None):
+    def score(pairs):
+      if limit is not None and sum(len(p) for p in scored) + len(pairs) > limit:
+        raise _Stop
+      scored.append(list(pairs))
+      return _overlap_scorer(pairs)
+    return score
+
+  argv = lambda out: ["--data", str(mine_data), "--out", str(out), "--dev-split", "dev", "--depth", "10",
+                      "--cross-encoder", "stand-in", "--ce-threshold", "dev", "--chunk", "4"]
+  monkeypatch.setattr(mine, "_scorer", lambda args: scorer())
+  mine.main(argv(tmp_path / "whole"))
+  total = sum(len(p) for p in scored)
+  assert "cross-encoder (dev)" in capsys.readouterr().err
+  dev_pairs = sum(len(p) for p in scored[:_dev_calls(scored, mine_data)])
+  scored.clear()
+  monkeypatch.setattr(mine, "_scorer", lambda args: scorer(limit=dev_pairs + 100))
+  with pytest.raises(_Stop):
+    mine.main(argv(tmp_path / "resumed"))
+  first = [tuple(x) for p in scored for x in p]
+  assert (tmp_path / "resumed" / mining.PARTIAL_DEV).exists() and (tmp_path / "resumed" / mining.PARTIAL).exists()
+  scored.clear()
+  monkeypatch.setattr(mine, "_scorer", lambda args: scorer())
+  mine.main(argv(tmp_path / "resumed"))
+  second = [tuple(x) for p in scored for x in p]
+  assert 0 < len(second) < total - dev_pairs  # no dev pair, and not every training pair, scored again
+  assert len(first) + len(second) < total + 100  # at most the unsaved chunk scored twice
+  a, b = mining.read(tmp_path / "whole"), mining.read(tmp_path / "resumed")
+  np.testing.assert_array_equal(a.rows, b.rows)
+  np.testing.assert_array_equal(a.teacher, b.teacher)
+  assert a.meta["report"]["dev"] == b.meta["report"]["dev"]
+  assert not (tmp_path / "resumed" / mining.PARTIAL_DEV).exists()
+
+
+def _dev_calls(scored, beir) -> int:
+  """How many of the scorer's calls were the dev report's: those whose queries are dev queries."""
+  from jdr.data import formats  # pylint: disable=g-import-not-at-top
+  queries = formats.read_queries(beir / "queries.jsonl")
+  dev = {queries[line.split("\t")[0]] for line in (beir / "qrels" / "dev.tsv").read_text().splitlines()[1:]}
+  n = 0
+  while n < len(scored) and all(q in dev for q, _ in scored[n]):
+    n += 1
+  return n
+
+
 @pytest.fixture(scope="module")
 def mine_data(tmp_path_factory):
   root = tmp_path_factory.mktemp("mine")

@@ -48,6 +48,9 @@ from jdr.data import prepared
 
 FORMAT = 1
 PARTIAL = "partial"
+PARTIAL_DEV = "partial-dev"  # the dev report's cross-encoder scores, chunk by chunk
+# Pairs a cross-encoder call scores between progress updates: large enough to fill its length-bucketed batches.
+SCORE_SLICE = 2048
 FILTERS = ("positives", "skip_ranks", "positive_fraction", "ce_threshold", "ce_margin", "keep")
 
 
@@ -273,19 +276,31 @@ def dev_report(rows: np.ndarray, scores: np.ndarray, positives: np.ndarray, filt
 
 
 def teacher_scores(score: Callable[[Sequence[tuple[str, str]]], np.ndarray], corpus, query_texts: Sequence[str],
-                   rows: np.ndarray, alive: np.ndarray | None = None) -> np.ndarray:
+                   rows: np.ndarray, alive: np.ndarray | None = None, bar=None) -> np.ndarray:
   """float32 [Q, D] the cross-encoder's score of each (query, candidate) (NaN where rows is -1 or not alive),
-  every distinct document read once."""
+  every distinct document read once. `bar` (a tqdm), if given, advances by the pairs scored, SCORE_SLICE at a
+  time: a cross-encoder on a CPU scores tens of pairs a second, so a chunk of queries is minutes to hours."""
   rows = np.asarray(rows)
-  want = (rows >= 0) if alive is None else (alive & (rows >= 0))
   out = np.full(rows.shape, np.nan, np.float32)
-  qi, di = np.nonzero(want)
+  qi, di = np.nonzero(scored_mask(rows, alive))
   if not len(qi):
     return out
   unique, inverse = np.unique(rows[qi, di], return_inverse=True)
   texts = corpus.texts(unique.tolist())  # a prepared corpus: read from its file, as the encoders read them
-  out[qi, di] = score([(query_texts[q], texts[j]) for q, j in zip(qi.tolist(), inverse.tolist())])
+  pairs = [(query_texts[q], texts[j]) for q, j in zip(qi.tolist(), inverse.tolist())]
+  got = np.empty((len(pairs),), np.float32)
+  for lo in range(0, len(pairs), SCORE_SLICE):
+    got[lo:lo + SCORE_SLICE] = score(pairs[lo:lo + SCORE_SLICE])
+    if bar is not None:
+      bar.update(len(pairs[lo:lo + SCORE_SLICE]))
+  out[qi, di] = got
   return out
+
+
+def scored_mask(rows: np.ndarray, alive: np.ndarray | None = None) -> np.ndarray:
+  """The (query, candidate) cells `teacher_scores` scores: a row, and alive where `alive` is given."""
+  rows = np.asarray(rows)
+  return (rows >= 0) if alive is None else (np.asarray(alive) & (rows >= 0))
 
 
 def bm25_scores(index, query_texts: Sequence[str], rows: np.ndarray) -> np.ndarray:
@@ -398,8 +413,8 @@ class Chunks:
   """A resumable pass over query chunks: each finished chunk's arrays saved under partial/, with the plan that
   made them (a changed plan starts over)."""
 
-  def __init__(self, out: pathlib.Path, plan: dict, num_queries: int, chunk: int):
-    self.folder, self.num_queries, self.chunk = out / PARTIAL, num_queries, chunk
+  def __init__(self, out: pathlib.Path, plan: dict, num_queries: int, chunk: int, folder: str = PARTIAL):
+    self.folder, self.num_queries, self.chunk = out / folder, num_queries, chunk
     plan = json.dumps({**plan, "queries": num_queries, "chunk": chunk}, sort_keys=True)
     if (self.folder / "plan.json").exists() and (self.folder / "plan.json").read_text() != plan:
       print(f"jdr.mine: {self.folder} was made with other settings; starting over", file=sys.stderr)
