@@ -47,6 +47,12 @@ from jdr.negatives import sources
 RETRIEVERS = ("bm25", "model", "run")
 
 
+DEV = "dev"  # a filter's value chosen on the dev report
+# A chunk's worth of cross-encoder pairs: seconds on an accelerator, about a quarter of an hour on a 2-core CPU
+# (tens of pairs a second), so a stop loses little of either.
+CE_CHUNK_PAIRS = 16384
+
+
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="python -m jdr.mine", description=__doc__.splitlines()[0])
   parser.add_argument("--data", default=None, help="dataset directory (BEIR's layout or MS MARCO's own files)")
@@ -79,12 +85,11 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--query-max-length", type=int, default=32)
   parser.add_argument("--doc-max-length", type=int, default=256)
   parser.add_argument("--ce-max-length", type=int, default=256, help="tokens per (query, document) pair")
-  parser.add_argument("--chunk", type=int, default=4096, help="queries filtered (and saved) at a time")
+  parser.add_argument("--chunk", type=int, default=0,
+                      help="queries filtered (and saved) at a time; 0: 4096, or with --cross-encoder about "
+                           f"{CE_CHUNK_PAIRS:,} (query, candidate) pairs' worth")
   cli.add_skip_invalid_flag(parser)
   return parser
-
-
-DEV = "dev"  # a filter's value chosen on the dev report
 
 
 def _int_or_dev(text: str):
@@ -105,8 +110,10 @@ def _check(args, parser) -> tuple[mining.Filters, list[str]]:
   if args.source is not None and args.positive_fraction is not None:
     parser.error("--from: --positive-fraction needs the positives' retriever scores, which a mined directory "
                  "does not keep; mine again with --data")
-  if args.depth < 1 or args.chunk < 1:
-    parser.error("--depth and --chunk must be >= 1")
+  if args.depth < 1 or args.chunk < 0:
+    parser.error("--depth must be >= 1 and --chunk >= 0")
+  if not args.chunk:
+    args.chunk = max(1, CE_CHUNK_PAIRS // args.depth) if args.cross_encoder else 4096
   if not 0 <= args.dev_fraction <= 1:
     parser.error("--dev-fraction must be in [0, 1]")
   if args.retriever == "model" and not args.model:

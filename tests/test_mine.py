@@ -259,6 +259,17 @@ def test_mine_with_a_cross_encoder_resumes_without_scoring_a_finished_chunk_agai
   assert not (tmp_path / "resumed" / mining.PARTIAL_DEV).exists()
 
 
+def test_the_default_chunk_holds_a_bounded_number_of_cross_encoder_pairs(mine_data, tmp_path):
+  from jdr import mine  # pylint: disable=g-import-not-at-top
+  parser = mine._parser()
+  chunk = lambda *extra: (lambda a: (mine._check(a, parser), a.chunk)[1])(
+      parser.parse_args(["--data", str(mine_data), "--out", str(tmp_path), *extra]))
+  assert chunk("--depth", "100") == 4096
+  assert chunk("--depth", "100", "--cross-encoder", "x") == mine.CE_CHUNK_PAIRS // 100
+  assert chunk("--depth", "100000", "--cross-encoder", "x") == 1
+  assert chunk("--depth", "100", "--cross-encoder", "x", "--chunk", "7") == 7
+
+
 def _dev_calls(scored, beir) -> int:
   """How many of the scorer's calls were the dev report's: those whose queries are dev queries."""
   from jdr.data import formats  # pylint: disable=g-import-not-at-top
