@@ -92,6 +92,11 @@ def _parser() -> argparse.ArgumentParser:
   return parser
 
 
+def default_chunk(depth: int, cross_encoder: bool) -> int:
+  """Queries a chunk holds when --chunk is 0: 4096, or CE_CHUNK_PAIRS' worth of a cross-encoder's pairs."""
+  return max(1, CE_CHUNK_PAIRS // depth) if cross_encoder else 4096
+
+
 def _int_or_dev(text: str):
   return text if text == DEV else int(text)
 
@@ -112,8 +117,7 @@ def _check(args, parser) -> tuple[mining.Filters, list[str]]:
                  "does not keep; mine again with --data")
   if args.depth < 1 or args.chunk < 0:
     parser.error("--depth must be >= 1 and --chunk >= 0")
-  if not args.chunk:
-    args.chunk = max(1, CE_CHUNK_PAIRS // args.depth) if args.cross_encoder else 4096
+  args.chunk = args.chunk or default_chunk(args.depth, bool(args.cross_encoder))
   if not 0 <= args.dev_fraction <= 1:
     parser.error("--dev-fraction must be in [0, 1]")
   if args.retriever == "model" and not args.model:
@@ -203,7 +207,8 @@ class Retriever:
     return mining.run_scores(rows, scores, positives)  # a run scores only what it ranks
 
 
-def _scorer(args):
+def scorer(args):
+  """The cross-encoder's (query, document) scorer of --cross-encoder, or None."""
   if not args.cross_encoder:
     return None
   import jax  # pylint: disable=g-import-not-at-top
@@ -411,7 +416,7 @@ def main(argv: Iterable[str] | None = None) -> None:
     qids = sorted(q for q, docs in data.train_qrels.items() if any(r > 0 for r in docs.values()))
     if data.files is None or not hasattr(data.corpus, "row_of"):
       raise ValueError(f"--data {args.data}: jdr.mine reads a local corpus file it can prepare (rows by id)")
-    score = _scorer(args)
+    score = scorer(args)
     retriever = Retriever(args, data, out)
     # The dev report first: a filter whose value is "dev" is chosen on it before the training queries are mined.
     dev = dev_queries(args, data, out, retriever, score, filters)

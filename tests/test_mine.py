@@ -235,19 +235,19 @@ def test_mine_with_a_cross_encoder_resumes_without_scoring_a_finished_chunk_agai
 
   argv = lambda out: ["--data", str(mine_data), "--out", str(out), "--dev-split", "dev", "--depth", "10",
                       "--cross-encoder", "stand-in", "--ce-threshold", "dev", "--chunk", "4"]
-  monkeypatch.setattr(mine, "_scorer", lambda args: scorer())
+  monkeypatch.setattr(mine, "scorer", lambda args: scorer())
   mine.main(argv(tmp_path / "whole"))
   total = sum(len(p) for p in scored)
   assert "cross-encoder (dev)" in capsys.readouterr().err
   dev_pairs = sum(len(p) for p in scored[:_dev_calls(scored, mine_data)])
   scored.clear()
-  monkeypatch.setattr(mine, "_scorer", lambda args: scorer(limit=dev_pairs + 100))
+  monkeypatch.setattr(mine, "scorer", lambda args: scorer(limit=dev_pairs + 100))
   with pytest.raises(_Stop):
     mine.main(argv(tmp_path / "resumed"))
   first = [tuple(x) for p in scored for x in p]
   assert (tmp_path / "resumed" / mining.PARTIAL_DEV).exists() and (tmp_path / "resumed" / mining.PARTIAL).exists()
   scored.clear()
-  monkeypatch.setattr(mine, "_scorer", lambda args: scorer())
+  monkeypatch.setattr(mine, "scorer", lambda args: scorer())
   mine.main(argv(tmp_path / "resumed"))
   second = [tuple(x) for p in scored for x in p]
   assert 0 < len(second) < total - dev_pairs  # no dev pair, and not every training pair, scored again
@@ -259,15 +259,11 @@ def test_mine_with_a_cross_encoder_resumes_without_scoring_a_finished_chunk_agai
   assert not (tmp_path / "resumed" / mining.PARTIAL_DEV).exists()
 
 
-def test_the_default_chunk_holds_a_bounded_number_of_cross_encoder_pairs(mine_data, tmp_path):
+def test_the_default_chunk_holds_a_bounded_number_of_cross_encoder_pairs():
   from jdr import mine  # pylint: disable=g-import-not-at-top
-  parser = mine._parser()
-  chunk = lambda *extra: (lambda a: (mine._check(a, parser), a.chunk)[1])(
-      parser.parse_args(["--data", str(mine_data), "--out", str(tmp_path), *extra]))
-  assert chunk("--depth", "100") == 4096
-  assert chunk("--depth", "100", "--cross-encoder", "x") == mine.CE_CHUNK_PAIRS // 100
-  assert chunk("--depth", "100000", "--cross-encoder", "x") == 1
-  assert chunk("--depth", "100", "--cross-encoder", "x", "--chunk", "7") == 7
+  assert mine.default_chunk(100, cross_encoder=False) == 4096
+  assert mine.default_chunk(100, cross_encoder=True) == mine.CE_CHUNK_PAIRS // 100
+  assert mine.default_chunk(100_000, cross_encoder=True) == 1
 
 
 def _dev_calls(scored, beir) -> int:
