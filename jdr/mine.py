@@ -244,11 +244,7 @@ def mine_queries(args, data, out: pathlib.Path, retriever: Retriever, score, fil
   cheap = None
   if score is not None:  # what the cross-encoder must score, known before it starts: its bar counts pairs
     cheap = mining.apply(rows, scores, positives, _cheap(filters), positive_scores=pos_scores, qids=qids).alive
-    left = np.zeros(len(qids), bool)
-    for k in todo:
-      left[slice(*bounds[k])] = True
-    total = int(mining.scored_mask(rows[left], cheap[left]).sum() + mining.scored_mask(positives[left]).sum())
-    bar = tqdm.tqdm(total=total, desc="cross-encoder (training)", unit="pair", mininterval=5.0, file=sys.stderr)
+    bar = _pairs_bar("training", rows, positives, cheap, [bounds[k] for k in todo])
   else:
     bar = tqdm.tqdm(total=len(qids), initial=len(qids) - sum(hi - lo for lo, hi in (bounds[k] for k in todo)),
                     desc="filter", unit="query", mininterval=1.0, file=sys.stderr)
@@ -258,9 +254,7 @@ def mine_queries(args, data, out: pathlib.Path, retriever: Retriever, score, fil
     part_pos_scores = None if pos_scores is None else pos_scores[part]
     teacher = pos_teacher = None
     if score is not None:
-      texts = [data.queries[q] for q in qids[part]]
-      teacher = mining.teacher_scores(score, data.corpus, texts, rows[part], cheap[part], bar=bar)
-      pos_teacher = mining.teacher_scores(score, data.corpus, texts, positives[part], bar=bar)
+      teacher, pos_teacher = _score_part(score, data, qids[part], rows[part], positives[part], cheap[part], bar)
     result = mining.apply(rows[part], scores[part], positives[part], filters, positive_scores=part_pos_scores,
                           teacher=teacher, positive_teacher=pos_teacher, qids=qids[part])
     kept = mining.compact(result.alive, rows[part], scores[part], *([teacher] if teacher is not None else []),
@@ -329,17 +323,30 @@ def dev_teacher_scores(args, data, out: pathlib.Path, score, qids: list[str], ro
   chunks = mining.Chunks(out, plan, len(qids), args.chunk, folder=mining.PARTIAL_DEV)
   bounds = chunks.bounds()
   todo = [k for k in range(len(bounds)) if not chunks.done(k)]
-  total = sum(int(mining.scored_mask(rows[lo:hi]).sum() + mining.scored_mask(positives[lo:hi]).sum())
-              for lo, hi in (bounds[k] for k in todo))
-  bar = tqdm.tqdm(total=total, desc="cross-encoder (dev)", unit="pair", mininterval=5.0, file=sys.stderr)
+  bar = _pairs_bar("dev", rows, positives, None, [bounds[k] for k in todo])
   for k in todo:
     lo, hi = bounds[k]
-    texts = [data.queries[q] for q in qids[lo:hi]]
-    chunks.save(k, teacher=mining.teacher_scores(score, data.corpus, texts, rows[lo:hi], bar=bar),
-                positive_teacher=mining.teacher_scores(score, data.corpus, texts, positives[lo:hi], bar=bar))
+    teacher, pos_teacher = _score_part(score, data, qids[lo:hi], rows[lo:hi], positives[lo:hi], None, bar)
+    chunks.save(k, teacher=teacher, positive_teacher=pos_teacher)
   bar.close()
   parts = [chunks.load(k) for k in range(len(bounds))]
   return (np.concatenate([p["teacher"] for p in parts]), np.concatenate([p["positive_teacher"] for p in parts]))
+
+
+def _score_part(score, data, qids: list[str], rows: np.ndarray, positives: np.ndarray, alive: np.ndarray | None,
+                bar) -> tuple[np.ndarray, np.ndarray]:
+  """The cross-encoder's scores of some queries' candidates (those alive) and positives."""
+  texts = [data.queries[q] for q in qids]
+  return (mining.teacher_scores(score, data.corpus, texts, rows, alive, bar=bar),
+          mining.teacher_scores(score, data.corpus, texts, positives, bar=bar))
+
+
+def _pairs_bar(tag: str, rows: np.ndarray, positives: np.ndarray, alive: np.ndarray | None,
+               bounds: list[tuple[int, int]]):
+  """A bar of the pairs `_score_part` will score over the query ranges `bounds`."""
+  total = sum(int(mining.scored_mask(rows[lo:hi], None if alive is None else alive[lo:hi]).sum()
+                  + mining.scored_mask(positives[lo:hi]).sum()) for lo, hi in bounds)
+  return tqdm.tqdm(total=total, desc=f"cross-encoder ({tag})", unit="pair", mininterval=5.0, file=sys.stderr)
 
 
 def describe(report: dict) -> str:
