@@ -304,6 +304,36 @@ def test_the_eta_prices_only_unfinished_runs_by_their_kind(tmp_path):
   assert progress.eta() == f"ETA {runs_lib.duration(left + 20 * (ance - 104))}"
 
 
+def test_a_resumed_run_prices_the_eta_by_the_steps_it_ran(tmp_path, monkeypatch):
+  """A run resumed from a checkpoint ran only the steps after it in this sitting: the ETA divides its seconds by
+  those, not by the run's whole length (which would make the rest look several times faster)."""
+  from jdr.training import trainer  # pylint: disable=g-import-not-at-top
+  plan = rows_lib.tiny_plan()
+  first = runs_lib.StageRun((("bm25_neg", 8, 1e-3),), 0)
+  second = runs_lib.StageRun((("bm25_neg", 8, 3e-3),), 0)
+  out = tmp_path / "repro"
+  (out / "runs" / first.name / "checkpoints" / "6").mkdir(parents=True)  # an earlier sitting stopped at step 6
+  clock = iter([0.0, 20.0])  # the sitting's 2 steps take 20 s
+
+  def fake_train(config, workdir):
+    (pathlib.Path(workdir) / "checkpoints" / str(config.num_train_steps)).mkdir(parents=True, exist_ok=True)
+    return {"after": {"ndcg@10": 0.8}}
+
+  monkeypatch.setattr(trainer, "train_and_evaluate", fake_train)
+  monkeypatch.setattr(runs_lib, "release", lambda: None)
+  monkeypatch.setattr(runs_lib, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+  jobs = {("train", first.chain, 0): 8, ("train", second.chain, 0): 8}
+  lines = []
+  progress = runs_lib.Progress(jobs, write=lines.append)
+  ctx = runs_lib.Context(plan=plan, out=out, dataset=tmp_path / "data", zero_shot=None, progress=progress)
+  runs_lib.train(ctx, first)
+  assert progress.eta() == f"ETA {runs_lib.duration(8 * 10.0)}"  # 10 s a step, not 20 s / 8 steps
+
+  progress.end("two-tower step", 8, 5.0, resumed_at=8)  # a run stopped after its last step: no step timed
+  assert progress.eta() == "ETA 0m00s"
+  assert progress.units["two-tower step"] == 2
+
+
 def test_given_warm_up_rates_train_no_grid_and_are_marked(tmp_path, monkeypatch):
   """A row rebuilt on its own takes its warm-ups' rates as given: only its own grid and seeds are trained,
   choices.json and the dev-grid table say the rates were given, a selected row given its rate trains its

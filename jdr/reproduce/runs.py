@@ -220,11 +220,14 @@ class Progress:
     self.total += 1
     self.left[kind] += units
 
-  def end(self, kind: str, units: int, seconds: float) -> None:
-    """A job of `kind` finished: `units` steps (1 for a scoring) in `seconds`."""
+  def end(self, kind: str, units: int, seconds: float, resumed_at: int = 0) -> None:
+    """A job of `kind` finished: `units` steps (1 for a scoring), of which those after `resumed_at` (a checkpoint
+    an earlier sitting left) ran in `seconds`. Only those price the rest: a resumed run's seconds over all its
+    steps would make the ETA too short."""
     self.left[kind] = max(0, self.left[kind] - units)
-    self.seconds[kind] += seconds
-    self.units[kind] += units
+    if units > resumed_at:
+      self.seconds[kind] += seconds
+      self.units[kind] += units - resumed_at
 
 
 @dataclasses.dataclass
@@ -287,11 +290,15 @@ def read_json(path: pathlib.Path) -> dict | None:
   return json.loads(path.read_text()) if path.exists() else None
 
 
+def _checkpoint_step(workdir: pathlib.Path) -> int:
+  """The step of `workdir`'s latest checkpoint (0 without one): where a training run resumes."""
+  from jdr.training import checkpoint  # pylint: disable=g-import-not-at-top  (it loads the checkpoint library)
+  return checkpoint.latest_step(workdir) or 0
+
+
 def trained_to(workdir: pathlib.Path, steps: int) -> bool:
   """Whether `workdir` holds a checkpoint at step `steps` or later (the trainer saves its last step)."""
-  from jdr.training import checkpoint  # pylint: disable=g-import-not-at-top  (it loads the checkpoint library)
-  latest = checkpoint.latest_step(workdir)
-  return latest is not None and latest >= steps
+  return _checkpoint_step(workdir) >= steps
 
 
 def train(ctx: Context, run: StageRun) -> dict:
@@ -319,6 +326,7 @@ def train(ctx: Context, run: StageRun) -> dict:
   config = rows_lib.stage_config(ctx.plan, run.method, steps=run.steps, rate=run.rate, seed=run.seed,
                                  dataset=ctx.dataset, init_from=init_from, configs_dir=ctx.configs_dir)
   ctx.progress.begin(f"train {run.name}")
+  resumed_at = _checkpoint_step(workdir)
   start = time.perf_counter()
   config.eval.corpus_cache = str(ctx.vector_cache)
   with _output_to(workdir / "train.log"):
@@ -333,7 +341,7 @@ def train(ctx: Context, run: StageRun) -> dict:
   atomic.write_text(workdir / "done.json", json.dumps(record, indent=1))
   del results
   release()
-  ctx.progress.end(step_kind(run.method), run.steps, seconds)
+  ctx.progress.end(step_kind(run.method), run.steps, seconds, resumed_at)
   return record
 
 
@@ -471,6 +479,7 @@ def train_teacher(ctx: Context) -> dict:
   from jdr.training import trainer  # pylint: disable=g-import-not-at-top
   config = rows_lib.teacher_config(ctx.plan, ctx.dataset, ctx.configs_dir)
   ctx.progress.begin(f"train the cross-encoder ({config.num_train_steps} steps) and rerank dev")
+  resumed_at = _checkpoint_step(workdir)
   start = time.perf_counter()
   with _output_to(workdir / "train.log"):
     results = trainer.train_and_evaluate(config, workdir)
@@ -480,7 +489,7 @@ def train_teacher(ctx: Context) -> dict:
   atomic.write_text(workdir / "done.json", json.dumps(done, indent=1))
   del results
   release()
-  ctx.progress.end("cross-encoder step", config.num_train_steps, seconds)
+  ctx.progress.end("cross-encoder step", config.num_train_steps, seconds, resumed_at)
   return done
 
 
