@@ -92,9 +92,9 @@ def _parser() -> argparse.ArgumentParser:
   return parser
 
 
-def default_chunk(depth: int, cross_encoder: bool) -> int:
-  """Queries a chunk holds when --chunk is 0: 4096, or CE_CHUNK_PAIRS' worth of a cross-encoder's pairs."""
-  return max(1, CE_CHUNK_PAIRS // depth) if cross_encoder else 4096
+def chunk_queries(chunk: int, depth: int, cross_encoder: bool) -> int:
+  """Queries a chunk holds: --chunk, or when it is 0, 4096, or CE_CHUNK_PAIRS' worth of a cross-encoder's pairs."""
+  return chunk or (max(1, CE_CHUNK_PAIRS // depth) if cross_encoder else 4096)
 
 
 def _int_or_dev(text: str):
@@ -117,7 +117,7 @@ def _check(args, parser) -> tuple[mining.Filters, list[str]]:
                  "does not keep; mine again with --data")
   if args.depth < 1 or args.chunk < 0:
     parser.error("--depth must be >= 1 and --chunk >= 0")
-  args.chunk = args.chunk or default_chunk(args.depth, bool(args.cross_encoder))
+  args.chunk = chunk_queries(args.chunk, args.depth, bool(args.cross_encoder))
   if not 0 <= args.dev_fraction <= 1:
     parser.error("--dev-fraction must be in [0, 1]")
   if args.retriever == "model" and not args.model:

@@ -261,9 +261,10 @@ def test_mine_with_a_cross_encoder_resumes_without_scoring_a_finished_chunk_agai
 
 def test_the_default_chunk_holds_a_bounded_number_of_cross_encoder_pairs():
   from jdr import mine  # pylint: disable=g-import-not-at-top
-  assert mine.default_chunk(100, cross_encoder=False) == 4096
-  assert mine.default_chunk(100, cross_encoder=True) == mine.CE_CHUNK_PAIRS // 100
-  assert mine.default_chunk(100_000, cross_encoder=True) == 1
+  assert mine.chunk_queries(0, 100, cross_encoder=False) == 4096
+  assert mine.chunk_queries(0, 100, cross_encoder=True) == mine.CE_CHUNK_PAIRS // 100
+  assert mine.chunk_queries(0, 100_000, cross_encoder=True) == 1
+  assert mine.chunk_queries(7, 100, cross_encoder=True) == 7  # a given --chunk wins
 
 
 def _dev_calls(scored, beir) -> int:
