@@ -147,6 +147,26 @@ def test_pairs_outside_the_pools_are_scored_when_a_batch_needs_them(tmp_path, se
   assert scores.late == 1  # scored once
 
 
+def test_a_run_shorter_than_an_epoch_has_the_teacher_score_only_the_queries_it_draws(tmp_path, setup):
+  """Up front the teacher scores the pools of the queries the run's steps draw (8 of the 30 here, two steps of
+  4), not every training query's; and nothing a step needs is missing from them."""
+  from jdr.training import distill  # pylint: disable=g-import-not-at-top
+  config, data, tokenizer, sampler, batches = _distiller_inputs(tmp_path, setup)
+  steps = config.num_train_steps
+  drawn = {q for step in range(steps) for q in batches.global_layout(step)[0]}
+  assert len(drawn) == steps * 4 < len(batches.train_qids) == 30
+  assert batches.queries_drawn(steps) == sorted(drawn)
+  # Seven steps (28 pairs) still fall short of the epoch; eight reach it and draw every query.
+  assert batches.queries_drawn(7) == sorted({q for step in range(7) for q in batches.global_layout(step)[0]})
+  assert len(batches.queries_drawn(7)) == 28 and batches.queries_drawn(8) == batches.train_qids
+  distiller = distill.Distiller(config, data, tokenizer, batches, sampler, tmp_path / "cache")
+  positives = {q: {d for d, r in data.train_qrels[q].items() if r > 0} for q in drawn}
+  assert set(distiller.teacher.scores) == {(q, d) for q in drawn for d in positives[q] | set(sampler.pool(q))}
+  for step in range(steps):
+    assert np.isfinite(distiller.complete(batches.local(step), step)["teacher_doc"]).all()
+  assert distiller.teacher.late == 0
+
+
 @pytest.mark.slow
 def test_mined_teacher_scores_train_margin_mse_and_listwise_kl(tmp_path, setup):
   """`python -m jdr.mine --cross-encoder` writes the teacher's score beside each negative and positive (the

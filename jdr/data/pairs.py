@@ -206,6 +206,14 @@ class Batches:
       self._perms = {epoch: np.random.default_rng([self.seed, epoch]).permutation(len(self.pairs))}
     return self._perms[epoch]
 
+  def queries_drawn(self, steps: int) -> list[str]:
+    """The training queries the batches of steps 0 .. steps - 1 hold, sorted: every one once an epoch is
+    reached (and with ANCE's triples, whose order depends on the refresh), else the first steps x batch_size
+    pairs of epoch 0's order. What a teacher must score up front for a run shorter than an epoch."""
+    if self.triples_per_query or steps * self.batch_size >= len(self.pairs):
+      return list(self.train_qids)
+    return sorted({self.pairs[i][0] for i in self._permutation(0)[:steps * self.batch_size].tolist()})
+
   def pair_indices(self, step: int) -> np.ndarray:
     positions = step * self.batch_size + np.arange(self.batch_size)
     epochs, within = np.divmod(positions, len(self.pairs))

@@ -220,7 +220,7 @@ class TeacherScores:
   """The teacher's scores for (query, document): "doc" and, per level, one score per window (NaN past the
   document's end), computed once and cached.
 
-  The pairs named up front (each query's positives and negative pool) are scored in one pass and cached in
+  The pairs named up front (each drawn query's positives and negative pool) are scored in one pass and cached in
   the workdir; a pair a batch needs beyond them (a random top-up of a short pool) is scored when first
   asked for, counted in `late`, and kept for the rest of the run.
   """
@@ -363,7 +363,9 @@ class Distiller:
       self.teacher, self.levels = MinedTeacher(mined, data.corpus), []
       return
     doc_max, query_max = config.data.doc_max_length, config.data.query_max_length
-    qids = sorted({q for q, _ in batches.pairs})
+    # Only the queries the run's steps draw: a run shorter than an epoch (2,000 steps of 64 on MS MARCO's
+    # 503k queries) would otherwise score every pool. Steps from 0, resumed or not, so the cache key holds.
+    qids = batches.queries_drawn(config.num_train_steps)
     docs_of = {q: sorted({d for d, r in data.train_qrels[q].items() if r > 0} | set(sampler.pool(q))) for q in qids}
     pairs = [(q, d) for q in qids for d in docs_of[q]]
     needed = sorted({d for _, d in pairs})

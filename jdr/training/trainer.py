@@ -111,7 +111,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     if is_host0:
       pairs.describe_counts(data, batches)
   distiller = None
-  if distill.enabled(config):  # the teacher scores every (query, document) it can meet, once, cached
+  if distill.enabled(config):  # the teacher scores every (query, document) the run can meet, once, cached
     distiller = distill.Distiller(config, data, built.tokenizer, batches, negatives.sampler, workdir / "cache")
 
   # ---------------------------------------------------------------- the step, jitted once
