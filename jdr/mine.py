@@ -40,6 +40,7 @@ import tqdm
 
 from jdr.runtime import cli
 from jdr.runtime import defaults
+from jdr.runtime import paths
 from jdr.data import pairs
 from jdr.negatives import mining
 from jdr.negatives import sources
@@ -194,7 +195,11 @@ class Retriever:
       else:
         encoding = self.out / "encoding"
         runtime = encoder_runtime.load_runtime(self.args.model, side="doc", max_length=self.args.doc_max_length)
-        encodings.encode_corpus(runtime, self.data.corpus, encoding, settings={"model": str(self.args.model)})
+        # What jdr.encode records, so a resume with another model or length is refused, never mixed.
+        model = self.args.model if self.args.model == "minilm" else str(paths.absolute(self.args.model))
+        settings = {"model": model, "corpus": str(paths.absolute(self.args.data)),
+                    **{k: runtime.info[k] for k in ("pooling", "normalize", "max_length")}}
+        encodings.encode_corpus(runtime, self.data.corpus, encoding, settings=settings)
       self._doc_emb, _, _ = encodings.load_embeddings(encoding)
     return self._doc_emb
 
@@ -226,6 +231,15 @@ def _cheap(filters: mining.Filters) -> mining.Filters:
   return mining.Filters(filters.skip_ranks, filters.positive_fraction)
 
 
+def _candidate_plan(args) -> dict:
+  """Every setting a chunk's candidates and teacher scores depend on: a resume under any other starts over."""
+  return {"data": str(paths.absolute(args.data)), "split": args.split, "retriever": args.retriever,
+          "model": args.model, "encoding": args.encoding and str(paths.absolute(args.encoding)), "run": args.run,
+          "depth": args.depth, "query_max_length": args.query_max_length, "doc_max_length": args.doc_max_length,
+          "skip_invalid": args.skip_invalid, "cross_encoder": args.cross_encoder,
+          "ce_max_length": args.ce_max_length}
+
+
 def mine_queries(args, data, out: pathlib.Path, retriever: Retriever, score, filters: mining.Filters,
                  qids: list[str]) -> tuple[dict, dict]:
   """Filters the training queries chunk by chunk (resumable) and writes the directory; (dropped, no_bound)."""
@@ -235,9 +249,7 @@ def mine_queries(args, data, out: pathlib.Path, retriever: Retriever, score, fil
   if filters.positive_fraction is not None:
     pos_scores = retriever.positive_scores(qids, positives, rows, scores, query_emb)
   width = filters.keep or rows.shape[1]
-  plan = {"retriever": args.retriever, "model": args.model, "run": args.run, "depth": args.depth,
-          "filters": dataclasses.asdict(filters),
-          "cross_encoder": args.cross_encoder, "ce_max_length": args.ce_max_length}
+  plan = {**_candidate_plan(args), "filters": dataclasses.asdict(filters)}
   chunks = mining.Chunks(out, plan, len(qids), args.chunk)
   bounds = chunks.bounds()
   todo = [k for k in range(len(bounds)) if not chunks.done(k)]
@@ -318,8 +330,7 @@ def dev_teacher_scores(args, data, out: pathlib.Path, score, qids: list[str], ro
                        positives: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   """The cross-encoder's scores of every dev candidate and positive, chunk by chunk under OUT/partial-dev (a
   restart scores only the chunks it had not finished), with a bar of pairs."""
-  plan = {"dev": [args.dev_split, args.dev_fraction], "retriever": args.retriever, "model": args.model,
-          "run": args.run, "depth": args.depth, "cross_encoder": args.cross_encoder, "ce_max_length": args.ce_max_length}
+  plan = {"dev": [args.dev_split, args.dev_fraction], **_candidate_plan(args)}
   chunks = mining.Chunks(out, plan, len(qids), args.chunk, folder=mining.PARTIAL_DEV)
   bounds = chunks.bounds()
   todo = [k for k in range(len(bounds)) if not chunks.done(k)]

@@ -2,6 +2,7 @@
 the retrievers' own, and `python -m jdr.mine` end to end: its report, its directory, its resume."""
 
 import json
+import pathlib
 import subprocess
 import sys
 
@@ -257,6 +258,45 @@ def test_mine_with_a_cross_encoder_resumes_without_scoring_a_finished_chunk_agai
   np.testing.assert_array_equal(a.teacher, b.teacher)
   assert a.meta["report"]["dev"] == b.meta["report"]["dev"]
   assert not (tmp_path / "resumed" / mining.PARTIAL_DEV).exists()
+  # Stopped again, then resumed with queries at another length: the saved chunks are not theirs.
+  scored.clear()
+  monkeypatch.setattr(mine, "scorer", lambda args: scorer(limit=dev_pairs + 100))
+  with pytest.raises(_Stop):
+    mine.main(argv(tmp_path / "changed"))
+  capsys.readouterr()
+  monkeypatch.setattr(mine, "scorer", lambda args: scorer())
+  mine.main(argv(tmp_path / "changed") + ["--query-max-length", "16"])
+  assert "was made with other settings; starting over" in capsys.readouterr().err
+
+
+def test_a_directory_written_over_reads_as_unfinished_until_its_meta_lands(mine_data, tmp_path, monkeypatch):
+  """`--from X --out X` or mining into a finished directory again: killed between the new arrays, the directory
+  is unfinished, never old and new arrays passed off as one; arrays of mismatched shapes are refused."""
+  from jdr.runtime import atomic  # pylint: disable=g-import-not-at-top
+  out = tmp_path / "m"
+  rows = np.array([[3, 4], [5, -1]], np.int32)
+  mining.write(out, ["q1", "q2"], rows, np.ones(rows.shape, np.float32), np.array([[1], [2]]), {},
+               teacher=np.zeros(rows.shape, np.float32), positive_teacher=np.zeros((2, 1), np.float32))
+  assert mining.read(out).rows.tolist() == rows.tolist()
+  real = atomic.write_atomic
+
+  def dies_after_the_new_rows(path, write):
+    if pathlib.Path(path).name == "scores.npy":
+      raise _Stop
+    real(path, write)
+  monkeypatch.setattr(atomic, "write_atomic", dies_after_the_new_rows)
+  wider = np.array([[3, 4, 6], [5, 7, -1]], np.int32)
+  with pytest.raises(_Stop):
+    mining.write(out, ["q1", "q2"], wider, np.ones(wider.shape, np.float32), np.array([[1], [2]]), {})
+  assert np.load(out / "rows.npy").shape == wider.shape  # the new rows beside the old scores
+  with pytest.raises(ValueError, match="unfinished"):
+    mining.read(out)
+  monkeypatch.undo()
+  mining.write(out, ["q1", "q2"], rows, np.ones(rows.shape, np.float32), np.array([[1], [2]]), {},
+               teacher=np.zeros(rows.shape, np.float32), positive_teacher=np.zeros((2, 1), np.float32))
+  np.save(out / "teacher.npy", np.zeros((2, 3), np.float32))  # a teacher of another width
+  with pytest.raises(ValueError, match=r"teacher.npy has shape \(2, 3\).*corrupt"):
+    mining.read(out)
 
 
 def test_the_default_chunk_holds_a_bounded_number_of_cross_encoder_pairs():
@@ -401,10 +441,11 @@ def test_sentence_transformers_rows_match_texts_to_rows_and_carry_scores(tmp_pat
   text = {f"d{i}": json.loads(line)["text"] for i, line in enumerate((beir / "corpus.jsonl").read_text().splitlines())}
   queries = formats.read_queries(beir / "queries.jsonl")
   qrels = {"q1": {"d1": 1}, "q2": {"d2": 1}}
+  # "scores": the column sentence-transformers' miner writes with output_scores=True.
   records = [{"anchor": queries["q1"], "positive": text["d1"], "negative_1": text["d4"], "negative_2": text["d1"],
-              "score": [3.0, 1.5, 2.5]},
+              "scores": [3.0, 1.5, 2.5]},
              {"anchor": queries["q2"], "positive": text["d2"], "negative_1": text["d6"], "negative_2": text["d8"],
-              "score": [4.0, -1.0, 0.5]}]
+              "scores": [4.0, -1.0, 0.5]}]
   path = tmp_path / f"st{suffix}"
   if suffix == ".parquet":
     import pyarrow as pa
@@ -425,6 +466,34 @@ def test_sentence_transformers_rows_match_texts_to_rows_and_carry_scores(tmp_pat
     _tevatron(bad, records)
   with pytest.raises(formats.DataFormatError, match=r"bad\.\w+:2: .*negative passage 'a passage the corpus"):
     negative_files.read(bad, corpus, queries, qrels)
+  if suffix == ".jsonl":  # "score" is read too; both at once is refused
+    del records[1]
+    records[0]["score"] = records[0].pop("scores")
+    single = _tevatron(tmp_path / "single.jsonl", records)
+    np.testing.assert_array_equal(negative_files.read(single, corpus, queries, qrels).teacher, [[1.5]])
+    records[0]["scores"] = records[0]["score"]
+    both = _tevatron(tmp_path / "both.jsonl", records)
+    with pytest.raises(formats.DataFormatError, match=r"both.jsonl:1: .*both 'scores' and 'score'"):
+      negative_files.read(both, corpus, queries, qrels)
+
+
+def test_a_negative_text_of_several_rows_is_a_false_negative_where_one_is_relevant(tmp_path):
+  """A passage text the corpus holds twice, once as the query's relevant document: a negative with that text is a
+  false negative and dropped, whichever copy comes first in the corpus."""
+  from jdr.data import formats, prepared
+  from jdr.negatives import training_files as negative_files
+  beir = write_tiny_beir(tmp_path / "beir", num_docs=20)
+  lines = (beir / "corpus.jsonl").read_text().splitlines()
+  copy = {**json.loads(lines[1]), "_id": "copy-of-d1"}  # row 0; d1 moves to row 2
+  (beir / "corpus.jsonl").write_text("".join(l + "\n" for l in [json.dumps(copy)] + lines))
+  corpus = prepared.prepare(beir / "corpus.jsonl", out_dir=tmp_path / "cache", progress=False)
+  text = {json.loads(l)["_id"]: json.loads(l)["text"] for l in lines}
+  queries = formats.read_queries(beir / "queries.jsonl")
+  path = _tevatron(tmp_path / "st.jsonl", [{"anchor": queries["q1"], "positive": text["d1"],
+                                            "negative_1": text["d1"], "negative_2": text["d4"]}])
+  got = negative_files.read(path, corpus, queries, {"q1": {"d1": 1}})
+  assert got.positives.tolist() == [[2]]  # the copy the qrels judge
+  assert got.rows.tolist() == [[5]] and got.meta["dropped_positives"] == 1  # d4 kept, d1's text dropped
 
 
 @pytest.mark.slow

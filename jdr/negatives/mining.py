@@ -352,6 +352,9 @@ def write(out: pathlib.Path, qids: Sequence[str], rows: np.ndarray, scores: np.n
           meta: dict, *, teacher: np.ndarray | None = None, positive_teacher: np.ndarray | None = None) -> None:
   """The finished directory (see the module docstring); meta.json last, marked complete."""
   out.mkdir(parents=True, exist_ok=True)
+  # A directory written over (`--from X --out X`, or mined again) reads as unfinished until its new meta.json
+  # lands: a kill between its arrays must not leave old and new arrays marked complete.
+  atomic.write_text(out / "meta.json", json.dumps({"format": FORMAT, "complete": False}))
   atomic.write_text(out / "qids.txt", "".join(q + "\n" for q in qids))
   arrays = {"rows": rows.astype(np.int32), "scores": scores.astype(np.float32),
             "positives": positives.astype(np.int32)}
@@ -389,13 +392,15 @@ def read(directory: str | pathlib.Path) -> Mined:
     raise ValueError(f"{directory}: mined by a jdr of format {meta.get('format')}, this one reads {FORMAT}")
   load = lambda name: np.load(directory / f"{name}.npy", mmap_mode="r")
   qids = (directory / "qids.txt").read_text().splitlines()
-  rows = load("rows")
-  if rows.shape[0] != len(qids):
-    raise ValueError(f"{directory}: rows.npy has {rows.shape[0]} queries, qids.txt {len(qids)}: the directory is "
-                     "corrupt")
-  teacher = load("teacher") if meta.get("teacher") else None
-  return Mined(qids, rows, load("scores"), load("positives"), teacher,
-               load("positive_teacher") if teacher is not None else None, meta)
+  names = ["rows", "scores", "positives"] + (["teacher", "positive_teacher"] if meta.get("teacher") else [])
+  arrays = {name: load(name) for name in names}
+  for name, array in arrays.items():
+    like = {"positive_teacher": "positives", "positives": name}.get(name, "rows")
+    if array.ndim != 2 or array.shape[0] != len(qids) or array.shape != arrays[like].shape:
+      raise ValueError(f"{directory}: {name}.npy has shape {array.shape}, against {len(qids)} queries in qids.txt "
+                       f"and {like}.npy's {arrays[like].shape}: the directory is corrupt")
+  return Mined(qids, arrays["rows"], arrays["scores"], arrays["positives"], arrays.get("teacher"),
+               arrays.get("positive_teacher"), meta)
 
 
 def check_corpus(mined: Mined, corpus, where) -> None:

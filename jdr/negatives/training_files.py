@@ -8,16 +8,17 @@ Tevatron's JSONL, both of its schemas, names documents by id:
 
 sentence-transformers' rows (JSONL, or Parquet with pyarrow) name them by text, as its hard-negative miner writes
 them: {"anchor": query text, "positive": passage text, "negative": text} or "negative_1" ... "negative_n", and,
-optionally, "score": the teacher's scores, the positive's first, then each negative's. An anchor is matched to
-the training query with exactly its text (where several queries share it, the one whose qrels judge the
-positive), a passage to the corpus row with exactly its text (`triples.PassageRows`: hashes, then the text
-compared).
+optionally, "scores" (the miner's `output_scores` column; "score" is read too): the teacher's scores, the
+positive's first, then each negative's. An anchor is matched to the training query with exactly its text (where
+several queries share it, the one whose qrels judge the positive), a passage to the corpus row with exactly its
+text (`triples.PassageRows`: hashes, then the text compared); a negative whose text several rows hold names the
+relevant one, or the positive, where one of them is.
 
 The schema is decided by the first record, and every later one must be the same kind. A query on several
-records gets the union of their negatives in order of first appearance; a negative its qrels judge relevant is
-dropped (counted). A malformed record, an unknown doc id, query or passage is a `formats.DataFormatError`
-("FILE:LINE: reason"; Parquet: the row number); with `skip_invalid` such records are counted per reason and
-reported, never dropped silently.
+records gets the union of their negatives in order of first appearance; a negative its qrels judge relevant, or
+that is one of the query's given positives, is dropped (counted). A malformed record, an unknown doc id, query or
+passage is a `formats.DataFormatError` ("FILE:LINE: reason"; Parquet: the row number); with `skip_invalid` such
+records are counted per reason and reported, never dropped silently.
 """
 
 from __future__ import annotations
@@ -76,11 +77,13 @@ def _texts(obj: dict) -> tuple[str, str, list[str], list[float] | None]:
   while f"negative_{k}" in obj:
     keys.append(f"negative_{k}")
     k += 1
-  scores = obj.get("score")
+  if "scores" in obj and "score" in obj:
+    raise _Invalid(formats.MALFORMED, "both 'scores' and 'score': give the teacher's scores once")
+  scores = obj.get("scores", obj.get("score"))
   if scores is not None:
     if (not isinstance(scores, list) or len(scores) != 1 + len(keys)
         or not all(isinstance(s, (int, float)) and not isinstance(s, bool) for s in scores)):
-      raise _Invalid(formats.MALFORMED, f"'score' must be {1 + len(keys)} numbers (the positive's, then each "
+      raise _Invalid(formats.MALFORMED, f"'scores' must be {1 + len(keys)} numbers (the positive's, then each "
                      "negative's)")
     scores = [float(s) for s in scores]
   return text("anchor"), text("positive"), [text(key) for key in keys], scores
@@ -134,7 +137,7 @@ class _Reader:
     for i, r in enumerate(positive):
       pos.setdefault(r, np.nan if scores is None else scores[0])
     for i, r in enumerate(negatives):
-      if r in relevant:
+      if r in relevant or r in pos:
         self.dropped += 1
       elif r not in mine:
         mine[r] = np.nan if scores is None else scores[1 + i]
@@ -154,8 +157,7 @@ class _Reader:
         what = "positive" if i == 0 else "negative"
         raise _Invalid(formats.UNKNOWN, f"the {what} passage {triples.shown(([positive] + negatives)[i])} is not "
                        "in the corpus")
-    rows = [several[i][0] if r == -2 else r for i, r in enumerate(found.tolist())]
-    positive_rows = several.get(0, [rows[0]])
+    positive_rows = several.get(0, [int(found[0])])
     qids = self._query_of.get(anchor, [])
     if not qids:
       raise _Invalid(formats.UNKNOWN, f"the anchor {triples.shown(anchor)} is not the text of a training query")
@@ -164,7 +166,12 @@ class _Reader:
       raise _Invalid(formats.MALFORMED, f"the anchor {triples.shown(anchor)} is the text of queries "
                      f"{', '.join(map(repr, qids[:3]))}, none of whose qrels judge its positive relevant")
     qid = (judging or qids)[0]
-    return qid, [r for r in positive_rows if r in self.relevant(qid)] or positive_rows[:1], rows[1:], scores
+    positive = [r for r in positive_rows if r in self.relevant(qid)] or positive_rows[:1]
+    # A negative text several rows hold names the row that makes it a false negative, where one does.
+    false = self.relevant(qid) | set(positive)
+    negatives = [r if r != -2 else next((x for x in several[i] if x in false), several[i][0])
+                 for i, r in enumerate(found.tolist()) if i > 0]
+    return qid, positive, negatives, scores
 
   def result(self) -> mining.Mined:
     qids = sorted(self.negatives)

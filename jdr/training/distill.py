@@ -323,7 +323,7 @@ class MinedTeacher:
   def __init__(self, mined: mining.Mined, corpus):
     if mined.teacher is None:
       raise ValueError(f"distill.teacher=mined: {mined.meta.get('data') or mined.meta.get('source')} holds no "
-                       "teacher scores (mine with --cross-encoder, or give a file with a 'score' column)")
+                       "teacher scores (mine with --cross-encoder, or give a file with a 'scores' column)")
     if not hasattr(corpus, "row_of"):
       raise ValueError("distill.teacher=mined looks documents up by corpus row: it needs a prepared corpus")
     self.mined, self.corpus, self.missing = mined, corpus, 0
