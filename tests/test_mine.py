@@ -496,6 +496,26 @@ def test_a_negative_text_of_several_rows_is_a_false_negative_where_one_is_releva
   assert got.rows.tolist() == [[5]] and got.meta["dropped_positives"] == 1  # d4 kept, d1's text dropped
 
 
+def test_a_training_file_is_read_once_for_the_sampler_and_the_teacher(tmp_path, monkeypatch):
+  """The negatives source and the distiller both load negatives.mined: the file is read once, and again only
+  when it changed or another corpus asks."""
+  from jdr.data import prepared
+  from jdr.negatives import training_files as negative_files
+  beir = write_tiny_beir(tmp_path / "beir", num_docs=20)
+  corpus = prepared.prepare(beir / "corpus.jsonl", out_dir=tmp_path / "cache", progress=False)
+  queries, qrels = {"q1": "y"}, {"q1": {"d1": 1}}
+  path = _tevatron(tmp_path / "v2.jsonl", [{"query_id": "q1", "negative_document_ids": ["d3"]}])
+  reads, real = [], negative_files.read
+  monkeypatch.setattr(negative_files, "read", lambda *a, **k: reads.append(a[0]) or real(*a, **k))
+  first = negative_files.load(path, corpus, queries, qrels)
+  assert negative_files.load(path, corpus, queries, qrels) is first and len(reads) == 1
+  _tevatron(path, [{"query_id": "q1", "negative_document_ids": ["d3", "d4"]}])
+  assert negative_files.load(path, corpus, queries, qrels).rows.tolist() == [[3, 4]] and len(reads) == 2
+  other = prepared.prepare(beir / "corpus.jsonl", out_dir=tmp_path / "cache2", progress=False)
+  negative_files.load(path, other, queries, qrels)
+  assert len(reads) == 3
+
+
 @pytest.mark.slow
 def test_training_reads_negatives_from_a_tevatron_file(tmp_path):
   from jdr.training import trainer

@@ -205,14 +205,24 @@ def _parquet_rows(path: pathlib.Path) -> Iterator[tuple[int, dict]]:
       yield at, obj
 
 
+# The last file `load` read: the negatives source and the distiller (distill.teacher=mined) both ask for it, and a
+# sentence-transformers file costs a pass over the corpus's texts (MS MARCO: minutes) each time it is read.
+_last_read: tuple[tuple, mining.Mined] | None = None
+
+
 def load(path, corpus, queries: Mapping[str, str], qrels) -> mining.Mined:
   """What `negatives.mined` names: a `python -m jdr.mine` directory (checked to be of this corpus), or a file of
-  training records with negatives (`read`)."""
+  training records with negatives (`read`, once per file, corpus and qrels)."""
+  global _last_read
   if pathlib.Path(path).is_dir():
     mined = mining.read(path)
     mining.check_corpus(mined, corpus, path)
     return mined
-  return read(path, corpus, queries, qrels)
+  stat = pathlib.Path(path).stat()
+  key = (str(pathlib.Path(path).resolve()), stat.st_mtime_ns, stat.st_size, id(corpus), id(queries), id(qrels))
+  if _last_read is None or _last_read[0] != key:
+    _last_read = (key, read(path, corpus, queries, qrels))
+  return _last_read[1]
 
 
 def read(path: formats.PathLike, corpus, queries: Mapping[str, str], qrels: Mapping[str, Mapping[str, int]], *,
