@@ -20,7 +20,6 @@ from jdr.runtime import cli
 from jdr.retrieval import encoder_runtime
 from jdr.retrieval import encodings
 from jdr.runtime import parallel
-from jdr.runtime import paths
 from jdr.data import formats
 
 
@@ -69,10 +68,7 @@ def main(argv: Iterable[str] | None = None) -> None:
       tokens_per_batch = (tokens_per_batch or encoder_runtime.default_tokens_per_batch()) * devices
       print(f"{devices} local devices split each batch's rows", file=sys.stderr)
     from jdr.models import build  # pylint: disable=g-import-not-at-top  (model code loads lazily)
-    model_name = args.model if args.model == "minilm" else str(paths.absolute(args.model))
-    settings = {"model": model_name, "corpus": str(paths.absolute(args.corpus)),
-                **{k: runtime.info[k] for k in ("pooling", "normalize", "max_length")},
-                "dtype": build.compute_dtype(args.dtype)}
+    settings = encodings.corpus_settings(runtime, args.model, args.corpus, dtype=build.compute_dtype(args.dtype))
     start = time.perf_counter()
     if args.passages < 1:
       raise ValueError(f"--passages must be >= 1, got {args.passages}")

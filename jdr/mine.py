@@ -195,11 +195,8 @@ class Retriever:
       else:
         encoding = self.out / "encoding"
         runtime = encoder_runtime.load_runtime(self.args.model, side="doc", max_length=self.args.doc_max_length)
-        # What jdr.encode records, so a resume with another model or length is refused, never mixed.
-        model = self.args.model if self.args.model == "minilm" else str(paths.absolute(self.args.model))
-        settings = {"model": model, "corpus": str(paths.absolute(self.args.data)),
-                    **{k: runtime.info[k] for k in ("pooling", "normalize", "max_length")}}
-        encodings.encode_corpus(runtime, self.data.corpus, encoding, settings=settings)
+        encodings.encode_corpus(runtime, self.data.corpus, encoding,
+                                settings=encodings.corpus_settings(runtime, self.args.model, self.args.data))
       self._doc_emb, _, _ = encodings.load_embeddings(encoding)
     return self._doc_emb
 

@@ -402,7 +402,7 @@ def read(directory: str | pathlib.Path) -> Mined:
   names = ["rows", "scores", "positives"] + (["teacher", "positive_teacher"] if meta.get("teacher") else [])
   arrays = {name: load(name) for name in names}
   for name, array in arrays.items():
-    like = {"positive_teacher": "positives", "positives": name}.get(name, "rows")
+    like = {"scores": "rows", "teacher": "rows", "positive_teacher": "positives"}.get(name, name)
     if array.ndim != 2 or array.shape[0] != len(qids) or array.shape != arrays[like].shape:
       raise ValueError(f"{directory}: {name}.npy has shape {array.shape}, against {len(qids)} queries in qids.txt "
                        f"and {like}.npy's {arrays[like].shape}: the directory is corrupt")

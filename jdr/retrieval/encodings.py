@@ -35,6 +35,14 @@ def save_npy(path: paths.epath.Path, array: np.ndarray) -> None:
   atomic.write_atomic(path, lambda f: np.save(f, array))
 
 
+def corpus_settings(runtime: encoder_runtime.EncoderRuntime, model: str, corpus, **extra) -> dict:
+  """What an encoding records of how it was made (`encode_corpus`'s settings): the model and corpus as absolute
+  paths (`minilm` as named), the runtime's pooling, normalization and length, and `extra` (jdr.encode: dtype);
+  a resume under other settings is refused rather than mixing two models' embeddings."""
+  return {"model": model if model == "minilm" else str(paths.absolute(model)), "corpus": str(paths.absolute(corpus)),
+          **{k: runtime.info[k] for k in ("pooling", "normalize", "max_length")}, **extra}
+
+
 def encode_corpus(runtime: encoder_runtime.EncoderRuntime, docs: dict, out_dir: str | os.PathLike, *,
                   shard_size: int = 10_000, settings: dict | None = None,
                   tokens_per_batch: int | None = None, passages: int = 1,
