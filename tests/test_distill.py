@@ -211,6 +211,28 @@ def test_mined_teacher_scores_train_margin_mse_and_listwise_kl(tmp_path, setup):
   assert not list((tmp_path / "s" / "cache").glob("teacher-*.json"))  # nothing scored in training
 
 
+def test_a_mined_teacher_leaves_out_and_reports_the_pairs_it_holds_no_score_for(capsys):
+  """A pair the mined directory lacks (a random top-up of a short pool) is NaN, which the loss terms leave
+  out, and the count of such pairs is printed as it doubles, not dropped silently."""
+  from jdr.negatives import mining  # pylint: disable=g-import-not-at-top
+  from jdr.training import distill  # pylint: disable=g-import-not-at-top
+
+  class Corpus:
+    def row_of(self, doc_ids, *, missing=None):
+      return np.array([{"a": 0, "b": 1, "c": 2, "d": 3}.get(d, missing) for d in doc_ids])
+
+  mined = mining.Mined(qids=["q1"], rows=np.array([[1, 2, -1]]), scores=np.zeros((1, 3), np.float32),
+                       positives=np.array([[0, -1]]), teacher=np.array([[0.5, np.nan, 0.0]], np.float32),
+                       positive_teacher=np.array([[3.0, np.nan]], np.float32), meta={})
+  teacher = distill.MinedTeacher(mined, Corpus())
+  got = teacher.docs([("q1", "a"), ("q1", "b"), ("q1", "c"), ("q1", "d"), ("q2", "a")])
+  np.testing.assert_array_equal(got, [3.0, 0.5, np.nan, np.nan, np.nan])
+  assert teacher.missing == 3
+  assert "3 pairs the mined directory holds no score for" in capsys.readouterr().err
+  teacher.docs([("q1", "a"), ("q1", "b")])  # nothing new missing: no second line
+  assert capsys.readouterr().err == ""
+
+
 def test_a_mined_teacher_needs_mined_negatives():
   from jdr.runtime import config_files  # pylint: disable=g-import-not-at-top
   from jdr.runtime import defaults

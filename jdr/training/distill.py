@@ -346,7 +346,10 @@ class MinedTeacher:
   def docs(self, pairs: Sequence[tuple[str, str]]) -> np.ndarray:
     rows = self.corpus.row_of([d for _, d in pairs], missing=-1).tolist()
     out = np.array([self._table(q).get(r, np.nan) for (q, _), r in zip(pairs, rows)], np.float32)
-    self.missing += int(np.isnan(out).sum())
+    before, self.missing = self.missing, self.missing + int(np.isnan(out).sum())
+    if self.missing.bit_length() > before.bit_length():  # a line each time the count doubles, not each step
+      print(f"teacher scores: {self.missing} pairs the mined directory holds no score for (random top-ups of "
+            "short pools) left out of the distillation terms so far", file=sys.stderr)
     return out
 
 
