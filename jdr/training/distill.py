@@ -299,11 +299,9 @@ class TeacherScores:
     """Scores whichever of `pairs` have no scores yet (see the class note)."""
     missing = sorted({p for p in pairs if p not in self.scores})
     if missing:
-      before, self.late = self.late, self.late + len(missing)
       self._score(missing)
-      if self.late.bit_length() > before.bit_length():  # a line each time the count doubles, not each step
-        print(f"teacher scores: {self.late} pairs outside the pools (random top-ups of short pools) scored "
-              "during training so far", file=sys.stderr)
+      self.late = _count_pairs(self.late, len(missing), "outside the pools (random top-ups of short pools) "
+                               "scored during training so far")
 
   def doc(self, q: str, d: str) -> float:
     return self.scores[(q, d)]["doc"]
@@ -313,6 +311,14 @@ class TeacherScores:
 
   def pieces(self, q: str, d: str, name: str) -> np.ndarray:
     return np.array([np.nan if v is None else v for v in self.scores[(q, d)][name]], np.float32)
+
+
+def _count_pairs(count: int, more: int, what: str) -> int:
+  """count + more, with a line on the terminal each time the total doubles (not each step)."""
+  total = count + more
+  if total.bit_length() > count.bit_length():
+    print(f"teacher scores: {total} pairs {what}", file=sys.stderr)
+  return total
 
 
 class MinedTeacher:
@@ -346,10 +352,8 @@ class MinedTeacher:
   def docs(self, pairs: Sequence[tuple[str, str]]) -> np.ndarray:
     rows = self.corpus.row_of([d for _, d in pairs], missing=-1).tolist()
     out = np.array([self._table(q).get(r, np.nan) for (q, _), r in zip(pairs, rows)], np.float32)
-    before, self.missing = self.missing, self.missing + int(np.isnan(out).sum())
-    if self.missing.bit_length() > before.bit_length():  # a line each time the count doubles, not each step
-      print(f"teacher scores: {self.missing} pairs the mined directory holds no score for (random top-ups of "
-            "short pools) left out of the distillation terms so far", file=sys.stderr)
+    self.missing = _count_pairs(self.missing, int(np.isnan(out).sum()), "the mined directory holds no score "
+                                "for (random top-ups of short pools) left out of the distillation terms so far")
     return out
 
 
