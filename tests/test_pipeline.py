@@ -22,6 +22,7 @@ from jdr import retrieve
 from jdr.data import formats
 from jdr.data import text as text_lib
 from jdr.models import hf
+from jdr.models import published
 from jdr.models.bert import Encoder, EncoderConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -56,7 +57,7 @@ def tiny_model(tmp_path_factory):
 
 def _direct_embeddings(model_dir, texts, max_length, pooling=None, normalize=None):
   """The oracle: one padded batch through the tower, no bucketing, no shards."""
-  tower, params, tokenizer, _ = hf.load_tower(str(model_dir), pooling=pooling, normalize=normalize,
+  tower, params, tokenizer, _ = published.load_tower(str(model_dir), pooling=pooling, normalize=normalize,
                                               max_length=max_length)
   enc = tokenizer(texts, truncation=True, max_length=max_length, padding=True, return_tensors="np")
   return np.asarray(tower.apply({"params": params}, enc["input_ids"], enc["attention_mask"]))

@@ -370,13 +370,13 @@ def section_flash(size: dict, model_dir: str, shape: dict, peak_flops: float, tr
     raise RuntimeError("the flash section times a Triton kernel: GPUs only (elsewhere it runs interpreted)")
   import dataclasses  # pylint: disable=g-import-not-at-top
   from jdr.retrieval import encoder_runtime  # pylint: disable=g-import-not-at-top
-  from jdr.models import hf  # pylint: disable=g-import-not-at-top
+  from jdr.models import published  # pylint: disable=g-import-not-at-top
   from jdr.models import towers  # pylint: disable=g-import-not-at-top
   # Inference first (no dropout, where the default is cuDNN's kernel and the transposes jax puts around it):
   # the encode section's forward of one full batch, the tower with each attention.
   length = size["encode_length"]
   rows, ids, mask = _full_batch(length, encoder_runtime.default_tokens_per_batch())
-  tower, params, _, _ = hf.load_tower(model_dir, pooling="mean", normalize=False, max_length=length,
+  tower, params, _, _ = published.load_tower(model_dir, pooling="mean", normalize=False, max_length=length,
                                       dtype=size["dtype"])
   params = towers.serving_params(params, tower)  # as encoding holds them (load_runtime), so the two compare
   forward, forward_kernels = {}, {}

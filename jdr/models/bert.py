@@ -28,12 +28,13 @@ _ROBERTA_TYPES = ("roberta", "xlm-roberta", "camembert")
 _ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 ATTENTION_KINDS = ("auto", "einsum", "fused", "flash")
+MODEL_TYPES = ("bert", "roberta", "distilbert")
 
 
 @dataclasses.dataclass(frozen=True)
 class EncoderConfig:
   """Architecture of a BERT-style encoder. Defaults are bert-base-uncased."""
-  model_type: str = "bert"  # "bert" | "roberta"
+  model_type: str = "bert"  # "bert" | "roberta" | "distilbert" (BERT's blocks, no token types)
   vocab_size: int = 30522
   hidden_size: int = 768
   num_layers: int = 12
@@ -54,8 +55,10 @@ class EncoderConfig:
   attention: str = "auto"
 
   def __post_init__(self):
-    if self.model_type not in ("bert", "roberta"):
-      raise ValueError(f"model_type must be 'bert' or 'roberta', got {self.model_type!r}")
+    if self.model_type not in MODEL_TYPES:
+      raise ValueError(f"model_type must be one of {MODEL_TYPES}, got {self.model_type!r}")
+    if (self.type_vocab_size == 0) != (self.model_type == "distilbert"):
+      raise ValueError("type_vocab_size 0 (no token-type table) is DistilBERT's, and only DistilBERT's")
     if self.hidden_size % self.num_heads:
       raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
     if self.hidden_act not in _ACTIVATIONS:
@@ -95,8 +98,8 @@ class EncoderConfig:
     model_type = config.get("model_type", "bert")
     if model_type in _ROBERTA_TYPES:
       model_type = "roberta"
-    elif model_type != "bert":
-      raise ValueError(f"unsupported Hugging Face model_type {model_type!r}: jdr has BERT and RoBERTa encoders")
+    elif model_type not in ("bert", "dpr"):  # DPR's encoders are BERT with DPR's names (jdr.models.published)
+      raise ValueError(f"unsupported Hugging Face model_type {model_type!r} for a BERT-style encoder")
     position_type = config.get("position_embedding_type", "absolute")
     if position_type != "absolute":
       raise ValueError(f"position_embedding_type {position_type!r} unsupported: only 'absolute'")
@@ -316,18 +319,19 @@ class Embeddings(nn.Module):
     word = self.param("word_embeddings", _init(("vocab", "embed")), (cfg.vocab_size, h), jnp.float32)
     position = self.param(
         "position_embeddings", _init(("position", "embed")), (cfg.max_position_embeddings, h), jnp.float32)
-    token_type = self.param("token_type_embeddings", _init(("type", "embed")), (cfg.type_vocab_size, h),
-                            jnp.float32)
     x = jnp.take(word, input_ids, axis=0)
     if cfg.model_type == "roberta":
       x = x + jnp.take(position, roberta_position_ids(input_ids, cfg.pad_token_id), axis=0)
     else:
       # BERT positions are 0..L-1 for every row: a slice, not a gather.
       x = x + position[None, :length]
-    if token_type_ids is None:
-      x = x + token_type[0]  # Hugging Face's default: all segment 0.
-    else:
-      x = x + jnp.take(token_type, token_type_ids, axis=0)
+    if cfg.type_vocab_size:  # DistilBERT has no token types
+      token_type = self.param("token_type_embeddings", _init(("type", "embed")), (cfg.type_vocab_size, h),
+                              jnp.float32)
+      if token_type_ids is None:
+        x = x + token_type[0]  # Hugging Face's default: all segment 0.
+      else:
+        x = x + jnp.take(token_type, token_type_ids, axis=0)
     x = _layer_norm(cfg, "norm", deterministic)(x)
     return Dropout(cfg.hidden_dropout)(x, deterministic=deterministic)
 
@@ -520,3 +524,41 @@ class Encoder(nn.Module):
     """The last layer's `Layer.tail` in float32: what the encoder outputs at a position whose last-layer
     attention output is `context` [..., N, D] and whose input to that layer is `residual` [..., H]."""
     return self.layers[-1].tail(context, residual, deterministic).astype(jnp.float32)
+
+
+def hf_table(cfg: EncoderConfig) -> list:
+  """The name/shape/layout correspondence between a BertModel / RobertaModel state dict and Encoder params
+  (`jdr.models.weight_names.Entry` each). DistilBERT's names are in jdr.models.distilbert."""
+  from jdr.models import weight_names as names  # pylint: disable=g-import-not-at-top
+  E = names.Entry
+  h, n, d, m = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.intermediate_size
+
+  def norm(hf: str, path: tuple[str, ...]) -> list:
+    return [E(f"{hf}.weight", path + ("scale",), (h,), *names.SAME), E(f"{hf}.bias", path + ("bias",), (h,), *names.SAME)]
+
+  emb = "embeddings"
+  table = [
+      E(f"{emb}.word_embeddings.weight", (emb, "word_embeddings"), (cfg.vocab_size, h), *names.SAME),
+      E(f"{emb}.position_embeddings.weight", (emb, "position_embeddings"), (cfg.max_position_embeddings, h),
+        *names.SAME),
+      E(f"{emb}.token_type_embeddings.weight", (emb, "token_type_embeddings"), (cfg.type_vocab_size, h),
+        *names.SAME),
+      *norm(f"{emb}.LayerNorm", (emb, "norm")),
+  ]
+  for i in range(cfg.num_layers):
+    hf, layer = f"encoder.layer.{i}", f"layer_{i}"
+    for qkv in ("query", "key", "value"):
+      table += [E(f"{hf}.attention.self.{qkv}.weight", (layer, qkv, "kernel"), (h, h), *names.to_heads(h, n, d)),
+                E(f"{hf}.attention.self.{qkv}.bias", (layer, qkv, "bias"), (h,), *names.heads_bias(n, d))]
+    table += [
+        E(f"{hf}.attention.output.dense.weight", (layer, "attention_output", "kernel"), (h, h),
+          *names.from_heads(h, n, d)),
+        E(f"{hf}.attention.output.dense.bias", (layer, "attention_output", "bias"), (h,), *names.SAME),
+        *norm(f"{hf}.attention.output.LayerNorm", (layer, "attention_norm")),
+        E(f"{hf}.intermediate.dense.weight", (layer, "intermediate", "kernel"), (m, h), *names.LINEAR),
+        E(f"{hf}.intermediate.dense.bias", (layer, "intermediate", "bias"), (m,), *names.SAME),
+        E(f"{hf}.output.dense.weight", (layer, "output", "kernel"), (h, m), *names.LINEAR),
+        E(f"{hf}.output.dense.bias", (layer, "output", "bias"), (h,), *names.SAME),
+        *norm(f"{hf}.output.LayerNorm", (layer, "output_norm")),
+    ]
+  return table

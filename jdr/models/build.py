@@ -7,6 +7,7 @@ export, so `jdr.encode --model DIR` rebuilds exactly the towers that were traine
 
 import dataclasses
 import pathlib
+import sys
 from typing import Any, NamedTuple
 
 import jax
@@ -17,8 +18,10 @@ from jdr.runtime import config_files
 from jdr.runtime import parallel
 from jdr.runtime import paths
 from jdr.data import text
+from jdr.models import architectures
 from jdr.models import cross
 from jdr.models import hf
+from jdr.models import published
 from jdr.models import saved
 from jdr.models.bert import EncoderConfig
 from jdr.models.towers import TowerConfig, TwoTower
@@ -37,17 +40,19 @@ class Built(NamedTuple):
   model: TwoTower
   tokenizer: Any
   description: dict  # see `describe`
-  encoder_params: dict | None  # pretrained Encoder params to put in every tower, or None
+  tower_params: dict | None  # {"query", "doc"}: published towers' params (encoder, head) to start from, or None
   params: dict | None  # a whole TwoTower param tree (init from a jdr model), or None
 
 
 def describe(model: TwoTower, tokenizer_path: str, query_max_length: int, doc_max_length: int,
-             base_max_length: int | None = None) -> dict:
+             base_max_length: int | None = None, prompts: dict | None = None) -> dict:
   """`base_max_length`: the max_seq_length the pretrained checkpoint declares (sentence-transformers), if any;
-  a Hugging Face export declares the longer of it and doc_max_length."""
+  a Hugging Face export declares the longer of it and doc_max_length. `prompts`: {"query", "doc"}, the texts
+  put before every query and document (E5's "query: " / "passage: ", an instruction)."""
   description = {"query": dataclasses.asdict(model.query), "doc": dataclasses.asdict(model.doc),
                  "shared": model.shared, "tokenizer": tokenizer_path,
-                 "query_max_length": query_max_length, "doc_max_length": doc_max_length}
+                 "query_max_length": query_max_length, "doc_max_length": doc_max_length,
+                 "prompts": dict(prompts or published.no_prompts())}
   if base_max_length:
     description["base_max_length"] = int(base_max_length)
   return description
@@ -56,7 +61,7 @@ def describe(model: TwoTower, tokenizer_path: str, query_max_length: int, doc_ma
 def _tower_config(d: dict) -> TowerConfig:
   d = dict(d)
   if d.get("encoder") is not None:
-    d["encoder"] = EncoderConfig.from_saved(d["encoder"])
+    d["encoder"] = architectures.config_from_saved(d["encoder"])
   return TowerConfig(**d)
 
 
@@ -83,7 +88,7 @@ MAX_SERVING_LENGTH = 512
 def supported_length(tower: dict | None) -> int:
   """The longest input a tower's encoder takes, capped at 512 (a BoW-MLP tower has no limit of its own)."""
   encoder = (tower or {}).get("encoder")
-  limit = EncoderConfig(**encoder).max_length if encoder else MAX_SERVING_LENGTH
+  limit = architectures.config_from_saved(encoder).max_length if encoder else MAX_SERVING_LENGTH
   return min(limit, MAX_SERVING_LENGTH)
 
 
@@ -111,6 +116,9 @@ def build(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collections.ConfigD
       and saved.description(init_from).get("architecture") == "cross_encoder"):
     raise ValueError(f"model.init_from={init_from} is a cross-encoder; set model.architecture=cross_encoder")
   if init_from and saved.is_jdr_model(init_from):
+    if model_cfg.get("doc_init_from", ""):
+      raise ValueError(f"model.init_from={init_from} is a jdr model, which holds its document tower already; "
+                       "model.doc_init_from pairs two published directories")
     return _from_jdr_model(model_cfg, data_cfg, *load_jdr_model(init_from))
   kind = model_cfg.get("tower", "transformer")
   if kind == "bow_mlp":
@@ -119,28 +127,100 @@ def build(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collections.ConfigD
     raise ValueError(f"model.tower must be 'transformer' or 'bow_mlp', got {kind!r}")
 
   overrides = _encoder_overrides(model_cfg)
-  declared = {}
+  doc_init_from = model_cfg.get("doc_init_from", "")
+  if doc_init_from and model_cfg.shared:
+    raise ValueError(f"model.doc_init_from={doc_init_from} gives the document tower weights of its own: set "
+                     "model.shared=False")
   if init_from:
-    path = hf.minilm_path() if init_from == "minilm" else init_from
-    with paths.local_copy(path) as local_path:  # a Hugging Face directory on gs:// is read through a copy
-      encoder_config, encoder_params = hf.load_hf(local_path, **overrides)
-      declared = hf.sentence_transformers_settings(local_path)
-    tokenizer_path = str(path)
+    sides = {"query": _published(init_from, model_cfg, overrides)}
+    sides["doc"] = _published(doc_init_from, model_cfg, overrides) if doc_init_from else sides["query"]
+    towers_ = {side: _run_tower(model_cfg, pub, side) for side, pub in sides.items()}
+    tokenizer_path = model_cfg.tokenizer or _tokenizer_dir(sides["query"], "model.init_from")
+    if doc_init_from and not model_cfg.tokenizer:
+      _same_tokenizer(tokenizer_path, _tokenizer_dir(sides["doc"], "model.doc_init_from"))
+    tower_params = {side: pub.params for side, pub in sides.items()}
+    prompts = {"query": sides["query"].prompts["query"], "doc": sides["doc"].prompts["doc"]}
+    base_max_length = sides["doc"].max_length
   else:
-    tokenizer_path = str(hf.minilm_path())
+    if doc_init_from:
+      raise ValueError("model.doc_init_from needs model.init_from (the query tower's directory)")
+    tokenizer_path = model_cfg.tokenizer or str(hf.minilm_path())
     encoder_config = _fresh_encoder_config(model_cfg, tokenizer_path)
-    encoder_params = None
-  tokenizer_path = model_cfg.tokenizer or tokenizer_path
-  if not model_cfg.pooling and "unsupported_pooling" in declared:
-    raise ValueError(f"{init_from} declares pooling {declared['unsupported_pooling']}, which jdr does not "
-                     "implement; set model.pooling to cls, mean or max")
-  normalize = declared.get("normalize", False) if model_cfg.normalize < 0 else bool(model_cfg.normalize)
-  tower = TowerConfig(encoder=encoder_config, pooling=model_cfg.pooling or declared.get("pooling", "cls"),
-                      projection_dim=model_cfg.projection_dim or None, normalize=normalize)
-  model = TwoTower(query=tower, doc=tower, shared=model_cfg.shared)
+    tower = TowerConfig(encoder=encoder_config, pooling=model_cfg.pooling or "cls",
+                        projection_dim=model_cfg.projection_dim or None, normalize=model_cfg.normalize > 0)
+    towers_ = {"query": tower, "doc": tower}
+    tower_params, prompts, base_max_length = None, published.no_prompts(), None
+  model = TwoTower(query=towers_["query"], doc=towers_["doc"], shared=model_cfg.shared)
   description = describe(model, tokenizer_path, data_cfg.query_max_length, data_cfg.doc_max_length,
-                         declared.get("max_length"))
-  return Built(model, text.load_tokenizer(tokenizer_path), description, encoder_params, None)
+                         base_max_length, prompts=run_prompts(model_cfg, prompts))
+  return Built(model, text.load_tokenizer(tokenizer_path), description, tower_params, None)
+
+
+def _published(name: str, model_cfg: ml_collections.ConfigDict, overrides: dict) -> published.Published:
+  """The published directory `name` (a path, a hub id or "minilm") read as a tower, pooled as the run says."""
+  path = hf.minilm_path() if name == "minilm" else resolve_model(name)
+  with paths.local_copy(path) as local_path:  # a Hugging Face directory on gs:// is read through a copy
+    pub = published.read(local_path, pooling=model_cfg.pooling or None, **overrides)
+  if not paths.is_local(path):
+    pub = dataclasses.replace(pub, path=str(path), tokenizer_path=str(path))
+  return pub
+
+
+def resolve_model(name: str) -> str:
+  """A model name as a user types it (a path, or a Hugging Face hub id) -> a path to read."""
+  return str(name)
+
+
+def _run_tower(model_cfg: ml_collections.ConfigDict, pub: published.Published, side: str) -> TowerConfig:
+  """The tower a published directory describes, with the run's model.normalize and model.projection_dim."""
+  tower = pub.tower
+  if model_cfg.normalize >= 0:
+    tower = tower.replace(normalize=bool(model_cfg.normalize))
+  asked = model_cfg.projection_dim or None
+  if tower.projection_dim is None and asked:
+    tower = tower.replace(projection_dim=asked)  # a fresh jdr head on the published encoder
+  elif asked and asked != tower.projection_dim:
+    raise ValueError(f"{pub.path} ({pub.family}) has a {tower.projection_dim}-wide head of its own, but "
+                     f"model.projection_dim={asked}; drop the override or start from another checkpoint")
+  if pub.side and pub.side != side and model_cfg.shared is False:
+    print(f"note: {pub.path} is published as a {pub.side} encoder; it is the {side} tower here",
+          file=sys.stderr)
+  return tower
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model",
+                    "sentencepiece.bpe.model")
+
+
+def _tokenizer_dir(pub: published.Published, key: str) -> str:
+  """Where a published model's tokenizer is; a clear error when it has none (DRhard's released models)."""
+  where = paths.as_path(pub.tokenizer_path)
+  if not any((where / name).exists() for name in _TOKENIZER_FILES):
+    raise FileNotFoundError(f"{key}={pub.path}: no tokenizer files in {where} (DRhard's and ANCE's released "
+                            "checkpoints have none: they use roberta-base's); set model.tokenizer to a tokenizer "
+                            "directory or hub id")
+  return pub.tokenizer_path
+
+
+def _same_tokenizer(query_dir: str, doc_dir: str) -> None:
+  a, b = text.load_tokenizer(query_dir), text.load_tokenizer(doc_dir)
+  if a.get_vocab() != b.get_vocab():
+    raise ValueError(f"the query tower's tokenizer ({query_dir}) and the document tower's ({doc_dir}) differ; "
+                     "two towers of one model read one tokenizer (set model.tokenizer to choose it)")
+
+
+PROMPT_KEYS = {"query": "query_prompt", "doc": "doc_prompt"}
+
+
+def run_prompts(model_cfg: ml_collections.ConfigDict, prompts: dict) -> dict:
+  """The prompts a run uses: the model's own, each replaced by model.query_prompt / model.doc_prompt unless
+  that is "auto" (an empty string means no prompt)."""
+  out = dict(prompts)
+  for side, key in PROMPT_KEYS.items():
+    value = model_cfg.get(key, "auto")
+    if value != "auto":
+      out[side] = value
+  return out
 
 
 def compute_dtype(name: str) -> str:
@@ -218,12 +298,13 @@ def _bow_mlp(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collections.Conf
   return Built(model, tokenizer, description, None, None)
 
 
-def with_encoder_params(params: dict, encoder_params: dict) -> dict:
-  """Puts pretrained Encoder params into every tower of a freshly initialised TwoTower param tree."""
+def with_tower_params(params: dict, tower_params: dict) -> dict:
+  """Puts published towers' params ({"query", "doc"}: encoder and any head) into a freshly initialised
+  TwoTower param tree; what they lack (a fresh jdr head on a plain encoder) keeps its initial values."""
   params = dict(params)
-  for name in ("tower", "query_tower", "doc_tower"):
+  for name, side in (("tower", "query"), ("query_tower", "query"), ("doc_tower", "doc")):
     if name in params:
-      params[name] = {**params[name], "encoder": encoder_params}
+      params[name] = {**params[name], **tower_params[side]}
   return params
 
 
@@ -259,5 +340,6 @@ def _from_jdr_model(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collectio
                      "cannot start a shared-tower run (set model.shared=False)")
   new_model = TwoTower(query=towers["query"], doc=towers["doc"], shared=model_cfg.shared)
   new_description = describe(new_model, description["tokenizer"], data_cfg.query_max_length,
-                             data_cfg.doc_max_length, description.get("base_max_length"))
+                             data_cfg.doc_max_length, description.get("base_max_length"),
+                             prompts=run_prompts(model_cfg, description.get("prompts") or published.no_prompts()))
   return Built(new_model, tokenizer, new_description, None, params)

@@ -4,38 +4,47 @@ A tower maps token ids to one vector per text. `TwoTower` pairs a query tower an
 either share one set of weights (DPR-style tied / ANCE) or keep their own (ADORE trains only the query side).
 
 Param trees (the `params` collection):
-  Tower:    {"encoder": Encoder params} or {"bow": ...}, plus {"projection", "projection_norm"} with a head.
+  Tower:    {"encoder": encoder params} or {"bow": ...}, plus {"projection"[, "projection_norm"]} with a head.
   TwoTower: shared -> {"tower": Tower params}; separate -> {"query_tower": ..., "doc_tower": ...}.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jdr.models import bert
-from jdr.models.bert import Encoder, EncoderConfig
+from jdr.models import architectures
+from jdr.models.bert import EncoderConfig
 
 POOLINGS = ("cls", "mean", "max")
+HEAD_ACTIVATIONS = ("identity", "tanh")
 
 
 @dataclasses.dataclass(frozen=True)
 class TowerConfig:
   """One tower. `kind="transformer"` needs `encoder`; `kind="bow_mlp"` needs `vocab_size`.
 
-  projection_dim: None for no head; an int adds Dense(projection_dim) + LayerNorm on the pooled vector
-    (ANCE / STAR's embedding head).
+  projection_dim: None for no head; an int adds Dense(projection_dim), then `projection_activation`, then
+    LayerNorm when `projection_norm`, on the pooled vector. jdr's head and ANCE / DRhard's `embeddingHead` +
+    `norm` are Dense + LayerNorm (ANCE's LayerNorm is torch's default, eps 1e-5: `projection_norm_eps`;
+    None means the encoder's); a sentence-transformers Dense layer is Dense + tanh (or identity) with no
+    norm; DPR's `encode_proj` is a bare Dense.
   BoW-MLP (Chang et al. 2020's shallow baseline): a bag of token embeddings (`bow_embed_dim` wide) averaged
     over the unpadded tokens, then two tanh Dense layers (`bow_hidden`, then `bow_dim` = the output width).
     It pools with "mean" (the paper) or "max", never "cls".
   """
-  encoder: EncoderConfig | None = None
+  encoder: Any = None  # an encoder config of jdr.models.architectures
   kind: str = "transformer"  # "transformer" | "bow_mlp"
   pooling: str = "cls"  # "cls" | "mean" | "max"
   projection_dim: int | None = None
+  projection_activation: str = "identity"
+  projection_bias: bool = True
+  projection_norm: bool = True
+  projection_norm_eps: float | None = None
   normalize: bool = False
   vocab_size: int | None = None  # bow_mlp only (transformers take it from `encoder`).
   bow_embed_dim: int = 512
@@ -55,6 +64,9 @@ class TowerConfig:
         raise ValueError("a bow_mlp tower pools with 'mean' (as Chang et al. 2020) or 'max', not 'cls'")
     else:
       raise ValueError(f"kind must be 'transformer' or 'bow_mlp', got {self.kind!r}")
+    if self.projection_activation not in HEAD_ACTIVATIONS:
+      raise ValueError(f"projection_activation must be one of {HEAD_ACTIVATIONS}, got "
+                       f"{self.projection_activation!r}")
     if self.projection_dim is not None and self.projection_dim <= 0:
       raise ValueError(f"projection_dim must be positive or None, got {self.projection_dim}")
 
@@ -125,7 +137,8 @@ def serving_params(params: dict, module: "Tower | TwoTower") -> dict:
   matmul weights already in its compute dtype (`jdr.models.bert.serving_params`), the same results bit for
   bit. Used where a corpus or queries are encoded, not where weights train or are saved."""
   def tower(p: dict, cfg: TowerConfig) -> dict:
-    return {**p, "encoder": bert.serving_params(p["encoder"], cfg.encoder)} if cfg.kind == "transformer" else p
+    return ({**p, "encoder": architectures.serving_params(p["encoder"], cfg.encoder)}
+            if cfg.kind == "transformer" else p)
   if isinstance(module, Tower):
     return tower(params, module.config)
   if module.shared:
@@ -143,13 +156,15 @@ class Tower(nn.Module):
     if cfg.kind == "bow_mlp":
       self.bow = BowMLP(cfg, name="bow")
     else:
-      self.encoder = Encoder(cfg.encoder, name="encoder")
+      self.encoder = architectures.module(cfg.encoder)(cfg.encoder, name="encoder")
     if cfg.projection_dim is not None:
       # The head is tiny: it stays float32 and replicated (its output axis has no logical name).
       self.projection = nn.Dense(
-          cfg.projection_dim, kernel_init=nn.with_logical_partitioning(nn.initializers.normal(0.02), ("embed", None)),
+          cfg.projection_dim, use_bias=cfg.projection_bias,
+          kernel_init=nn.with_logical_partitioning(nn.initializers.normal(0.02), ("embed", None)),
           bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), (None,)), name="projection")
-      eps = cfg.encoder.layer_norm_eps if cfg.encoder is not None else 1e-5
+    if cfg.projection_dim is not None and cfg.projection_norm:
+      eps = cfg.projection_norm_eps or (cfg.encoder.layer_norm_eps if cfg.encoder is not None else 1e-5)
       self.projection_norm = nn.LayerNorm(
           epsilon=eps, scale_init=nn.with_logical_partitioning(nn.initializers.ones_init(), (None,)),
           bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), (None,)), name="projection_norm")
@@ -176,8 +191,13 @@ class Tower(nn.Module):
 
   def head(self, x):
     """Pooled [..., H] -> vectors [..., D]: projection (+ LayerNorm) and normalization."""
-    if self.config.projection_dim is not None:
-      x = self.projection_norm(self.projection(x))
+    cfg = self.config
+    if cfg.projection_dim is not None:
+      x = self.projection(x)
+      if cfg.projection_activation == "tanh":
+        x = jnp.tanh(x)
+      if cfg.projection_norm:
+        x = self.projection_norm(x)
     if self.config.normalize:
       x = l2_normalize(x)
     return x.astype(jnp.float32)

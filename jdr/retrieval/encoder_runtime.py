@@ -121,7 +121,7 @@ def load_runtime(model: str, *, pooling: str | None = None, normalize: bool | No
   """
   # pylint: disable=g-import-not-at-top  (model code loads lazily, so `--help` stays fast)
   from jdr.models import build
-  from jdr.models import hf
+  from jdr.models import published
   from jdr.models.towers import TwoTower
   from jdr.training import span_embeddings
   if side not in ("query", "doc"):
@@ -150,7 +150,7 @@ def load_runtime(model: str, *, pooling: str | None = None, normalize: bool | No
     return EncoderRuntime(apply_two_tower, params, tokenizer, int(info["max_length"]), info,
                           spans_two_tower if side == "doc" else None)
 
-  one_tower, params, tokenizer, info = hf.load_tower(
+  one_tower, params, tokenizer, info = published.load_tower(
       model, pooling=pooling, normalize=normalize, max_length=max_length, dtype=build.compute_dtype(dtype))
   params = _serving(params, one_tower)
 

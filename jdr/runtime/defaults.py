@@ -35,7 +35,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # --- model ---
   c.model = ml_collections.ConfigDict()
   c.model.architecture = "two_tower"  # "two_tower" | "cross_encoder" (pairs [CLS] q [SEP] d: a reranker / teacher)
-  c.model.init_from = "minilm"  # "minilm", a Hugging Face dir, a jdr workdir / export, or "" (fresh)
+  c.model.init_from = "minilm"  # "minilm", a Hugging Face dir or hub id, a jdr workdir / export, or "" (fresh)
+  # A second published directory for the document tower (DPR's context encoder, STAR's for ADORE); needs
+  # model.shared=False. "" = the document tower starts from init_from too.
+  c.model.doc_init_from = ""
+  # Texts put before every query / document ("query: ", an instruction). "auto" = the model's own (a
+  # sentence-transformers directory's prompts, a jdr model's recorded ones); "" = none.
+  c.model.query_prompt = "auto"
+  c.model.doc_prompt = "auto"
   c.model.description = ""  # what the recipe's starting model is, said when init_from is missing
   c.model.fresh = "tiny"  # architecture for init_from="": "tiny" (2x64), "small" (4x256), "mini" (6x384), "base" (12x768)
   c.model.tower = "transformer"  # "transformer" | "bow_mlp" (Chang et al.'s BoW-MLP; fresh weights only)

@@ -235,9 +235,9 @@ def initial_params(model: TwoTower, built: build_lib.Built, config: ml_collectio
       params = {**params, "lm_head": jax.device_get(init(rng))["lm_head"]}
   else:
     params = init(rng)
-    if built.encoder_params is None:
+    if built.tower_params is None:
       return params
-    params = build_lib.with_encoder_params(jax.device_get(params), built.encoder_params)
+    params = build_lib.with_tower_params(jax.device_get(params), built.tower_params)
   expected = jax.tree.map(lambda s: s.shape, jax.eval_shape(init, rng))
   got = jax.tree.map(lambda x: x.shape, params)
   if jax.tree.structure(expected) != jax.tree.structure(got) or expected != got:
