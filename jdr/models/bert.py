@@ -98,7 +98,9 @@ class EncoderConfig:
     model_type = config.get("model_type", "bert")
     if model_type in _ROBERTA_TYPES:
       model_type = "roberta"
-    elif model_type not in ("bert", "dpr"):  # DPR's encoders are BERT with DPR's names (jdr.models.published)
+    elif model_type == "dpr":
+      model_type = "bert"
+    elif model_type != "bert":  # DPR's encoders are BERT with DPR's names (jdr.models.published)
       raise ValueError(f"unsupported Hugging Face model_type {model_type!r} for a BERT-style encoder")
     position_type = config.get("position_embedding_type", "absolute")
     if position_type != "absolute":

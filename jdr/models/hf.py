@@ -52,8 +52,11 @@ def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
   import ml_dtypes  # a jax dependency
   dtypes = dict(_SAFETENSORS_DTYPES, BF16=ml_dtypes.bfloat16)
   with open(path, "rb") as f:
-    (header_len,) = struct.unpack("<Q", f.read(8))
-    header = json.loads(f.read(header_len))
+    try:
+      (header_len,) = struct.unpack("<Q", f.read(8))
+      header = json.loads(f.read(header_len))
+    except (struct.error, ValueError, MemoryError, OverflowError):
+      raise ValueError(f"{path}: not a safetensors file (its header does not parse: a truncated download?)") from None
   data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
   tensors = {}
   for name, info in header.items():

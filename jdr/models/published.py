@@ -94,12 +94,12 @@ def read(path: str | Path, *, pooling: str | None = None, normalize: bool | None
 def _transformers(path: Path, config: dict, overrides: dict) -> Published:
   """A transformers directory: a base model, a head model built on one, ANCE / DRhard's RobertaDot or DPR."""
   model_type = config.get("model_type", "bert")
-  tensors = hf.read_state_dict(path)
-  if model_type == "dpr":
-    return _dpr(path, config, tensors, overrides)
   if not architectures.known_hf_type(model_type):
     raise ValueError(f"{path}/config.json: model_type {model_type!r} is not one jdr reads (BERT, RoBERTa, "
                      "XLM-R, DistilBERT, ModernBERT, DPR, and ANCE / DRhard's RobertaDot on RoBERTa)")
+  tensors = hf.read_state_dict(path)
+  if model_type == "dpr":
+    return _dpr(path, config, tensors, overrides)
   encoder = architectures.config_from_hf(config, **overrides)
   head_names = [n for n in tensors if n.split(".")[0] in ("embeddingHead", "norm")]
   if "embeddingHead.weight" in tensors:
@@ -195,9 +195,21 @@ def _sentence_transformers(path: Path, overrides: dict, pooling: str | None = No
 
 
 def _pooling(config_file: Path) -> str:
-  enabled = [k for k, v in _json(config_file).items() if k.startswith("pooling_mode") and v]
-  if len(enabled) == 1 and enabled[0] in _POOLING_FLAGS:
-    return _POOLING_FLAGS[enabled[0]]
+  """A Pooling module's mode: sentence-transformers 6 writes `pooling_mode` ("mean"), earlier versions one
+  boolean `pooling_mode_*` flag per mode."""
+  config = _json(config_file)
+  if config.get("include_prompt") is False:
+    raise ValueError(f"{config_file}: include_prompt false (the prompt's tokens left out of the pooling) is not "
+                     "something jdr applies")
+  if isinstance(config.get("pooling_mode"), str):
+    enabled = [config["pooling_mode"]]
+    mode = {"cls": "cls", "cls_token": "cls", "mean": "mean", "mean_tokens": "mean", "max": "max",
+            "max_tokens": "max"}.get(enabled[0])
+  else:
+    enabled = [k for k, v in config.items() if k.startswith("pooling_mode") and v]
+    mode = _POOLING_FLAGS.get(enabled[0]) if len(enabled) == 1 else None
+  if mode:
+    return mode
   raise UnsupportedPooling(f"{config_file}: pooling {enabled}, which jdr does not implement (it pools with one "
                            "of cls, mean, max); set the pooling explicitly (model.pooling / --pooling)")
 

@@ -1,0 +1,230 @@
+"""Published checkpoints read as the towers their authors built, against transformers' / sentence-transformers'
+PyTorch models and a float64 transcription of ANCE / DRhard's head, on tiny random-weight configs."""
+
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from jdr.models import hf
+from jdr.models import published
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+TINY_BERT = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+                 max_position_embeddings=40)
+
+
+def perturbed(model):
+  """Every tensor moved off its initial value (LayerNorms off 1/0, biases off 0), so each one matters."""
+  torch.manual_seed(1)
+  with torch.no_grad():
+    for p in model.parameters():
+      p.add_(0.1 * torch.randn_like(p))
+  return model.eval()
+
+
+def batch(pad_id: int, vocab: int = 99, seed: int = 0):
+  """Three rows of 11, 7 and 3 real tokens, padded on the right."""
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(3, vocab, size=(3, 11))
+  mask = np.ones_like(ids)
+  for row, n in ((1, 7), (2, 3)):
+    ids[row, n:], mask[row, n:] = pad_id, 0
+  ids[:, 0] = 2 if pad_id == 1 else 1  # a start token that is not padding (RoBERTa's positions count it)
+  return ids, mask
+
+
+def ours(path, ids, mask, **kw):
+  tower, params, _, info = published.load_tower(str(path), max_length=ids.shape[1], **kw) if _has_tokenizer(path) \
+      else _tower_without_tokenizer(path, **kw)
+  return np.asarray(jax.jit(tower.apply)({"params": params}, ids, mask)), info
+
+
+def _has_tokenizer(path) -> bool:
+  return any((path / n).exists() for n in ("tokenizer.json", "vocab.txt", "tokenizer_config.json"))
+
+
+def _tower_without_tokenizer(path, **kw):
+  from jdr.models.towers import Tower
+  pub = published.read(path, **kw)
+  return Tower(pub.tower), pub.params, None, {"family": pub.family, "pooling": pub.tower.pooling,
+                                               "normalize": pub.tower.normalize, "side": pub.side}
+
+
+def rows_alone(path, ids, mask, **kw):
+  """Each row encoded alone, unpadded: what a batch of mixed lengths must equal."""
+  out = []
+  for i in range(len(ids)):
+    n = int(mask[i].sum())
+    out.append(ours(path, ids[i:i + 1, :n], mask[i:i + 1, :n], **kw)[0][0])
+  return np.stack(out)
+
+
+# ----------------------------------------------------------------------------------------------- DistilBERT
+
+
+@pytest.mark.parametrize("sinusoidal", [False, True])
+def test_distilbert_matches_transformers(tmp_path, sinusoidal):
+  config = transformers.DistilBertConfig(vocab_size=99, dim=32, n_layers=2, n_heads=4, hidden_dim=37,
+                                         max_position_embeddings=40, sinusoidal_pos_embds=sinusoidal)
+  model = perturbed(transformers.DistilBertModel(config))
+  model.save_pretrained(tmp_path)
+  ids, mask = batch(0)
+  with torch.no_grad():
+    expected = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).last_hidden_state[:, 0].numpy()
+  got, info = ours(tmp_path, ids, mask)
+  diff = float(np.abs(got - expected).max())
+  print(f"distilbert (sinusoidal={sinusoidal}) CLS vectors max abs diff: {diff:.2e}")
+  assert info["family"] == "distilbert" and diff < 1e-5
+  assert np.abs(rows_alone(tmp_path, ids, mask) - got).max() < 1e-5
+
+
+# ----------------------------------------------------------------------------------------------- ANCE / DRhard
+
+
+def ance_dir(tmp_path, with_norm: bool = True):
+  """A checkpoint laid out as ANCE's RobertaDot_NLL_LN and DRhard's RobertaDot save it: roberta.* +
+  embeddingHead (Linear 32->24) + norm (LayerNorm, torch's eps), config.json of model_type roberta."""
+  roberta = perturbed(transformers.RobertaModel(transformers.RobertaConfig(**TINY_BERT, pad_token_id=1),
+                                                add_pooling_layer=False))
+  rng = np.random.default_rng(3)
+  head = {"embeddingHead.weight": rng.normal(0, 0.2, (24, 32)), "embeddingHead.bias": rng.normal(0, 0.1, 24)}
+  if with_norm:
+    head.update({"norm.weight": 1 + rng.normal(0, 0.1, 24), "norm.bias": rng.normal(0, 0.1, 24)})
+  state = {f"roberta.{k}": v for k, v in roberta.state_dict().items()}
+  state.update({k: torch.tensor(v, dtype=torch.float32) for k, v in head.items()})
+  config = roberta.config.to_dict()
+  config["architectures"] = ["RobertaDot_NLL_LN"]
+  (tmp_path / "config.json").write_text(json.dumps(config))
+  torch.save(state, tmp_path / "pytorch_model.bin")  # the released checkpoints are pickles
+  return roberta, head
+
+
+def float64_ance_head(cls: np.ndarray, head: dict) -> np.ndarray:
+  """ANCE / DRhard: norm(embeddingHead(h_cls)), in float64 (torch.nn.LayerNorm, eps 1e-5)."""
+  x = cls.astype(np.float64) @ head["embeddingHead.weight"].T + head["embeddingHead.bias"]
+  if "norm.weight" not in head:
+    return x
+  mu, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
+  return (x - mu) / np.sqrt(var + 1e-5) * head["norm.weight"] + head["norm.bias"]
+
+
+@pytest.mark.parametrize("with_norm", [True, False])
+def test_ance_drhard_head_matches_float64_transcription(tmp_path, with_norm):
+  roberta, head = ance_dir(tmp_path, with_norm)
+  ids, mask = batch(1)
+  with torch.no_grad():
+    cls = roberta(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).last_hidden_state[:, 0].double().numpy()
+  expected = float64_ance_head(cls, head)
+  got, info = ours(tmp_path, ids, mask)
+  diff = float(np.abs(got - expected).max())
+  print(f"ance head (norm={with_norm}) vectors max abs diff vs float64: {diff:.2e}")
+  assert info["family"] == "ance" and info["pooling"] == "cls" and not info["normalize"]
+  assert got.shape == (3, 24) and diff < 1e-5
+  assert np.abs(rows_alone(tmp_path, ids, mask) - got).max() < 1e-5
+
+
+# ----------------------------------------------------------------------------------------------- DPR
+
+
+@pytest.mark.parametrize("projection_dim", [0, 16])
+@pytest.mark.parametrize("kind", ["question", "ctx"])
+def test_dpr_encoders_match_transformers(tmp_path, kind, projection_dim):
+  config = transformers.DPRConfig(**TINY_BERT, projection_dim=projection_dim)
+  cls = transformers.DPRQuestionEncoder if kind == "question" else transformers.DPRContextEncoder
+  model = perturbed(cls(config))
+  model.save_pretrained(tmp_path)
+  ids, mask = batch(0)
+  with torch.no_grad():
+    expected = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).pooler_output.numpy()
+  got, info = ours(tmp_path, ids, mask)
+  diff = float(np.abs(got - expected).max())
+  print(f"dpr {kind} (projection {projection_dim}) vectors max abs diff: {diff:.2e}")
+  assert info["family"] == "dpr" and info["side"] == ("query" if kind == "question" else "doc")
+  assert got.shape[1] == (projection_dim or 32) and diff < 1e-5
+
+
+# ----------------------------------------------------------------------------------------------- sentence-transformers
+
+
+@pytest.fixture(scope="module")
+def minilm_dir():
+  try:
+    return hf.minilm_path()
+  except FileNotFoundError as e:
+    pytest.skip(f"bundled MiniLM checkpoint unavailable: {e}")
+
+
+@pytest.mark.parametrize("activation", ["Tanh", "Identity"])
+def test_sentence_transformers_dense_and_normalize_match(tmp_path, minilm_dir, activation):
+  st = pytest.importorskip("sentence_transformers")
+  try:
+    from sentence_transformers.sentence_transformer import modules  # sentence-transformers 6
+  except ImportError:
+    from sentence_transformers import models as modules
+  base = modules.Transformer(str(minilm_dir), max_seq_length=64)
+  pooling = modules.Pooling(base.get_embedding_dimension(), pooling_mode="mean")
+  act = getattr(torch.nn, activation)()
+  dense = modules.Dense(base.get_embedding_dimension(), 48, activation_function=act)
+  torch.manual_seed(2)
+  with torch.no_grad():
+    for p in dense.parameters():
+      p.normal_(0, 0.1)
+  model = st.SentenceTransformer(modules=[base, pooling, dense, modules.Normalize()], device="cpu")
+  model.save(str(tmp_path / "st"))
+  texts = ["what causes scurvy?", "a lack of vitamin C in the diet", "hi"]
+  expected = model.encode(texts, convert_to_numpy=True)
+  from jdr.retrieval import encoder_runtime
+  runtime = encoder_runtime.load_runtime(str(tmp_path / "st"), dtype="float32")
+  got = encoder_runtime.encode_texts(runtime, texts)
+  diff = float(np.abs(got - expected).max())
+  print(f"sentence-transformers Dense({activation}) + Normalize max abs diff: {diff:.2e}")
+  assert runtime.info["family"] == "sentence-transformers" and runtime.info["dim"] == 48
+  assert runtime.info["max_length"] == 64 and diff < 1e-5
+
+
+def test_sentence_transformers_prompts_are_read(tmp_path, minilm_dir):
+  shutil.copytree(minilm_dir, tmp_path / "e5")
+  (tmp_path / "e5" / "config_sentence_transformers.json").write_text(json.dumps(
+      {"prompts": {"query": "query: ", "passage": "passage: "}, "default_prompt_name": None}))
+  pub = published.read(tmp_path / "e5")
+  assert pub.prompts == {"query": "query: ", "doc": "passage: "}
+  (tmp_path / "e5" / "config_sentence_transformers.json").write_text(json.dumps(
+      {"prompts": {"retrieval": "Represent this: "}, "default_prompt_name": "retrieval"}))
+  assert published.read(tmp_path / "e5").prompts == {"query": "Represent this: ", "doc": "Represent this: "}
+
+
+def test_unsupported_sentence_transformers_pooling_is_refused_unless_overridden(tmp_path, minilm_dir):
+  shutil.copytree(minilm_dir, tmp_path / "m")
+  (tmp_path / "m" / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_sqrt_len_tokens": True}))
+  with pytest.raises(ValueError, match=r"1_Pooling/config.json: pooling \['pooling_mode_mean_sqrt_len_tokens'\]"):
+    published.read(tmp_path / "m")
+  assert published.read(tmp_path / "m", pooling="cls").tower.pooling == "cls"
+
+
+# ----------------------------------------------------------------------------------------------- refusals
+
+
+def test_tensors_that_fit_no_family_name_the_family_and_the_tensors(tmp_path):
+  roberta, _ = ance_dir(tmp_path)
+  state = torch.load(tmp_path / "pytorch_model.bin", weights_only=True)
+  state["extraHead.weight"] = torch.zeros(3, 3)
+  del state["roberta.encoder.layer.1.output.dense.bias"]
+  torch.save(state, tmp_path / "pytorch_model.bin")
+  with pytest.raises(hf.HFWeightsError) as e:
+    published.read(tmp_path)
+  message = str(e.value)
+  assert "read as ance (RobertaDot" in message
+  assert "missing tensor: encoder.layer.1.output.dense.bias" in message
+  assert "unexpected tensor: extraHead.weight" in message
+
+
+def test_unknown_model_type_is_one_line(tmp_path):
+  (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5"}))
+  (tmp_path / "model.safetensors").write_bytes(b"")
+  with pytest.raises(ValueError, match="model_type 't5' is not one jdr reads"):
+    published.read(tmp_path)
