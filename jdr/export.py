@@ -25,6 +25,7 @@ import sys
 import tempfile
 
 import jax
+import numpy as np
 
 from jdr.runtime import atomic
 from jdr.training import checkpoint
@@ -35,21 +36,61 @@ from jdr.models import hf
 from jdr.models import architectures
 
 
-def _sentence_transformers_files(path: pathlib.Path, tower: dict, max_length: int) -> None:
-  modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-             {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
-  if tower["normalize"]:
-    modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
-                    "type": "sentence_transformers.models.Normalize"})
-  (path / "modules.json").write_text(json.dumps(modules, indent=2))
-  (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_length}))
-  (path / "1_Pooling").mkdir(exist_ok=True)
+def _sentence_transformers_files(path: pathlib.Path, tower: dict, max_length: int, params: dict) -> None:
+  """modules.json and the modules' folders: Transformer, Pooling, the tower's head (a Dense, then a LayerNorm
+  where the head has one: jdr's and ANCE's head), Normalize; so SentenceTransformer(path) gives jdr's vectors."""
+  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+  modules = [("", "sentence_transformers.models.Transformer"), ("1_Pooling", "sentence_transformers.models.Pooling")]
   hidden = tower["encoder"]["hidden_size"]
+  (path / "1_Pooling").mkdir(exist_ok=True)
   (path / "1_Pooling" / "config.json").write_text(json.dumps({
       "word_embedding_dimension": hidden,
       "pooling_mode_cls_token": tower["pooling"] == "cls",
       "pooling_mode_mean_tokens": tower["pooling"] == "mean",
       "pooling_mode_max_tokens": tower["pooling"] == "max"}, indent=2))
+  dim = tower.get("projection_dim")
+  if dim:
+    folder = f"{len(modules)}_Dense"
+    (path / folder).mkdir(exist_ok=True)
+    activation = {"identity": "torch.nn.modules.linear.Identity",
+                  "tanh": "torch.nn.modules.activation.Tanh"}[tower.get("projection_activation", "identity")]
+    (path / folder / "config.json").write_text(json.dumps({
+        "in_features": hidden, "out_features": dim, "bias": tower.get("projection_bias", True),
+        "activation_function": activation}, indent=2))
+    dense = {"linear.weight": np.ascontiguousarray(np.asarray(params["projection"]["kernel"], np.float32).T)}
+    if "bias" in params["projection"]:
+      dense["linear.bias"] = np.asarray(params["projection"]["bias"], np.float32)
+    save_file(dense, str(path / folder / "model.safetensors"), metadata={"format": "pt"})
+    modules.append((folder, "sentence_transformers.models.Dense"))
+    if tower.get("projection_norm", True):
+      folder = f"{len(modules)}_LayerNorm"
+      (path / folder).mkdir(exist_ok=True)
+      # sentence-transformers' LayerNorm is torch's, epsilon 1e-5: ANCE's; jdr's own head on a BERT uses
+      # BERT's 1e-12, which differs from it by ~5e-6 relative where the head's variance is ~1.
+      (path / folder / "config.json").write_text(json.dumps({"dimension": dim}))
+      norm = {"norm.weight": np.asarray(params["projection_norm"]["scale"], np.float32),
+              "norm.bias": np.asarray(params["projection_norm"]["bias"], np.float32)}
+      save_file(norm, str(path / folder / "model.safetensors"), metadata={"format": "pt"})
+      modules.append((folder, "sentence_transformers.models.LayerNorm"))
+  if tower["normalize"]:
+    modules.append((f"{len(modules)}_Normalize", "sentence_transformers.models.Normalize"))
+  (path / "modules.json").write_text(json.dumps(
+      [{"idx": i, "name": str(i), "path": folder, "type": kind} for i, (folder, kind) in enumerate(modules)],
+      indent=2))
+  (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_length}))
+
+
+def _head_tensors(tower: dict, params: dict) -> dict:
+  """ANCE's and DRhard's names for a Dense + LayerNorm head (`embeddingHead`, `norm`), which their code
+  (RobertaDot, pyserini's AnceEncoder) and jdr read back; {} for a tower without one."""
+  if not tower.get("projection_dim") or not tower.get("projection_norm", True):
+    return {}
+  head = {"embeddingHead.weight": np.asarray(params["projection"]["kernel"], np.float32).T.copy(),
+          "norm.weight": np.asarray(params["projection_norm"]["scale"], np.float32),
+          "norm.bias": np.asarray(params["projection_norm"]["bias"], np.float32)}
+  if "bias" in params["projection"]:
+    head["embeddingHead.bias"] = np.asarray(params["projection"]["bias"], np.float32)
+  return head
 
 
 def serving_lengths(description: dict, query_max_length: int | None = None,
@@ -145,13 +186,16 @@ def _export(workdir: paths.PathLike, out: pathlib.Path, *, query_max_length: int
     if tower.get("kind", "transformer") != "transformer":
       print(f"{side} tower is {tower['kind']}: no Hugging Face equivalent, skipped", file=sys.stderr)
       continue
-    path = hf.export_hf(getattr(model, side).encoder, params[param_key]["encoder"], out / folder,
-                        tokenizer=None if folder == "." else tokenizer)
-    if tower.get("projection_dim"):
-      print(f"{folder}: the Hugging Face files hold the encoder only; the projection head is in params/ "
-            "(jdr loads it)", file=sys.stderr)
-    else:
-      _sentence_transformers_files(path, tower, sentence_transformers_max_length(description, side))
+    encoder = getattr(model, side).encoder
+    head = _head_tensors(tower, params[param_key])
+    # With a head, the safetensors take the layout of ANCE's / DRhard's RobertaDot (the base model under its
+    # prefix, beside embeddingHead and norm): transformers.AutoModel still reads the encoder from it.
+    prefix = {"roberta": "roberta.", "bert": "bert."}.get(encoder.model_type, "") if head else ""
+    path = hf.export_hf(encoder, params[param_key]["encoder"], out / folder,
+                        tokenizer=None if folder == "." else tokenizer, prefix=prefix, extra_tensors=head,
+                        architecture="RobertaDot" if head and encoder.model_type == "roberta" else None)
+    _sentence_transformers_files(path, tower, sentence_transformers_max_length(description, side),
+                                 params[param_key])
   return out
 
 

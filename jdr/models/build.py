@@ -147,7 +147,8 @@ def build(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collections.ConfigD
     tokenizer_path = model_cfg.tokenizer or str(hf.minilm_path())
     encoder_config = _fresh_encoder_config(model_cfg, tokenizer_path)
     tower = TowerConfig(encoder=encoder_config, pooling=model_cfg.pooling or "cls",
-                        projection_dim=model_cfg.projection_dim or None, normalize=model_cfg.normalize > 0)
+                        projection_dim=model_cfg.projection_dim or None, normalize=model_cfg.normalize > 0,
+                        projection_norm_eps=published.TORCH_LAYER_NORM_EPS if model_cfg.projection_dim else None)
     towers_ = {"query": tower, "doc": tower}
     tower_params, prompts, base_max_length = None, published.no_prompts(), None
   model = TwoTower(query=towers_["query"], doc=towers_["doc"], shared=model_cfg.shared)
@@ -178,7 +179,8 @@ def _run_tower(model_cfg: ml_collections.ConfigDict, pub: published.Published, s
     tower = tower.replace(normalize=bool(model_cfg.normalize))
   asked = model_cfg.projection_dim or None
   if tower.projection_dim is None and asked:
-    tower = tower.replace(projection_dim=asked)  # a fresh jdr head on the published encoder
+    # A fresh jdr head on the published encoder: Dense + LayerNorm as ANCE's, torch's epsilon included.
+    tower = tower.replace(projection_dim=asked, projection_norm_eps=published.TORCH_LAYER_NORM_EPS)
   elif asked and asked != tower.projection_dim:
     raise ValueError(f"{pub.path} ({pub.family}) has a {tower.projection_dim}-wide head of its own, but "
                      f"model.projection_dim={asked}; drop the override or start from another checkpoint")

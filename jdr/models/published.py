@@ -164,28 +164,37 @@ def _sentence_transformers(path: Path, overrides: dict, pooling: str | None = No
   """A sentence-transformers directory: its modules in order (Transformer, Pooling, [Dense], [Normalize])."""
   modules = _json(path / "modules.json")
   kinds = [m.get("type", "").rsplit(".", 1)[-1] for m in modules]
-  supported = ("Transformer", "Pooling", "Dense", "Normalize")
+  supported = ("Transformer", "Pooling", "Dense", "LayerNorm", "Normalize")
   unknown = [m.get("type") for m, k in zip(modules, kinds) if k not in supported]
   if unknown:
     raise ValueError(f"{path}/modules.json: sentence-transformers module(s) {unknown} are not ones jdr applies "
                      f"(it reads {', '.join(supported)})")
-  if kinds[:2] != ["Transformer", "Pooling"] or kinds.count("Dense") > 1 or (
+  head = [k for k in kinds[2:] if k != "Normalize"]
+  if kinds[:2] != ["Transformer", "Pooling"] or head not in ([], ["Dense"], ["Dense", "LayerNorm"]) or (
       "Normalize" in kinds and kinds.index("Normalize") != len(kinds) - 1):
     raise ValueError(f"{path}/modules.json: modules {kinds}: jdr applies Transformer, Pooling, at most one "
-                     "Dense, then Normalize, in that order")
+                     "Dense (and a LayerNorm after it), then Normalize, in that order")
   by_kind = {k: path / m.get("path", "") for m, k in zip(modules, kinds)}
   inner_dir = by_kind["Transformer"]
   inner = _transformers(inner_dir, _json(inner_dir / "config.json"), overrides)
-  tower, params = inner.tower, dict(inner.params)
-  if inner.family == "ance" or tower.projection_dim is not None:
-    raise ValueError(f"{path}: a sentence-transformers model whose Transformer carries its own head "
-                     f"({inner.family}) is not one jdr reads")
+  # A Transformer folder that also holds ANCE's head tensors (jdr's exports write both layouts): the
+  # sentence-transformers modules after it are what sentence-transformers applies, so they decide.
+  tower = inner.tower.replace(projection_dim=None, projection_norm=True, projection_norm_eps=None)
+  params = {"encoder": inner.params["encoder"]}
   pooling = pooling or _pooling(by_kind["Pooling"] / "config.json")
   tower = tower.replace(pooling=pooling, normalize="Normalize" in kinds)
   if "Dense" in kinds:
     dense, dense_tower = _dense(by_kind["Dense"])
     tower = tower.replace(**dense_tower)
     params["projection"] = dense
+  if "LayerNorm" in kinds:
+    norm = hf.read_state_dict(by_kind["LayerNorm"])
+    if sorted(norm) != ["norm.bias", "norm.weight"]:
+      raise hf.HFWeightsError(str(by_kind["LayerNorm"]), missing=sorted({"norm.weight", "norm.bias"} - set(norm)),
+                              unexpected=sorted(set(norm) - {"norm.weight", "norm.bias"}),
+                              family="sentence-transformers LayerNorm")
+    params["projection_norm"] = {"scale": _f32(norm["norm.weight"]), "bias": _f32(norm["norm.bias"])}
+    tower = tower.replace(projection_norm=True, projection_norm_eps=TORCH_LAYER_NORM_EPS)
   settings = {}
   for name in ("sentence_bert_config.json",):
     if (inner_dir / name).exists():
