@@ -1,9 +1,13 @@
 """Corpus encoding speed: jdr vs sentence-transformers' `encode`, same model, same documents, one process.
 
   python -m jdr.bench encode [--num-docs 2000] [--max-length 256] [--dtype float32]
+                             [--model DIR | --shape distilbert-base | modernbert-base]
 
-Both encode the first N SciFact documents (title + " " + text) with the bundled all-MiniLM-L6-v2 at the same
-maximum length. Each side is warmed up first (jdr compiles its length buckets; sentence-transformers runs a
+Both encode the first N SciFact documents (title + " " + text) with the same model at the same maximum length:
+the bundled all-MiniLM-L6-v2 by default, `--model` a published directory (sentence-transformers loads it as it
+is, or as Transformer + Pooling + Normalize as jdr reads it), or `--shape` a random-weight model of that
+architecture's base size written by transformers (over MiniLM's vocabulary, which only sizes the embedding
+table), for architectures whose real weights this machine cannot download. Each side is warmed up first (jdr compiles its length buckets; sentence-transformers runs a
 small batch), then timed on the whole set. Tokenizing alone is timed too: `jdr.data.text.tokenize` against the
 tokenizer's own call, whose ids it must equal. Model FLOP/s count only real (unpadded) tokens, so they are
 comparable across implementations, and are reported as a fraction of the host's float32 matmul peak,
@@ -56,6 +60,58 @@ def warm_up(runtime: encoder_runtime.EncoderRuntime, lengths: list[int], tokens_
   return time.perf_counter() - start
 
 
+SHAPES = {
+    "distilbert-base": ("DistilBertConfig", "DistilBertModel", dict(dim=768, n_layers=6, n_heads=12, hidden_dim=3072,
+                                                                    max_position_embeddings=512)),
+    "modernbert-base": ("ModernBertConfig", "ModernBertModel", dict(
+        hidden_size=768, num_hidden_layers=22, num_attention_heads=12, intermediate_size=1152,
+        max_position_embeddings=8192, local_attention=128, global_attn_every_n_layers=3)),
+}
+
+
+def shaped_model(shape: str, directory) -> str:
+  """A random-weight model of `shape` (SHAPES) saved with MiniLM's tokenizer in `directory`."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  config_name, model_name, fields = SHAPES[shape]
+  config = getattr(transformers, config_name)(vocab_size=30522, pad_token_id=0, **fields)
+  getattr(transformers, model_name)(config).save_pretrained(directory)
+  for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+    if (hf.minilm_path() / name).exists():
+      shutil.copy(hf.minilm_path() / name, f"{directory}/{name}")
+  return str(directory)
+
+
+def reference_model(model: str, info: dict, device: str):
+  """sentence-transformers on the same model: the directory's own modules when it is a sentence-transformers
+  model, else Transformer + Pooling (+ Normalize) as jdr reads it."""
+  import pathlib  # pylint: disable=g-import-not-at-top
+  from sentence_transformers import SentenceTransformer  # pylint: disable=g-import-not-at-top
+  path = hf.minilm_path() if model == "minilm" else pathlib.Path(model)
+  if (path / "modules.json").exists():
+    return SentenceTransformer(str(path), device=device)
+  try:
+    from sentence_transformers.sentence_transformer import modules  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    from sentence_transformers import models as modules  # pylint: disable=g-import-not-at-top
+  base = modules.Transformer(str(path))
+  parts = [base, modules.Pooling(base.get_embedding_dimension(), pooling_mode=info["pooling"])]
+  if info["normalize"]:
+    parts.append(modules.Normalize())
+  return SentenceTransformer(modules=parts, device=device)
+
+
+def model_flops(model: str, lengths: list[int]) -> float:
+  """Forward FLOPs of the model's encoder over texts of these lengths (GeGLU's input projection is twice
+  as wide as its output: 1.5x a GELU MLP of the same intermediate size)."""
+  import pathlib  # pylint: disable=g-import-not-at-top
+  from jdr.models import architectures  # pylint: disable=g-import-not-at-top
+  path = hf.minilm_path() if model == "minilm" else pathlib.Path(model)
+  cfg = architectures.config_from_hf(json.loads((path / "config.json").read_text()))
+  mlp = cfg.intermediate_size * (1.5 if cfg.model_type == "modernbert" else 1)
+  return peak_lib.encoder_flops(lengths, layers=cfg.num_layers, hidden=cfg.hidden_size, intermediate=int(mlp))
+
+
 def _seconds(work):
   start = time.perf_counter()
   result = work()
@@ -68,6 +124,9 @@ def main(argv=None) -> None:
   parser.add_argument("--max-length", type=int, default=256)
   parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
   parser.add_argument("--tokens-per-batch", type=int, default=None, help="default: jdr.encode's")
+  parser.add_argument("--model", default="minilm", help="minilm or a published model directory")
+  parser.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                      help="a random-weight model of this architecture's base size instead of --model")
   parser.add_argument("--reference-batch-size", type=int, default=32,
                       help="sentence-transformers' encode batch size (its default is 32)")
   args = parser.parse_args(argv)
@@ -77,7 +136,10 @@ def main(argv=None) -> None:
   print(f"float32 matmul peak: {peak['peak'] / 1e9:.1f} GFLOP/s "
         f"({', '.join(f'{k} {v / 1e9:.1f}' for k, v in peak.items() if k != 'peak')})", file=sys.stderr)
 
-  runtime = encoder_runtime.load_runtime("minilm", max_length=args.max_length, dtype=args.dtype)
+  import tempfile  # pylint: disable=g-import-not-at-top
+  scratch = tempfile.TemporaryDirectory(prefix="jdr-bench-encode-")
+  model = shaped_model(args.shape, scratch.name) if args.shape else args.model
+  runtime = encoder_runtime.load_runtime(model, max_length=args.max_length, dtype=args.dtype)
   # The tokenizer's own call on the same texts (first, so any warm-up is its): what jdr.tokenize replaces,
   # and the ids it must equal.
   call_s, call = _seconds(lambda: runtime.tokenizer(texts, truncation=True, max_length=args.max_length))
@@ -85,7 +147,7 @@ def main(argv=None) -> None:
   if [t.tolist() for t in token_ids] != [list(ids) for ids in call["input_ids"]]:
     raise SystemExit("jdr's token ids differ from the tokenizer's own call")
   lengths = [len(t) for t in token_ids]
-  flops = peak_lib.encoder_flops(lengths, layers=6, hidden=384, intermediate=1536)
+  flops = model_flops(model, lengths)
 
   tokens_per_batch = args.tokens_per_batch or encoder_runtime.default_tokens_per_batch()
   compile_s = warm_up(runtime, lengths, tokens_per_batch)
@@ -94,10 +156,9 @@ def main(argv=None) -> None:
   jdr_s = time.perf_counter() - start
 
   import torch  # pylint: disable=g-import-not-at-top
-  from sentence_transformers import SentenceTransformer  # pylint: disable=g-import-not-at-top
   # The reference runs where jdr runs (the GPU on a GPU host), in the same dtype.
   device = peak_lib.torch_device()
-  reference = SentenceTransformer(str(hf.minilm_path()), device=device)
+  reference = reference_model(model, runtime.info, device)
   if args.dtype == "bfloat16":
     reference = reference.to(torch.bfloat16)
   reference.max_seq_length = args.max_length
@@ -111,7 +172,7 @@ def main(argv=None) -> None:
 
   jdr_rate, ref_rate = len(texts) / jdr_s, len(texts) / ref_s
   result = {
-      "benchmark": "encode", "units": "docs/s", "jdr": round(jdr_rate, 2), "reference": round(ref_rate, 2),
+      "benchmark": "encode", "model": args.shape or args.model, "units": "docs/s", "jdr": round(jdr_rate, 2), "reference": round(ref_rate, 2),
       "ratio": round(jdr_rate / ref_rate, 3), "reference_name": "sentence-transformers encode", "reference_device": device,
       "num_docs": len(texts), "max_length": args.max_length, "dtype": args.dtype,
       "real_tokens": int(sum(lengths)),
