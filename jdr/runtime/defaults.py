@@ -36,20 +36,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model = ml_collections.ConfigDict()
   c.model.architecture = "two_tower"  # "two_tower" | "cross_encoder" (pairs [CLS] q [SEP] d: a reranker / teacher)
   c.model.init_from = "minilm"  # "minilm", a Hugging Face dir or hub id, a jdr workdir / export, or "" (fresh)
-  # A second published directory for the document tower (DPR's context encoder, STAR's for ADORE); needs
-  # model.shared=False. "" = the document tower starts from init_from too.
-  c.model.doc_init_from = ""
-  # Texts put before every query / document ("query: ", an instruction). "auto" = the model's own (a
-  # sentence-transformers directory's prompts, a jdr model's recorded ones); "" = none.
-  c.model.query_prompt = "auto"
-  c.model.doc_prompt = "auto"
+  # A sentence-transformers directory's prompts, or a jdr model's recorded ones, are "the model's own".
+  c.model.doc_init_from = ""  # a second published dir or hub id for the document tower (DPR's context encoder); needs model.shared=False
+  c.model.query_prompt = "auto"  # text put before every query ("query: ", an instruction); auto = the model's own, "" = none
+  c.model.doc_prompt = "auto"  # text put before every document ("passage: "); auto = the model's own, "" = none
   c.model.description = ""  # what the recipe's starting model is, said when init_from is missing
   c.model.fresh = "tiny"  # architecture for init_from="": "tiny" (2x64), "small" (4x256), "mini" (6x384), "base" (12x768)
   c.model.tower = "transformer"  # "transformer" | "bow_mlp" (Chang et al.'s BoW-MLP; fresh weights only)
   c.model.tokenizer = ""  # "" = init_from's own (the MiniLM one for fresh models)
   c.model.pooling = ""  # "" = the checkpoint's own (mean for minilm, cls otherwise)
   c.model.normalize = -1  # -1 = the checkpoint's own, 0 = off, 1 = L2-normalize
-  c.model.projection_dim = 0  # 0 = no head; N adds Dense(N) + LayerNorm (the ANCE / STAR head)
+  c.model.projection_dim = 0  # 0 = the checkpoint's head, if any; N adds Dense(N) + LayerNorm (the ANCE / STAR head)
   c.model.shared = True  # one tower for queries and documents
   c.model.train_towers = "both"  # "both" or "query" (ADORE / LTRe keep the document tower fixed)
   c.model.dtype = "auto"  # compute dtype: float32, bfloat16, or auto (bfloat16 on GPU / TPU, float32 on CPU)
