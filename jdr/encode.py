@@ -2,7 +2,8 @@
 
 The output directory holds `emb-NNNNN.npy` (float32 [n, D]) and `ids-NNNNN.txt` per shard plus
 `meta.json` (see jdr.retrieval.encodings, which does the work). A killed run resumes from the last finished shard;
-a resume with different settings is refused rather than mixing embeddings of two models in one index.
+a resume with different settings (another document prompt among them) is refused rather than mixing embeddings
+of two models in one index. Each document is encoded after the model's document prompt, or --doc-prompt's.
 Launched on several hosts (`python -m jdr.launch.local|slurm|tpu ... -- python -m jdr.encode ...`), each
 process reads, tokenizes, encodes and writes only its own part of the corpus, as shards of the shared output
 directory (local disk all hosts share, or gs://...).
@@ -26,6 +27,7 @@ from jdr.data import formats
 def main(argv: Iterable[str] | None = None) -> None:
   parser = argparse.ArgumentParser(prog="python -m jdr.encode", description=__doc__.splitlines()[0])
   cli.add_model_flags(parser)
+  cli.add_prompt_flags(parser, "doc")
   parser.add_argument("--corpus", required=True, help="BEIR directory, corpus.jsonl or collection TSV")
   parser.add_argument("--out", required=True, help="output directory (resumes if it exists)")
   parser.add_argument("--shard-size", type=int, default=10_000, help="documents per shard file")
@@ -54,7 +56,7 @@ def main(argv: Iterable[str] | None = None) -> None:
       error = e
     parallel.raise_if_any_host_failed(error, f"reading their part of {args.corpus}")
     runtime = encoder_runtime.load_runtime(args.model, pooling=args.pooling, normalize=args.normalize,
-                                      max_length=args.max_length, dtype=args.dtype)
+                                      max_length=args.max_length, dtype=args.dtype, prompt=args.doc_prompt)
     print(encoder_runtime.length_line(runtime, "documents"), file=sys.stderr)
     tokens_per_batch = args.tokens_per_batch
     if args.batch_size:

@@ -8,7 +8,9 @@ checkpoint of a training workdir it writes:
                                      tokenizer) that transformers.AutoModel (AutoModelForSequenceClassification)
                                      loads and, for an encoder plus pooling (no projection head), the
                                      sentence-transformers files that declare its pooling, normalization and
-                                     max_seq_length, so SentenceTransformer(OUT) loads it too;
+                                     max_seq_length (and the model's query and document prompts, as
+                                     its "query" and "document" prompts), so SentenceTransformer(OUT) loads
+                                     it too;
   OUT/hf-query/ + OUT/hf-doc/, separate towers: one such directory per tower (OUT holds the tokenizer).
 
 Serving lengths are recorded apart from the training lengths: a model trained on 32-token queries still reads
@@ -36,9 +38,13 @@ from jdr.models import hf
 from jdr.models import architectures
 
 
-def _sentence_transformers_files(path: pathlib.Path, tower: dict, max_length: int, params: dict) -> None:
+def _sentence_transformers_files(path: pathlib.Path, tower: dict, max_length: int, params: dict,
+                                 prompts: dict | None = None) -> None:
   """modules.json and the modules' folders: Transformer, Pooling, the tower's head (a Dense, then a LayerNorm
-  where the head has one: jdr's and ANCE's head), Normalize; so SentenceTransformer(path) gives jdr's vectors."""
+  where the head has one: jdr's and ANCE's head), Normalize; so SentenceTransformer(path) gives jdr's vectors.
+  With `prompts` ({"query", "doc"}, either not empty), config_sentence_transformers.json declares them as
+  its "query" and "document" prompts, none by default: `encode(texts, prompt_name="query")` (or
+  `encode_query`) gives jdr's query vectors, prompt_name="document" (`encode_document`) its documents'."""
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
   modules = [("", "sentence_transformers.models.Transformer"), ("1_Pooling", "sentence_transformers.models.Pooling")]
   hidden = tower["encoder"]["hidden_size"]
@@ -78,6 +84,10 @@ def _sentence_transformers_files(path: pathlib.Path, tower: dict, max_length: in
       [{"idx": i, "name": str(i), "path": folder, "type": kind} for i, (folder, kind) in enumerate(modules)],
       indent=2))
   (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_length}))
+  if prompts and any(prompts.values()):
+    (path / "config_sentence_transformers.json").write_text(json.dumps({
+        "prompts": {"query": prompts.get("query", ""), "document": prompts.get("doc", "")},
+        "default_prompt_name": None}, indent=2))
 
 
 def _head_tensors(tower: dict, params: dict) -> dict:
@@ -195,7 +205,7 @@ def _export(workdir: paths.PathLike, out: pathlib.Path, *, query_max_length: int
                         tokenizer=None if folder == "." else tokenizer, prefix=prefix, extra_tensors=head,
                         architecture="RobertaDot" if head and encoder.model_type == "roberta" else None)
     _sentence_transformers_files(path, tower, sentence_transformers_max_length(description, side),
-                                 params[param_key])
+                                 params[param_key], description.get("prompts"))
   return out
 
 

@@ -70,6 +70,7 @@ def _parser() -> argparse.ArgumentParser:
                            "hash of the id; they are mined too); 0: no report")
   parser.add_argument("--retriever", choices=RETRIEVERS, default="bm25")
   parser.add_argument("--model", default=None, help="--retriever model: a jdr model, Hugging Face dir or minilm")
+  cli.add_prompt_flags(parser, "query", "doc")
   parser.add_argument("--encoding", default=None,
                       help="--retriever model: the corpus's jdr.encode directory (default: encoded into OUT)")
   parser.add_argument("--run", default=None, help="--retriever run: a TREC run or MS MARCO top1000 file")
@@ -180,7 +181,9 @@ class Retriever:
     doc_emb = self.doc_emb()
     if self._query_runtime is None:
       self._query_runtime = encoder_runtime.load_runtime(self.args.model, side="query",
-                                                    max_length=self.args.query_max_length)
+                                                    max_length=self.args.query_max_length,
+                                                    prompt=self.args.query_prompt)
+      print(encoder_runtime.length_line(self._query_runtime, "queries"), file=sys.stderr)
     query_emb = encoder_runtime.encode_texts(self._query_runtime, texts)
     rows, scores = retrieved.exact_top_rows(doc_emb, query_emb, depth, progress=f"dense candidates ({tag})")
     return rows, np.where(rows >= 0, scores, np.nan).astype(np.float32), query_emb
@@ -194,7 +197,9 @@ class Retriever:
         encodings.check_ids_match(encoding, self.data.corpus, f"--encoding vs --data {self.args.data}")
       else:
         encoding = self.out / "encoding"
-        runtime = encoder_runtime.load_runtime(self.args.model, side="doc", max_length=self.args.doc_max_length)
+        runtime = encoder_runtime.load_runtime(self.args.model, side="doc", max_length=self.args.doc_max_length,
+                                               prompt=self.args.doc_prompt)
+        print(encoder_runtime.length_line(runtime, "documents"), file=sys.stderr)
         encodings.encode_corpus(runtime, self.data.corpus, encoding,
                                 settings=encodings.corpus_settings(runtime, self.args.model, self.args.data))
       self._doc_emb, _, _ = encodings.load_embeddings(encoding)
@@ -234,7 +239,10 @@ def _candidate_plan(args) -> dict:
           "model": args.model, "encoding": args.encoding and str(paths.absolute(args.encoding)), "run": args.run,
           "depth": args.depth, "query_max_length": args.query_max_length, "doc_max_length": args.doc_max_length,
           "skip_invalid": args.skip_invalid, "cross_encoder": args.cross_encoder,
-          "ce_max_length": args.ce_max_length}
+          "ce_max_length": args.ce_max_length,
+          # Only when given: a plan from before the flags existed (the model's own prompts) still matches.
+          **{f"{side}_prompt": getattr(args, f"{side}_prompt") for side in ("query", "doc")
+             if getattr(args, f"{side}_prompt", None) is not None}}
 
 
 def mine_queries(args, data, out: pathlib.Path, retriever: Retriever, score, filters: mining.Filters,

@@ -3,7 +3,8 @@
 `--index DIR` is the output of `jdr.encode`. The retriever over it is built on the fly (Faiss with any
 factory string, or the exact JAX back-end); `--save-index` keeps a built Faiss index in DIR/index-NAME so
 that a compressed index is trained once. The query encoder defaults to the settings recorded in
-DIR/meta.json, so queries and documents are embedded the same way unless asked otherwise. The work is
+DIR/meta.json, so queries and documents are embedded the same way unless asked otherwise; each query is
+encoded after the model's query prompt, or --query-prompt's. The work is
 jdr.retrieval.encoder_runtime's, .encodings' and .retrievers'.
 """
 
@@ -23,6 +24,7 @@ from jdr.models import saved
 def main(argv: Iterable[str] | None = None) -> None:
   parser = argparse.ArgumentParser(prog="python -m jdr.retrieve", description=__doc__.splitlines()[0])
   cli.add_model_flags(parser)
+  cli.add_prompt_flags(parser, "query")
   parser.add_argument("--index", required=True, help="an encoding directory written by jdr.encode")
   parser.add_argument("--queries", required=True, help="BEIR directory, queries.jsonl or queries TSV")
   parser.add_argument("--split", default=None, help="with a BEIR directory: only queries in qrels/SPLIT")
@@ -58,13 +60,15 @@ def main(argv: Iterable[str] | None = None) -> None:
     if saved.is_jdr_model(model):
       # A trained model carries its own query tower settings (pooling, query length).
       runtime = encoder_runtime.load_runtime(model, pooling=args.pooling, normalize=args.normalize,
-                                        max_length=args.max_length, dtype=args.dtype, side="query")
+                                        max_length=args.max_length, dtype=args.dtype, side="query",
+                                        prompt=args.query_prompt)
     else:
       # Embed queries the way the documents were embedded unless told otherwise.
       runtime = encoder_runtime.load_runtime(
           model, pooling=args.pooling or meta.get("pooling"),
           normalize=meta.get("normalize") if args.normalize is None else args.normalize,
-          max_length=args.max_length or meta.get("max_length"), dtype=args.dtype, side="query")
+          max_length=args.max_length or meta.get("max_length"), dtype=args.dtype, side="query",
+          prompt=args.query_prompt)
       if not args.max_length and meta.get("max_length"):
         runtime.info["max_length_from"] = f"the length {args.index} was encoded at"
     print(encoder_runtime.length_line(runtime, "queries"), file=sys.stderr)

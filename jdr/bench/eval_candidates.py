@@ -51,17 +51,18 @@ def _warm_up(encoder: periodic.TowerEncoder, params, candidates, qids) -> float:
   """Compiles the shapes the full corpus, the candidates and the queries are encoded in; returns seconds."""
   start = time.perf_counter()
   corpus = encoder.data.corpus
-  if isinstance(corpus, prepared.PreparedCorpus) and prepared.can_tokenize(encoder.tokenizer):
-    doc_lengths = corpus.tokenized(encoder.tokenizer, encoder.doc_max_length).token_lengths(range(len(corpus)))
+  if isinstance(corpus, prepared.PreparedCorpus) and prepared.can_tokenize(encoder.doc_tokenizer):
+    doc_lengths = corpus.tokenized(encoder.doc_tokenizer, encoder.doc_max_length).token_lengths(range(len(corpus)))
   else:
     doc_lengths = [len(t) for t in encoder.doc_tokens]
-  candidate_lengths = [len(t) for t in eval_candidates.tokenize(encoder.tokenizer, corpus, encoder.doc_ids,
+  candidate_lengths = [len(t) for t in eval_candidates.tokenize(encoder.doc_tokenizer, corpus, encoder.doc_ids,
                                                                 candidates.unique, encoder.doc_max_length)]
   serving = encoder.serving(params)  # the weights the evaluation encodes with
-  docs = encoder_runtime.EncoderRuntime(encoder.encode_doc, serving, encoder.tokenizer, encoder.doc_max_length, {})
-  queries = encoder_runtime.EncoderRuntime(encoder.encode_query, serving, encoder.tokenizer, encoder.query_max_length, {})
+  docs = encoder_runtime.EncoderRuntime(encoder.encode_doc, serving, encoder.doc_tokenizer, encoder.doc_max_length, {})
+  queries = encoder_runtime.EncoderRuntime(encoder.encode_query, serving, encoder.query_tokenizer,
+                                           encoder.query_max_length, {})
   tokens_per_batch = encoder.tokens_per_batch or encoder_runtime.default_tokens_per_batch()
-  query_lengths = [len(t) for t in text_lib.tokenize(encoder.tokenizer, [encoder.data.queries[q] for q in qids],
+  query_lengths = [len(t) for t in text_lib.tokenize(encoder.query_tokenizer, [encoder.data.queries[q] for q in qids],
                                                       encoder.query_max_length)]
   for runtime, lengths in ((docs, [int(n) for n in doc_lengths]), (docs, candidate_lengths),
                            (queries, query_lengths)):

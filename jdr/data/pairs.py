@@ -150,15 +150,22 @@ def pad(rows: Sequence[np.ndarray], length: int, pad_id: int) -> tuple[np.ndarra
 
 
 class Batches:
-  """Global batches as a pure function of the step; `local(step)` is this process's rows."""
+  """Global batches as a pure function of the step; `local(step)` is this process's rows.
+
+  `prompts` ({"query", "doc"}, a model's description["prompts"]; None = none): queries are tokenized after the
+  query prompt, documents (positives and negatives) after the document prompt (`text.Prompted`). A
+  cross-encoder's pairs take none."""
 
   def __init__(self, data: RetrievalData, tokenizer: Any, *, batch_size: int, query_max_length: int,
                doc_max_length: int, negative_source=None, negatives_per_query: int = 0,
                in_batch: bool = True, seed: int = 0, process_index: int = 0, process_count: int = 1,
                candidates: str = "tokens", pair_weighting: str = "none", random_weight: float = 0.0,
-               triples_per_query: int = 0):
+               triples_per_query: int = 0, prompts: dict | None = None):
     self.data = data
     self.tokenizer = tokenizer
+    prompts = prompts or {}
+    self.query_tokenizer = text_lib.prompted(tokenizer, prompts.get("query"))
+    self.doc_tokenizer = text_lib.prompted(tokenizer, prompts.get("doc"))
     self.pairs = training_pairs(data.train_qrels)
     self.batch_size = batch_size
     self.query_max_length = query_max_length
@@ -173,8 +180,8 @@ class Batches:
     # documents tokenized a batch at a time.
     self._prepared = isinstance(data.corpus, prepared.PreparedCorpus)
     self._doc_tokens = None
-    if self._prepared and prepared.can_tokenize(tokenizer):
-      self._doc_tokens = data.corpus.tokenized(tokenizer, doc_max_length, progress=process_index == 0)
+    if self._prepared and prepared.can_tokenize(self.doc_tokenizer):
+      self._doc_tokens = data.corpus.tokenized(self.doc_tokenizer, doc_max_length, progress=process_index == 0)
     self._doc_row = None
     self._perms: dict[int, np.ndarray] = {}
     self._layout = None  # (step, global_layout(step))
@@ -277,8 +284,12 @@ class Batches:
     rng = np.random.default_rng([self.seed, generation, pair_row, 3])
     return self.negative_source.sample([q], [d], rng, self.triples_per_query)[0]
 
-  def _tokens(self, texts: list[str], max_length: int) -> tuple[np.ndarray, np.ndarray]:
-    return pad(text_lib.tokenize(self.tokenizer, texts, max_length), max_length, self.pad_id)
+  def _tokens(self, tokenizer, texts: list[str], max_length: int) -> tuple[np.ndarray, np.ndarray]:
+    return pad(text_lib.tokenize(tokenizer, texts, max_length), max_length, self.pad_id)
+
+  def _query_batch(self, qids: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(token ids, mask) [n, query_max_length] of queries, each after the query prompt."""
+    return self._tokens(self.query_tokenizer, [self.data.queries[q] for q in qids], self.query_max_length)
 
   def doc_rows(self, doc_ids: Sequence[str]) -> np.ndarray:
     """int32 corpus rows of `doc_ids` (a KeyError names an id the corpus lacks)."""
@@ -292,7 +303,8 @@ class Batches:
     """(token ids, mask) [n, doc_max_length] of documents: read from the prepared map, else tokenized."""
     if self._doc_tokens is not None:
       return self._doc_tokens.tokens(rows, self.doc_max_length)
-    return self._tokens([text_lib.doc_text(self.data.corpus[d]) for d in doc_ids], self.doc_max_length)
+    return self._tokens(self.doc_tokenizer, [text_lib.doc_text(self.data.corpus[d]) for d in doc_ids],
+                        self.doc_max_length)
 
   def local(self, step: int) -> dict[str, np.ndarray]:
     """This process's rows of the global batch at `step`, as numpy arrays (see jdr/data/batch.py)."""
@@ -303,8 +315,7 @@ class Batches:
     qids, doc_ids, valid = self.global_layout(step)
     q_lo, q_hi = self.host_rows(len(qids))
     d_lo, d_hi = self.host_rows(len(doc_ids))
-    query_ids, query_mask = self._tokens([self.data.queries[q] for q in qids[q_lo:q_hi]],
-                                         self.query_max_length)
+    query_ids, query_mask = self._query_batch(qids[q_lo:q_hi])
     doc_index = self.doc_rows(doc_ids[d_lo:d_hi])
     doc_tokens, doc_mask = self._doc_batch(doc_ids[d_lo:d_hi], doc_index)
     batch = {"query_ids": query_ids, "query_mask": query_mask, "doc_ids": doc_tokens, "doc_mask": doc_mask,
@@ -319,7 +330,7 @@ class Batches:
     chosen = [self.pairs[i] for i in self.pair_indices(step)]
     lo, hi = self.host_rows(len(chosen))
     chosen = chosen[lo:hi]
-    query_ids, query_mask = self._tokens([self.data.queries[q] for q, _ in chosen], self.query_max_length)
+    query_ids, query_mask = self._query_batch([q for q, _ in chosen])
     positive_rows = np.full((len(chosen), self.max_positives), -1, np.int32)
     positives = [[d] + [o for o, r in self.data.train_qrels[q].items() if r > 0 and o != d] for q, d in chosen]
     rows, at = self.doc_rows([d for docs in positives for d in docs]), 0

@@ -29,7 +29,8 @@ whose file has gone or changed are removed when another corpus is prepared besid
          line_offsets.npy     int64 [N]: where each document's line starts in the corpus file
          line_lengths.npy     int32 [N]: its length in bytes, line end included
          tokens/NAME-LENGTH-DIGEST/   one per (tokenizer, max_length); DIGEST covers the tokenizer's whole
-                                      definition (tokenizer.json but its truncation and padding) and the length
+                                      definition (tokenizer.json but its truncation and padding), the prompt
+                                      it puts before each text (a model's document prompt), and the length
            manifest.json, tokens.npy (uint16 where the vocabulary fits, else int32: every token id back to
            back), token_offsets.npy (int64 [N + 1])
 
@@ -109,7 +110,14 @@ def tokenizer_fingerprint(tokenizer) -> str | None:
   """A digest of everything that decides `text.tokenize`'s ids, or None for a tokenizer it cannot name (not
   a Hugging Face one). A fast tokenizer's tokenizer.json is read without its truncation and padding, which the
   wrapper resets at every call. Kept per tokenizer object (a large vocabulary's JSON takes a while) until
-  its vocabulary or truncation side changes."""
+  its vocabulary or truncation side changes. A `text.Prompted` tokenizer's digest covers its prompt too (the
+  bare tokenizer's, digested with the prompt), so a prompted corpus's ids are never another's."""
+  bare, prompt = text_lib.unprompted(tokenizer)
+  if prompt:
+    digest = tokenizer_fingerprint(bare)
+    if digest is None:
+      return None
+    return hashlib.sha1(json.dumps([digest, "prompt", prompt]).encode()).hexdigest()
   try:
     state = (len(tokenizer), getattr(tokenizer, "truncation_side", "right"))
     known = _fingerprints.get(tokenizer)
@@ -366,7 +374,7 @@ class PreparedCorpus(collections.abc.Mapping):
                        "prepared (tokenize the texts instead)")
     if self.tokens_manifest and self.tokens_manifest["tokenizer"]["digest"] == key and self.max_length == max_length:
       return self
-    name = "".join(c if c.isalnum() or c in "-_." else "_" for c in type(tokenizer).__name__)
+    name = "".join(c if c.isalnum() or c in "-_." else "_" for c in type(text_lib.unprompted(tokenizer)[0]).__name__)
     folder = self.folder / "tokens" / f"{name}-{int(max_length)}-{key[:16]}"
     if not (folder / MANIFEST).exists():
       with _locked(folder):
@@ -827,7 +835,7 @@ class Tokenizer:
 
     write_npy(self.folder / "tokens.npy", self.dtype, int(offsets[-1]), pieces())
     write_npy(self.folder / "token_offsets.npy", np.int64, len(offsets), [offsets])
-    tok = self.tokenizer
+    tok, prompt = text_lib.unprompted(self.tokenizer)
     manifest = {"format": FORMAT, "kind": "tokens", "index": self.corpus.manifest["key"],
                 "num_docs": len(self.corpus), "num_tokens": int(offsets[-1]), "max_length": self.max_length,
                 "dtype": self.dtype.name, "pad_id": int(getattr(tok, "pad_token_id", None) or 0),
@@ -835,5 +843,7 @@ class Tokenizer:
                               "name_or_path": str(getattr(tok, "name_or_path", "")),
                               "vocab_size": len(tok) if hasattr(tok, "__len__") else tok.vocab_size,
                               "truncation_side": getattr(tok, "truncation_side", "right")}}
+    if prompt:
+      manifest["tokenizer"]["prompt"] = prompt
     atomic.write_text(self.folder / MANIFEST, json.dumps(manifest, indent=1))
     shutil.rmtree(self.partial, ignore_errors=True)

@@ -39,6 +39,7 @@ from jdr.data import articles as articles_lib
 from jdr.data import pairs as pairs_lib
 from jdr.data import pretrain
 from jdr.data import shared
+from jdr.data import text as text_lib
 
 SOURCES = ("wikispeedia", "builtin")  # or the path of a MediaWiki XML dump
 TASKS = ("ict", "bfs", "wlp", "mixed")
@@ -98,13 +99,18 @@ def retrieval_data(name: str) -> pairs_lib.RetrievalData:
 
 
 class PretrainBatches:
-  """Global pretraining batches as a pure function of the step; `local(step)` is this process's rows."""
+  """Global pretraining batches as a pure function of the step; `local(step)` is this process's rows.
+
+  `prompts` ({"query", "doc"}; None = none): pseudo-queries are tokenized after the query prompt, passages
+  (title, text) after the document prompt, before the title (`text.Prompted`)."""
 
   def __init__(self, generator: pretrain.PretrainPairs, tokenizer: Any, *, batch_size: int,
                query_max_length: int, doc_max_length: int, seed: int = 0, process_index: int = 0,
-               process_count: int = 1, logq: bool = False):
+               process_count: int = 1, logq: bool = False, prompts: dict | None = None):
     self.generator = generator
     self.tokenizer = tokenizer
+    self.query_tokenizer = text_lib.prompted(tokenizer, (prompts or {}).get("query"))
+    self.doc_tokenizer = text_lib.prompted(tokenizer, (prompts or {}).get("doc"))
     self.batch_size = batch_size
     self.query_max_length, self.doc_max_length = query_max_length, doc_max_length
     self.seed = seed
@@ -129,12 +135,12 @@ class PretrainBatches:
     lo, hi = self.process_index * per, (self.process_index + 1) * per
     mine = draws[lo:hi]
     query_ids, query_mask = pairs_lib.pad(
-        [np.asarray(t, np.int32) for t in self.tokenizer(
+        [np.asarray(t, np.int32) for t in self.query_tokenizer(
             [d.pair.query for d in mine], truncation=True, max_length=self.query_max_length,
             return_attention_mask=False, return_token_type_ids=False)["input_ids"]],
         self.query_max_length, self.pad_id)
     doc_ids, doc_mask = pairs_lib.pad(
-        [np.asarray(t, np.int32) for t in self.tokenizer(
+        [np.asarray(t, np.int32) for t in self.doc_tokenizer(
             [d.pair.doc_title for d in mine], [d.pair.doc_text for d in mine], truncation="longest_first",
             max_length=self.doc_max_length, return_attention_mask=False,
             return_token_type_ids=False)["input_ids"]],
@@ -255,8 +261,10 @@ def masked_lm_loss(model, params, batch: dict[str, jax.Array], rng: jax.Array) -
 
 
 def make(config: ml_collections.ConfigDict, tokenizer: Any, *, process_index: int = 0,
-         process_count: int = 1) -> tuple[PretrainBatches | MLMBatches, pairs_lib.RetrievalData]:
-  """The batches of a pretraining config and the (empty) RetrievalData the rest of the trainer expects."""
+         process_count: int = 1, prompts: dict | None = None) -> tuple[PretrainBatches | MLMBatches,
+                                                                        pairs_lib.RetrievalData]:
+  """The batches of a pretraining config and the (empty) RetrievalData the rest of the trainer expects.
+  `prompts`: the model's {"query", "doc"} prompts, for the retrieval tasks' pairs (masked LM takes none)."""
   check(config)
   d = config.data
   articles, report = load_articles(d)
@@ -273,7 +281,7 @@ def make(config: ml_collections.ConfigDict, tokenizer: Any, *, process_index: in
   batches = PretrainBatches(generator, tokenizer, batch_size=config.batch_size,
                             query_max_length=d.query_max_length, doc_max_length=d.doc_max_length,
                             seed=config.seed, process_index=process_index, process_count=process_count,
-                            logq=bool(config.loss.logq_correction))
+                            logq=bool(config.loss.logq_correction), prompts=prompts)
   print(f"pretraining {d.pretrain_task} on {len(articles)} articles from {d.pretrain_source}: units "
         f"{generator.units}, nominal epoch {len(generator)} pairs", file=sys.stderr)
   return batches, retrieval_data(f"pretrain-{d.pretrain_source}")

@@ -54,6 +54,59 @@ def doc_text(doc) -> str:
   return (title + " " + text).strip() if title else text.strip()
 
 
+class Prompted:
+  """A tokenizer that puts `prompt` before every text it is given: a model's query or document prompt (E5's
+  "query: " / "passage: ", an instruction, sentence-transformers' "prompts").
+
+  sentence-transformers' meaning: the prompt string is joined to the text, `prompt + text`, and that is
+  tokenized, so truncation to max_length counts the prompt's tokens. It behaves as the tokenizer it wraps
+  (every attribute is the wrapped one's: special token ids, vocabulary, `len`); its call, `tokenize`,
+  `tokenize_in_background`, `passage_tokens` and `TruncatingBackend.of` prepend the prompt, and
+  `jdr.data.prepared.tokenizer_fingerprint` names it apart from the bare tokenizer. Made with `prompted`,
+  which returns the tokenizer itself for an empty prompt (an unprompted model tokenizes as it always did)."""
+
+  def __init__(self, tokenizer, prompt: str):
+    self.tokenizer, self.prompt = tokenizer, prompt
+
+  def __getattr__(self, name):
+    if name in ("tokenizer", "prompt"):  # not set yet (a copy being made): never recurse
+      raise AttributeError(name)
+    return getattr(self.tokenizer, name)
+
+  def __len__(self) -> int:
+    return len(self.tokenizer)
+
+  def with_prompt(self, text):
+    """`prompt + text` for one text, or for each of a sequence of texts."""
+    return self.prompt + text if isinstance(text, str) else [self.prompt + t for t in text]
+
+  def __call__(self, text, *args, **kwargs):
+    """The wrapped tokenizer's call on `prompt + text` (a pair's second text, if any, as it is)."""
+    return self.tokenizer(self.with_prompt(text), *args, **kwargs)
+
+  def __repr__(self) -> str:
+    return f"Prompted({self.prompt!r}, {self.tokenizer!r})"
+
+
+def prompted(tokenizer, prompt: str | None):
+  """`tokenizer` putting `prompt` before every text (a `Prompted`); the tokenizer itself when the prompt is
+  empty or None. A Prompted tokenizer's own prompt is replaced, not added to."""
+  tokenizer, _ = unprompted(tokenizer)
+  return Prompted(tokenizer, prompt) if prompt else tokenizer
+
+
+def unprompted(tokenizer) -> tuple[object, str]:
+  """(the bare tokenizer, its prompt): ("" for a tokenizer that is not a `Prompted`)."""
+  if isinstance(tokenizer, Prompted):
+    return tokenizer.tokenizer, tokenizer.prompt
+  return tokenizer, ""
+
+
+def prompt_of(tokenizer) -> str:
+  """The prompt a tokenizer puts before every text ("" for none)."""
+  return unprompted(tokenizer)[1]
+
+
 def tokenize(tokenizer, texts: Sequence[str], max_length: int, *, chunk_size: int = 2048) -> list[np.ndarray]:
   """Token ids (int32, unpadded, special tokens included, truncated to `max_length`) for each text.
 
@@ -61,7 +114,7 @@ def tokenize(tokenizer, texts: Sequence[str], max_length: int, *, chunk_size: in
   never holds two full copies of its ids. A fast tokenizer is run through its own Rust `tokenizers.Tokenizer`
   (`TruncatingBackend`), faster on SciFact's documents (docs/performance.md, `encode`); any other
   callable goes through its `__call__`. Queries and documents are tokenized by separate calls, each with its
-  own tower's `max_length`.
+  own tower's `max_length`. A `Prompted` tokenizer's ids are those of `prompt + text`, truncated after.
   """
   backend = TruncatingBackend.of(tokenizer, max_length)
   out: list[np.ndarray] = []
@@ -105,13 +158,22 @@ class TruncatingBackend:
   _cache = weakref.WeakKeyDictionary()  # tokenizer -> {(max_length, side, vocab size): TruncatingBackend}
   _lock = threading.Lock()
 
-  def __init__(self, backend, max_length: int, cut: bool):
-    self.backend, self.max_length, self.cut = backend, max_length, cut
+  def __init__(self, backend, max_length: int, cut: bool, prompt: str = ""):
+    self.backend, self.max_length, self.cut, self.prompt = backend, max_length, cut, prompt
     self._encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
 
   @classmethod
   def of(cls, tokenizer, max_length: int) -> "TruncatingBackend | None":
-    """The backend for `tokenizer` at `max_length`, made once; None when it is not a fast tokenizer."""
+    """The backend for `tokenizer` at `max_length`, made once; None when it is not a fast tokenizer. A
+    `Prompted` tokenizer's shares its bare tokenizer's copy and puts the prompt before each text."""
+    tokenizer, prompt = unprompted(tokenizer)
+    backend = cls._of(tokenizer, max_length)
+    if backend is None or not prompt:
+      return backend
+    return cls(backend.backend, backend.max_length, backend.cut, prompt)
+
+  @classmethod
+  def _of(cls, tokenizer, max_length: int) -> "TruncatingBackend | None":
     rust = getattr(tokenizer, "backend_tokenizer", None)
     if rust is None or not getattr(tokenizer, "is_fast", False) or not hasattr(rust, "encode_batch"):
       return None
@@ -140,6 +202,8 @@ class TruncatingBackend:
     return cls(copy, max_length, cut)
 
   def ids(self, texts: list[str]) -> list[np.ndarray]:
+    if self.prompt:
+      texts = [self.prompt + t for t in texts]
     limit = self.CHARS_PER_TOKEN * self.max_length
     cut = [_cut_before_whitespace(t, limit) for t in texts] if self.cut else texts
     out = [np.asarray(e.ids, dtype=np.int32) for e in self._encode(cut)]
@@ -239,7 +303,8 @@ def passage_tokens(tokenizer, texts: Sequence[str], max_length: int, passages: i
                    *, chunk_size: int = 2048) -> list[list[np.ndarray]]:
   """Each text as up to `passages` consecutive passages of at most `max_length` tokens, every passage
   wrapped in the model's own [CLS] ... [SEP] (ANCE's MaxP: the first passages * (max_length - 2) content
-  tokens; passages=1 is FirstP, the text truncated to max_length)."""
+  tokens; passages=1 is FirstP, the text truncated to max_length). A `Prompted` tokenizer's prompt goes before
+  the text, so it is in the first passage only, as the document's text is."""
   if passages < 1:
     raise ValueError(f"passages must be >= 1, got {passages}")
   width = max_length - 2

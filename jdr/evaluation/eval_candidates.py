@@ -75,8 +75,9 @@ def run_candidates(path: str | os.PathLike, query_ids: Sequence[str], corpus, de
 
 
 def tokenize(tokenizer, corpus, doc_ids: Sequence[str], rows: np.ndarray, max_length: int) -> list[np.ndarray]:
-  """Token ids of the documents at `rows`, as the full-corpus encoding tokenizes them (`text.doc_text`); a
-  prepared corpus reads just those texts from its file."""
+  """Token ids of the documents at `rows`, as the full-corpus encoding tokenizes them (`text.doc_text`, after
+  the document prompt of a `text.Prompted` tokenizer: pass the document side's); a prepared corpus reads just
+  those texts from its file."""
   if isinstance(corpus, prepared.PreparedCorpus):
     texts = corpus.texts(rows)
   else:

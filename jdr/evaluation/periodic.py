@@ -56,11 +56,16 @@ class TowerEncoder:
   the parts' vectors are gathered to every host.
 
   With `cache_dir` (one host), corpus vectors are kept there and read back for a document side, settings and
-  corpus encoded before (`jdr.retrieval.corpus_cache`)."""
+  corpus encoded before (`jdr.retrieval.corpus_cache`).
+
+  `prompts` ({"query", "doc"}: the model's description["prompts"]; None = none): queries are tokenized after
+  the query prompt (`query_tokenizer`), documents after the document prompt (`doc_tokenizer`)."""
 
   def __init__(self, model: TwoTower, tokenizer, data, *, query_max_length: int, doc_max_length: int,
-               tokens_per_batch: int | None = None, mesh=None, cache_dir: str = ""):
+               tokens_per_batch: int | None = None, mesh=None, cache_dir: str = "", prompts: dict | None = None):
     self.data, self.tokenizer = data, tokenizer
+    self.query_tokenizer = text_lib.prompted(tokenizer, (prompts or {}).get("query"))
+    self.doc_tokenizer = text_lib.prompted(tokenizer, (prompts or {}).get("doc"))
     self._model = model
     self.query_max_length, self.doc_max_length = query_max_length, doc_max_length
     self.tokens_per_batch = tokens_per_batch or None
@@ -97,8 +102,8 @@ class TowerEncoder:
     """Token ids of this host's part of the corpus (`self.part`; the whole corpus on one host)."""
     if self._doc_tokens is None:  # once per run, on first use: a prepared corpus's rows of its map
       lo, hi = self.part
-      self._doc_tokens = encoder_runtime.document_tokens(self.tokenizer, self.data.corpus, self.doc_max_length, lo, hi,
-                                                    progress=self.host == 0)
+      self._doc_tokens = encoder_runtime.document_tokens(self.doc_tokenizer, self.data.corpus, self.doc_max_length,
+                                                         lo, hi, progress=self.host == 0)
     return self._doc_tokens
 
   def corpus(self, params, progress: bool = False, shards_dir: str | os.PathLike | None = None) -> np.ndarray:
@@ -133,9 +138,10 @@ class TowerEncoder:
     document side's weights and settings, the corpus and the batching, so shards of other weights are never
     mixed in: they are an earlier encoding's (other weights, killed before it ended), and are removed."""
     corpus = self.data.corpus
-    if isinstance(corpus, prepared.PreparedCorpus) and prepared.tokenizer_fingerprint(self.tokenizer):
-      # The prepared corpus's key names its file; its token ids are the tokenizer's (nothing read per document).
-      tokens = f"{corpus.manifest['key']} {prepared.tokenizer_fingerprint(self.tokenizer)}"
+    if isinstance(corpus, prepared.PreparedCorpus) and prepared.tokenizer_fingerprint(self.doc_tokenizer):
+      # The prepared corpus's key names its file; its token ids are the tokenizer's and its prompt's (nothing
+      # read per document).
+      tokens = f"{corpus.manifest['key']} {prepared.tokenizer_fingerprint(self.doc_tokenizer)}"
     else:
       tokens = self._doc_tokens_digest()
     name = corpus_cache.entry_name(
@@ -146,8 +152,8 @@ class TowerEncoder:
       for stale in root.iterdir():
         if stale.name != name:
           stale.rmtree(missing_ok=True) if stale.is_dir() else stale.unlink(missing_ok=True)
-    runtime = encoder_runtime.EncoderRuntime(self.encode_doc, self.serving(params), self.tokenizer, self.doc_max_length,
-                                        {}, rows_multiple=self.rows_multiple)
+    runtime = encoder_runtime.EncoderRuntime(self.encode_doc, self.serving(params), self.doc_tokenizer,
+                                             self.doc_max_length, {}, rows_multiple=self.rows_multiple)
     encodings.encode_corpus(runtime, corpus, root / name, shard_size=SHARD_DOCS,
                              tokens_per_batch=self.tokens_per_batch, settings={"entry": name})
     emb, _, _ = encodings.load_embeddings(root / name)
@@ -155,18 +161,18 @@ class TowerEncoder:
 
   def documents(self, params, token_ids: Sequence[np.ndarray]) -> np.ndarray:
     """float32 [n, D]: the document tower's vectors of already tokenized documents (evaluation candidates)."""
-    runtime = encoder_runtime.EncoderRuntime(self.encode_doc, self.serving(params), self.tokenizer, self.doc_max_length,
-                                        {}, rows_multiple=self.rows_multiple)
+    runtime = encoder_runtime.EncoderRuntime(self.encode_doc, self.serving(params), self.doc_tokenizer,
+                                             self.doc_max_length, {}, rows_multiple=self.rows_multiple)
     return encoder_runtime.encode_tokens(runtime, token_ids, tokens_per_batch=self.tokens_per_batch)
 
   def _encode_corpus(self, params, progress: bool) -> np.ndarray:
     if self.hosts == 1:
       params = self.serving(params)
-      runtime = encoder_runtime.EncoderRuntime(self.encode_doc, params, self.tokenizer, self.doc_max_length, {},
+      runtime = encoder_runtime.EncoderRuntime(self.encode_doc, params, self.doc_tokenizer, self.doc_max_length, {},
                                           rows_multiple=self.rows_multiple)
     else:
       params = self.serving(encoder_runtime.whole_on(params, self._host_mesh))
-      runtime = encoder_runtime.EncoderRuntime(self._encode_part, params, self.tokenizer, self.doc_max_length, {},
+      runtime = encoder_runtime.EncoderRuntime(self._encode_part, params, self.doc_tokenizer, self.doc_max_length, {},
                                           rows_multiple=self._host_mesh.devices.size)
     bar = None
     if progress and self.host == 0:
@@ -189,9 +195,10 @@ class TowerEncoder:
     """float32 [Q, D] for the given query ids."""
     missing = [q for q in qids if q not in self._query_tokens]
     if missing:
-      tokens = text_lib.tokenize(self.tokenizer, [self.data.queries[q] for q in missing], self.query_max_length)
+      tokens = text_lib.tokenize(self.query_tokenizer, [self.data.queries[q] for q in missing],
+                                 self.query_max_length)
       self._query_tokens.update(zip(missing, tokens))
-    runtime = encoder_runtime.EncoderRuntime(self.encode_query, self.serving(params), self.tokenizer,
+    runtime = encoder_runtime.EncoderRuntime(self.encode_query, self.serving(params), self.query_tokenizer,
                                         self.query_max_length, {},
                                         rows_multiple=self.rows_multiple)
     return encoder_runtime.encode_tokens(runtime, [self._query_tokens[q] for q in qids],
@@ -371,7 +378,7 @@ class Evaluator:
       vectors = self._candidate_emb
     else:
       if self._candidate_tokens is None:
-        self._candidate_tokens = eval_candidates.tokenize(self.encoder.tokenizer, self.data.corpus,
+        self._candidate_tokens = eval_candidates.tokenize(self.encoder.doc_tokenizer, self.data.corpus,
                                                           self.encoder.doc_ids, cands.unique,
                                                           self.encoder.doc_max_length)
       vectors = self.encoder.documents(params, self._candidate_tokens)

@@ -28,6 +28,7 @@ import numpy as np
 
 from jdr.runtime import atomic
 from jdr.data import pairs
+from jdr.data import text as text_lib
 from jdr.retrieval import encodings
 from jdr.runtime import paths
 from jdr.negatives import given
@@ -333,7 +334,11 @@ def corpus_embeddings(neg, encoder, params, cache: pathlib.Path, corpus_ids: lis
     # Refused before step 0: rows of another corpus would silently score the wrong documents.
     encodings.check_ids_match(neg.corpus_encoding, corpus_ids,
                                f"negatives.corpus_encoding vs data.dataset={encoder.data.name}")
-    emb, _, _ = encodings.load_embeddings(neg.corpus_encoding)
+    emb, _, meta = encodings.load_embeddings(neg.corpus_encoding)
+    run_prompt = text_lib.prompt_of(getattr(encoder, "doc_tokenizer", None))
+    if meta.get("doc_prompt", "") != run_prompt:
+      retrieved.log(f"note: negatives.corpus_encoding={neg.corpus_encoding} was encoded with the document prompt "
+                    f"{meta.get('doc_prompt', '')!r}, this run's document tower reads {run_prompt!r}")
     return emb
   # Encoded a shard at a time into the workdir (resumable; named for the weights, so a resumed run finds the
   # starting tower's) and read back memory-mapped: the shards are the one copy of the matrix the host keeps.
@@ -361,7 +366,11 @@ def mine_rows(encoder, params, qids: list[str], n: int, path: pathlib.Path | Non
 
 def _cache_name(tag: str, n: int, encoder, ids: list[str]) -> str:
   """A workdir cache file for what the starting weights mined: the settings and ids are in the name, so a
-  changed dataset or length is mined anew rather than read from a stale file."""
-  h = hashlib.sha256(json.dumps([encoder.query_max_length, encoder.doc_max_length, n]).encode())
+  changed dataset, length or prompt is mined anew rather than read from a stale file."""
+  settings = [encoder.query_max_length, encoder.doc_max_length, n]
+  prompts = [text_lib.prompt_of(getattr(encoder, f"{side}_tokenizer", None)) for side in ("query", "doc")]
+  if any(prompts):  # only then: an unprompted run's cache keeps its name
+    settings.append({"prompts": prompts})
+  h = hashlib.sha256(json.dumps(settings).encode())
   h.update("\0".join(ids).encode())
   return f"{tag}-top{n}-{h.hexdigest()[:12]}.npy"

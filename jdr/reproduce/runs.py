@@ -364,10 +364,11 @@ _INDEXES: dict[tuple[str, str], object] = {}
 
 def evaluate_on(model, params, tokenizer, dataset: pathlib.Path, split: str, metrics: tuple[str, ...],
                 factories: list[str], *, query_max_length: int, doc_max_length: int,
-                vector_cache: pathlib.Path) -> dict[str, float]:
+                vector_cache: pathlib.Path, prompts: dict | None = None) -> dict[str, float]:
   """A model's metrics on one split of a BEIR dataset, on each Faiss index factory (the first unprefixed,
-  the others "FACTORY/metric"), encoded by the trainer's own TowerEncoder and read from the trainer's cache
-  where a run encoded the corpus with this document side before (its last evaluation, or the start's)."""
+  the others "FACTORY/metric"), encoded by the trainer's own TowerEncoder (after the model's `prompts`) and
+  read from the trainer's cache where a run encoded the corpus with this document side before (its last
+  evaluation, or the start's)."""
   import hashlib  # pylint: disable=g-import-not-at-top
   from jdr.retrieval import retrievers  # pylint: disable=g-import-not-at-top
   from jdr.evaluation import periodic  # pylint: disable=g-import-not-at-top
@@ -378,7 +379,7 @@ def evaluate_on(model, params, tokenizer, dataset: pathlib.Path, split: str, met
   corpus, queries, qrels = formats.load_beir(dataset, split)
   data = pairs.RetrievalData(corpus, queries, {}, qrels, pathlib.Path(dataset).name)
   encoder = periodic.TowerEncoder(model, tokenizer, data, query_max_length=query_max_length,
-                                    doc_max_length=doc_max_length, cache_dir=str(vector_cache))
+                                    doc_max_length=doc_max_length, cache_dir=str(vector_cache), prompts=prompts)
   doc_emb = encoder.corpus(params, progress=True)
   qids = sorted(qrels)
   query_emb = encoder.queries(params, qids)
@@ -394,10 +395,10 @@ def evaluate_on(model, params, tokenizer, dataset: pathlib.Path, split: str, met
   return results
 
 
-def score_model(ctx: Context, model, params, tokenizer, compressed: bool) -> dict:
+def score_model(ctx: Context, model, params, tokenizer, compressed: bool, prompts: dict | None = None) -> dict:
   """Test metrics on Flat (and on the compressed index), zero-shot metrics when a dataset is given."""
   lengths = dict(query_max_length=ctx.plan.query_max_length, doc_max_length=ctx.plan.eval_doc_length,
-                 vector_cache=ctx.vector_cache)
+                 vector_cache=ctx.vector_cache, prompts=prompts)
   factories = ["Flat", ctx.plan.compressed] if compressed else ["Flat"]
   record = {"test": evaluate_on(model, params, tokenizer, ctx.dataset, "test", TEST_METRICS, factories, **lengths)}
   if ctx.zero_shot is not None:
@@ -419,8 +420,9 @@ def score(ctx: Context, run: StageRun) -> dict:
   ctx.progress.begin(f"score {run.name} on test" + (" and zero-shot" if ctx.zero_shot else ""))
   start = time.perf_counter()
   with _output_to(ctx.workdir(run) / "score.log"):
-    model, params, tokenizer, _ = build_lib.load_jdr_model(ctx.workdir(run))
-    record = score_model(ctx, model, params, tokenizer, run.method in rows_lib.QUERY_ONLY)
+    model, params, tokenizer, description = build_lib.load_jdr_model(ctx.workdir(run))
+    record = score_model(ctx, model, params, tokenizer, run.method in rows_lib.QUERY_ONLY,
+                         prompts=description.get("prompts"))
   record["score_seconds"] = round(time.perf_counter() - start, 1)
   atomic.write_text(path, json.dumps(record, indent=1))
   release()
@@ -446,8 +448,9 @@ def score_start(ctx: Context) -> dict:
     params = trainer.initial_params(built.model, built, config, jax.random.PRNGKey(config.seed), None)
     dev = evaluate_on(built.model, params, built.tokenizer, ctx.dataset, "dev", TEST_METRICS, ["Flat"],
                       query_max_length=ctx.plan.query_max_length, doc_max_length=ctx.plan.eval_doc_length,
-                      vector_cache=ctx.vector_cache)
-    record = {"dev": dev, **score_model(ctx, built.model, params, built.tokenizer, True)}
+                      vector_cache=ctx.vector_cache, prompts=built.description.get("prompts"))
+    record = {"dev": dev, **score_model(ctx, built.model, params, built.tokenizer, True,
+                                        prompts=built.description.get("prompts"))}
   record["score_seconds"] = round(time.perf_counter() - start, 1)
   atomic.write_text(path, json.dumps(record, indent=1))
   release()

@@ -43,7 +43,7 @@ class EncoderRuntime:
   """A loaded tower with its tokenizer and settings: what it takes to turn texts into vectors."""
   apply_fn: Callable  # (params, input_ids, attention_mask) -> [B, D]
   params: object
-  tokenizer: object
+  tokenizer: object  # this side's: a `text.Prompted` one puts the side's prompt before every text
   max_length: int
   info: dict
   # (params, input_ids, attention_mask, span_mask [B, S, L]) -> ([B, D], [B, S, D]): FGD's Eq. 7 pieces
@@ -113,11 +113,16 @@ def gather_host_parts(part: np.ndarray | None, dim: int, block_bytes: int = GATH
 
 def load_runtime(model: str, *, pooling: str | None = None, normalize: bool | None = None,
                  max_length: int | None = None, dtype: str = "auto",
-                 side: str = "doc") -> EncoderRuntime:
+                 side: str = "doc", prompt: str | None = None) -> EncoderRuntime:
   """Loads `model` with its tokenizer, jitted, for one side ("query" or "doc").
 
   `model` is a Hugging Face directory, `minilm`, or a jdr model (a `jdr.export` directory or a training
   workdir), whose query and document towers may differ and whose pooling is part of what was trained.
+
+  The runtime's tokenizer puts the side's prompt before every text (`text.Prompted`): `prompt` when given
+  ("" = none), else the model's own (a jdr model's description["prompts"], a sentence-transformers
+  directory's config_sentence_transformers.json); info["prompt"] holds it, info["prompt_from"] where it
+  comes from.
   """
   # pylint: disable=g-import-not-at-top  (model code loads lazily, so `--help` stays fast)
   from jdr.models import build
@@ -147,12 +152,16 @@ def load_runtime(model: str, *, pooling: str | None = None, normalize: bool | No
     length, source = (max_length, "--max-length") if max_length else build.serving_length(description, side)
     info = {"pooling": tower.pooling, "normalize": tower.normalize, "max_length": length, "max_length_from": source,
             "trained_max_length": description[f"{side}_max_length"]}
+    # A description from before prompts were recorded has none.
+    tokenizer = _with_prompt(tokenizer, info, (description.get("prompts") or published.no_prompts())[side],
+                             prompt, side)
     return EncoderRuntime(apply_two_tower, params, tokenizer, int(info["max_length"]), info,
                           spans_two_tower if side == "doc" else None)
 
   one_tower, params, tokenizer, info = published.load_tower(
       model, pooling=pooling, normalize=normalize, max_length=max_length, dtype=build.compute_dtype(dtype))
   params = _serving(params, one_tower)
+  tokenizer = _with_prompt(tokenizer, info, info["prompts"][side], prompt, side)
 
   @jax.jit
   def apply_fn(params, input_ids, attention_mask):
@@ -166,6 +175,17 @@ def load_runtime(model: str, *, pooling: str | None = None, normalize: bool | No
   return EncoderRuntime(apply_fn, params, tokenizer, int(info["max_length"]), info, apply_spans)
 
 
+PROMPT_FLAGS = {"query": "--query-prompt", "doc": "--doc-prompt"}
+
+
+def _with_prompt(tokenizer, info: dict, own: str, asked: str | None, side: str):
+  """`tokenizer` putting the side's prompt before every text: `asked` unless None, else the model's `own`;
+  recorded in info["prompt"] / info["prompt_from"]."""
+  prompt, source = (own, "the model's own") if asked is None else (asked, PROMPT_FLAGS[side])
+  info["prompt"], info["prompt_from"] = prompt or "", source
+  return text_lib.prompted(tokenizer, prompt)
+
+
 def _serving(params, module):
   """The weights a runtime encodes with: matmul weights already in the compute dtype (same vectors)."""
   from jdr.models import towers  # pylint: disable=g-import-not-at-top
@@ -176,7 +196,11 @@ def length_line(runtime: EncoderRuntime, texts: str) -> str:
   """What a command says of the length it cuts `texts` ("queries", "documents") at, and why."""
   info = runtime.info
   trained = f"; trained at {info['trained_max_length']}" if info.get("trained_max_length") else ""
-  return f"{texts}: up to {runtime.max_length} tokens ({info.get('max_length_from', '--max-length')}{trained})"
+  line = f"{texts}: up to {runtime.max_length} tokens ({info.get('max_length_from', '--max-length')}{trained})"
+  if "prompt" in info:  # the prompt counts toward those tokens
+    line += (f", after the prompt {info['prompt']!r} ({info['prompt_from']})" if info["prompt"] else
+             f", no prompt ({info['prompt_from']})")
+  return line
 
 
 def encode_pieces(runtime: EncoderRuntime, token_ids: Sequence[np.ndarray], levels: Sequence[tuple[str, int]],
@@ -221,7 +245,8 @@ def document_tokens(tokenizer, corpus, max_length: int, lo: int = 0, hi: int | N
   """Token ids of the documents in rows [lo, hi) of `corpus` (a mapping {doc id: Doc}, in row order), as
   `text.tokenize` gives them for `text.doc_text`. A prepared corpus (jdr.data.prepared) reads them from its
   map, tokenizing the whole corpus once on first use for this (tokenizer, max_length), and holds nothing per
-  document; any other is tokenized now."""
+  document; any other is tokenized now. `tokenizer` is the document side's: a `text.Prompted` one puts the
+  model's document prompt before each document (a prepared corpus keeps those ids apart from unprompted ones)."""
   hi = len(corpus) if hi is None else hi
   if isinstance(corpus, prepared.PreparedCorpus) and prepared.can_tokenize(tokenizer):
     return corpus.tokenized(tokenizer, max_length, progress=progress).token_rows(lo, hi)

@@ -37,10 +37,17 @@ def save_npy(path: paths.epath.Path, array: np.ndarray) -> None:
 
 def corpus_settings(runtime: encoder_runtime.EncoderRuntime, model: str, corpus, **extra) -> dict:
   """What an encoding records of how it was made (`encode_corpus`'s settings): the model and corpus as absolute
-  paths (`minilm` as named), the runtime's pooling, normalization and length, and `extra` (jdr.encode: dtype);
-  a resume under other settings is refused rather than mixing two models' embeddings."""
-  return {"model": model if model == "minilm" else str(paths.absolute(model)), "corpus": str(paths.absolute(corpus)),
-          **{k: runtime.info[k] for k in ("pooling", "normalize", "max_length")}, **extra}
+  paths (`minilm` as named), the runtime's pooling, normalization and length, the document prompt its
+  tokenizer puts before each document (only when there is one: an unprompted encoding's settings are what
+  they always were), and `extra` (jdr.encode: dtype); a resume under other settings is refused rather than
+  mixing two models' embeddings."""
+  settings = {"model": model if model == "minilm" else str(paths.absolute(model)),
+              "corpus": str(paths.absolute(corpus)),
+              **{k: runtime.info[k] for k in ("pooling", "normalize", "max_length")}}
+  prompt = text_lib.prompt_of(runtime.tokenizer)
+  if prompt:
+    settings["doc_prompt"] = prompt
+  return {**settings, **extra}
 
 
 def encode_corpus(runtime: encoder_runtime.EncoderRuntime, docs: dict, out_dir: str | os.PathLike, *,

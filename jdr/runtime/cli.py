@@ -80,3 +80,15 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                       help="padded tokens per batch; the batch size follows from each length bucket "
                            f"(default {encoder_runtime.CPU_TOKENS_PER_BATCH} on CPU, "
                            f"{encoder_runtime.ACCELERATOR_TOKENS_PER_BATCH} on GPU/TPU)")
+
+
+def add_prompt_flags(parser: argparse.ArgumentParser, *sides: str) -> None:
+  """--query-prompt and/or --doc-prompt (`sides`: "query", "doc"): the text put before every query / document,
+  replacing the model's own (None, the default: the model's own; "" = none)."""
+  texts = {"query": "query", "doc": "document"}
+  for side in sides:
+    parser.add_argument(encoder_runtime.PROMPT_FLAGS[side], dest=f"{side}_prompt", default=None,
+                        help=f"text put before every {texts[side]} before tokenizing (its tokens count toward "
+                             f"the length), e.g. E5's \"{'query' if side == 'query' else 'passage'}: \"; default: "
+                             "the model's own (a jdr model's, a sentence-transformers directory's prompts); \"\" = "
+                             "none")

@@ -21,8 +21,11 @@ What a config turns on (`distill.*`, see jdr/runtime/defaults.py):
 Teacher scores are computed once per stage, before step 0, for every training query with each document it
 can meet (its positives and its negative pool): the document (FirstP, the student's document tokens) and
 each of its pieces, as `[CLS] query [SEP] piece [SEP]` built from the student's own token ids (the teacher
-must share the student's tokenizer). They are cached in the workdir (keyed by teacher, data and settings),
-so a resumed run reads them back. `complete(batch, step)` adds the teacher fields of the step's rows.
+must share the student's tokenizer). A student with prompts (model.query_prompt / model.doc_prompt) reads
+its queries and documents after them; the teacher takes none: its query, document and pieces are the
+student's token ids with the prompt's tokens left out (a piece keeps its place among the student's windows).
+They are cached in the workdir (keyed by teacher, data and settings), so a resumed run reads them back.
+`complete(batch, step)` adds the teacher fields of the step's rows.
 """
 
 from __future__ import annotations
@@ -206,6 +209,15 @@ def windows_of(token_ids: np.ndarray, size: int, count: int) -> list[np.ndarray]
   return [content[s * size:(s + 1) * size] for s in range(count)]
 
 
+def prompt_length(tokenizer) -> int:
+  """Content tokens a `text.Prompted` tokenizer's prompt takes at the start of every text's ids (0 for none):
+  the prompt's own tokens, its trailing whitespace left out (a byte-level BPE joins it to the next word)."""
+  bare, prompt = text_lib.unprompted(tokenizer)
+  if not prompt.strip():
+    return 0
+  return len(bare(prompt.rstrip(), add_special_tokens=False)["input_ids"])
+
+
 def joined(tokenizer, query: np.ndarray, piece: np.ndarray) -> tuple[list[int], list[int]]:
   """`[CLS] query [SEP] piece [SEP]` (RoBERTa: `<s> q </s></s> d </s>`) from content token ids."""
   cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
@@ -223,19 +235,28 @@ class TeacherScores:
   The pairs named up front (each drawn query's positives and negative pool) are scored in one pass and cached in
   the workdir; a pair a batch needs beyond them (a random top-up of a short pool) is scored when first
   asked for, counted in `late`, and kept for the rest of the run.
+
+  `doc_tokens` / `query_tokens` are the student's ids; `prompts` ({"query", "doc"}) the student's prompts,
+  whose tokens they start with and the teacher does not see (`prompt_length`).
   """
 
   def __init__(self, config: ml_collections.ConfigDict, data, tokenizer, doc_tokens: dict[str, np.ndarray],
-               query_tokens: dict[str, np.ndarray], pairs: Sequence[tuple[str, str]], cache: pathlib.Path):
+               query_tokens: dict[str, np.ndarray], pairs: Sequence[tuple[str, str]], cache: pathlib.Path,
+               prompts: dict | None = None):
     self.config, self.data, self.tokenizer = config, data, tokenizer
     self.doc_tokens, self.query_tokens = dict(doc_tokens), dict(query_tokens)
+    prompts = {side: text for side, text in (prompts or {}).items() if text}
+    self.doc_tokenizer = text_lib.prompted(tokenizer, prompts.get("doc"))  # the student's documents
+    self.skip = {side: prompt_length(text_lib.prompted(tokenizer, prompts.get(side))) for side in ("query", "doc")}
     self.levels = levels(config)
     self.counts = piece_counts(config)
     self._score_fn = None
     self.late = 0
-    key = hashlib.sha256(json.dumps([str(paths.absolute(config.distill.teacher)), data.name,
-                                     config.data.query_max_length, config.data.doc_max_length, self.levels,
-                                     sorted(pairs)]).encode()).hexdigest()[:16]
+    what = [str(paths.absolute(config.distill.teacher)), data.name, config.data.query_max_length,
+            config.data.doc_max_length, self.levels, sorted(pairs)]
+    if prompts:  # only then: an unprompted run's cache keeps its name
+      what.append({"prompts": prompts})
+    key = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:16]
     path = cache / f"teacher-{key}.json"
     if path.exists():
       self.scores = {tuple(k.split("\t")): v for k, v in json.loads(path.read_text()).items()}
@@ -267,17 +288,20 @@ class TeacherScores:
     specials = tokenizer.num_special_tokens_to_add(pair=True)
     missing_docs = sorted({d for _, d in pairs if d not in self.doc_tokens})
     texts = [text_lib.doc_text(self.data.corpus[d]) for d in missing_docs]
-    self.doc_tokens.update(zip(missing_docs, text_lib.tokenize(tokenizer, texts, self.config.data.doc_max_length)))
+    self.doc_tokens.update(zip(missing_docs, text_lib.tokenize(self.doc_tokenizer, texts,
+                                                               self.config.data.doc_max_length)))
+    skip_query, skip_doc = self.skip["query"], self.skip["doc"]
     jobs, where = [], []
     for q, d in pairs:
-      query = self.query_tokens[q][1:-1]
+      query = self.query_tokens[q][1:-1][skip_query:]  # the teacher takes no prompt
       ids = self.doc_tokens[d]
       # The whole document may not fit beside the query in the teacher's positions (512 for BERT): its
       # document-level score is then the teacher's FirstP, as a cross-encoder reranker would see it.
-      jobs.append(joined(tokenizer, query, ids[1:-1][:self.longest - len(query) - specials]))
+      jobs.append(joined(tokenizer, query, ids[1:-1][skip_doc:][:self.longest - len(query) - specials]))
       where.append((q, d, "doc", 0))
       for name, size in self.levels:
         for s, piece in enumerate(windows_of(ids, size, self.counts[name])):
+          piece = piece[max(0, skip_doc - s * size):]  # the prompt's tokens, in the windows they fall in
           if len(piece):
             jobs.append(joined(tokenizer, query, piece))
             where.append((q, d, name, s))
@@ -362,7 +386,9 @@ class Distiller:
   (its positive, then its n negatives) and, per level, `teacher_<level>_pos` [B, K] (the positive's
   pieces) and `teacher_<level>_neg` [B, n, K] (the negatives' pieces); NaN marks a piece that does not exist."""
 
-  def __init__(self, config, data, tokenizer, batches, sampler, cache: pathlib.Path):
+  def __init__(self, config, data, tokenizer, batches, sampler, cache: pathlib.Path, prompts: dict | None = None):
+    """`prompts`: the student's {"query", "doc"} prompts (its description's), which its token ids start with
+    and the teacher's inputs leave out."""
     self.config, self.batches = config, batches
     self.per_query = config.negatives.per_query
     if config.distill.teacher == MINED:
@@ -376,10 +402,14 @@ class Distiller:
     docs_of = {q: sorted({d for d, r in data.train_qrels[q].items() if r > 0} | set(sampler.pool(q))) for q in qids}
     pairs = [(q, d) for q in qids for d in docs_of[q]]
     needed = sorted({d for _, d in pairs})
-    doc_tokens = dict(zip(needed, text_lib.tokenize(tokenizer, [text_lib.doc_text(data.corpus[d]) for d in needed],
+    # The student's token ids (after its prompts): its document windows are what the teacher's pieces follow.
+    prompts = prompts or {}
+    doc_tokenizer = text_lib.prompted(tokenizer, prompts.get("doc"))
+    query_tokenizer = text_lib.prompted(tokenizer, prompts.get("query"))
+    doc_tokens = dict(zip(needed, text_lib.tokenize(doc_tokenizer, [text_lib.doc_text(data.corpus[d]) for d in needed],
                                                     doc_max)))
-    query_tokens = dict(zip(qids, text_lib.tokenize(tokenizer, [data.queries[q] for q in qids], query_max)))
-    self.teacher = TeacherScores(config, data, tokenizer, doc_tokens, query_tokens, pairs, cache)
+    query_tokens = dict(zip(qids, text_lib.tokenize(query_tokenizer, [data.queries[q] for q in qids], query_max)))
+    self.teacher = TeacherScores(config, data, tokenizer, doc_tokens, query_tokens, pairs, cache, prompts=prompts)
     self.levels = self.teacher.levels
 
   def complete(self, batch: dict, step: int) -> dict:

@@ -61,9 +61,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
 
   # ---------------------------------------------------------------- data and model
   built = build_lib.build(config.model, config.data)
+  # The texts put before every query and document (model.query_prompt / model.doc_prompt, else the model's
+  # own), wherever the run tokenizes them; a cross-encoder has none.
+  prompts = built.description.get("prompts")
   if pretraining:  # pairs from articles, made by the step; no corpus and no evaluation
     batches, data = pretrain_batches.make(config, built.tokenizer, process_index=jax.process_index(),
-                                          process_count=jax.process_count())
+                                          process_count=jax.process_count(), prompts=prompts)
   else:
     data = pairs.load(config.data, workdir)
   model = built.model
@@ -95,7 +98,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   encoder = periodic.TowerEncoder(
       model, built.tokenizer, data, query_max_length=config.data.query_max_length,
       doc_max_length=config.eval.doc_max_length or config.data.doc_max_length,
-      tokens_per_batch=config.eval.tokens_per_batch, mesh=mesh, cache_dir=config.eval.corpus_cache)
+      tokens_per_batch=config.eval.tokens_per_batch, mesh=mesh, cache_dir=config.eval.corpus_cache,
+      prompts=prompts)
 
   negatives = sources.make(config, data, workdir, encoder, state.params, mesh,
                            step_lib.make_step_query_vectors(model, config.model.encode_chunk_rows))
@@ -107,12 +111,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
         in_batch=config.negatives.in_batch, seed=config.seed,
         process_index=jax.process_index(), process_count=jax.process_count(),
         candidates=negatives.candidates, pair_weighting=config.negatives.pair_weighting,
-        random_weight=config.negatives.random_weight, triples_per_query=config.negatives.triples_per_query)
+        random_weight=config.negatives.random_weight, triples_per_query=config.negatives.triples_per_query,
+        prompts=prompts)
     if is_host0:
       pairs.describe_counts(data, batches)
   distiller = None
   if distill.enabled(config):  # the teacher scores every (query, document) the run can meet, once, cached
-    distiller = distill.Distiller(config, data, built.tokenizer, batches, negatives.sampler, workdir / "cache")
+    distiller = distill.Distiller(config, data, built.tokenizer, batches, negatives.sampler, workdir / "cache",
+                                  prompts=prompts)
 
   # ---------------------------------------------------------------- the step, jitted once
   train_step = step_lib.make_train_step(model, tx, config, mesh, negatives.candidates, negatives.retrieve_in_step)
