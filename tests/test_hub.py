@@ -51,9 +51,9 @@ MODEL_FILES = {"config.json": '{"model_type": "roberta"}', "model.safetensors": 
 
 @pytest.fixture(autouse=True)
 def no_lookups_carried_over():
-  hub._snapshot.cache_clear()  # pylint: disable=protected-access
+  hub.forget()
   yield
-  hub._snapshot.cache_clear()  # pylint: disable=protected-access
+  hub.forget()
 
 
 @pytest.fixture

@@ -228,3 +228,72 @@ def test_unknown_model_type_is_one_line(tmp_path):
   (tmp_path / "model.safetensors").write_bytes(b"")
   with pytest.raises(ValueError, match="model_type 't5' is not one jdr reads"):
     published.read(tmp_path)
+
+
+# ----------------------------------------------------------------------------------------------- hub ids
+
+
+def _cache_as_huggingface_hub_does(cache, repo_id: str, folder, commit: str = "c0ffee" * 6 + "c0ff") -> None:
+  """`folder`'s files as huggingface_hub caches a download: blobs/, snapshots/COMMIT/ links, refs/main."""
+  import hashlib
+  import os
+  root = cache / ("models--" + repo_id.replace("/", "--"))
+  for f in sorted(folder.iterdir()):
+    data = f.read_bytes()
+    blob = root / "blobs" / hashlib.sha256(data).hexdigest()
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    blob.write_bytes(data)
+    link = root / "snapshots" / commit / f.name
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(os.path.relpath(blob, link.parent))
+  (root / "refs").mkdir(parents=True, exist_ok=True)
+  (root / "refs" / "main").write_text(commit)
+
+
+@pytest.fixture
+def offline_cache(tmp_path, monkeypatch):
+  from huggingface_hub import constants
+  from jdr.runtime import hub
+  cache = tmp_path / "hf" / "hub"
+  cache.mkdir(parents=True)
+  monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+  monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+  monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+  monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+  hub.forget()
+  yield cache
+  hub.forget()
+
+
+def test_a_hub_id_loads_from_the_cache_offline_and_a_missing_one_is_one_line(tmp_path, offline_cache, minilm_dir):
+  model = perturbed(transformers.DistilBertModel(transformers.DistilBertConfig(
+      vocab_size=30522, dim=32, n_layers=2, n_heads=4, hidden_dim=37, max_position_embeddings=64)))
+  model.save_pretrained(tmp_path / "tasb")
+  for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt"):
+    shutil.copy(minilm_dir / name, tmp_path / "tasb" / name)
+  _cache_as_huggingface_hub_does(offline_cache, "someone/tiny-tasb", tmp_path / "tasb")
+  from jdr.retrieval import encoder_runtime
+  by_id = encoder_runtime.load_runtime("someone/tiny-tasb", dtype="float32")
+  by_path = encoder_runtime.load_runtime(str(tmp_path / "tasb"), dtype="float32")
+  texts = ["what causes scurvy?", "hi"]
+  np.testing.assert_array_equal(encoder_runtime.encode_texts(by_id, texts), encoder_runtime.encode_texts(by_path, texts))
+  assert by_id.info["family"] == "distilbert"
+  with pytest.raises(FileNotFoundError, match=r"^someone/absent: not in the Hugging Face cache \(HF_HUB_OFFLINE"):
+    encoder_runtime.load_runtime("someone/absent")
+  # A run names it the same way, refused before any work with the key and the reason.
+  from jdr.runtime import config_files, defaults
+  config = defaults.get_config()
+  config.data.dataset = "builtin"
+  config.model.init_from = "someone/absent"
+  with pytest.raises(config_files.ConfigError, match=r"^model.init_from=someone/absent: not in the Hugging Face cache"):
+    config_files.check_inputs(config)
+  config.model.init_from = "someone/tiny-tasb"
+  config_files.check_inputs(config)
+
+
+def test_last_token_pooling_takes_each_rows_last_real_token_on_either_padding_side():
+  from jdr.models.towers import pool
+  hidden = np.random.default_rng(0).normal(size=(3, 5, 4)).astype(np.float32)
+  mask = np.array([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+  expected = hidden[[0, 1, 2], [2, 4, 4]]
+  np.testing.assert_array_equal(np.asarray(pool(hidden, mask, "last")), expected)

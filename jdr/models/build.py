@@ -16,6 +16,7 @@ import numpy as np
 
 from jdr.runtime import config_files
 from jdr.runtime import parallel
+from jdr.runtime import hub
 from jdr.runtime import paths
 from jdr.data import text
 from jdr.models import architectures
@@ -135,7 +136,8 @@ def build(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collections.ConfigD
     sides = {"query": _published(init_from, model_cfg, overrides)}
     sides["doc"] = _published(doc_init_from, model_cfg, overrides) if doc_init_from else sides["query"]
     towers_ = {side: _run_tower(model_cfg, pub, side) for side, pub in sides.items()}
-    tokenizer_path = model_cfg.tokenizer or _tokenizer_dir(sides["query"], "model.init_from")
+    tokenizer_path = (resolve_model(model_cfg.tokenizer) if model_cfg.tokenizer
+                      else _tokenizer_dir(sides["query"], "model.init_from"))
     if doc_init_from and not model_cfg.tokenizer:
       _same_tokenizer(tokenizer_path, _tokenizer_dir(sides["doc"], "model.doc_init_from"))
     tower_params = {side: pub.params for side, pub in sides.items()}
@@ -169,7 +171,7 @@ def _published(name: str, model_cfg: ml_collections.ConfigDict, overrides: dict)
 
 def resolve_model(name: str) -> str:
   """A model name as a user types it (a path, or a Hugging Face hub id) -> a path to read."""
-  return str(name)
+  return str(hub.resolve(str(name)))
 
 
 def _run_tower(model_cfg: ml_collections.ConfigDict, pub: published.Published, side: str) -> TowerConfig:

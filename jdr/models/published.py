@@ -34,7 +34,7 @@ from jdr.models.towers import TowerConfig
 # sentence-transformers' prompt names: encode_query reads "query"; encode_document the first of these.
 _DOC_PROMPT_NAMES = ("document", "passage", "corpus", "doc")
 _POOLING_FLAGS = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
-                  "pooling_mode_max_tokens": "max"}
+                  "pooling_mode_max_tokens": "max", "pooling_mode_lasttoken": "last"}
 # torch.nn.LayerNorm's default, which ANCE's and DRhard's `norm` use whatever the encoder's epsilon.
 TORCH_LAYER_NORM_EPS = 1e-5
 _ACTIVATIONS = {"torch.nn.modules.activation.Tanh": "tanh", "torch.nn.modules.linear.Identity": "identity",
@@ -213,14 +213,14 @@ def _pooling(config_file: Path) -> str:
   if isinstance(config.get("pooling_mode"), str):
     enabled = [config["pooling_mode"]]
     mode = {"cls": "cls", "cls_token": "cls", "mean": "mean", "mean_tokens": "mean", "max": "max",
-            "max_tokens": "max"}.get(enabled[0])
+            "max_tokens": "max", "lasttoken": "last"}.get(enabled[0])
   else:
     enabled = [k for k, v in config.items() if k.startswith("pooling_mode") and v]
     mode = _POOLING_FLAGS.get(enabled[0]) if len(enabled) == 1 else None
   if mode:
     return mode
   raise UnsupportedPooling(f"{config_file}: pooling {enabled}, which jdr does not implement (it pools with one "
-                           "of cls, mean, max); set the pooling explicitly (model.pooling / --pooling)")
+                           "of cls, mean, max, lasttoken); set the pooling explicitly (model.pooling / --pooling)")
 
 
 class UnsupportedPooling(ValueError):

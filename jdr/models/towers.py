@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jdr.models import architectures
 from jdr.models.bert import EncoderConfig
 
-POOLINGS = ("cls", "mean", "max")
+POOLINGS = ("cls", "mean", "max", "last")
 HEAD_ACTIVATIONS = ("identity", "tanh")
 
 
@@ -60,8 +60,8 @@ class TowerConfig:
     elif self.kind == "bow_mlp":
       if self.vocab_size is None:
         raise ValueError("a bow_mlp tower needs vocab_size")
-      if self.pooling == "cls":
-        raise ValueError("a bow_mlp tower pools with 'mean' (as Chang et al. 2020) or 'max', not 'cls'")
+      if self.pooling in ("cls", "last"):
+        raise ValueError(f"a bow_mlp tower pools with 'mean' (as Chang et al. 2020) or 'max', not {self.pooling!r}")
     else:
       raise ValueError(f"kind must be 'transformer' or 'bow_mlp', got {self.kind!r}")
     if self.projection_activation not in HEAD_ACTIVATIONS:
@@ -99,6 +99,12 @@ def pool(hidden: jax.Array, mask: jax.Array, how: str) -> jax.Array:
     # sentence-transformers' mean: clamp the count so an all-padding row gives zeros, not NaN.
     count = jnp.maximum(jnp.sum(mask.astype(jnp.float32), axis=1, keepdims=True), 1e-9)
     return (total / count).astype(hidden.dtype)
+  if how == "last":
+    # The last real token (a decoder's EOS, RepLLaMA / E5-Mistral), right or left padded: the highest
+    # position the mask holds.
+    positions = jnp.arange(mask.shape[1])
+    last = jnp.max(jnp.where(mask.astype(bool), positions[None, :], 0), axis=1)
+    return jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
   mask = mask.astype(bool)[..., None]
   if how == "max":
     return jnp.max(jnp.where(mask, hidden, jnp.finfo(hidden.dtype).min), axis=1)

@@ -131,6 +131,7 @@ def load_runtime(model: str, *, pooling: str | None = None, normalize: bool | No
   from jdr.training import span_embeddings
   if side not in ("query", "doc"):
     raise ValueError(f"side must be 'query' or 'doc', got {side!r}")
+  model = build.resolve_model(model)  # a hub id -> its snapshot in huggingface_hub's cache
   if build.is_jdr_model(model):
     two_tower, params, tokenizer, description = build.load_jdr_model(model)
     tower = getattr(two_tower, side)

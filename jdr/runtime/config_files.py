@@ -19,6 +19,7 @@ from typing import Sequence
 
 import ml_collections
 
+from jdr.runtime import hub
 from jdr.runtime import paths
 
 
@@ -62,8 +63,16 @@ def check_inputs(config: ml_collections.ConfigDict) -> None:
       raise ConfigError(not_found("data.dataset", data.dataset, data_what or "the Wikispeedia directory"))
   elif data.dataset != "builtin" and not paths.as_path(data.dataset).is_dir():
     raise ConfigError(not_found("data.dataset", data.dataset, data_what or DATASET))
-  if model.init_from not in ("", "minilm") and not paths.as_path(model.init_from).exists():
-    raise ConfigError(not_found("model.init_from", model.init_from, model.description or MODEL))
+  for key, name in (("model.init_from", model.init_from), ("model.doc_init_from", model.get("doc_init_from", ""))):
+    if name in ("", "minilm") or paths.as_path(name).exists():
+      continue
+    if hub.looks_like_hub_id(name):
+      try:
+        hub.resolve(name)  # downloads now, or says in one line why it cannot, before any work
+      except FileNotFoundError as e:
+        raise ConfigError(f"{key}={e}") from None
+      continue
+    raise ConfigError(not_found(key, name, model.description or MODEL))
   teacher = config.distill.teacher
   if teacher not in ("", "minilm", "mined") and not paths.as_path(teacher).exists():
     raise ConfigError(not_found("distill.teacher", teacher, TEACHER))

@@ -80,6 +80,11 @@ def skipped_duplicates(files: list[str]) -> list[str]:
                 re.fullmatch(r"pytorch_model.*\.bin(\.index\.json)?", os.path.basename(f)))
 
 
+def forget() -> None:
+  """Drops the lookups this process remembered (a test changing the cache or the offline setting)."""
+  _snapshot.cache_clear()
+
+
 # One lookup per id, cache folder and mode in a process: a model and its tokenizer name the same id, and online
 # each lookup asks the hub for the repository's files.
 @functools.lru_cache(maxsize=None)
