@@ -170,7 +170,8 @@ def test_sentence_transformers_model_with_prompts_trains_and_exports(tmp_path, t
   description = json.loads((export / "jdr_model.json").read_text())
   assert description["prompts"] == {"query": "query: ", "doc": "passage: "}
   assert description["query"]["projection_activation"] == "tanh"
-  ours, _ = _jdr_vectors(export, "doc", ["passage: " + t for t in TEXTS])
-  diff = float(np.abs(_st_vectors(export, ["passage: " + t for t in TEXTS]) - ours).max())
+  ours, runtime = _jdr_vectors(export, "doc")  # the model's own prompt, put before each text by jdr
+  assert runtime.info["prompt"] == "passage: "
+  diff = float(np.abs(_st_vectors(export, prompt_name="document") - ours).max())
   print(f"sentence-transformers export (Dense tanh + Normalize): max abs diff {diff:.2e}")
   assert diff < 1e-5
