@@ -297,3 +297,21 @@ def test_last_token_pooling_takes_each_rows_last_real_token_on_either_padding_si
   mask = np.array([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
   expected = hidden[[0, 1, 2], [2, 4, 4]]
   np.testing.assert_array_equal(np.asarray(pool(hidden, mask, "last")), expected)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_decoder_directory_is_a_last_token_tower(tmp_path, kind):
+  config_cls, model_cls = {"llama": (transformers.LlamaConfig, transformers.LlamaModel),
+                           "qwen2": (transformers.Qwen2Config, transformers.Qwen2Model)}[kind]
+  model = perturbed(model_cls(config_cls(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, intermediate_size=40, max_position_embeddings=64)))
+  model.save_pretrained(tmp_path)
+  ids, mask = batch(0)
+  with torch.no_grad():
+    hidden = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).last_hidden_state.numpy()
+  expected = hidden[np.arange(3), mask.sum(1) - 1]
+  got, info = ours(tmp_path, ids, mask)
+  diff = float(np.abs(got - expected).max())
+  print(f"{kind} tower (last-token pooling) max abs diff: {diff:.2e}")
+  assert info["family"] == kind and info["pooling"] == "last" and diff < 1e-5
+  assert np.abs(rows_alone(tmp_path, ids, mask) - got).max() < 1e-5

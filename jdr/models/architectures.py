@@ -4,6 +4,8 @@ Flax module, Hugging Face names and config.json.
   bert, roberta   jdr.models.bert (RoBERTa: padding-offset positions)
   distilbert      jdr.models.bert's blocks without token types; names and config in jdr.models.distilbert
   modernbert      jdr.models.modernbert (rotary positions, GeGLU, local and global attention)
+  llama, mistral, qwen2, qwen3
+                  jdr.models.decoder (causal decoders as towers: RMSNorm, rotary, SwiGLU, grouped-query attention)
 
 Every caller that builds, loads, exports or sizes an encoder asks here, so a new architecture is one entry.
 """
@@ -18,12 +20,23 @@ from jdr.models.bert import EncoderConfig
 
 # transformers model_type values and the architecture that reads them.
 _HF_TYPES = {"bert": "bert", "roberta": "roberta", "xlm-roberta": "roberta", "camembert": "roberta",
-             "dpr": "bert", "distilbert": "distilbert", "modernbert": "modernbert"}
+             "dpr": "bert", "distilbert": "distilbert", "modernbert": "modernbert",
+             "llama": "decoder", "mistral": "decoder", "qwen2": "decoder", "qwen3": "decoder"}
+DECODER_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def _modernbert():
   from jdr.models import modernbert  # pylint: disable=g-import-not-at-top  (only its users pay its import)
   return modernbert
+
+
+def _decoder():
+  from jdr.models import decoder  # pylint: disable=g-import-not-at-top
+  return decoder
+
+
+def is_decoder(cfg) -> bool:
+  return getattr(cfg, "model_type", None) in DECODER_TYPES
 
 
 def is_modernbert(cfg) -> bool:
@@ -45,6 +58,8 @@ def config_from_hf(config: dict[str, Any], **overrides):
     return distilbert.config_from_hf(config, **overrides)
   if kind == "modernbert":
     return _modernbert().ModernBertConfig.from_hf(config, **overrides)
+  if kind == "decoder":
+    return _decoder().DecoderConfig.from_hf(config, **overrides)
   return EncoderConfig.from_hf(config, **overrides)
 
 
@@ -52,6 +67,8 @@ def config_from_saved(d: dict[str, Any]):
   """The encoder config a saved model's description holds (dataclasses.asdict of one)."""
   if d.get("model_type") == "modernbert":
     return _modernbert().ModernBertConfig.from_saved(d)
+  if d.get("model_type") in DECODER_TYPES:
+    return _decoder().DecoderConfig.from_saved(d)
   return EncoderConfig.from_saved(d)
 
 
@@ -68,25 +85,32 @@ def hf_table(cfg) -> list:
     return distilbert.hf_table(cfg)
   if is_modernbert(cfg):
     return _modernbert().hf_table(cfg)
+  if is_decoder(cfg):
+    return _decoder().hf_table(cfg)
   return bert.hf_table(cfg)
 
 
 def module(cfg):
   """The Flax encoder module class for `cfg`: token ids -> float32 [B, L, H]."""
+  if is_decoder(cfg):
+    return _decoder().DecoderEncoder
   return _modernbert().ModernBertEncoder if is_modernbert(cfg) else bert.Encoder
 
 
 def serving_params(params: dict, cfg) -> dict:
+  if is_decoder(cfg):
+    return _decoder().serving_params(params, cfg)
   return (_modernbert().serving_params if is_modernbert(cfg) else bert.serving_params)(params, cfg)
 
 
 # The prefix a transformers head model puts before its base model's names, per architecture; a checkpoint
 # saved from such a model (e.g. RobertaForSequenceClassification, ANCE's RobertaDot) reads the same.
 BASE_PREFIXES = {"bert": ("bert.",), "roberta": ("roberta.",), "distilbert": ("distilbert.",),
-                 "modernbert": ("model.",)}
+                 "modernbert": ("model.",), "decoder": ("model.",)}
 # Heads that transformers checkpoints carry on top of the encoder, which a retrieval tower never uses.
 IGNORED_HEADS = {"bert": ("pooler.", "cls.", "classifier.", "qa_outputs."),
                  "roberta": ("pooler.", "lm_head.", "classifier.", "qa_outputs."),
                  "distilbert": ("vocab_transform.", "vocab_layer_norm.", "vocab_projector.", "pre_classifier.",
                                 "classifier.", "qa_outputs."),
-                 "modernbert": ("head.", "decoder.", "classifier.", "qa_outputs.")}
+                 "modernbert": ("head.", "decoder.", "classifier.", "qa_outputs."),
+                 "decoder": ("lm_head.", "score.", "classifier.", "qa_outputs.")}

@@ -125,6 +125,9 @@ def params_from_state_dict(cfg, tensors: dict[str, np.ndarray], source: str = "s
                            family: str | None = None) -> dict[str, Any]:
   """Converts HF-named tensors to the nested encoder param dict (float32 numpy). `family` names what the
   checkpoint was read as, for the error when its tensors do not fit."""
+  if architectures.is_decoder(cfg):  # its own reader: bfloat16 kept bfloat16, rotary buffers of old checkpoints
+    from jdr.models import decoder  # pylint: disable=g-import-not-at-top
+    return decoder.params_from_state_dict(cfg, tensors, source, family=family)
   tensors, duplicates = strip(tensors, cfg)
   table = architectures.hf_table(cfg)
   known = {e.hf_name for e in table}
@@ -227,7 +230,11 @@ def export_hf(config, params: dict[str, Any], path: str | Path, *, tokenizer=Non
   """
   from safetensors.numpy import save_file
   path = Path(path)
-  tensors = state_dict_from_params(config, params)
+  if architectures.is_decoder(config):
+    from jdr.models import decoder  # pylint: disable=g-import-not-at-top
+    tensors = decoder.state_dict_from_params(config, params)
+  else:
+    tensors = state_dict_from_params(config, params)
   if config.model_type in ("bert", "roberta"):
     tensors.update(_untrained_pooler(config))
   tensors = {prefix + name: value for name, value in tensors.items()}

@@ -116,7 +116,8 @@ def _transformers(path: Path, config: dict, overrides: dict) -> Published:
   else:
     family = model_type
     params = {"encoder": hf.params_from_state_dict(encoder, tensors, str(path), family=model_type)}
-    tower = TowerConfig(encoder=encoder, pooling="cls")
+    # A decoder's summary of a text is at its last token (RepLLaMA, E5-Mistral); an encoder's at [CLS].
+    tower = TowerConfig(encoder=encoder, pooling="last" if architectures.is_decoder(encoder) else "cls")
   return Published(str(path), family, tower, params, no_prompts(), None, str(path))
 
 
