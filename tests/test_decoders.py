@@ -184,7 +184,8 @@ def test_jitted_gradients_with_and_without_remat_agree(tiny):
     return jnp.sum(decoder.last_token_pool(hidden, jnp.asarray(mask)) ** 2)
 
   grads = [jax.jit(jax.grad(loss), static_argnums=1)(params, cfg.replace(remat=remat)) for remat in (False, True)]
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), *grads)
+  # Recomputed activations are the same math in another XLA fusion; float32 sums may round differently.
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), *grads)
   assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads[0]))
 
 

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdr.models import bert
+from jdr.models import weight_names
 from jdr.models.dropout import Dropout
 from jdr.runtime import parallel
 
@@ -632,8 +633,7 @@ def params_from_state_dict(cfg: DecoderConfig, tensors: dict[str, np.ndarray], s
                            family: str | None = None) -> dict[str, Any]:
   """transformers-named tensors (a base model's or a causal LM's) -> the DecoderEncoder param tree as numpy
   arrays in cfg.param_dtype (bfloat16 tensors stay bfloat16 when it is "bfloat16"). Raises
-  jdr.models.hf.HFWeightsError listing every missing, unexpected and mis-shaped tensor."""
-  from jdr.models import hf  # pylint: disable=g-import-not-at-top  (hf imports the architectures, which import this)
+  jdr.models.weight_names.HFWeightsError listing every missing, unexpected and mis-shaped tensor."""
   tensors, duplicates = strip(tensors)
   table = hf_table(cfg)
   known = {e.hf_name for e in table}
@@ -642,7 +642,7 @@ def params_from_state_dict(cfg: DecoderConfig, tensors: dict[str, np.ndarray], s
   mismatched = [(e.hf_name, tensors[e.hf_name].shape, e.hf_shape) for e in table
                 if e.hf_name in tensors and tuple(tensors[e.hf_name].shape) != e.hf_shape]
   if missing or unexpected or mismatched:
-    raise hf.HFWeightsError(source, missing, unexpected, mismatched, family=family or cfg.model_type)
+    raise weight_names.HFWeightsError(source, missing, unexpected, mismatched, family=family or cfg.model_type)
   dtype = np.dtype(cfg.parameter_dtype)
   params: dict[str, Any] = {}
   for e in table:
@@ -656,7 +656,6 @@ def params_from_state_dict(cfg: DecoderConfig, tensors: dict[str, np.ndarray], s
 def state_dict_from_params(cfg: DecoderConfig, params: dict[str, Any], dtype=np.float32) -> dict[str, np.ndarray]:
   """The reverse of params_from_state_dict: DecoderEncoder params -> the base model's transformers-named tensors
   (float32 unless `dtype` says), as transformers.AutoModel loads them."""
-  from jdr.models import hf  # pylint: disable=g-import-not-at-top
   params = nn.unbox(params)
   if set(params) == {"params"}:
     params = params["params"]
@@ -685,5 +684,5 @@ def state_dict_from_params(cfg: DecoderConfig, params: dict[str, Any], dtype=np.
     else:
       tensors[e.hf_name] = np.ascontiguousarray(e.to_hf(value.astype(dtype)))
   if missing or unexpected or mismatched:
-    raise hf.HFWeightsError("params", missing, unexpected, mismatched)
+    raise weight_names.HFWeightsError("params", missing, unexpected, mismatched)
   return tensors

@@ -20,6 +20,7 @@ import numpy as np
 
 from jdr.runtime import paths
 from jdr.models import architectures
+from jdr.models import weight_names
 from jdr.models.bert import EncoderConfig
 
 _IGNORED_NAMES = ("embeddings.position_ids",)  # a non-persistent buffer that old checkpoints still saved
@@ -27,20 +28,8 @@ _SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, 
                        "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 
 
-class HFWeightsError(ValueError):
-  """A checkpoint's tensors do not fit the encoder: lists every missing, unexpected and mis-shaped tensor."""
+HFWeightsError = weight_names.HFWeightsError  # where every family's reader raises it from
 
-  def __init__(self, source: str, missing=(), unexpected=(), mismatched=(), family: str | None = None):
-    self.source, self.missing, self.unexpected = source, list(missing), list(unexpected)
-    self.mismatched = list(mismatched)  # (name, shape found, shape expected)
-    self.family = family
-    looked = f" (read as {family}, which its config.json and tensor names looked like)" if family else ""
-    lines = [f"weights in {source} do not fit the encoder config{looked}:"]
-    lines += [f"  missing tensor: {name}" for name in self.missing]
-    lines += [f"  unexpected tensor: {name}" for name in self.unexpected]
-    lines += [f"  shape mismatch: {name}: found {tuple(got)}, expected {tuple(want)}"
-              for name, got, want in self.mismatched]
-    super().__init__("\n".join(lines))
 
 
 # ---------------------------------------------------------------------------------------------- reading

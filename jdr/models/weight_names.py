@@ -42,3 +42,19 @@ def heads_bias(heads: int, head_dim: int):
 def from_heads(hidden: int, heads: int, head_dim: int):
   """The attention output projection: torch [H, N*D] <-> Flax [N, D, H] (the heads split out of `in`)."""
   return (lambda w: w.T.reshape(heads, head_dim, hidden), lambda k: k.reshape(heads * head_dim, hidden).T)
+
+
+class HFWeightsError(ValueError):
+  """A checkpoint's tensors do not fit the encoder: lists every missing, unexpected and mis-shaped tensor."""
+
+  def __init__(self, source: str, missing=(), unexpected=(), mismatched=(), family: str | None = None):
+    self.source, self.missing, self.unexpected = source, list(missing), list(unexpected)
+    self.mismatched = list(mismatched)  # (name, shape found, shape expected)
+    self.family = family
+    looked = f" (read as {family}, which its config.json and tensor names looked like)" if family else ""
+    lines = [f"weights in {source} do not fit the encoder config{looked}:"]
+    lines += [f"  missing tensor: {name}" for name in self.missing]
+    lines += [f"  unexpected tensor: {name}" for name in self.unexpected]
+    lines += [f"  shape mismatch: {name}: found {tuple(got)}, expected {tuple(want)}"
+              for name, got, want in self.mismatched]
+    super().__init__("\n".join(lines))
