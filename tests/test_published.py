@@ -315,3 +315,37 @@ def test_decoder_directory_is_a_last_token_tower(tmp_path, kind):
   print(f"{kind} tower (last-token pooling) max abs diff: {diff:.2e}")
   assert info["family"] == kind and info["pooling"] == "last" and diff < 1e-5
   assert np.abs(rows_alone(tmp_path, ids, mask) - got).max() < 1e-5
+
+
+# ----------------------------------------------------------------------------------------------- ModernBERT
+
+
+@pytest.mark.parametrize("biases", [False, True])
+def test_modernbert_matches_transformers(tmp_path, biases):
+  """Local attention of 4 tokens (2 each side) on sequences of 11, global every third layer, both rope bases."""
+  config = transformers.ModernBertConfig(
+      vocab_size=99, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, intermediate_size=40,
+      max_position_embeddings=64, local_attention=4, global_attn_every_n_layers=3, pad_token_id=0,
+      norm_bias=biases, attention_bias=biases, mlp_bias=biases, attn_implementation="eager")
+  model = perturbed(transformers.ModernBertModel(config))
+  model.save_pretrained(tmp_path)
+  ids, mask = batch(0)
+  with torch.no_grad():
+    hidden = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).last_hidden_state.numpy()
+  got, info = ours(tmp_path, ids, mask)
+  diff = float(np.abs(got - hidden[:, 0]).max())
+  print(f"modernbert (biases={biases}) CLS vectors max abs diff: {diff:.2e}")
+  assert info["family"] == "modernbert" and diff < 1e-5
+  pub = published.read(tmp_path)
+  from jdr.models import modernbert
+  tokens = modernbert.ModernBertEncoder(pub.encoder).apply({"params": pub.params["encoder"]}, ids, mask)
+  token_diff = float(np.abs(np.asarray(tokens) - hidden)[mask.astype(bool)].max())
+  print(f"modernbert (biases={biases}) hidden states max abs diff on real tokens: {token_diff:.2e}")
+  assert token_diff < 1e-5
+  assert np.abs(rows_alone(tmp_path, ids, mask) - got).max() < 1e-5
+  # Exported back, transformers reads the same model.
+  hf.export_hf(pub.encoder, pub.params["encoder"], tmp_path / "export")
+  again = transformers.AutoModel.from_pretrained(tmp_path / "export").eval()
+  with torch.no_grad():
+    again_hidden = again(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).last_hidden_state.numpy()
+  assert np.abs(again_hidden - hidden)[mask.astype(bool)].max() < 1e-5

@@ -175,3 +175,16 @@ def test_sentence_transformers_model_with_prompts_trains_and_exports(tmp_path, t
   diff = float(np.abs(_st_vectors(export, prompt_name="document") - ours).max())
   print(f"sentence-transformers export (Dense tanh + Normalize): max abs diff {diff:.2e}")
   assert diff < 1e-5
+
+
+def test_modernbert_trains_and_exports(tmp_path, tokenizer_dir):
+  model = _tiny(transformers.ModernBertModel(transformers.ModernBertConfig(
+      vocab_size=30522, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=40,
+      max_position_embeddings=128, local_attention=8, pad_token_id=0)))
+  model.save_pretrained(tmp_path / "modernbert")
+  params, export = _train(tmp_path, _with_tokenizer(tmp_path / "modernbert", tokenizer_dir), "model.pooling=mean")
+  ours, _ = _jdr_vectors(export, "doc")
+  assert json.loads((export / "config.json").read_text())["model_type"] == "modernbert"
+  diff = float(np.abs(_st_vectors(export) - ours).max())
+  print(f"modernbert export: sentence-transformers vs jdr max abs diff {diff:.2e}")
+  assert diff < 1e-5
