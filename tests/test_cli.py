@@ -55,7 +55,7 @@ def test_encode_reports_a_missing_model(tmp_path, tiny_beir, capsys):
                                                           "--out", tmp_path / "emb"])
   _assert_reported(code, err, "", skip_hint=False)
   assert str(tmp_path / "no-model") in err
-  assert "load_hf" not in err and "Hugging Face model directory" in err  # what to give, not where it failed
+  assert "load_hf" not in err and "no such directory, and not a Hugging Face hub id" in err  # what it is, not where it failed
 
 
 def test_messages_read_as_sentences(tmp_path, capsys):

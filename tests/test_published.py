@@ -349,3 +349,9 @@ def test_modernbert_matches_transformers(tmp_path, biases):
   with torch.no_grad():
     again_hidden = again(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).last_hidden_state.numpy()
   assert np.abs(again_hidden - hidden)[mask.astype(bool)].max() < 1e-5
+
+
+def test_a_released_checkpoint_without_tokenizer_files_says_what_to_do(tmp_path):
+  ance_dir(tmp_path)  # as DRhard and ANCE release them: config.json and weights, no tokenizer
+  with pytest.raises(FileNotFoundError, match=r"--model=.*: no tokenizer files in .*roberta-base"):
+    published.load_tower(str(tmp_path))

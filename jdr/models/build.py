@@ -137,9 +137,9 @@ def build(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collections.ConfigD
     sides["doc"] = _published(doc_init_from, model_cfg, overrides) if doc_init_from else sides["query"]
     towers_ = {side: _run_tower(model_cfg, pub, side) for side, pub in sides.items()}
     tokenizer_path = (resolve_model(model_cfg.tokenizer) if model_cfg.tokenizer
-                      else _tokenizer_dir(sides["query"], "model.init_from"))
+                      else published.tokenizer_dir(sides["query"], "model.init_from"))
     if doc_init_from and not model_cfg.tokenizer:
-      _same_tokenizer(tokenizer_path, _tokenizer_dir(sides["doc"], "model.doc_init_from"))
+      _same_tokenizer(tokenizer_path, published.tokenizer_dir(sides["doc"], "model.doc_init_from"))
     tower_params = {side: pub.params for side, pub in sides.items()}
     prompts = {"query": sides["query"].prompts["query"], "doc": sides["doc"].prompts["doc"]}
     base_max_length = sides["doc"].max_length
@@ -190,20 +190,6 @@ def _run_tower(model_cfg: ml_collections.ConfigDict, pub: published.Published, s
     print(f"note: {pub.path} is published as a {pub.side} encoder; it is the {side} tower here",
           file=sys.stderr)
   return tower
-
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model",
-                    "sentencepiece.bpe.model")
-
-
-def _tokenizer_dir(pub: published.Published, key: str) -> str:
-  """Where a published model's tokenizer is; a clear error when it has none (DRhard's released models)."""
-  where = paths.as_path(pub.tokenizer_path)
-  if not any((where / name).exists() for name in _TOKENIZER_FILES):
-    raise FileNotFoundError(f"{key}={pub.path}: no tokenizer files in {where} (DRhard's and ANCE's released "
-                            "checkpoints have none: they use roberta-base's); set model.tokenizer to a tokenizer "
-                            "directory or hub id")
-  return pub.tokenizer_path
 
 
 def _same_tokenizer(query_dir: str, doc_dir: str) -> None:

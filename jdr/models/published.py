@@ -268,6 +268,22 @@ def _prompts(path: Path) -> dict:
 # ---------------------------------------------------------------------------------------------- one tower
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model",
+                    "sentencepiece.bpe.model")
+
+
+def tokenizer_dir(pub: Published, key: str) -> str:
+  """Where a published model's tokenizer is; one line naming the remedy when it has none (DRhard's and ANCE's
+  released folders: their code loads roberta-base's)."""
+  from jdr.runtime import paths  # pylint: disable=g-import-not-at-top
+  where = paths.as_path(pub.tokenizer_path)
+  if not any((where / name).exists() for name in _TOKENIZER_FILES):
+    raise FileNotFoundError(f"{key}={pub.path}: no tokenizer files in {where} (DRhard's and ANCE's released "
+                            "checkpoints have none: their code loads roberta-base's); copy a tokenizer's files "
+                            "(FacebookAI/roberta-base's for those) into it, or set model.tokenizer")
+  return pub.tokenizer_path
+
+
 def load_tower(model: str, pooling: str | None = None, normalize: bool | None = None,
                max_length: int | None = None, dtype: str = "float32"):
   """A ready-to-encode tower from a published directory or "minilm" -> (Tower, params, tokenizer, info).
@@ -283,7 +299,7 @@ def load_tower(model: str, pooling: str | None = None, normalize: bool | None = 
   path = hf.minilm_path() if model == "minilm" else Path(model)
   published = read(path, pooling=pooling, normalize=normalize, dtype=dtype)
   cfg = published.encoder
-  tokenizer = text.load_tokenizer(published.tokenizer_path)
+  tokenizer = text.load_tokenizer(tokenizer_dir(published, "--model"))
   source = "--max-length"
   if max_length is None:
     source = "the sentence-transformers config" if published.max_length else "what the model supports"

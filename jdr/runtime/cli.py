@@ -65,8 +65,9 @@ def reporting_errors(skip_flag: str | None = None) -> Iterator[None]:
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--model", default=None,
-                      help="Hugging Face directory, jdr export directory, or `minilm` (bundled)")
-  parser.add_argument("--pooling", choices=["cls", "mean", "max"], default=None,
+                      help="a published model directory or Hugging Face hub id (owner/name), a jdr export or "
+                           "workdir, or `minilm` (bundled)")
+  parser.add_argument("--pooling", choices=["cls", "mean", "max", "last"], default=None,
                       help="default: the model's own (mean for minilm, cls otherwise)")
   parser.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
                       help="L2-normalize embeddings (default: the model's own)")
