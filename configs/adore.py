@@ -8,7 +8,10 @@ p its position in the list, 1/p read as 0 beyond K; a query's loss is the mean o
 
 | setting | full | runlocal | source | where jdr departs, and why |
 |---|---|---|---|---|
-| starting model | a trained STAR model (RoBERTa-base) | the bundled MiniLM | DRhard README (ADORE from the STAR checkpoint) | runlocal: offline and CPU-sized |
+| starting model | DRhard's released STAR model (`model.init_from`, default `models/drhard/star`): its query encoder trains, its document encoder indexes | the bundled MiniLM | paper Sec. 6.3 ("using STAR to train the document encoder and using ADORE to further train the query encoder"); DRhard README (`adore/train.py --init_path ./data/passage/trained_models/star`, "our provided STAR checkpoint as the fixed document encoder") | runlocal: offline and CPU-sized |
+| where it is published | DRhard README, passage table, STAR's "Model": https://drive.google.com/drive/folders/1bJw8P15cFiV239mTgFQxVilXMWqzqXUU (dev MRR@10 0.340) | none | DRhard README (Retrieval Results and Trained Models) | |
+| its format | DRhard's `RobertaDot` as `save_pretrained` writes it: config.json and pytorch_model.bin with `roberta.*` (no pooler), `embeddingHead.{weight,bias}` (Linear 768->768) and `norm.{weight,bias}` (LayerNorm) on [CLS], no normalization; one tower for queries and passages; roberta-base's tokenizer (transformers 2.x behaviour, lowercased: star_tokenizer.py) | MiniLM | DRhard `model.py` (`RobertaDot`), `star/inference.py`, README (Data Preprocess) | |
+| what you pass | the downloaded folder that holds config.json: `--config.model.init_from=models/drhard/star` (a missing folder is refused in one line naming the download); jdr's own STAR instead: `--config.model.init_from=runs/msmarco-star`, configs/star.py's workdir; configs/ltre.py keeps its own starting model | nothing | | |
 | towers | query tower trained; the document tower frozen, the corpus encoded once | the same (MiniLM's shared tower split in two) | DRhard adore/train.py (only the query encoder is loaded; passage vectors read from a memmap) | |
 | data | MS MARCO passage | SciFact train | DRhard README | runlocal: offline |
 | candidates | top 200 of the whole index, retrieved at every step | the same | adore/train.py (`--neg_topk 200`, `index.search` in the loop) | |
@@ -36,15 +39,32 @@ Arguments (comma-separated, after the colon; another name is an error):
 
   python -m jdr.train --config configs/adore.py:runlocal --workdir runs/adore \\
       --config.data.dataset=../shared/data/scifact
+
+The full recipe, from the released STAR model (MS MARCO passage in data/msmarco-passage):
+
+  python -m jdr.train --config configs/adore.py --workdir runs/msmarco-adore \\
+      --config.data.dataset=data/msmarco-passage --config.model.init_from=models/drhard/star
 """
 
 import base
 
 ARGS = dict(runlocal=False, ranknet=False, ndcg=False, static=False, jax=False, pq=False)
 
+# DRhard's released STAR model (passage), which ADORE's query encoder starts from and whose document encoder
+# indexes the corpus: (path, what it holds and where it is published), said in full when the folder is missing.
+RELEASED_STAR = (
+    "models/drhard/star",
+    "DRhard's released STAR model: the folder holding config.json and pytorch_model.bin (RobertaDot: roberta.* + "
+    "embeddingHead + norm on [CLS]) downloaded from https://drive.google.com/drive/folders/"
+    "1bJw8P15cFiV239mTgFQxVilXMWqzqXUU (jingtaozhan/DRhard README, passage STAR, Model)")
+
 
 def get_config(arg=None):
-  return recipe(base.parse_arg(arg, **ARGS))
+  a = base.parse_arg(arg, **ARGS)
+  c = recipe(a)
+  if not a.runlocal:
+    c.model.init_from, c.model.description = RELEASED_STAR
+  return c
 
 
 def recipe(a):

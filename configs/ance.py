@@ -7,7 +7,10 @@ one two-way softmax per triple, no in-batch negatives (the paper argues against 
 
 | setting | full | runlocal | source | where jdr departs, and why |
 |---|---|---|---|---|
-| starting model | the BM25-negative warm-up (`model.init_from`) | the same, from `configs/bm25_neg.py:runlocal` | paper Sec. 5 (warm-up) | runlocal: MiniLM, not RoBERTa-base |
+| starting model | ANCE's released BM25-negative warm-up (`model.init_from`, default `models/ance/bm25-warmup`) | a warm-up of its own, from `configs/bm25_neg.py:runlocal` | paper Sec. 5 ("ANCE is also warmed up by BM25 negatives"); ANCE README ("ANCE training starts from a pretrained BM25 warmup checkpoint") | runlocal: MiniLM, not RoBERTa-base |
+| where it is published | ANCE README, "pretrained BM25 warmup checkpoint" (60K steps, MS MARCO dev MRR@10 0.311): https://webdatamltrainingdiag842.blob.core.windows.net/semistructstore/OpenSource/warmup_checpoint.zip; DRhard's README links the same model on Google Drive (file id 1URYU1gxNgcuC81jPAev1ksZjMKgQQFoD) | none: jdr trains it | ANCE README (Results, Warmup for Training) | |
+| its format | ANCE's `RobertaDot_NLL_LN` as transformers 2.3's `save_pretrained` writes it: config.json and pytorch_model.bin with `roberta.*`, `embeddingHead.{weight,bias}` (Linear 768->768) and `norm.{weight,bias}` (LayerNorm) on [CLS], no normalization, plus the unused `roberta.pooler.*` and `classifier.*` of RobertaForSequenceClassification; roberta-base's tokenizer files beside them; texts are lowercased before tokenizing | a jdr workdir | ANCE `model/models.py`, `drivers/run_warmup.py` (model and tokenizer `save_pretrained`), `data/msmarco_data.py` (`do_lower_case=True`) | |
+| what you pass | the unzipped folder that holds config.json, as downloaded: `--config.model.init_from=models/ance/bm25-warmup` (a missing folder is refused in one line naming the download); jdr's own warm-up instead: `--config.model.init_from=runs/msmarco-bm25-warmup`, configs/bm25_neg.py's workdir | `--config.model.init_from=runs/bm25_warmup` | | |
 | towers | shared, CLS + Dense(768) + LayerNorm, dot product | MiniLM's mean pooling, normalized, temperature 0.05 | paper Sec. 5 (BERT-Siamese, 768 projection + LayerNorm) | cosines need a temperature |
 | data | MS MARCO passage (`data.dataset`) | SciFact train | paper Sec. 5 | |
 | negatives | 20 triples a query a refresh, uniform from the top 200 (`negatives.triples_per_query`) | the same | ANCE `run_train.sh` (`--negative_sample 20`), `run_ann_data_gen.py`, `msmarco_data.py` (`GetTripletTrainingDataProcessingFn`) | the triples are drawn lazily per (seed, generation, pair), so 20 costs nothing at SciFact size |
@@ -22,12 +25,26 @@ one two-way softmax per triple, no in-batch negatives (the paper argues against 
       --config.data.dataset=../shared/data/scifact --config.num_train_steps=104 --config.optimizer.warmup_steps=10
   python -m jdr.train --config configs/ance.py:runlocal --workdir runs/ance \\
       --config.data.dataset=../shared/data/scifact --config.model.init_from=runs/bm25_warmup
+
+The full recipe, from the released warm-up (MS MARCO passage in data/msmarco-passage):
+
+  python -m jdr.train --config configs/ance.py --workdir runs/msmarco-ance \\
+      --config.data.dataset=data/msmarco-passage --config.model.init_from=models/ance/bm25-warmup
 """
 
 import base
 import inbatch
 
 ARGS = dict(runlocal=False)
+
+# ANCE's released BM25-negative warm-up, which ANCE and STAR (configs/star.py) start from: (path, what it holds
+# and where it is published), said in full when the folder is missing.
+RELEASED_WARMUP = (
+    "models/ance/bm25-warmup",
+    "ANCE's released BM25-negative warm-up: the folder holding config.json and pytorch_model.bin (RobertaDot_NLL_LN: "
+    "roberta.* + embeddingHead + norm on [CLS]) unzipped from https://webdatamltrainingdiag842.blob.core.windows.net"
+    "/semistructstore/OpenSource/warmup_checpoint.zip (microsoft/ANCE README; jingtaozhan/DRhard's README links the "
+    "same model: https://drive.google.com/file/d/1URYU1gxNgcuC81jPAev1ksZjMKgQQFoD)")
 
 
 def get_config(arg=None):
@@ -49,7 +66,7 @@ def get_config(arg=None):
     c.eval.doc_max_length = 256
   else:
     c.data.dataset, c.data.description = base.MSMARCO_PASSAGE
-    c.model.init_from, c.model.description = base.BM25_WARMUP  # RoBERTa-base after BM25 negatives
+    c.model.init_from, c.model.description = RELEASED_WARMUP  # RoBERTa-base after BM25 negatives
     c.model.pooling, c.model.normalize, c.model.projection_dim = "cls", 0, 768
     c.loss.temperature = 1.0
     c.batch_size = 64

@@ -8,7 +8,10 @@ alpha. The paper's Eq. 13 (L_s + alpha * L_r over per-part means) is the argumen
 
 | setting | full | runlocal | source | where jdr departs, and why |
 |---|---|---|---|---|
-| starting model | the BM25-negative warm-up (`model.init_from`, a workdir) | the same, from `configs/bm25_neg.py:runlocal` | paper Sec. 7.1; DRhard README ("the same warmup model as ANCE") | runlocal: MiniLM, not RoBERTa-base |
+| starting model | the BM25 Neg warm-up, which ANCE released: configs/ance.py's (`model.init_from`, default `models/ance/bm25-warmup`) | a warm-up of its own, from `configs/bm25_neg.py:runlocal` | paper Sec. 7.3 ("STAR uses the BM25 Neg model as the warm-up model, which is the same as ANCE"; "We use the open-sourced BM25 Neg model"); DRhard README ("We use the same warmup model as ANCE") | runlocal: MiniLM, not RoBERTa-base |
+| where it is published | ANCE README, "pretrained BM25 warmup checkpoint": https://webdatamltrainingdiag842.blob.core.windows.net/semistructstore/OpenSource/warmup_checpoint.zip; DRhard's README links its copy: https://drive.google.com/file/d/1URYU1gxNgcuC81jPAev1ksZjMKgQQFoD (extracted to `./data/passage/warmup` there) | none: jdr trains it | ANCE README; DRhard README (Train, STAR) | |
+| its format | ANCE's `RobertaDot_NLL_LN` (transformers 2.3): config.json and pytorch_model.bin with `roberta.*`, `embeddingHead.{weight,bias}` (Linear 768->768) and `norm.{weight,bias}` (LayerNorm) on [CLS], no normalization, plus the unused `roberta.pooler.*` and `classifier.*`; roberta-base's tokenizer files; texts lowercased (DRhard's star_tokenizer.py keeps transformers 2.x's `do_lower_case`) | a jdr workdir | ANCE `model/models.py`; DRhard `star/train.py` (`--init_path`, config and tokenizer read from it), `preprocess.py` | |
+| what you pass | the unzipped folder that holds config.json, as downloaded: `--config.model.init_from=models/ance/bm25-warmup` (a missing folder is refused in one line naming the download); jdr's own warm-up instead: `--config.model.init_from=runs/msmarco-bm25-warmup`, configs/bm25_neg.py's workdir | `--config.model.init_from=runs/bm25_warmup` | | |
 | towers | shared, CLS + Dense(768) + LayerNorm, dot product | MiniLM's mean pooling, normalized, temperature 0.05 | DRhard `model.py` (`RobertaDot`) | cosines need a temperature for RankNet to have room |
 | data | MS MARCO passage (`data.dataset`) | SciFact train | paper Sec. 7.1 | |
 | hard negatives | 1 a query, uniform from the top 200 left after dropping positives from the warm-up's top 210 | the same | DRhard `star/prepare_hardneg.py` (`topk + 10`, filter, `[:topk]`), paper Sec. 6.1 | |
@@ -25,9 +28,15 @@ alpha. The paper's Eq. 13 (L_s + alpha * L_r over per-part means) is the argumen
   python -m jdr.train --config configs/star.py:runlocal --workdir runs/star \\
       --config.data.dataset=../shared/data/scifact --config.model.init_from=runs/bm25_warmup
 
+The full recipe, from the released warm-up (MS MARCO passage in data/msmarco-passage):
+
+  python -m jdr.train --config configs/star.py --workdir runs/msmarco-star \\
+      --config.data.dataset=data/msmarco-passage --config.model.init_from=models/ance/bm25-warmup
+
 Arguments: `runlocal` (above), `alpha` (the paper's Eq. 13 with alpha 0.1 instead of the code's batch mean).
 """
 
+import ance
 import base
 import inbatch
 
@@ -54,7 +63,7 @@ def get_config(arg=None):
     c.eval.doc_max_length = 256
   else:
     c.data.dataset, c.data.description = base.MSMARCO_PASSAGE
-    c.model.init_from, c.model.description = base.BM25_WARMUP  # RoBERTa-base after BM25 negatives
+    c.model.init_from, c.model.description = ance.RELEASED_WARMUP  # ANCE's BM25 Neg warm-up, as the paper's
     c.model.pooling, c.model.normalize, c.model.projection_dim = "cls", 0, 768
     c.loss.temperature = 1.0
     c.batch_size = 256

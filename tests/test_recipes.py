@@ -2,6 +2,7 @@
 error naming the valid ones, never a quiet default. A recipe names its data and starting model, and a missing one
 is refused in one line naming the key to set, never replaced by the built-in dataset."""
 
+import ast
 import pathlib
 import re
 import subprocess
@@ -224,3 +225,56 @@ def test_the_trainer_refuses_a_missing_dataset_before_it_builds_anything(tmp_pat
   assert out.stderr == (f"error: data.dataset={tmp_path / 'msmarco'}: directory not found; set "
                         f"--config.data.dataset=DIR ({description})\n")
   assert not workdir.exists() and not list(not_a_model.iterdir())
+
+
+# ---------------------------------------------------------------- the released checkpoints the papers started from
+
+ANCE_WARMUP = "https://webdatamltrainingdiag842.blob.core.windows.net/semistructstore/OpenSource/warmup_checpoint.zip"
+DRHARD_STAR = "https://drive.google.com/drive/folders/1bJw8P15cFiV239mTgFQxVilXMWqzqXUU"
+# recipe: (the keys that name the checkpoint, its default folder, where it is downloaded, the authors' class)
+RELEASED = {
+    "ance.py": (("model.init_from",), "models/ance/bm25-warmup", ANCE_WARMUP, "RobertaDot_NLL_LN"),
+    "star.py": (("model.init_from",), "models/ance/bm25-warmup", ANCE_WARMUP, "RobertaDot_NLL_LN"),
+    "adore.py": (("model.init_from",), "models/drhard/star", DRHARD_STAR, "RobertaDot"),
+    "adore_star.py": (("model.init_from", "model.doc_init_from"), "models/drhard/star", DRHARD_STAR, "RobertaDot"),
+}
+
+
+@pytest.mark.parametrize("spec", sorted(RELEASED))
+def test_a_full_recipe_starts_from_the_released_checkpoint_and_refuses_it_missing(spec, tmp_path, monkeypatch):
+  """ANCE and STAR start from the BM25-negative warm-up ANCE released, ADORE and ADORE+STAR from the STAR model
+  DRhard released (both towers for ADORE+STAR). The docstring's table says where it is published, in which format
+  and what to pass; with the data there, the recipe refuses to start without it in one line that names the
+  download, for each key that names it."""
+  keys, path, address, cls = RELEASED[spec]
+  doc = ast.get_docstring(ast.parse((ROOT / "configs" / spec).read_text()))
+  wanted = [address, f"`{cls}`", "| where it is published |", "| its format |", "| what you pass |"]
+  for needed in wanted + [f"--config.{key}={path}" for key in keys]:
+    assert needed in doc, f"configs/{spec}'s docstring lacks {needed!r}"
+  monkeypatch.chdir(tmp_path)
+  c = load(spec)
+  assert [c.model.get(key.split(".")[1]) for key in keys] == [path] * len(keys)
+  assert address in c.model.description and cls in c.model.description
+  (tmp_path / c.data.dataset).mkdir(parents=True)
+  for key in keys:
+    with pytest.raises(config_files.ConfigError) as e:
+      config_files.check_inputs(c)
+    assert str(e.value) == (f"{key}={path}: directory not found; set --config.{key}=DIR ({c.model.description})")
+    config_files.apply_overrides(c, [f"{key}={tmp_path}"])  # this one there: the next key is checked
+  config_files.check_inputs(c)
+  runlocal = load(f"{spec}:runlocal")  # the scaled-down run keeps jdr's own chain
+  assert runlocal.model.init_from in ("minilm", "runs/star") and not runlocal.model.doc_init_from
+
+
+def test_the_trainer_refuses_a_missing_released_checkpoint_with_its_address(tmp_path):
+  """`python -m jdr.train` on configs/ance.py with the data there but no warm-up: status 2, one `error:` line that
+  says where the warm-up is downloaded, no workdir."""
+  (tmp_path / "data" / "msmarco-passage").mkdir(parents=True)
+  workdir = tmp_path / "w"
+  out = subprocess.run([sys.executable, "-m", "jdr.train", "--config", str(ROOT / "configs" / "ance.py"),
+                        "--workdir", str(workdir)], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                       env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+  assert out.returncode == 2, out.stderr
+  assert out.stderr == (f"error: model.init_from=models/ance/bm25-warmup: directory not found; set "
+                        f"--config.model.init_from=DIR ({load('ance.py').model.description})\n")
+  assert ANCE_WARMUP in out.stderr and not workdir.exists()
