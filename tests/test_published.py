@@ -2,6 +2,7 @@
 PyTorch models and a float64 transcription of ANCE / DRhard's head, on tiny random-weight configs."""
 
 import json
+import pathlib
 import shutil
 
 import jax
@@ -285,7 +286,8 @@ def test_a_hub_id_loads_from_the_cache_offline_and_a_missing_one_is_one_line(tmp
   config = defaults.get_config()
   config.data.dataset = "builtin"
   config.model.init_from = "someone/absent"
-  with pytest.raises(config_files.ConfigError, match=r"^model.init_from=someone/absent: not in the Hugging Face cache"):
+  with pytest.raises(config_files.ConfigError, match=r"^model.init_from=someone/absent: directory not found; .*; "
+                                                    r"as a Hugging Face hub id, not in the Hugging Face cache"):
     config_files.check_inputs(config)
   config.model.init_from = "someone/tiny-tasb"
   config_files.check_inputs(config)
@@ -353,5 +355,21 @@ def test_modernbert_matches_transformers(tmp_path, biases):
 
 def test_a_released_checkpoint_without_tokenizer_files_says_what_to_do(tmp_path):
   ance_dir(tmp_path)  # as DRhard and ANCE release them: config.json and weights, no tokenizer
-  with pytest.raises(FileNotFoundError, match=r"--model=.*: no tokenizer files in .*roberta-base"):
-    published.load_tower(str(tmp_path))
+  with pytest.raises(FileNotFoundError, match=r"--model=.*: no tokenizer files in .*copy a tokenizer's files"):
+    published.load_tower(str(tmp_path))  # a tiny vocabulary: not roberta-base's, nothing to fall back to
+
+
+def test_a_released_roberta_base_without_tokenizer_reads_roberta_base_from_the_cache(tmp_path, offline_cache):
+  from jdr.models.towers import Tower
+  roberta = transformers.RobertaModel(transformers.RobertaConfig(
+      vocab_size=50265, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8,
+      max_position_embeddings=40, pad_token_id=1), add_pooling_layer=False)
+  roberta.save_pretrained(tmp_path / "star")  # config and weights only, as DRhard releases STAR
+  pub = published.read(tmp_path / "star")
+  with pytest.raises(FileNotFoundError, match=r"FacebookAI/roberta-base's, which its authors' code loads, is not "
+                                              r"at hand: FacebookAI/roberta-base: not in the Hugging Face cache"):
+    published.tokenizer_dir(pub, "--model")
+  (tmp_path / "tok").mkdir()
+  (tmp_path / "tok" / "vocab.json").write_text("{}")
+  _cache_as_huggingface_hub_does(offline_cache, "FacebookAI/roberta-base", tmp_path / "tok")
+  assert (pathlib.Path(published.tokenizer_dir(pub, "--model")) / "vocab.json").exists()

@@ -272,16 +272,30 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "voc
                     "sentencepiece.bpe.model")
 
 
+ROBERTA_BASE_TOKENIZER = "FacebookAI/roberta-base"
+
+
 def tokenizer_dir(pub: Published, key: str) -> str:
-  """Where a published model's tokenizer is; one line naming the remedy when it has none (DRhard's and ANCE's
-  released folders: their code loads roberta-base's)."""
+  """Where a published model's tokenizer is. DRhard's and ANCE's released folders hold none (their code loads
+  roberta-base's): a RoBERTa of roberta-base's vocabulary without one reads roberta-base's, through the
+  Hugging Face cache, saying so; anything else without one is one line naming the remedy."""
+  import sys  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import hub  # pylint: disable=g-import-not-at-top
   from jdr.runtime import paths  # pylint: disable=g-import-not-at-top
   where = paths.as_path(pub.tokenizer_path)
-  if not any((where / name).exists() for name in _TOKENIZER_FILES):
-    raise FileNotFoundError(f"{key}={pub.path}: no tokenizer files in {where} (DRhard's and ANCE's released "
-                            "checkpoints have none: their code loads roberta-base's); copy a tokenizer's files "
-                            "(FacebookAI/roberta-base's for those) into it, or set model.tokenizer")
-  return pub.tokenizer_path
+  if any((where / name).exists() for name in _TOKENIZER_FILES):
+    return pub.tokenizer_path
+  remedy = "copy a tokenizer's files into it, or set model.tokenizer"
+  if pub.encoder.model_type == "roberta" and pub.encoder.vocab_size == 50265:
+    try:
+      found = hub.resolve(ROBERTA_BASE_TOKENIZER)
+      print(f"{pub.path}: no tokenizer files; reading {ROBERTA_BASE_TOKENIZER}'s, as the authors' code does",
+            file=sys.stderr)
+      return found
+    except FileNotFoundError as e:
+      remedy = f"{ROBERTA_BASE_TOKENIZER}'s, which its authors' code loads, is not at hand: {e}"
+  raise FileNotFoundError(f"{key}={pub.path}: no tokenizer files in {where} (DRhard's and ANCE's released "
+                          f"checkpoints have none); {remedy}")
 
 
 def load_tower(model: str, pooling: str | None = None, normalize: bool | None = None,

@@ -69,9 +69,11 @@ def check_inputs(config: ml_collections.ConfigDict) -> None:
     if hub.looks_like_hub_id(name):
       try:
         hub.resolve(name)  # downloads now, or says in one line why it cannot, before any work
+        continue
       except FileNotFoundError as e:
-        raise ConfigError(f"{key}={e}") from None
-      continue
+        # A recipe's local default (models/roberta-base) reads as a hub id too: both readings, one line.
+        raise ConfigError(f"{not_found(key, name, model.description or MODEL)}; as a Hugging Face hub id, "
+                          f"{str(e).removeprefix(name + ': ')}") from None
     raise ConfigError(not_found(key, name, model.description or MODEL))
   teacher = config.distill.teacher
   if teacher not in ("", "minilm", "mined") and not paths.as_path(teacher).exists():
