@@ -482,11 +482,16 @@ def serving_params(params: dict, cfg: EncoderConfig) -> dict:
   (docs/performance-history.md, "Compiled for the H200, change by change"). Embedding tables and LayerNorm
   parameters stay float32, as the layers read them. float32 models are returned as they are.
   """
-  dtype = cfg.compute_dtype
+  return cast_layer_matmuls(params, cfg.compute_dtype, LAYER_MATMULS)
+
+
+def cast_layer_matmuls(params: dict, dtype, matmuls: tuple[str, ...]) -> dict:
+  """params with the `matmuls` of each `layer_i` in `dtype` (every architecture's serving_params); float32
+  returns params as they are."""
   if dtype == jnp.float32:
     return params
   cast = lambda tree: jax.tree.map(lambda x: x.astype(dtype), tree)
-  return {name: ({part: cast(sub) if part in LAYER_MATMULS else sub for part, sub in layer.items()}
+  return {name: ({part: cast(sub) if part in matmuls else sub for part, sub in layer.items()}
                  if name.startswith("layer_") else layer)
           for name, layer in params.items()}
 

@@ -568,13 +568,7 @@ def serving_params(params: dict, cfg: DecoderConfig) -> dict:
   """params with each layer's matmul kernels and biases already in the compute dtype (the layers cast exactly
   these at every call, so a forward gives the same result bit for bit; see jdr.models.bert.serving_params).
   Embedding table and RMSNorm scales stay as stored. float32 compute returns params as they are."""
-  dtype = cfg.compute_dtype
-  if dtype == jnp.float32:
-    return params
-  cast = lambda tree: jax.tree.map(lambda x: x.astype(dtype), tree)
-  return {name: ({part: cast(sub) if part in LAYER_MATMULS else sub for part, sub in layer.items()}
-                 if name.startswith("layer_") else layer)
-          for name, layer in params.items()}
+  return bert.cast_layer_matmuls(params, cfg.compute_dtype, LAYER_MATMULS)
 
 
 # ---------------------------------------------------------------------------------------------- names
@@ -635,22 +629,8 @@ def params_from_state_dict(cfg: DecoderConfig, tensors: dict[str, np.ndarray], s
   arrays in cfg.param_dtype (bfloat16 tensors stay bfloat16 when it is "bfloat16"). Raises
   jdr.models.weight_names.HFWeightsError listing every missing, unexpected and mis-shaped tensor."""
   tensors, duplicates = strip(tensors)
-  table = hf_table(cfg)
-  known = {e.hf_name for e in table}
-  missing = [e.hf_name for e in table if e.hf_name not in tensors]
-  unexpected = duplicates + sorted(set(tensors) - known)
-  mismatched = [(e.hf_name, tensors[e.hf_name].shape, e.hf_shape) for e in table
-                if e.hf_name in tensors and tuple(tensors[e.hf_name].shape) != e.hf_shape]
-  if missing or unexpected or mismatched:
-    raise weight_names.HFWeightsError(source, missing, unexpected, mismatched, family=family or cfg.model_type)
-  dtype = np.dtype(cfg.parameter_dtype)
-  params: dict[str, Any] = {}
-  for e in table:
-    node = params
-    for part in e.path[:-1]:
-      node = node.setdefault(part, {})
-    node[e.path[-1]] = np.ascontiguousarray(e.to_jdr(np.asarray(tensors[e.hf_name]).astype(dtype)))
-  return params
+  return weight_names.params_from_table(hf_table(cfg), tensors, source, duplicates=duplicates,
+                                        family=family or cfg.model_type, dtype=np.dtype(cfg.parameter_dtype))
 
 
 def state_dict_from_params(cfg: DecoderConfig, params: dict[str, Any], dtype=np.float32) -> dict[str, np.ndarray]:
@@ -659,30 +639,4 @@ def state_dict_from_params(cfg: DecoderConfig, params: dict[str, Any], dtype=np.
   params = nn.unbox(params)
   if set(params) == {"params"}:
     params = params["params"]
-  table = hf_table(cfg)
-  flat = {}
-
-  def walk(node, prefix):
-    for key, value in node.items():
-      if isinstance(value, dict) or hasattr(value, "items"):
-        walk(value, prefix + (key,))
-      else:
-        flat[prefix + (key,)] = value
-
-  walk(params, ())
-  name = lambda p: "/".join(p)
-  missing = [name(e.path) for e in table if e.path not in flat]
-  unexpected = sorted(name(p) for p in set(flat) - {e.path for e in table})
-  tensors, mismatched = {}, []
-  for e in table:
-    if e.path not in flat:
-      continue
-    value = np.asarray(flat[e.path])
-    want = e.to_jdr(np.broadcast_to(np.float32(0), e.hf_shape)).shape
-    if value.shape != want:
-      mismatched.append((name(e.path), value.shape, want))
-    else:
-      tensors[e.hf_name] = np.ascontiguousarray(e.to_hf(value.astype(dtype)))
-  if missing or unexpected or mismatched:
-    raise weight_names.HFWeightsError("params", missing, unexpected, mismatched)
-  return tensors
+  return weight_names.tensors_from_table(hf_table(cfg), params, dtype=dtype)

@@ -118,21 +118,8 @@ def params_from_state_dict(cfg, tensors: dict[str, np.ndarray], source: str = "s
     from jdr.models import decoder  # pylint: disable=g-import-not-at-top
     return decoder.params_from_state_dict(cfg, tensors, source, family=family)
   tensors, duplicates = strip(tensors, cfg)
-  table = architectures.hf_table(cfg)
-  known = {e.hf_name for e in table}
-  missing = [e.hf_name for e in table if e.hf_name not in tensors]
-  unexpected = duplicates + sorted(set(tensors) - known)
-  mismatched = [(e.hf_name, tensors[e.hf_name].shape, e.hf_shape) for e in table
-                if e.hf_name in tensors and tuple(tensors[e.hf_name].shape) != e.hf_shape]
-  if missing or unexpected or mismatched:
-    raise HFWeightsError(source, missing, unexpected, mismatched, family=family or cfg.model_type)
-  params: dict[str, Any] = {}
-  for e in table:
-    node = params
-    for part in e.path[:-1]:
-      node = node.setdefault(part, {})
-    node[e.path[-1]] = np.ascontiguousarray(e.to_jdr(np.asarray(tensors[e.hf_name], np.float32)))
-  return params
+  return weight_names.params_from_table(architectures.hf_table(cfg), tensors, source, duplicates=duplicates,
+                                        family=family or cfg.model_type)
 
 
 def load_hf(path: str | Path, **overrides) -> tuple[Any, dict[str, Any]]:
@@ -164,34 +151,7 @@ def state_dict_from_params(cfg, params: dict[str, Any]) -> dict[str, np.ndarray]
   if "encoder" in params and "embeddings" not in params:
     raise ValueError("export_hf takes Encoder params: pass tower_params['encoder'] (towers' heads are not "
                      "part of a Hugging Face BertModel)")
-  flat = {}
-
-  def walk(node, prefix):
-    for key, value in node.items():
-      if isinstance(value, Mapping):
-        walk(value, prefix + (key,))
-      else:
-        flat[prefix + (key,)] = value
-
-  walk(params, ())
-  table = architectures.hf_table(cfg)
-  name = lambda p: "/".join(p)
-  missing = [name(e.path) for e in table if e.path not in flat]
-  unexpected = sorted(name(p) for p in set(flat) - {e.path for e in table})
-  tensors, mismatched = {}, []
-  for e in table:
-    if e.path not in flat:
-      continue
-    value = np.asarray(flat[e.path], np.float32)
-    # The jdr-side shape, derived from the HF shape through the same layout function (a zero-cost view).
-    want = e.to_jdr(np.broadcast_to(np.float32(0), e.hf_shape)).shape
-    if value.shape != want:
-      mismatched.append((name(e.path), value.shape, want))
-    else:
-      tensors[e.hf_name] = np.ascontiguousarray(e.to_hf(value))
-  if missing or unexpected or mismatched:
-    raise HFWeightsError("params", missing, unexpected, mismatched)
-  return tensors
+  return weight_names.tensors_from_table(architectures.hf_table(cfg), params)
 
 
 def _untrained_pooler(cfg: EncoderConfig, seed: int = 0) -> dict[str, np.ndarray]:

@@ -335,12 +335,7 @@ LAYER_MATMULS = ("Wqkv", "Wo", "Wi", "mlp_Wo")
 def serving_params(params: dict, cfg: ModernBertConfig) -> dict:
   """Params with each layer's matmul kernels and biases already in the compute dtype: the same forward bit
   for bit, without the casts (as bert.serving_params). float32 models are returned as they are."""
-  dtype = cfg.compute_dtype
-  if dtype == jnp.float32:
-    return params
-  cast = lambda tree: jax.tree.map(lambda x: x.astype(dtype), tree)
-  return {name: ({part: cast(sub) if part in LAYER_MATMULS else sub for part, sub in layer.items()}
-                 if name.startswith("layer_") else layer) for name, layer in params.items()}
+  return bert.cast_layer_matmuls(params, cfg.compute_dtype, LAYER_MATMULS)
 
 
 def hf_table(cfg: ModernBertConfig) -> list[names.Entry]:
@@ -383,17 +378,4 @@ def params_from_state_dict(cfg: ModernBertConfig, tensors: dict[str, np.ndarray]
                            source: str = "state dict") -> dict[str, Any]:
   """ModernBertModel tensors (already without "model." and heads) -> ModernBertEncoder params (float32
   numpy); every missing, unexpected or mis-shaped tensor reported at once by `names.HFWeightsError`."""
-  table = hf_table(cfg)
-  missing = [e.hf_name for e in table if e.hf_name not in tensors]
-  unexpected = sorted(set(tensors) - {e.hf_name for e in table})
-  mismatched = [(e.hf_name, tensors[e.hf_name].shape, e.hf_shape) for e in table
-                if e.hf_name in tensors and tuple(tensors[e.hf_name].shape) != e.hf_shape]
-  if missing or unexpected or mismatched:
-    raise names.HFWeightsError(source, missing, unexpected, mismatched, family="modernbert")
-  params: dict[str, Any] = {}
-  for e in table:
-    node = params
-    for part in e.path[:-1]:
-      node = node.setdefault(part, {})
-    node[e.path[-1]] = np.ascontiguousarray(e.to_jdr(np.asarray(tensors[e.hf_name], np.float32)))
-  return params
+  return names.params_from_table(hf_table(cfg), tensors, source, family="modernbert")

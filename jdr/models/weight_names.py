@@ -58,3 +58,54 @@ class HFWeightsError(ValueError):
     lines += [f"  shape mismatch: {name}: found {tuple(got)}, expected {tuple(want)}"
               for name, got, want in self.mismatched]
     super().__init__("\n".join(lines))
+
+
+def params_from_table(table: list[Entry], tensors: dict, source: str, *, family: str | None = None,
+                      duplicates=(), dtype=np.float32) -> dict:
+  """transformers-named tensors -> the nested Flax param dict (numpy in `dtype`), through `table`; every
+  missing, unexpected (and duplicated) or mis-shaped tensor reported at once by HFWeightsError."""
+  known = {e.hf_name for e in table}
+  missing = [e.hf_name for e in table if e.hf_name not in tensors]
+  unexpected = list(duplicates) + sorted(set(tensors) - known)
+  mismatched = [(e.hf_name, tensors[e.hf_name].shape, e.hf_shape) for e in table
+                if e.hf_name in tensors and tuple(tensors[e.hf_name].shape) != e.hf_shape]
+  if missing or unexpected or mismatched:
+    raise HFWeightsError(source, missing, unexpected, mismatched, family=family)
+  params: dict = {}
+  for e in table:
+    node = params
+    for part in e.path[:-1]:
+      node = node.setdefault(part, {})
+    node[e.path[-1]] = np.ascontiguousarray(e.to_jdr(np.asarray(tensors[e.hf_name]).astype(dtype)))
+  return params
+
+
+def tensors_from_table(table: list[Entry], params, *, dtype=np.float32) -> dict:
+  """The reverse of params_from_table: a nested param dict -> transformers-named numpy tensors in `dtype`."""
+  flat = {}
+
+  def walk(node, prefix):
+    for key, value in node.items():
+      if hasattr(value, "items"):
+        walk(value, prefix + (key,))
+      else:
+        flat[prefix + (key,)] = value
+
+  walk(params, ())
+  name = lambda p: "/".join(p)
+  missing = [name(e.path) for e in table if e.path not in flat]
+  unexpected = sorted(name(p) for p in set(flat) - {e.path for e in table})
+  tensors, mismatched = {}, []
+  for e in table:
+    if e.path not in flat:
+      continue
+    value = np.asarray(flat[e.path])
+    # The jdr-side shape, derived from the HF shape through the same layout function (a zero-cost view).
+    want = e.to_jdr(np.broadcast_to(np.float32(0), e.hf_shape)).shape
+    if value.shape != want:
+      mismatched.append((name(e.path), value.shape, want))
+    else:
+      tensors[e.hf_name] = np.ascontiguousarray(e.to_hf(value.astype(dtype)))
+  if missing or unexpected or mismatched:
+    raise HFWeightsError("params", missing, unexpected, mismatched)
+  return tensors
