@@ -69,7 +69,10 @@ def _parser() -> argparse.ArgumentParser:
                       help="without --dev-split: the report's queries, a fixed fraction of the training queries (by a "
                            "hash of the id; they are mined too); 0: no report")
   parser.add_argument("--retriever", choices=RETRIEVERS, default="bm25")
-  parser.add_argument("--model", default=None, help="--retriever model: a jdr model, Hugging Face dir or minilm")
+  parser.add_argument("--model", default=None, help="--retriever model: a jdr model, published directory or hub "
+                      "id, or minilm")
+  parser.add_argument("--doc-model", default=None, help="--retriever model: the documents' encoder when it is "
+                      "published apart (DPR's context encoder); default: --model")
   cli.add_prompt_flags(parser, "query", "doc")
   parser.add_argument("--encoding", default=None,
                       help="--retriever model: the corpus's jdr.encode directory (default: encoded into OUT)")
@@ -197,11 +200,12 @@ class Retriever:
         encodings.check_ids_match(encoding, self.data.corpus, f"--encoding vs --data {self.args.data}")
       else:
         encoding = self.out / "encoding"
-        runtime = encoder_runtime.load_runtime(self.args.model, side="doc", max_length=self.args.doc_max_length,
+        doc_model = self.args.doc_model or self.args.model
+        runtime = encoder_runtime.load_runtime(doc_model, side="doc", max_length=self.args.doc_max_length,
                                                prompt=self.args.doc_prompt)
         print(encoder_runtime.length_line(runtime, "documents"), file=sys.stderr)
         encodings.encode_corpus(runtime, self.data.corpus, encoding,
-                                settings=encodings.corpus_settings(runtime, self.args.model, self.args.data))
+                                settings=encodings.corpus_settings(runtime, doc_model, self.args.data))
       self._doc_emb, _, _ = encodings.load_embeddings(encoding)
     return self._doc_emb
 
@@ -237,6 +241,7 @@ def _candidate_plan(args) -> dict:
   """Every setting a chunk's candidates and teacher scores depend on: a resume under any other starts over."""
   return {"data": str(paths.absolute(args.data)), "split": args.split, "retriever": args.retriever,
           "model": args.model, "encoding": args.encoding and str(paths.absolute(args.encoding)), "run": args.run,
+          **({"doc_model": args.doc_model} if args.doc_model else {}),  # absent: earlier plans still resume
           "depth": args.depth, "query_max_length": args.query_max_length, "doc_max_length": args.doc_max_length,
           "skip_invalid": args.skip_invalid, "cross_encoder": args.cross_encoder,
           "ce_max_length": args.ce_max_length,

@@ -188,3 +188,23 @@ def test_modernbert_trains_and_exports(tmp_path, tokenizer_dir):
   diff = float(np.abs(_st_vectors(export) - ours).max())
   print(f"modernbert export: sentence-transformers vs jdr max abs diff {diff:.2e}")
   assert diff < 1e-5
+
+
+def test_mine_encodes_documents_with_the_document_encoder_of_a_pair(tmp_path, tokenizer_dir):
+  """DPR's pair mined as published: queries by the question encoder, the corpus by the context encoder."""
+  from jdr import mine
+  from jdr.data import formats
+  from jdr.data import text
+  from jdr.retrieval import encoder_runtime, encodings
+  q_dir, ctx_dir = dpr_dirs(tmp_path, tokenizer_dir)
+  data = write_tiny_beir(tmp_path / "data", num_docs=16)
+  mine.main(["--data", str(data), "--out", str(tmp_path / "mined"), "--retriever", "model", "--model", str(q_dir),
+             "--doc-model", str(ctx_dir), "--depth", "4", "--dev-fraction", "0", "--doc-max-length", "64",
+             "--query-max-length", "16"])
+  emb, ids, _ = encodings.load_embeddings(tmp_path / "mined" / "encoding")
+  corpus = formats.read_corpus(data)
+  texts = [text.doc_text(corpus[d]) for d in ids]
+  runtime = encoder_runtime.load_runtime(str(ctx_dir), side="doc", max_length=64, dtype="float32")
+  np.testing.assert_allclose(np.asarray(emb), encoder_runtime.encode_texts(runtime, texts), atol=1e-5)
+  question = encoder_runtime.load_runtime(str(q_dir), side="doc", max_length=64, dtype="float32")
+  assert np.abs(np.asarray(emb) - encoder_runtime.encode_texts(question, texts)).max() > 1e-3
