@@ -106,11 +106,11 @@ def serving_params(params: dict, cfg) -> dict:
 # The prefix a transformers head model puts before its base model's names, per architecture; a checkpoint
 # saved from such a model (e.g. RobertaForSequenceClassification, ANCE's RobertaDot) reads the same.
 BASE_PREFIXES = {"bert": ("bert.",), "roberta": ("roberta.",), "distilbert": ("distilbert.",),
-                 "modernbert": ("model.",), "decoder": ("model.",)}
+                 "modernbert": ("model.",)}
 # Heads that transformers checkpoints carry on top of the encoder, which a retrieval tower never uses.
 IGNORED_HEADS = {"bert": ("pooler.", "cls.", "classifier.", "qa_outputs."),
                  "roberta": ("pooler.", "lm_head.", "classifier.", "qa_outputs."),
                  "distilbert": ("vocab_transform.", "vocab_layer_norm.", "vocab_projector.", "pre_classifier.",
                                 "classifier.", "qa_outputs."),
-                 "modernbert": ("head.", "decoder.", "classifier.", "qa_outputs."),
-                 "decoder": ("lm_head.", "score.", "classifier.", "qa_outputs.")}
+                 "modernbert": ("head.", "decoder.", "classifier.", "qa_outputs.")}
+# Decoders strip their own (jdr.models.decoder.strip: "model.", lm_head, and old rotary buffers).

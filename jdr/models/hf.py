@@ -9,12 +9,10 @@ name table, so a name or shape that does not fit is reported, all at once, by `H
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import struct
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -86,14 +84,10 @@ def read_state_dict(path: str | Path) -> dict[str, np.ndarray]:
   raise FileNotFoundError(f"no model.safetensors or pytorch_model.bin (or sharded index) in {path}")
 
 
-def _model_type(cfg) -> str:
-  return "roberta" if cfg.model_type == "roberta" else cfg.model_type
-
-
 def strip(tensors: dict[str, np.ndarray], cfg) -> tuple[dict[str, np.ndarray], list[str]]:
   """Drops the architecture's head-model prefix (bert., roberta., distilbert., model.), legacy gamma/beta
   names and the heads a retrieval tower never uses; returns (encoder tensors, duplicates)."""
-  kind = "bert" if cfg.model_type == "bert" else _model_type(cfg)
+  kind = cfg.model_type
   out, duplicates = {}, []
   for name, value in tensors.items():
     key = name
