@@ -22,8 +22,9 @@ import numpy as np
 from jdr.runtime import paths
 
 
-def load_tokenizer(path: str | pathlib.Path):
-  """The Hugging Face tokenizer saved in directory `path` (local or remote), as AutoTokenizer would load it.
+def load_tokenizer(path: str | pathlib.Path, append_eos: bool = False):
+  """The Hugging Face tokenizer saved in directory `path` (local or remote), as AutoTokenizer would load it;
+  with `append_eos`, one that puts its EOS token after every text (`eos_appended`).
 
   The class tokenizer_config.json names is the one AutoTokenizer picks; imported by itself it leaves torch
   unloaded, where AutoTokenizer's import pulls torch in through transformers' model configs, a cost in every
@@ -38,7 +39,53 @@ def load_tokenizer(path: str | pathlib.Path):
       named = getattr(transformers, name) if name else None
     except (AttributeError, ImportError):  # not in this transformers, or its backend is not installed
       named = None
-    return (named or transformers.AutoTokenizer).from_pretrained(str(local_path))
+    tokenizer = (named or transformers.AutoTokenizer).from_pretrained(str(local_path))
+  return eos_appended(tokenizer, str(path)) if append_eos else tokenizer
+
+
+def eos_appended(tokenizer, source: str = "the tokenizer"):
+  """`tokenizer` (changed in place) putting its EOS token after every text, after any special tokens it adds
+  already: RepLLaMA's `[BOS] text [EOS]`, the EOS being the token a decoder tower pools. Truncation keeps room
+  for it, so a text cut at max_length still ends with EOS. A tokenizer that ends texts with EOS already (E5-Mistral's
+  add_eos_token) is left as it is."""
+  eos, eos_id = getattr(tokenizer, "eos_token", None), getattr(tokenizer, "eos_token_id", None)
+  if eos is None or eos_id is None:
+    raise ValueError(f"{source}: model.append_eos needs a tokenizer with an EOS token, and this one has none")
+  rust = getattr(tokenizer, "backend_tokenizer", None)
+  if rust is None or not getattr(tokenizer, "is_fast", False):
+    raise ValueError(f"{source}: model.append_eos needs a fast (Rust-backed) tokenizer")
+  if rust.encode("a").ids[-1:] == [eos_id]:
+    return tokenizer
+  from tokenizers import processors  # pylint: disable=g-import-not-at-top  (present wherever a fast tokenizer is)
+  existing = json.loads(rust.to_str()).get("post_processor")
+  if existing is not None and existing.get("type") == "TemplateProcessing":
+    # One template with EOS added (tokenizers' Sequence of two templates repeats the first's tokens).
+    single, pair = _template_pieces(existing["single"]), _template_pieces(existing["pair"])
+    specials = [(t, spec["ids"][0]) for t, spec in existing["special_tokens"].items() if len(spec["ids"]) == 1]
+    if len(specials) != len(existing["special_tokens"]):
+      raise ValueError(f"{source}: model.append_eos cannot extend a post-processor whose special tokens are "
+                       "several ids each")
+  elif existing is None or existing.get("type") == "ByteLevel":  # ByteLevel's post-processing moves offsets only
+    single, pair, specials = ["$A:0"], ["$A:0", "$B:1"], []
+  else:
+    raise ValueError(f"{source}: model.append_eos cannot extend a {existing.get('type')} post-processor")
+  # TemplateProcessing names special tokens by their text; "$A" and "$B" are the texts.
+  append = processors.TemplateProcessing(
+      single=single + [f"{eos}:0"], pair=pair + [f"{eos}:1"],
+      special_tokens=[s for s in specials if s[0] != eos] + [(eos, eos_id)])
+  rust.post_processor = append
+  return tokenizer
+
+
+def _template_pieces(template: list[dict]) -> list[str]:
+  """A serialized TemplateProcessing template as the strings its constructor takes ("$A:0", "<s>:0")."""
+  pieces = []
+  for item in template:
+    if "Sequence" in item:
+      pieces.append(f"${item['Sequence']['id']}:{item['Sequence']['type_id']}")
+    else:
+      pieces.append(f"{item['SpecialToken']['id']}:{item['SpecialToken']['type_id']}")
+  return pieces
 
 
 def doc_text(doc) -> str:

@@ -35,6 +35,16 @@ def _decoder():
   return decoder
 
 
+def decoder_config(**fields):
+  """A decoder encoder's config (jdr.models.decoder.DecoderConfig) from its fields."""
+  return _decoder().DecoderConfig(**fields)
+
+
+def merged_lora(params: dict, cfg) -> dict:
+  """A decoder encoder's params with its LoRA adapters folded into the kernels (jdr.models.decoder.merged)."""
+  return _decoder().merged(params, cfg)[0]
+
+
 def is_decoder(cfg) -> bool:
   return getattr(cfg, "model_type", None) in DECODER_TYPES
 

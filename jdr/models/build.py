@@ -35,6 +35,18 @@ FRESH = {
     "mini": dict(hidden_size=384, num_layers=6, num_heads=12, intermediate_size=1536),
     "base": dict(hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072),
 }
+# Decoder shapes for model.fresh (random weights: tests, runlocal, and sizing a pod before any weights exist).
+# The 7B shapes are Llama-2-7B's and Mistral-7B-v0.1's config.json; their vocabularies are fixed, the tiny
+# one takes the tokenizer's.
+FRESH_DECODERS = {
+    "llama-tiny": dict(model_type="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                       intermediate_size=128),
+    "llama-7b": dict(model_type="llama", vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32,
+                     intermediate_size=11008, max_position_embeddings=4096, rms_norm_eps=1e-5),
+    "mistral-7b": dict(model_type="mistral", vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32,
+                       num_kv_heads=8, intermediate_size=14336, max_position_embeddings=32768,
+                       rms_norm_eps=1e-5, sliding_window=4096),
+}
 
 
 class Built(NamedTuple):
@@ -46,16 +58,19 @@ class Built(NamedTuple):
 
 
 def describe(model: TwoTower, tokenizer_path: str, query_max_length: int, doc_max_length: int,
-             base_max_length: int | None = None, prompts: dict | None = None) -> dict:
+             base_max_length: int | None = None, prompts: dict | None = None, append_eos: bool = False) -> dict:
   """`base_max_length`: the max_seq_length the pretrained checkpoint declares (sentence-transformers), if any;
   a Hugging Face export declares the longer of it and doc_max_length. `prompts`: {"query", "doc"}, the texts
-  put before every query and document (E5's "query: " / "passage: ", an instruction)."""
+  put before every query and document (E5's "query: " / "passage: ", an instruction). `append_eos`: the
+  tokenizer puts its EOS token after every text (jdr.data.text.load_tokenizer)."""
   description = {"query": dataclasses.asdict(model.query), "doc": dataclasses.asdict(model.doc),
                  "shared": model.shared, "tokenizer": tokenizer_path,
                  "query_max_length": query_max_length, "doc_max_length": doc_max_length,
                  "prompts": dict(prompts or published.no_prompts())}
   if base_max_length:
     description["base_max_length"] = int(base_max_length)
+  if append_eos:
+    description["append_eos"] = True
   return description
 
 
@@ -135,7 +150,8 @@ def build(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collections.ConfigD
   if init_from:
     sides = {"query": _published(init_from, model_cfg, overrides)}
     sides["doc"] = _published(doc_init_from, model_cfg, overrides) if doc_init_from else sides["query"]
-    towers_ = {side: _run_tower(model_cfg, pub, side) for side, pub in sides.items()}
+    towers_ = {side: with_lora(_run_tower(model_cfg, pub, side), model_cfg, str(pub.path))
+               for side, pub in sides.items()}
     tokenizer_path = (resolve_model(model_cfg.tokenizer) if model_cfg.tokenizer
                       else published.tokenizer_dir(sides["query"], "model.init_from"))
     if doc_init_from and not model_cfg.tokenizer:
@@ -148,15 +164,18 @@ def build(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collections.ConfigD
       raise ValueError("model.doc_init_from needs model.init_from (the query tower's directory)")
     tokenizer_path = model_cfg.tokenizer or str(hf.minilm_path())
     encoder_config = _fresh_encoder_config(model_cfg, tokenizer_path)
-    tower = TowerConfig(encoder=encoder_config, pooling=model_cfg.pooling or "cls",
+    decoder = architectures.is_decoder(encoder_config)
+    tower = TowerConfig(encoder=encoder_config, pooling=model_cfg.pooling or ("last" if decoder else "cls"),
                         projection_dim=model_cfg.projection_dim or None, normalize=model_cfg.normalize > 0,
                         projection_norm_eps=published.TORCH_LAYER_NORM_EPS if model_cfg.projection_dim else None)
+    tower = with_lora(tower, model_cfg, f"model.fresh={model_cfg.fresh}")
     towers_ = {"query": tower, "doc": tower}
     tower_params, prompts, base_max_length = None, published.no_prompts(), None
   model = TwoTower(query=towers_["query"], doc=towers_["doc"], shared=model_cfg.shared)
+  append_eos = bool(model_cfg.get("append_eos", False))
   description = describe(model, tokenizer_path, data_cfg.query_max_length, data_cfg.doc_max_length,
-                         base_max_length, prompts=run_prompts(model_cfg, prompts))
-  return Built(model, text.load_tokenizer(tokenizer_path), description, tower_params, None)
+                         base_max_length, prompts=run_prompts(model_cfg, prompts), append_eos=append_eos)
+  return Built(model, text.load_tokenizer(tokenizer_path, append_eos=append_eos), description, tower_params, None)
 
 
 def _published(name: str, model_cfg: ml_collections.ConfigDict, overrides: dict) -> published.Published:
@@ -236,12 +255,38 @@ def attention_dropout(model_cfg: ml_collections.ConfigDict) -> float:
   return model_cfg.dropout if value < 0 else value
 
 
-def _fresh_encoder_config(model_cfg: ml_collections.ConfigDict, tokenizer_path: str) -> EncoderConfig:
-  """model.fresh's architecture over the tokenizer's vocabulary, with the run's settings."""
+def _fresh_encoder_config(model_cfg: ml_collections.ConfigDict, tokenizer_path: str):
+  """model.fresh's architecture over the tokenizer's vocabulary (a 7B decoder's own), with the run's settings."""
+  tokenizer = text.load_tokenizer(model_cfg.tokenizer or tokenizer_path)
+  if model_cfg.fresh in FRESH_DECODERS:
+    shape = {"vocab_size": len(tokenizer), **FRESH_DECODERS[model_cfg.fresh]}
+    if len(tokenizer) > shape["vocab_size"]:
+      raise ValueError(f"model.fresh={model_cfg.fresh} has {shape['vocab_size']} token ids, but the tokenizer "
+                       f"{model_cfg.tokenizer or tokenizer_path} has {len(tokenizer)}")
+    return architectures.decoder_config(**shape, **_encoder_overrides(model_cfg))
   if model_cfg.fresh not in FRESH:
-    raise ValueError(f"model.fresh must be one of {sorted(FRESH)}, got {model_cfg.fresh!r}")
-  vocab = text.load_tokenizer(model_cfg.tokenizer or tokenizer_path).vocab_size
-  return EncoderConfig(vocab_size=vocab, **FRESH[model_cfg.fresh], **_encoder_overrides(model_cfg))
+    raise ValueError(f"model.fresh must be one of {sorted(FRESH) + sorted(FRESH_DECODERS)}, got {model_cfg.fresh!r}")
+  return EncoderConfig(vocab_size=tokenizer.vocab_size, **FRESH[model_cfg.fresh], **_encoder_overrides(model_cfg))
+
+
+def lora_fields(model_cfg: ml_collections.ConfigDict) -> dict:
+  """model.lora_*: what a decoder encoder's config takes."""
+  return dict(lora_rank=int(model_cfg.get("lora_rank", 0)), lora_alpha=float(model_cfg.get("lora_alpha", 16.0)),
+              lora_dropout=float(model_cfg.get("lora_dropout", 0.0)),
+              lora_targets=model_cfg.get("lora_targets", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"))
+
+
+def with_lora(tower: TowerConfig, model_cfg: ml_collections.ConfigDict, source: str) -> TowerConfig:
+  """The tower with the run's LoRA settings on its decoder encoder; LoRA asked of any other tower is refused."""
+  fields = lora_fields(model_cfg)
+  if tower.encoder is None or not architectures.is_decoder(tower.encoder):
+    if fields["lora_rank"]:
+      kind = "BoW-MLP" if tower.encoder is None else type(tower.encoder).__name__
+      raise ValueError(f"model.lora_rank={fields['lora_rank']}: LoRA adapters are for decoder towers (Llama, "
+                       f"Mistral, Qwen2, Qwen3); {source} is a {kind} tower, which trains all its weights "
+                       "(set model.lora_rank=0)")
+    return tower
+  return tower.replace(encoder=tower.encoder.replace(**fields))
 
 
 def _cross_encoder(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collections.ConfigDict) -> Built:
@@ -294,8 +339,15 @@ def with_tower_params(params: dict, tower_params: dict) -> dict:
   params = dict(params)
   for name, side in (("tower", "query"), ("query_tower", "query"), ("doc_tower", "doc")):
     if name in params:
-      params[name] = {**params[name], **tower_params[side]}
+      params[name] = _filled(params[name], tower_params[side])
   return params
+
+
+def _filled(fresh: Any, given: Any) -> Any:
+  """`given` where it has a value, `fresh` below it where it has none (LoRA adapters beside published kernels)."""
+  if isinstance(fresh, dict) and isinstance(given, dict):
+    return {**fresh, **{k: _filled(fresh[k], v) if k in fresh else v for k, v in given.items()}}
+  return given
 
 
 def _from_jdr_model(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collections.ConfigDict,
@@ -320,7 +372,7 @@ def _from_jdr_model(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collectio
                          "another checkpoint")
     if tower.encoder is not None:
       tower = tower.replace(encoder=dataclasses.replace(tower.encoder, **_encoder_overrides(model_cfg)))
-    towers[side] = tower
+    towers[side] = with_lora(tower, model_cfg, f"model.init_from={model_cfg.init_from}")
   if model.shared and not model_cfg.shared:
     # Two owned copies: one buffer in both towers would be donated twice by the train step.
     copy = lambda tree: jax.tree.map(lambda x: np.array(x, copy=True), tree)
@@ -331,5 +383,27 @@ def _from_jdr_model(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collectio
   new_model = TwoTower(query=towers["query"], doc=towers["doc"], shared=model_cfg.shared)
   new_description = describe(new_model, description["tokenizer"], data_cfg.query_max_length,
                              data_cfg.doc_max_length, description.get("base_max_length"),
-                             prompts=run_prompts(model_cfg, description.get("prompts") or published.no_prompts()))
+                             prompts=run_prompts(model_cfg, description.get("prompts") or published.no_prompts()),
+                             append_eos=bool(description.get("append_eos")))
+  if any(_adapters(getattr(model, side)) != _adapters(towers[side]) for side in ("query", "doc")):
+    # Other adapters than the saved ones: the saved ones are folded into the weights, and the run's start fresh.
+    sides = {"query": "tower" if model.shared else "query_tower", "doc": "tower" if model.shared else "doc_tower"}
+    tower_params = {side: _merged_tower(params[sides[side]] if sides[side] in params else params[f"{side}_tower"],
+                                        getattr(model, side)) for side in ("query", "doc")}
+    return Built(new_model, tokenizer, new_description, tower_params, None)
   return Built(new_model, tokenizer, new_description, None, params)
+
+
+def _adapters(tower: TowerConfig) -> tuple | None:
+  """What of a tower's LoRA decides its adapter params: (rank, targets), None without LoRA."""
+  encoder = tower.encoder
+  if encoder is None or not architectures.is_decoder(encoder) or not encoder.lora_rank:
+    return None
+  return encoder.lora_rank, tuple(encoder.lora_targets)
+
+
+def _merged_tower(params: dict, tower: TowerConfig) -> dict:
+  """A saved tower's params with its LoRA adapters (if any) folded into its encoder's kernels."""
+  if _adapters(tower) is None:
+    return params
+  return {**params, "encoder": architectures.merged_lora(params["encoder"], tower.encoder)}

@@ -23,6 +23,13 @@ Param tree: {"embeddings": {"word_embeddings"}, "layer_0": {"input_layernorm", "
 "vocab", "embed", "mlp", "heads" (query heads and key/value heads alike), "kv" (head_dim), so the rule tables
 of jdr.runtime.parallel shard it unchanged (tensor parallelism needs the model axis to divide num_kv_heads).
 
+LoRA (Hu et al. 2022, as PEFT computes it): with `lora_rank` r > 0, each projection named in `lora_targets`
+gains "lora_a" [inputs..., r] and "lora_b" [r, outputs...] beside its kernel, and computes
+x W + (alpha / r) * dropout(x) A B. A starts as PEFT's Kaiming-uniform draw and B at zero, so an untrained
+adapter is the base model exactly. The adapters are stored in float32 whatever `param_dtype` is (they are
+what trains); `jdr.training.optimizers` freezes everything else of the encoder. `merged` folds them into the
+kernels, `peft_state_dict` writes them as a PEFT adapter of the base model.
+
 Mixed precision: `param_dtype` (float32, or bfloat16 to keep a bfloat16 checkpoint so) is how parameters are
 stored; `dtype` is the compute dtype of the matmuls and the residual stream. RMSNorm statistics, rotary
 angles and their products, attention logits and softmax are float32; the output is float32.
@@ -62,6 +69,7 @@ _HF_DEFAULTS = {
 }
 # Matmuls of a layer: the parameters serving_params casts to the compute dtype.
 LAYER_MATMULS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_PARAMS = ("lora_a", "lora_b")
 # Names of a transformers checkpoint that are not the base model's: a causal LM's head (tied or not), the heads
 # of transformers' task models, and the rotary buffer that Llama-1/2-era checkpoints saved.
 IGNORED_HEADS = ("lm_head.", "score.", "classifier.", "qa_outputs.")
@@ -110,6 +118,10 @@ class DecoderConfig:
   hidden_dropout: float = 0.0  # jdr-only: on each block's attention and MLP outputs (transformers has none)
   attention_dropout: float = 0.0
   type_vocab_size: int = 0  # no token types: token_type_ids are ignored
+  lora_rank: int = 0  # > 0: LoRA adapters of this rank on the `lora_targets` projections
+  lora_alpha: float = 16.0  # the adapters' output is scaled by lora_alpha / lora_rank (PEFT's scaling)
+  lora_dropout: float = 0.0  # dropout on the adapters' input (PEFT's lora_dropout)
+  lora_targets: tuple[str, ...] = LAYER_MATMULS  # which of a layer's projections carry adapters
 
   def __post_init__(self):
     if self.model_type not in MODEL_TYPES:
@@ -123,6 +135,19 @@ class DecoderConfig:
       object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
     if isinstance(self.eos_token_id, list):  # config.json and saved descriptions hold lists
       object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+    if isinstance(self.lora_targets, (list, str)):  # saved descriptions hold lists; a config, "q_proj,v_proj"
+      targets = self.lora_targets.split(",") if isinstance(self.lora_targets, str) else self.lora_targets
+      object.__setattr__(self, "lora_targets", tuple(t.strip() for t in targets if t.strip()))
+    if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+      raise ValueError(f"lora_rank must be an int >= 0 (0 = no adapters), got {self.lora_rank!r}")
+    unknown = [t for t in self.lora_targets if t not in LAYER_MATMULS]
+    if unknown:
+      raise ValueError(f"lora_targets {unknown} are not projections of a decoder layer: choose from "
+                       f"{', '.join(LAYER_MATMULS)}")
+    if self.lora_rank and not self.lora_targets:
+      raise ValueError(f"lora_rank={self.lora_rank} needs at least one projection in lora_targets")
+    if not 0.0 <= self.lora_dropout < 1.0:
+      raise ValueError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
     if self.head_dim % 2:
@@ -399,7 +424,8 @@ def _init(names: tuple[str | None, ...], init=None):
 
 class Dense(nn.Module):
   """A torch Linear over the trailing `contracted` axes of x into `features` (jdr.models.bert.Dense's layout
-  and product), the bias optional, parameters stored in the config's param_dtype."""
+  and product), the bias optional, parameters stored in the config's param_dtype; with LoRA on this projection
+  (its name in config.lora_targets), plus the adapters' low-rank product (the module docstring)."""
   config: DecoderConfig
   features: int | tuple[int, ...]
   names: tuple[str, ...]  # the kernel's logical axes; the bias takes the features'
@@ -407,19 +433,38 @@ class Dense(nn.Module):
   contracted: int = 1
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, deterministic: bool = True):
     cfg = self.config
     features = (self.features,) if isinstance(self.features, int) else tuple(self.features)
     width = math.prod(features)
-    kernel = self.param("kernel", _init(self.names), (*x.shape[-self.contracted:], *features),
-                        cfg.parameter_dtype)
-    x, kernel = nn.dtypes.promote_dtype(x, kernel, dtype=cfg.compute_dtype)
-    y = jnp.dot(x.reshape(*x.shape[:-self.contracted], -1), kernel.reshape(-1, width))
+    inputs = x.shape[-self.contracted:]
+    kernel = self.param("kernel", _init(self.names), (*inputs, *features), cfg.parameter_dtype)
+    xc, kernel = nn.dtypes.promote_dtype(x, kernel, dtype=cfg.compute_dtype)
+    flat = xc.reshape(*xc.shape[:-self.contracted], -1)
+    y = jnp.dot(flat, kernel.reshape(-1, width))
     if self.use_bias:
       bias = self.param("bias", _init(self.names[-len(features):], nn.initializers.zeros_init()), features,
                         cfg.parameter_dtype)
       y = bert.add_bias(y, bias.reshape(width))
+    if cfg.lora_rank and self.name in cfg.lora_targets:
+      y = y + self.adapter(flat, inputs, features, deterministic)
     return y.reshape(*y.shape[:-1], *features)
+
+  def adapter(self, flat, inputs: tuple[int, ...], features: tuple[int, ...], deterministic: bool):
+    """(alpha / r) * dropout(x) A B, [..., width] in the compute dtype, from x flattened to [..., inputs]."""
+    cfg = self.config
+    r = cfg.lora_rank
+    fan_in = math.prod(inputs)
+    # PEFT's lora_A: torch's Kaiming-uniform with a = sqrt(5), i.e. U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+    bound = 1.0 / math.sqrt(fan_in)
+    a_init = lambda key, shape, dtype: jax.random.uniform(key, shape, dtype, -bound, bound)
+    a = self.param("lora_a", _init((*self.names[:self.contracted], None), a_init), (*inputs, r), jnp.float32)
+    b = self.param("lora_b", _init((None, *self.names[self.contracted:]), nn.initializers.zeros_init()),
+                   (r, *features), jnp.float32)
+    h = Dropout(cfg.lora_dropout, name="lora_dropout")(flat, deterministic)
+    h = jnp.dot(h, a.reshape(fan_in, r).astype(cfg.compute_dtype))
+    h = jnp.dot(h, b.reshape(r, -1).astype(cfg.compute_dtype))
+    return (h * (cfg.lora_alpha / r)).astype(cfg.compute_dtype)
 
 
 class RMSNorm(nn.Module):
@@ -478,14 +523,16 @@ class DecoderLayer(nn.Module):
     # `deterministic` is positional: nn.remat marks it static by position.
     cfg = self.config
     h = self.input_layernorm(x)
-    q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)  # [B, L, heads, D]
+    q, k, v = (self.q_proj(h, deterministic), self.k_proj(h, deterministic),
+               self.v_proj(h, deterministic))  # [B, L, heads, D]
     if cfg.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     ctx = self.attend(q, k, v, attention_mask_matrix(key_mask, self.window), deterministic)
-    x = x + self.attention_output_dropout(self.o_proj(ctx), deterministic)
+    x = x + self.attention_output_dropout(self.o_proj(ctx, deterministic), deterministic)
     h = self.post_attention_layernorm(x)
-    y = self.down_proj(jax.nn.silu(self.gate_proj(h)) * self.up_proj(h))
+    y = self.down_proj(jax.nn.silu(self.gate_proj(h, deterministic)) * self.up_proj(h, deterministic),
+                       deterministic)
     return x + self.mlp_dropout(y, deterministic)
 
   def attend(self, q, k, v, allowed, deterministic: bool):
@@ -635,8 +682,70 @@ def params_from_state_dict(cfg: DecoderConfig, tensors: dict[str, np.ndarray], s
 
 def state_dict_from_params(cfg: DecoderConfig, params: dict[str, Any], dtype=np.float32) -> dict[str, np.ndarray]:
   """The reverse of params_from_state_dict: DecoderEncoder params -> the base model's transformers-named tensors
-  (float32 unless `dtype` says), as transformers.AutoModel loads them."""
+  (float32 unless `dtype` says), as transformers.AutoModel loads them; LoRA adapters are merged in (`merged`)."""
   params = nn.unbox(params)
   if set(params) == {"params"}:
     params = params["params"]
+  params, cfg = merged(params, cfg)
   return weight_names.tensors_from_table(hf_table(cfg), params, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------- LoRA
+
+
+def _lora_modules(cfg: DecoderConfig):
+  """(layer param name, projection, transformers module path) of every adapter the config puts on."""
+  for i in range(cfg.num_layers):
+    for proj in cfg.lora_targets:
+      block = "mlp" if proj in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+      yield f"layer_{i}", proj, f"layers.{i}.{block}.{proj}"
+
+
+def lora_delta(kernel_shape: tuple[int, ...], a: np.ndarray, b: np.ndarray, scaling: float) -> np.ndarray:
+  """scaling * A B as a float32 kernel of `kernel_shape` ([inputs..., outputs...]): what the adapter adds."""
+  a32, b32 = np.asarray(a, np.float32), np.asarray(b, np.float32)
+  rank = a32.shape[-1]
+  return (scaling * (a32.reshape(-1, rank) @ b32.reshape(rank, -1))).reshape(kernel_shape)
+
+
+def merged(params: dict[str, Any], cfg: DecoderConfig) -> tuple[dict[str, Any], DecoderConfig]:
+  """(DecoderEncoder params with every adapter folded into its kernel, kernel += (alpha / r) A B in float32
+  rounded once to the kernel's dtype, and the config without LoRA): the plain model PEFT's merge_and_unload
+  gives. A config without LoRA returns both as they are."""
+  if not cfg.lora_rank:
+    return params, cfg
+  params = nn.unbox(params)
+  out = {name: dict(sub) if name.startswith("layer_") else sub for name, sub in params.items()}
+  scaling = cfg.lora_alpha / cfg.lora_rank
+  for layer, proj, _ in _lora_modules(cfg):
+    sub = dict(out[layer][proj])
+    kernel = np.asarray(sub["kernel"])
+    delta = lora_delta(kernel.shape, sub.pop("lora_a"), sub.pop("lora_b"), scaling)
+    sub["kernel"] = (kernel.astype(np.float32) + delta).astype(kernel.dtype)
+    out[layer][proj] = sub
+  return out, cfg.replace(lora_rank=0)
+
+
+PEFT_PREFIX = "base_model.model."  # PEFT's names for adapters of a base model (transformers' AutoModel)
+
+
+def peft_state_dict(params: dict[str, Any], cfg: DecoderConfig) -> dict[str, np.ndarray]:
+  """The adapters as PEFT saves them (adapter_model.safetensors) for a LoRA over the base model: lora_A
+  [r, in_features] and lora_B [out_features, r] per projection, float32, torch's flattening of the heads."""
+  params = nn.unbox(params)
+  out = {}
+  for layer, proj, module in _lora_modules(cfg):
+    sub = params[layer][proj]
+    a, b = np.asarray(sub["lora_a"], np.float32), np.asarray(sub["lora_b"], np.float32)
+    out[f"{PEFT_PREFIX}{module}.lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, cfg.lora_rank).T)
+    out[f"{PEFT_PREFIX}{module}.lora_B.weight"] = np.ascontiguousarray(b.reshape(cfg.lora_rank, -1).T)
+  return out
+
+
+def peft_config(cfg: DecoderConfig, base_model: str) -> dict[str, Any]:
+  """adapter_config.json of `peft_state_dict`'s adapters, over the base model at `base_model`."""
+  return {"peft_type": "LORA", "task_type": "FEATURE_EXTRACTION", "base_model_name_or_path": base_model,
+          "r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "lora_dropout": cfg.lora_dropout,
+          "target_modules": list(cfg.lora_targets), "bias": "none", "fan_in_fan_out": False,
+          "inference_mode": True, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
+          "modules_to_save": None, "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {}}

@@ -43,7 +43,7 @@ def load(path: str | pathlib.Path) -> tuple[dict, dict, Any]:
   # A masked-LM pretraining run's head is not part of the retrieval model (jdr.models.towers.TwoTower).
   params = {k: v for k, v in params.items() if k != "lm_head"}
   described = {**described, "tokenizer": tokenizer_path(path, described["tokenizer"])}
-  return params, described, text.load_tokenizer(described["tokenizer"])
+  return params, described, text.load_tokenizer(described["tokenizer"], append_eos=bool(described.get("append_eos")))
 
 
 def tokenizer_path(model_dir, recorded: str) -> str:

@@ -62,6 +62,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # auto: cuDNN's fused kernel on GPUs when no attention dropout is drawn, else einsums. flash: jdr's Pallas
   # kernel, which draws attention dropout itself (GPUs; interpreted, slowly, elsewhere).
   c.model.attention = "auto"  # auto | einsum | fused | flash (jdr's GPU kernel, draws attention dropout itself)
+  # LoRA on a decoder tower (Llama / Mistral / Qwen): the encoder's weights stay frozen (no gradients, no optimizer
+  # moments) and low-rank adapters on the named projections train; the head, if any, trains too.
+  c.model.lora_rank = 0  # adapters' rank r (0 = no LoRA: every weight trains)
+  c.model.lora_alpha = 16.0  # the adapters' output is scaled by lora_alpha / lora_rank (PEFT's scaling)
+  c.model.lora_dropout = 0.0  # dropout on the adapters' input
+  c.model.lora_targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # projections with adapters
+  c.model.append_eos = False  # put the tokenizer's EOS token after every text (RepLLaMA: the token a decoder pools)
 
   # --- negatives and loss: together they are the method ---
   c.negatives = ml_collections.ConfigDict()

@@ -56,17 +56,45 @@ def trains_query_only(train_towers: str) -> bool:
   return train_towers == "query"
 
 
-def trainable_labels(params, train_towers: str):
-  """"train" or "freeze" per parameter: everything trains, or only the query tower (ADORE / LTRe)."""
+def uses_lora(model_config: ml_collections.ConfigDict) -> bool:
+  """Whether the encoders train through LoRA adapters only (`model.lora_rank` > 0)."""
+  return model_config.get("lora_rank", 0) > 0
+
+
+LORA_PARAMS = ("lora_a", "lora_b")  # jdr.models.decoder's adapter params
+
+
+def _keys(path) -> list[str]:
+  return [k.key for k in path if hasattr(k, "key")]
+
+
+def trainable_labels(params, train_towers: str, lora: bool = False):
+  """"train" or "freeze" per parameter: everything trains; or only the query tower (ADORE / LTRe); and with
+  `lora`, of an encoder only its LoRA adapters (a head outside the encoder trains)."""
   only_query = trains_query_only(train_towers)
   if only_query and "query_tower" not in params:
     raise ValueError("model.train_towers='query' needs separate towers (model.shared=False)")
 
   def label(path, _):
-    return "train" if not only_query or path[0].key == "query_tower" else "freeze"
+    keys = _keys(path)
+    if only_query and keys[0] != "query_tower":
+      return "freeze"
+    if lora and "encoder" in keys and not any(k in LORA_PARAMS for k in keys):
+      return "freeze"
+    return "train"
 
   # tree_map_with_path keeps flax's logical-partitioning boxes, so the labels match boxed params too.
   return jax.tree_util.tree_map_with_path(label, params)
+
+
+def without_frozen_gradients(params, train_towers: str, lora: bool = False):
+  """`params` with every frozen one behind stop_gradient, for the differentiated function: autodiff then
+  computes no gradient for them at all (a frozen 7B base costs no weight-gradient matmuls), where the optimizer's
+  freeze only discards gradients already computed."""
+  if not lora and train_towers == "both":
+    return params
+  labels = trainable_labels(params, train_towers, lora)
+  return jax.tree.map(lambda p, label: p if label == "train" else jax.lax.stop_gradient(p), params, labels)
 
 
 class MomentsState(NamedTuple):
@@ -130,9 +158,11 @@ def lamb(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.9
   )
 
 
-def make_optimizer(cfg: ml_collections.ConfigDict, total_steps: int,
-                   train_towers: str = "both") -> optax.GradientTransformation:
-  """Builds the optimizer of `config.optimizer` for a run of `total_steps` steps."""
+def make_optimizer(cfg: ml_collections.ConfigDict, total_steps: int, train_towers: str = "both",
+                   lora: bool = False) -> optax.GradientTransformation:
+  """Builds the optimizer of `config.optimizer` for a run of `total_steps` steps. Frozen parameters (a
+  query-only run's document tower, the encoder under LoRA) get no optimizer state: optax.multi_transform
+  gives the inner optimizer only the trained ones."""
   schedule = learning_rate_schedule(cfg.learning_rate, cfg.warmup_steps, total_steps)
   if cfg.name == "adamw":
     tx = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
@@ -146,7 +176,7 @@ def make_optimizer(cfg: ml_collections.ConfigDict, total_steps: int,
     raise ValueError(f"optimizer.name must be one of {', '.join(map(repr, OPTIMIZERS))}, got {cfg.name!r}")
   if cfg.grad_clip_norm:
     tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip_norm), tx)
-  if train_towers != "both":
+  if train_towers != "both" or lora:
     tx = optax.multi_transform({"train": tx, "freeze": optax.set_to_zero()},
-                               lambda params: trainable_labels(params, train_towers))
+                               lambda params: trainable_labels(params, train_towers, lora))
   return tx

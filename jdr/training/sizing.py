@@ -202,7 +202,8 @@ class AbstractModel:
 def abstract_model(config: ml_collections.ConfigDict, devices=None) -> AbstractModel:
   mesh = parallel.make_mesh(config.mesh.shape, devices=devices)
   model = build_lib.build(config.model, config.data).model
-  tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps, config.model.train_towers)
+  tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps, config.model.train_towers,
+                                 optimizers.uses_lora(config.model))
   abstract, shardings = step_lib.abstract_train_state(model, tx, config, mesh, parallel.rules_for(config.mesh.rules))
   return AbstractModel(mesh, model, tx, abstract, shardings)
 

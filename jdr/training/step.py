@@ -79,12 +79,15 @@ def make_spec(model: TwoTower, tx: optax.GradientTransformation, config: ml_coll
               candidates: str, retrieve_in_step: bool) -> Spec:
   chunk = check_grad_cache(config, candidates)
   query_only = optimizers.query_only(config.model)
+  # Frozen parameters enter the differentiated function behind stop_gradient: no gradient is computed for them.
+  freeze = functools.partial(optimizers.without_frozen_gradients, train_towers=config.model.train_towers,
+                             lora=optimizers.uses_lora(config.model))
   if pretrain_batches.is_masked_lm(config):
     gradients = masked_lm_gradients(model)
   elif chunk:
-    gradients = cached_gradients(model, config, mesh, chunk, query_only)
+    gradients = cached_gradients(model, config, mesh, chunk, query_only, freeze)
   else:
-    gradients = plain_gradients(SCORERS[candidates](model, config, mesh, retrieve_in_step))
+    gradients = plain_gradients(SCORERS[candidates](model, config, mesh, retrieve_in_step), freeze)
   return Spec(model=model, tx=tx, mesh=mesh, gradients=gradients, frozen=("doc_tower",) if query_only else ())
 
 
@@ -107,23 +110,25 @@ def train_step(spec: Spec, state: TrainState, batch: dict[str, jax.Array], corpu
 # Each factory returns (state, batch, corpus, bias) -> ((loss, aux), grads), closing over what it needs.
 
 
-def plain_gradients(score: Callable) -> Callable:
-  """Autodiff through one scoring function (`SCORERS`)."""
+def plain_gradients(score: Callable, freeze: Callable = lambda params: params) -> Callable:
+  """Autodiff through one scoring function (`SCORERS`); `freeze` puts frozen params behind stop_gradient."""
 
   def gradients(state: TrainState, batch, corpus, bias):
-    return jax.value_and_grad(lambda params: score(params, batch, step_rngs(state), corpus, bias),
+    return jax.value_and_grad(lambda params: score(freeze(params), batch, step_rngs(state), corpus, bias),
                               has_aux=True)(state.params)
 
   return gradients
 
 
 def cached_gradients(model: TwoTower, config: ml_collections.ConfigDict, mesh, chunk: int,
-                     query_only: bool) -> Callable:
+                     query_only: bool, freeze: Callable = lambda params: params) -> Callable:
   """Exact gradient caching (jdr/training/gradcache.py) over token batches, `chunk` rows at a time."""
   frozen_doc = gradcache.per_row_encoder(model, "encode_doc", deterministic=True)
-  encode_query = gradcache.per_row_encoder(model, "encode_query")
+  query_encoder = gradcache.per_row_encoder(model, "encode_query")
+  doc_encoder = gradcache.per_row_encoder(model, "encode_doc")
+  encode_query = lambda params, *a: query_encoder(freeze(params), *a)
   encode_doc = ((lambda *a: jax.lax.stop_gradient(frozen_doc(*a))) if query_only else
-                gradcache.per_row_encoder(model, "encode_doc"))
+                (lambda params, *a: doc_encoder(freeze(params), *a)))
   objective = tokens_objective(config)
 
   def gradients(state: TrainState, batch, corpus, bias):

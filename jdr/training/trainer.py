@@ -78,7 +78,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     atomic.write_text(workdir / "model.json", json.dumps(built.description, indent=1))
 
   # ---------------------------------------------------------------- optimizer and abstract state
-  tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps, config.model.train_towers)
+  tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps, config.model.train_towers,
+                                 optimizers.uses_lora(config.model))
   init_rng = jax.random.PRNGKey(config.seed)
   abstract_state, state_shardings = step_lib.abstract_train_state(model, tx, config, mesh, rules)
 
