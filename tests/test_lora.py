@@ -1,0 +1,185 @@
+"""LoRA on decoder towers: an untrained adapter is the base model, merging is exact, and a train step moves
+the adapters only, with optimizer moments for them alone; remat and gradient caching give the same step."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import pytest
+
+from jdr.models import decoder
+from jdr.models.towers import TowerConfig, TwoTower
+from jdr.runtime import defaults
+from jdr.training import optimizers
+from jdr.training import step as step_lib
+
+CFG = decoder.DecoderConfig(vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                            intermediate_size=48, lora_rank=4, lora_alpha=8.0)
+IDS = jnp.array([[1, 5, 7, 9, 0, 0], [3, 4, 5, 6, 8, 2]])
+MASK = jnp.array([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
+
+
+def without_adapters(params):
+  return {name: ({proj: {k: v for k, v in sub.items() if k not in decoder.LORA_PARAMS}
+                  for proj, sub in layer.items()} if name.startswith("layer_") else layer)
+          for name, layer in params.items()}
+
+
+def random_adapters(params, seed=1):
+  """params with every lora_b drawn at random (training's zero start would hide the adapters)."""
+  key = jax.random.PRNGKey(seed)
+  out = jax.tree.map(lambda x: x, params)
+  for name, layer in out.items():
+    if name.startswith("layer_"):
+      for sub in layer.values():
+        if "lora_b" in sub:
+          key, k = jax.random.split(key)
+          sub["lora_b"] = 0.1 * jax.random.normal(k, sub["lora_b"].shape)
+  return out
+
+
+@pytest.fixture(scope="module")
+def params():
+  return nn.unbox(decoder.DecoderEncoder(CFG).init(jax.random.PRNGKey(0), IDS, MASK)["params"])
+
+
+def test_adapters_sit_on_the_targets_only(params):
+  layer = params["layer_0"]
+  assert layer["o_proj"]["lora_a"].shape == (4, 8, 4) and layer["o_proj"]["lora_b"].shape == (4, 32)
+  assert layer["q_proj"]["lora_a"].shape == (32, 4) and layer["q_proj"]["lora_b"].shape == (4, 4, 8)
+  only_qv = decoder.DecoderEncoder(CFG.replace(lora_targets="q_proj,v_proj"))
+  layer = nn.unbox(only_qv.init(jax.random.PRNGKey(0), IDS, MASK)["params"])["layer_0"]
+  assert {p for p, sub in layer.items() if "lora_a" in sub} == {"q_proj", "v_proj"}
+  assert all(np.all(np.asarray(sub["lora_b"]) == 0) for sub in layer.values() if "lora_b" in sub)
+
+
+def test_zero_adapters_are_the_dense_model(params):
+  got = decoder.DecoderEncoder(CFG).apply({"params": params}, IDS, MASK)
+  want = decoder.DecoderEncoder(CFG.replace(lora_rank=0)).apply({"params": without_adapters(params)}, IDS, MASK)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_merged_equals_adapters(params):
+  trained = random_adapters(params)
+  got = decoder.DecoderEncoder(CFG).apply({"params": trained}, IDS, MASK)
+  merged, cfg = decoder.merged(jax.tree.map(np.asarray, trained), CFG)
+  assert cfg.lora_rank == 0 and "lora_a" not in merged["layer_1"]["down_proj"]
+  want = decoder.DecoderEncoder(cfg).apply({"params": merged}, IDS, MASK)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+  dense = decoder.DecoderEncoder(cfg).apply({"params": without_adapters(params)}, IDS, MASK)
+  assert np.max(np.abs(np.asarray(got) - np.asarray(dense))) > 1e-2  # the adapters do change the model
+
+
+def test_adapter_is_the_papers_low_rank_update(params):
+  """x W + (alpha / r) x A B, float64, for one projection (Hu et al. 2022's h = W0 x + B A x, scaled)."""
+  trained = random_adapters(params)
+  sub = trained["layer_0"]["gate_proj"]
+  dense = decoder.Dense(CFG, 48, ("embed", "mlp"), name="gate_proj")
+  x = jax.random.normal(jax.random.PRNGKey(3), (5, 32))
+  got = dense.apply({"params": sub}, x)
+  w, a, b = (np.asarray(sub[k], np.float64) for k in ("kernel", "lora_a", "lora_b"))
+  want = np.asarray(x, np.float64) @ w + (CFG.lora_alpha / CFG.lora_rank) * (np.asarray(x, np.float64) @ a @ b)
+  np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
+
+
+def test_bad_settings_are_refused():
+  with pytest.raises(ValueError, match="lora_targets"):
+    CFG.replace(lora_targets="q_proj,attn")
+  with pytest.raises(ValueError, match="lora_dropout"):
+    CFG.replace(lora_dropout=1.0)
+
+
+def two_tower_config(**model):
+  c = defaults.get_config()
+  c.model.lora_rank = 4
+  c.model.lora_alpha = 8.0
+  c.model.lora_dropout = 0.1
+  c.data.query_max_length, c.data.doc_max_length = 6, 6
+  c.batch_size = 2
+  c.negatives.in_batch = True
+  c.optimizer.learning_rate = 1e-2
+  c.optimizer.warmup_steps = 0
+  c.num_train_steps = 10
+  for k, v in model.items():
+    c.model[k] = v
+  return c
+
+
+def make(config, remat=False):
+  enc = CFG.replace(lora_dropout=config.model.lora_dropout, remat=remat)
+  tower = TowerConfig(encoder=enc, pooling="last", normalize=True, projection_dim=8)
+  model = TwoTower(query=tower, doc=tower, shared=True)
+  tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps, "both", lora=True)
+  params = nn.unbox(model.init(jax.random.PRNGKey(0), IDS, MASK, IDS, MASK)["params"])
+  params = {"tower": {**params["tower"], "encoder": random_adapters(params["tower"]["encoder"])}}
+  state = step_lib.TrainState(step=jnp.int32(0), params=params, opt_state=tx.init(params),
+                              rng=jax.random.PRNGKey(1))
+  batch = {"query_ids": IDS, "query_mask": MASK, "doc_ids": IDS[::-1], "doc_mask": MASK[::-1],
+           "valid": jnp.ones((2, 2), bool)}
+  return model, tx, state, batch
+
+
+def leaves_by_label(tree, labels):
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  label_of = dict(jax.tree_util.tree_flatten_with_path(labels)[0])
+  return {lab: [p for p, _ in flat if label_of[p] == lab] for lab in ("train", "freeze")}
+
+
+def test_step_moves_adapters_and_head_only():
+  config = two_tower_config()
+  model, tx, state, batch = make(config)
+  step = jax.jit(step_lib.make_train_step(model, tx, config))
+  new, metrics = step(state, batch)
+  new, metrics = step(new, batch)
+  assert np.isfinite(float(metrics["loss"]))
+  labels = optimizers.trainable_labels(state.params, "both", lora=True)
+  before = dict(jax.tree_util.tree_flatten_with_path(state.params)[0])
+  after = dict(jax.tree_util.tree_flatten_with_path(new.params)[0])
+  groups = leaves_by_label(state.params, labels)
+  assert groups["train"] and groups["freeze"]
+  for path in groups["freeze"]:
+    np.testing.assert_array_equal(np.asarray(after[path]), np.asarray(before[path]), err_msg=str(path))
+  moved = [p for p in groups["train"] if not np.array_equal(np.asarray(after[p]), np.asarray(before[p]))]
+  assert len(moved) == len(groups["train"])  # every adapter and the head
+  names = {str(k.key) for p in groups["train"] for k in p if hasattr(k, "key")}
+  assert "kernel" in names and "lora_a" in names  # the head's kernel, the adapters
+  assert all("projection" in str(p) or "lora_" in str(p) for p in groups["train"])
+
+
+def test_frozen_base_gets_no_optimizer_moments():
+  config = two_tower_config()
+  _, tx, state, _ = make(config)
+  moments = sum(x.size for x in jax.tree.leaves(state.opt_state) if hasattr(x, "size"))
+  trained = sum(x.size for x, lab in zip(jax.tree.leaves(state.params),
+                                          jax.tree.leaves(optimizers.trainable_labels(state.params, "both", True)))
+                if lab == "train")
+  total = sum(x.size for x in jax.tree.leaves(state.params))
+  assert trained < total / 2
+  assert moments <= 2 * trained + 8  # Adam's mu and nu of the trained leaves, plus counters
+
+
+def test_frozen_params_get_no_gradient():
+  config = two_tower_config()
+  model, _, state, batch = make(config)
+  score = step_lib.tokens_scorer(model, config)
+  freeze = lambda p: optimizers.without_frozen_gradients(p, "both", True)
+  grads = jax.grad(lambda p: score(freeze(p), batch, step_lib.step_rngs(state))[0])(state.params)
+  kernel = grads["tower"]["encoder"]["layer_0"]["q_proj"]["kernel"]
+  assert not np.any(np.asarray(kernel))
+  assert np.any(np.asarray(grads["tower"]["encoder"]["layer_0"]["q_proj"]["lora_b"]))
+
+
+@pytest.mark.parametrize("variant", ["remat", "grad_cache"])
+def test_remat_and_grad_cache_give_the_same_step(variant):
+  config = two_tower_config(lora_dropout=0.0, dropout=0.0)
+  model, tx, state, batch = make(config)
+  want, _ = jax.jit(step_lib.make_train_step(model, tx, config))(state, batch)
+  if variant == "remat":
+    model, tx, state, batch = make(config, remat=True)
+  else:
+    config.grad_cache.chunk_size = 1
+  got, _ = jax.jit(step_lib.make_train_step(model, tx, config))(state, batch)
+  for g, w in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5)
