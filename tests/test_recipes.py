@@ -118,7 +118,8 @@ def test_every_recipe_but_the_demo_has_a_full_version():
 @pytest.mark.parametrize("spec", FULL)
 def test_every_full_recipe_names_its_model_and_data_and_the_papers_towers(spec):
   """Without runlocal a recipe states the paper's data and starting model (or the run it starts from), never the
-  built-in docstrings or the bundled MiniLM, and scores with unnormalized dot products at temperature 1."""
+  built-in docstrings or the bundled MiniLM, and scores with unnormalized dot products at temperature 1 (the
+  seed papers'), or as its own paper says (RepLLaMA's cosines at 0.01)."""
   from jdr.data import shared  # pylint: disable=g-import-not-at-top
   c = load(spec)
   data = _named_data(c)
@@ -128,7 +129,13 @@ def test_every_full_recipe_names_its_model_and_data_and_the_papers_towers(spec):
     assert c.model.init_from != "minilm" and c.model.description
   else:  # pretraining: fresh weights of the paper's size
     assert c.model.fresh == "base"
-  assert c.model.normalize in (0, -1) and c.loss.temperature == 1.0
+  if spec in COSINE_RECIPES:  # the decoder retrievers' papers score cosines at a temperature of their own
+    assert c.model.normalize == 1 and c.loss.temperature == COSINE_RECIPES[spec]
+  else:
+    assert c.model.normalize in (0, -1) and c.loss.temperature == 1.0
+
+
+COSINE_RECIPES = {"repllama.py": 0.01}
 
 
 @pytest.mark.parametrize("spec", FULL)
