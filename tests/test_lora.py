@@ -183,3 +183,48 @@ def test_remat_and_grad_cache_give_the_same_step(variant):
   got, _ = jax.jit(step_lib.make_train_step(model, tx, config))(state, batch)
   for g, w in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params)):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5)
+
+
+@pytest.mark.long
+def test_sharded_lora_runs_equal_one_device(tmp_path):
+  """A tiny Llama with LoRA, 6 steps through jdr.train on 8 simulated CPU devices (data parallel, fully sharded,
+  tensor parallel) matches the 1-device run, and its frozen base stays exactly as it started."""
+  import json, os, pathlib, subprocess, sys, textwrap  # pylint: disable=g-import-not-at-top,multiple-imports
+  from conftest import cpu_devices_env, write_tiny_beir  # pylint: disable=g-import-not-at-top
+  root = pathlib.Path(__file__).resolve().parents[1]
+  data = write_tiny_beir(tmp_path / "data")
+  overrides = ["model.init_from=", "model.fresh=llama-tiny", "model.pooling=last", "model.lora_rank=4",
+               "model.lora_alpha=8.0", "model.lora_dropout=0.1", "model.dropout=0.0", "optimizer.learning_rate=1e-3",
+               "optimizer.warmup_steps=0", "batch_size=8", "log_every=1", "data.query_max_length=16",
+               "data.doc_max_length=32", f"data.dataset={data}", "data.eval_split=", "num_train_steps=6",
+               "checkpoint_every=100"]
+  script = textwrap.dedent(f"""
+      import json, numpy as np, jax
+      from jdr.training import trainer
+      from jdr.runtime import config_files
+      runs = {{"single": ["mesh.shape=(1,1,1)"], "data_parallel": ["mesh.shape=(8,1,1)", "mesh.rules=dp"],
+               "fully_sharded": ["mesh.shape=(2,4,1)", "mesh.rules=fsdp"],
+               "tensor_parallel": ["mesh.shape=(4,1,2)", "mesh.rules=tp"]}}
+      for name, extra in runs.items():
+        config = config_files.load_config_file("{root / 'configs' / 'demo.py'}")
+        config_files.apply_overrides(config, {overrides!r} + extra)
+        state = trainer.train_and_evaluate(config, "{tmp_path}/" + name)["state"]
+        flat = jax.tree_util.tree_flatten_with_path(jax.device_get(state.params))[0]
+        np.savez("{tmp_path}/" + name + ".npz", **{{jax.tree_util.keystr(p): np.asarray(x) for p, x in flat}})
+  """)
+  env = cpu_devices_env(8)
+  env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+  proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900,
+                        cwd=tmp_path)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  losses = lambda name: [r["train/loss"] for r in map(json.loads, (tmp_path / name / "metrics.jsonl")
+                                                      .read_text().splitlines()) if "train/loss" in r]
+  single = np.load(tmp_path / "single.npz")
+  assert len(losses("single")) == 6
+  adapters = [k for k in single.files if "lora_b" in k]
+  assert adapters and all(np.any(single[k]) for k in adapters)  # the adapters trained away from zero
+  for name in ("data_parallel", "fully_sharded", "tensor_parallel"):
+    sharded = np.load(tmp_path / f"{name}.npz")
+    np.testing.assert_allclose(losses(name), losses("single"), rtol=3e-5, atol=1e-5, err_msg=name)
+    for key in single.files:
+      np.testing.assert_allclose(sharded[key], single[key], rtol=1e-4, atol=2e-5, err_msg=f"{name} {key}")
