@@ -23,7 +23,9 @@ README's training command) run it.
   python -m jdr.train --config configs/repllama.py:runlocal --workdir runs/repllama-tiny
   python -m jdr.train --config configs/repllama.py --workdir runs/msmarco-repllama   # Llama-2-7B, accelerators
   python -m jdr.train --config configs/repllama.py --compile-only --config.model.init_from= \\
-      --config.model.fresh=llama-7b --topology h100:8                                  # sized before it runs
+      --config.model.fresh=llama-7b --config.model.append_eos=false --topology h100:8  # sized before it runs
+
+(Sizing runs with no Llama weights or tokenizer: a fresh 7B shape over the MiniLM tokenizer, which has no EOS.)
 
 Arguments: `runlocal` (above).
 """

@@ -312,6 +312,7 @@ def _size_step(config: ml_collections.ConfigDict, devices, corpus_rows: int = MS
       "parameters": int(sum(np.prod(x.shape) for x in jax.tree.leaves(abstract.params))),
       "params_bytes_per_device": per_device_bytes(abstract.params),
       "optimizer_bytes_per_device": per_device_bytes(abstract.opt_state),
+      **_adapter_figures(abstract.params),
       "batch_bytes_per_device": per_device_bytes(batch),
       "argument_bytes": int(memory.argument_size_in_bytes), "output_bytes": int(memory.output_size_in_bytes),
       "temp_bytes": int(memory.temp_size_in_bytes), "alias_bytes": int(memory.alias_size_in_bytes),
@@ -322,6 +323,16 @@ def _size_step(config: ml_collections.ConfigDict, devices, corpus_rows: int = MS
       "flops_per_device": flops, "flops_all_devices": flops * devices if flops is not None else None,
       **_corpus_figures(step),
   }
+
+
+def _adapter_figures(params) -> dict:
+  """LoRA's adapters (inside the params figures): their count and bytes per device; {} without LoRA."""
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  adapters = [x for path, x in flat if any(getattr(k, "key", None) in optimizers.LORA_PARAMS for k in path)]
+  if not adapters:
+    return {}
+  return {"adapter_parameters": int(sum(np.prod(x.shape) for x in adapters)),
+          "adapter_bytes_per_device": per_device_bytes(adapters)}
 
 
 def _corpus_figures(step: CompiledStep) -> dict:
@@ -341,7 +352,9 @@ def report(sizes: dict, file=None) -> None:
   mib = lambda b: f"{b / 2**20:,.1f} MiB"
   on = f" of {sizes['topology']} ({sizes['device_kind']})" if sizes.get("topology") else ""
   print(f"mesh {sizes['mesh']}{on} ({sizes['rules']}), batch {sizes['batch_size']}, {sizes['parameters']:,} parameters; "
-        f"per device: params {mib(sizes['params_bytes_per_device'])}, optimizer "
+        f"per device: params {mib(sizes['params_bytes_per_device'])}"
+        + (f" (LoRA adapters {mib(sizes['adapter_bytes_per_device'])}, {sizes['adapter_parameters']:,} parameters)"
+           if "adapter_bytes_per_device" in sizes else "") + ", optimizer "
         f"{mib(sizes['optimizer_bytes_per_device'])}, activations and other temporaries {mib(sizes['temp_bytes'])}, "
         f"step total {mib(sizes['total_bytes_per_device'])}; " + (
             f"{sizes['flops_per_device'] / 1e12:.3f} TFLOP per device per step"
