@@ -228,3 +228,41 @@ def test_sharded_lora_runs_equal_one_device(tmp_path):
     np.testing.assert_allclose(losses(name), losses("single"), rtol=3e-5, atol=1e-5, err_msg=name)
     for key in single.files:
       np.testing.assert_allclose(sharded[key], single[key], rtol=1e-4, atol=2e-5, err_msg=f"{name} {key}")
+
+
+def test_peft_loads_the_adapters_and_transformers_the_merged_model(params, tmp_path):
+  """The adapters written in PEFT's layout load onto transformers' LlamaModel of the base weights and give jdr's
+  hidden states; the merged weights load as a plain LlamaModel and give them too."""
+  import json  # pylint: disable=g-import-not-at-top
+  peft = pytest.importorskip("peft")
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+  trained = jax.tree.map(np.asarray, random_adapters(params))
+  want = np.asarray(decoder.DecoderEncoder(CFG).apply({"params": trained}, IDS, MASK))
+  base = CFG.replace(lora_rank=0)
+  hf_config = transformers.LlamaConfig(**{k: v for k, v in base.to_hf().items() if k != "architectures"})
+  mask = torch.tensor(np.asarray(MASK))
+  position_ids = torch.clamp(mask.cumsum(-1) - 1, min=0)
+
+  def hidden(model):
+    with torch.no_grad():
+      out = model(input_ids=torch.tensor(np.asarray(IDS)), attention_mask=mask, position_ids=position_ids)
+    return out.last_hidden_state.numpy()
+
+  def load(state):
+    model = transformers.LlamaModel(hf_config).eval()
+    missing, unexpected = model.load_state_dict({k: torch.tensor(v) for k, v in state.items()}, strict=False)
+    assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
+    return model
+
+  merged = load(decoder.state_dict_from_params(CFG, trained))
+  real = np.asarray(MASK, bool)
+  np.testing.assert_allclose(hidden(merged)[real], want[real], atol=1e-5)
+  adapter_dir = tmp_path / "adapter"
+  adapter_dir.mkdir()
+  (adapter_dir / "adapter_config.json").write_text(json.dumps(decoder.peft_config(CFG, str(tmp_path / "base"))))
+  save_file(decoder.peft_state_dict(trained, CFG), str(adapter_dir / "adapter_model.safetensors"))
+  plain = load(decoder.state_dict_from_params(base, without_adapters(trained)))
+  with_adapters = peft.PeftModel.from_pretrained(plain, str(adapter_dir)).eval()
+  np.testing.assert_allclose(hidden(with_adapters)[real], want[real], atol=1e-5)
