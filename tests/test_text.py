@@ -288,3 +288,39 @@ def test_pairs_tokens_in_batches_equal_one_call_a_pair(kind, minilm_tokenizer):
   empty = T.pair_tokens(tokenizer, "query", "", 32)[0]  # an empty document keeps the pair template
   assert empty == _one_pair(tokenizer, "query", "", 32, None)[0] and len(empty) == len(tokenizer("query")["input_ids"]) + (
       tokenizer.num_special_tokens_to_add(pair=True) - tokenizer.num_special_tokens_to_add(pair=False))
+
+
+def _llama_like_tokenizer(tmp_path, post_processor="bos"):
+  """A tiny fast tokenizer that adds BOS as Llama's does (or ends nothing, ByteLevel, as Qwen's), saved."""
+  import transformers  # pylint: disable=g-import-not-at-top
+  from tokenizers import Tokenizer, models, pre_tokenizers, processors  # pylint: disable=g-import-not-at-top
+  vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate("a b c d e f".split())}}
+  tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  tok.post_processor = (processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+                        if post_processor == "bos" else processors.ByteLevel(trim_offsets=False))
+  fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                              unk_token="<unk>", pad_token="<unk>")
+  fast.save_pretrained(str(tmp_path))
+  return tmp_path
+
+
+@pytest.mark.parametrize("post_processor", ["bos", "bytelevel"])
+def test_append_eos_ends_every_text_with_eos_within_max_length(tmp_path, post_processor):
+  path = _llama_like_tokenizer(tmp_path, post_processor)
+  tok = T.load_tokenizer(path, append_eos=True)
+  bos = [1] if post_processor == "bos" else []
+  got = T.tokenize(tok, ["a b c d e f", "a"], 5)
+  assert [list(x) for x in got] == [bos + [3, 4, 5, 6][:4 - len(bos)] + [2], bos + [3, 2]]
+  assert tok(["a b"])["input_ids"] == [bos + [3, 4, 2]]  # the wrapper's call agrees
+  assert [list(x) for x in T.tokenize(T.prompted(tok, "f "), ["a"], 8)] == [bos + [8, 3, 2]]
+  T.eos_appended(tok)  # a second time changes nothing
+  assert [list(x) for x in T.tokenize(tok, ["a"], 5)] == [bos + [3, 2]]
+  plain = T.load_tokenizer(path)
+  assert [list(x) for x in T.tokenize(plain, ["a"], 5)] == [bos + [3]]
+
+
+def test_append_eos_needs_an_eos_token():
+  from jdr.models import hf  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ValueError, match="needs a tokenizer with an EOS token"):
+    T.load_tokenizer(hf.minilm_path(), append_eos=True)
