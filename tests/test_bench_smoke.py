@@ -9,6 +9,7 @@ import pytest
 
 from jdr.bench import adore_step
 from jdr.bench import ance_refresh
+from jdr.bench import train_step
 from conftest import write_tiny_beir
 
 
@@ -47,6 +48,17 @@ def test_adore_step_tiny(backend, capsys):
     assert 0 < row["retrieval_share"] < 1 and row["retrieval_s"] > 0 and row["step_s"] > 0
   else:
     assert row["step_in_step_s"] > 0 and row["step_given_s"] > 0
+
+
+@pytest.mark.slow
+def test_train_step_llama_lora_tiny(capsys):
+  """`train-step --model llama-lora`: jdr's LoRA step and transformers + PEFT's both run and are compared."""
+  train_step.main(["--model", "llama-lora", "--shape", "tiny", "--batch-size", "2", "--query-length", "8",
+                   "--doc-length", "16", "--steps", "1", "--cpu-devices", "1"])
+  out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert out["model"] == "llama-lora" and out["decoder"]["layers"] == 2 and out["lora"]["rank"] == 8
+  assert len(out["lora"]["targets"]) == 7 and out["temperature"] == 0.01
+  assert out["jdr"] > 0 and out["reference"] > 0 and out["ratio"] > 0 and out["jdr_cpu_devices"] is None
 
 
 @pytest.mark.slow

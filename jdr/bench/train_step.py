@@ -1,7 +1,7 @@
 """Training step time: jdr's jitted step vs an equivalent PyTorch step, same model, same shapes, one process.
 
   python -m jdr.bench train-step [--batch-size 32] [--query-length 32] [--doc-length 128] [--steps 10]
-                                 [--cpu-devices N]
+                                 [--cpu-devices N] [--model minilm|llama-lora] [--shape small|tiny]
 
 Both sides train the bundled all-MiniLM-L6-v2 as one shared tower (mean pooling, L2-normalized) on a batch of
 B queries and B positive documents with in-batch softmax NLL, dropout on, AdamW (lr 2e-5, weight decay 0.01,
@@ -14,6 +14,15 @@ its gradient on [B, 384] vectors) and update (AdamW with clipping on the paramet
 alone. jdr's step is also timed data-parallel over --cpu-devices XLA CPU devices (default one per core: the
 trainer's mesh.cpu_devices, parameters replicated, the batch split); "jdr" is the faster of the two, named in
 "jdr_setting", and both are printed. The PyTorch step uses all cores through its own intra-op threads.
+
+--model llama-lora: a random Llama decoder (--shape small: 4 layers x 256 hidden, 8 heads, 4 KV heads, 688
+intermediate; tiny: model.fresh=llama-tiny, 2 x 64) over the MiniLM tokenizer's vocabulary, trained through LoRA
+adapters only (r 8, alpha 16, dropout 0.1 on all seven projections; the base frozen: make_optimizer(lora=True)),
+last-token pooling, L2-normalized, softmax NLL at temperature 0.01 over the in-batch documents plus one hard
+negative per query (B queries against 2B documents), no other dropout (transformers' Llama has none). The
+reference is transformers' LlamaModel of the same config under peft.get_peft_model(LoraConfig(...,
+task_type=FEATURE_EXTRACTION)) with torch.optim.AdamW on the trainable params only (lr 2e-5, weight decay
+0.01, clipping at 1.0). No step parts or FLOP fractions are given for this model.
 """
 
 import argparse
@@ -32,9 +41,42 @@ from jdr.bench import peak as peak_lib
 from jdr.models import hf
 
 
+# --model llama-lora's --shape: `small` is registered in jdr.models.build.FRESH_DECODERS under this name for
+# the benchmark's process (a shape between llama-tiny and a real decoder, so the CPU time is not all overhead).
+LORA_SHAPES = {
+    "small": ("bench-llama-small", dict(model_type="llama", hidden_size=256, num_layers=4, num_heads=8,
+                                        num_kv_heads=4, intermediate_size=688)),
+    "tiny": ("llama-tiny", None),
+}
+LORA = dict(rank=8, alpha=16.0, dropout=0.1,
+            targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+LORA_TEMPERATURE = 0.01
+
+
+def _lora_fresh(shape: str) -> str:
+  from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
+  name, fields = LORA_SHAPES[shape]
+  if fields is not None:
+    build_lib.FRESH_DECODERS.setdefault(name, fields)
+  return name
+
+
+def is_lora(args) -> bool:
+  return getattr(args, "model", "minilm") == "llama-lora"
+
+
 def bench_config(args) -> ml_collections.ConfigDict:
   c = defaults.get_config()
-  c.model.init_from = "minilm"
+  if is_lora(args):
+    c.model.init_from = ""
+    c.model.fresh = _lora_fresh(args.shape)
+    c.model.pooling, c.model.normalize = "last", 1
+    c.model.dropout = 0.0
+    c.model.lora_rank, c.model.lora_alpha, c.model.lora_dropout = LORA["rank"], LORA["alpha"], LORA["dropout"]
+    c.model.lora_targets = ",".join(LORA["targets"])
+    c.loss.temperature = LORA_TEMPERATURE
+  else:
+    c.model.init_from = "minilm"
   c.data.query_max_length, c.data.doc_max_length = args.query_length, args.doc_length
   c.batch_size = args.batch_size
   c.optimizer.learning_rate, c.optimizer.warmup_steps = 2e-5, 0
@@ -66,7 +108,7 @@ def jdr_step_seconds(args, batch, dropout: float | None = None, devices: int = 1
   if dropout is not None:
     config.model.dropout = dropout
   built = build_lib.build(config.model, config.data)
-  tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps)
+  tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps, lora=optimizers.uses_lora(config.model))
   params = trainer.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
   state = step_lib.TrainState(step=jax.numpy.int32(0), params=params, opt_state=tx.init(params),
                            rng=jax.random.PRNGKey(1))
@@ -164,6 +206,86 @@ def torch_step_seconds(args, batch) -> float:
   return _time_steps(run_step, args.steps)
 
 
+def lora_encoder_config(args):
+  """The jdr decoder config the llama-lora case trains (the reference builds transformers' LlamaConfig from it)."""
+  from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
+  config = bench_config(args)
+  return build_lib.build(config.model, config.data).model.query.encoder
+
+
+def torch_lora_step_seconds(args, batch) -> float:
+  """transformers' LlamaModel under PEFT LoRA, the same shape, pooling, loss and optimizer as jdr's step."""
+  import peft  # pylint: disable=g-import-not-at-top
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  device = peak_lib.torch_device()
+  enc = lora_encoder_config(args)
+  torch.manual_seed(0)
+  base = transformers.LlamaModel(transformers.LlamaConfig(
+      vocab_size=enc.vocab_size, hidden_size=enc.hidden_size, intermediate_size=enc.intermediate_size,
+      num_hidden_layers=enc.num_layers, num_attention_heads=enc.num_heads, num_key_value_heads=enc.num_kv_heads,
+      max_position_embeddings=enc.max_position_embeddings, rms_norm_eps=enc.rms_norm_eps,
+      attention_dropout=0.0, use_cache=False))
+  model = peft.get_peft_model(base, peft.LoraConfig(
+      r=LORA["rank"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"], target_modules=list(LORA["targets"]),
+      task_type=peft.TaskType.FEATURE_EXTRACTION)).to(device)
+  model.train()
+  trainable = [p for p in model.parameters() if p.requires_grad]
+  optimizer = torch.optim.AdamW(trainable, lr=2e-5, weight_decay=0.01)
+  t = {k: torch.from_numpy(np.asarray(v)).long().to(device) for k, v in batch.items() if k != "valid"}
+
+  def embed(ids, mask):
+    hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    last = mask.sum(1) - 1  # right padding: each row's last real token
+    pooled = hidden[torch.arange(hidden.shape[0], device=device), last]
+    return torch.nn.functional.normalize(pooled, dim=-1)
+
+  def run_step():
+    optimizer.zero_grad(set_to_none=True)
+    q = embed(t["query_ids"], t["query_mask"])
+    d = embed(t["doc_ids"], t["doc_mask"])  # B positives, then B hard negatives
+    loss = torch.nn.functional.cross_entropy(q @ d.T / LORA_TEMPERATURE, torch.arange(q.shape[0], device=device))
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+    optimizer.step()
+    peak_lib.torch_sync(device)
+
+  return _time_steps(run_step, args.steps)
+
+
+def lora_main(args, batch) -> None:
+  b = args.batch_size
+  enc = lora_encoder_config(args)
+  one_device_s = jdr_step_seconds(args, batch)
+  split_s = jdr_step_seconds(args, batch, devices=args.cpu_devices) if args.cpu_devices > 1 else None
+  jdr_s = min(one_device_s, split_s or one_device_s)
+  torch_s = torch_lora_step_seconds(args, batch)
+  result = {
+      "benchmark": "train-step", "model": "llama-lora", "shape": args.shape,
+      "units": "seconds/step (ratio = reference / jdr)",
+      "jdr": round(jdr_s, 4), "reference": round(torch_s, 4), "ratio": round(torch_s / jdr_s, 3),
+      "jdr_ms": round(jdr_s * 1e3, 1), "reference_ms": round(torch_s * 1e3, 1),
+      "jdr_over_reference": round(jdr_s / torch_s, 3),
+      "reference_name": "transformers LlamaModel + peft LoRA + torch AdamW",
+      "reference_device": peak_lib.torch_device(),
+      "decoder": {"layers": enc.num_layers, "hidden": enc.hidden_size, "heads": enc.num_heads,
+                  "kv_heads": enc.num_kv_heads, "intermediate": enc.intermediate_size, "vocab": enc.vocab_size},
+      "lora": {k: list(v) if isinstance(v, tuple) else v for k, v in LORA.items()},
+      "temperature": LORA_TEMPERATURE, "hard_negatives_per_query": 1,
+      "batch_size": b, "query_length": args.query_length, "doc_length": args.doc_length, "steps": args.steps,
+      "jdr_one_device": round(one_device_s, 4), "cpu_devices": args.cpu_devices,
+      "jdr_cpu_devices": round(split_s, 4) if split_s else None,
+      "jdr_setting": (f"{args.cpu_devices} CPU devices (mesh.cpu_devices={args.cpu_devices})"
+                      if jdr_s == split_s else "1 device"),
+  }
+  split = f"; on {args.cpu_devices} CPU devices {split_s * 1e3:.1f} ms" if split_s else ""
+  print(f"jdr, 1 device: {one_device_s * 1e3:.1f} ms/step{split}", file=sys.stderr)
+  print(f"llama-lora ({args.shape}): jdr {jdr_s * 1e3:.1f} ms/step ({result['jdr_setting']}), PyTorch + PEFT "
+        f"{torch_s * 1e3:.1f} ms/step: ratio {result['ratio']:.2f} (jdr / torch {result['jdr_over_reference']:.2f})",
+        file=sys.stderr)
+  print(json.dumps(result))
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(prog="python -m jdr.bench train-step", description=__doc__.splitlines()[0])
   parser.add_argument("--batch-size", type=int, default=32)
@@ -176,6 +298,11 @@ def main(argv=None) -> None:
                       help="on a CPU host, also time jdr's step data-parallel over this many XLA CPU devices (the "
                            "trainer's mesh.cpu_devices; default: one per core, at most 8, dividing the batch); "
                            "1: one device only")
+  parser.add_argument("--model", choices=("minilm", "llama-lora"), default="minilm",
+                      help="minilm: all-MiniLM-L6-v2, every weight trained; llama-lora: a random Llama decoder "
+                           "trained through LoRA adapters, against transformers + PEFT (see the module docstring)")
+  parser.add_argument("--shape", choices=sorted(LORA_SHAPES), default="small",
+                      help="--model llama-lora's decoder: small (4 layers x 256) or tiny (model.fresh=llama-tiny)")
   args = parser.parse_args(argv)
   if args.cpu_devices is None:
     cores = min(os.cpu_count() or 1, 8)
@@ -196,6 +323,14 @@ def main(argv=None) -> None:
       "doc_mask": np.ones((b, args.doc_length), np.int32),
       "valid": np.ones((b, b), bool),
   }
+  if is_lora(args):
+    # One hard negative per query: the documents are the B positives, then B negatives; every query scores
+    # all 2B (in-batch + hard negatives).
+    batch["doc_ids"] = rng.integers(1000, 30000, (2 * b, args.doc_length)).astype(np.int32)
+    batch["doc_mask"] = np.ones((2 * b, args.doc_length), np.int32)
+    batch["valid"] = np.ones((b, 2 * b), bool)
+    lora_main(args, batch)
+    return
   peak = peak_lib.matmul_peak_flops()
   flops = 3 * (peak_lib.encoder_flops([args.query_length] * b, layers=6, hidden=384, intermediate=1536)
                + peak_lib.encoder_flops([args.doc_length] * b, layers=6, hidden=384, intermediate=1536))
