@@ -41,24 +41,16 @@ from jdr.bench import peak as peak_lib
 from jdr.models import hf
 
 
-# --model llama-lora's --shape: `small` is registered in jdr.models.build.FRESH_DECODERS under this name for
-# the benchmark's process (a shape between llama-tiny and a real decoder, so the CPU time is not all overhead).
-LORA_SHAPES = {
-    "small": ("bench-llama-small", dict(model_type="llama", hidden_size=256, num_layers=4, num_heads=8,
-                                        num_kv_heads=4, intermediate_size=688)),
-    "tiny": ("llama-tiny", None),
-}
+# --model llama-lora's --shape: model.fresh shapes of jdr.models.build (llama-small sits between llama-tiny and a
+# real decoder, so the CPU time is not all overhead).
+LORA_SHAPES = {"small": "llama-small", "tiny": "llama-tiny"}
 LORA = dict(rank=8, alpha=16.0, dropout=0.1,
             targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
 LORA_TEMPERATURE = 0.01
 
 
 def _lora_fresh(shape: str) -> str:
-  from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
-  name, fields = LORA_SHAPES[shape]
-  if fields is not None:
-    build_lib.FRESH_DECODERS.setdefault(name, fields)
-  return name
+  return LORA_SHAPES[shape]
 
 
 def is_lora(args) -> bool:

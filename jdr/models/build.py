@@ -41,6 +41,8 @@ FRESH = {
 FRESH_DECODERS = {
     "llama-tiny": dict(model_type="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                        intermediate_size=128),
+    "llama-small": dict(model_type="llama", hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4,
+                        intermediate_size=688),
     "llama-7b": dict(model_type="llama", vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32,
                      intermediate_size=11008, max_position_embeddings=4096, rms_norm_eps=1e-5),
     "mistral-7b": dict(model_type="mistral", vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32,
