@@ -12,6 +12,19 @@ checkpoint of a training workdir it writes:
                                      its "query" and "document" prompts), so SentenceTransformer(OUT) loads
                                      it too;
   OUT/hf-query/ + OUT/hf-doc/, separate towers: one such directory per tower (OUT holds the tokenizer).
+A decoder tower trained with LoRA (model.lora_rank > 0) is exported merged (adapters folded into the kernels)
+as above, and also un-merged, for serving stacks that swap adapters over one base:
+  OUT/peft-adapter/                  the adapters as PEFT saves them (adapter_config.json,
+                                     adapter_model.safetensors; separate towers: peft-adapter-query/ and
+                                     peft-adapter-doc/), which peft.PeftModel.from_pretrained puts on
+  OUT/peft-base/                     the base they apply to (config.json, model.safetensors, the tokenizer:
+                                     the tower with its adapters dropped, not merged) as transformers.AutoModel
+                                     loads it; separate towers on different bases: peft-base-query/ and
+                                     peft-base-doc/. adapter_config.json names "../peft-base" (relative to the
+                                     adapter folder) as base_model_name_or_path unless --peft-base-model
+                                     names another (a hub id the base equals, an absolute path): PEFT's
+                                     AutoPeftModel reads a relative one from the working directory, while
+                                     PeftModel.from_pretrained(base, adapter folder) does not read it at all.
 
 Serving lengths are recorded apart from the training lengths: a model trained on 32-token queries still reads
 a 100-token query whole. By default they are what the encoder supports, up to 512 tokens; --query-max-length
@@ -136,14 +149,75 @@ def sentence_transformers_max_length(description: dict, side: str) -> int:
   return min(length, architectures.config_from_saved(description[side]["encoder"]).max_length)
 
 
+def _lora_encoder(encoder) -> bool:
+  """Whether a tower's encoder is a decoder carrying LoRA adapters: its export also gets the PEFT folders."""
+  return architectures.is_decoder(encoder) and bool(encoder.lora_rank)
+
+
+def _without_adapters(tree):
+  """The params with every lora_a / lora_b leaf removed (not merged): the frozen base the adapters apply to."""
+  from jdr.models import decoder  # pylint: disable=g-import-not-at-top
+  if not hasattr(tree, "items"):
+    return tree
+  return {name: _without_adapters(sub) for name, sub in tree.items() if name not in decoder.LORA_PARAMS}
+
+
+def _peft_adapter(encoder, params: dict, path: pathlib.Path, base_model: str) -> pathlib.Path:
+  """adapter_config.json + adapter_model.safetensors: the tower's adapters as PEFT saves them, so
+  peft.PeftModel.from_pretrained(AutoModel of the base, path) computes what jdr's tower computes."""
+  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+  from jdr.models import decoder  # pylint: disable=g-import-not-at-top
+  path.mkdir(parents=True, exist_ok=True)
+  (path / "adapter_config.json").write_text(json.dumps(decoder.peft_config(encoder, base_model), indent=2) + "\n")
+  save_file(decoder.peft_state_dict(params, encoder), str(path / "adapter_model.safetensors"),
+            metadata={"format": "pt"})
+  return path
+
+
+def _peft_base(encoder, params: dict, path: pathlib.Path, tokenizer) -> pathlib.Path:
+  """The tower without its adapters (dropped, not merged: the merged model is the export's own Hugging Face
+  folder) as transformers.AutoModel loads it: what the PEFT adapter goes on."""
+  return hf.export_hf(encoder.replace(lora_rank=0), _without_adapters(params), path, tokenizer=tokenizer)
+
+
+def _same_base(first: dict, second: dict) -> bool:
+  """Whether two towers' frozen bases hold the same weights (separate towers LoRA-tuned from one model), so
+  one peft-base/ serves both adapters instead of two copies of a 7B model."""
+  one, two = jax.tree_util.tree_flatten_with_path(first)[0], jax.tree_util.tree_flatten_with_path(second)[0]
+  return len(one) == len(two) and all(p == q and np.array_equal(np.asarray(x), np.asarray(y))
+                                      for (p, x), (q, y) in zip(one, two))
+
+
+def _peft_files(model, params: dict, out: pathlib.Path, tokenizer, base_model: str | None) -> None:
+  """The PEFT folders (the module docstring) of every LoRA tower: each adapter, and the base it goes on."""
+  sides = {"": ("tower", "query")} if model.shared else {
+      "-query": ("query_tower", "query"), "-doc": ("doc_tower", "doc")}
+  towers = {suffix: (getattr(model, side).encoder, params[key]["encoder"])
+            for suffix, (key, side) in sides.items() if getattr(model, side).encoder is not None
+            and _lora_encoder(getattr(model, side).encoder)}
+  if not towers:
+    return
+  bases = [_without_adapters(encoder_params) for _, encoder_params in towers.values()]
+  one_base = len(bases) == 1 or _same_base(*bases)
+  for suffix, (encoder, encoder_params) in towers.items():
+    base = "peft-base" if one_base else f"peft-base{suffix}"
+    if not one_base or suffix == next(iter(towers)):
+      _peft_base(encoder, encoder_params, out / base, tokenizer)
+    _peft_adapter(encoder, encoder_params, out / f"peft-adapter{suffix}", base_model or f"../{base}")
+    print(f"LoRA: a PEFT adapter in peft-adapter{suffix}/ over its un-merged base in {base}/ (the Hugging Face "
+          f"folder{'s hold' if len(towers) > 1 else ' holds'} the merged model)", file=sys.stderr)
+
+
 def export(workdir: paths.PathLike, out: paths.PathLike, *, query_max_length: int | None = None,
-           doc_max_length: int | None = None):
+           doc_max_length: int | None = None, peft_base_model: str | None = None):
   """Writes the params-only checkpoint and the Hugging Face files; returns `out`.
 
   The files are written to a temporary folder beside `out` (on object storage: on local disk, then uploaded)
   and put in place once all are written, so a failure (a full disk) leaves no partial export behind; an
-  existing export at `out` is replaced."""
-  lengths = {"query_max_length": query_max_length, "doc_max_length": doc_max_length}
+  existing export at `out` is replaced. `peft_base_model`: what a LoRA export's adapter_config.json names as
+  its base (default: the export's own peft-base/, as a path relative to the adapter folder)."""
+  lengths = {"query_max_length": query_max_length, "doc_max_length": doc_max_length,
+             "peft_base_model": peft_base_model}
   if not paths.is_local(out):
     with tempfile.TemporaryDirectory(prefix="jdr-export-") as tmp:
       _export(workdir, pathlib.Path(tmp), **lengths)
@@ -172,7 +246,7 @@ def export(workdir: paths.PathLike, out: paths.PathLike, *, query_max_length: in
 
 
 def _export(workdir: paths.PathLike, out: pathlib.Path, *, query_max_length: int | None = None,
-            doc_max_length: int | None = None) -> pathlib.Path:
+            doc_max_length: int | None = None, peft_base_model: str | None = None) -> pathlib.Path:
   model, params, tokenizer, description = build_lib.load_jdr_model(workdir)
   out.mkdir(parents=True, exist_ok=True)
   tokenizer.save_pretrained(str(out))
@@ -206,6 +280,7 @@ def _export(workdir: paths.PathLike, out: pathlib.Path, *, query_max_length: int
                         architecture="RobertaDot" if head and encoder.model_type == "roberta" else None)
     _sentence_transformers_files(path, tower, sentence_transformers_max_length(description, side),
                                  params[param_key], description.get("prompts"))
+  _peft_files(model, params, out, tokenizer, peft_base_model)
   return out
 
 
@@ -217,13 +292,16 @@ def main(argv=None) -> None:
                       help="tokens per query when serving (default: what the encoder supports, up to 512)")
   parser.add_argument("--doc-max-length", type=int, default=None,
                       help="tokens per document when serving (default: what the encoder supports, up to 512)")
+  parser.add_argument("--peft-base-model", default=None,
+                      help="a LoRA export's adapter_config.json base_model_name_or_path (default: ../peft-base, "
+                           "the export's own un-merged base, relative to the adapter folder)")
   args = parser.parse_args(argv)
   try:
     with cli.reporting_errors():
       if not paths.as_path(args.workdir).is_dir():
         raise FileNotFoundError(f"--workdir {args.workdir}: no such directory")
       out = export(args.workdir, args.out, query_max_length=args.query_max_length,
-                   doc_max_length=args.doc_max_length)
+                   doc_max_length=args.doc_max_length, peft_base_model=args.peft_base_model)
   except SystemExit as stop:
     if __name__ != "__main__":
       raise
