@@ -154,14 +154,6 @@ def _lora_encoder(encoder) -> bool:
   return architectures.is_decoder(encoder) and bool(encoder.lora_rank)
 
 
-def _without_adapters(tree):
-  """The params with every lora_a / lora_b leaf removed (not merged): the frozen base the adapters apply to."""
-  from jdr.models import decoder  # pylint: disable=g-import-not-at-top
-  if not hasattr(tree, "items"):
-    return tree
-  return {name: _without_adapters(sub) for name, sub in tree.items() if name not in decoder.LORA_PARAMS}
-
-
 def _peft_adapter(encoder, params: dict, path: pathlib.Path, base_model: str) -> pathlib.Path:
   """adapter_config.json + adapter_model.safetensors: the tower's adapters as PEFT saves them, so
   peft.PeftModel.from_pretrained(AutoModel of the base, path) computes what jdr's tower computes."""
@@ -177,7 +169,8 @@ def _peft_adapter(encoder, params: dict, path: pathlib.Path, base_model: str) ->
 def _peft_base(encoder, params: dict, path: pathlib.Path, tokenizer) -> pathlib.Path:
   """The tower without its adapters (dropped, not merged: the merged model is the export's own Hugging Face
   folder) as transformers.AutoModel loads it: what the PEFT adapter goes on."""
-  return hf.export_hf(encoder.replace(lora_rank=0), _without_adapters(params), path, tokenizer=tokenizer)
+  return hf.export_hf(encoder.replace(lora_rank=0), architectures.base_without_adapters(params), path,
+                      tokenizer=tokenizer)
 
 
 def _same_base(first: dict, second: dict) -> bool:
@@ -197,7 +190,7 @@ def _peft_files(model, params: dict, out: pathlib.Path, tokenizer, base_model: s
             and _lora_encoder(getattr(model, side).encoder)}
   if not towers:
     return
-  bases = [_without_adapters(encoder_params) for _, encoder_params in towers.values()]
+  bases = [architectures.base_without_adapters(encoder_params) for _, encoder_params in towers.values()]
   one_base = len(bases) == 1 or _same_base(*bases)
   for suffix, (encoder, encoder_params) in towers.items():
     base = "peft-base" if one_base else f"peft-base{suffix}"

@@ -49,10 +49,6 @@ LORA = dict(rank=8, alpha=16.0, dropout=0.1,
 LORA_TEMPERATURE = 0.01
 
 
-def _lora_fresh(shape: str) -> str:
-  return LORA_SHAPES[shape]
-
-
 def is_lora(args) -> bool:
   return getattr(args, "model", "minilm") == "llama-lora"
 
@@ -61,7 +57,7 @@ def bench_config(args) -> ml_collections.ConfigDict:
   c = defaults.get_config()
   if is_lora(args):
     c.model.init_from = ""
-    c.model.fresh = _lora_fresh(args.shape)
+    c.model.fresh = LORA_SHAPES[args.shape]
     c.model.pooling, c.model.normalize = "last", 1
     c.model.dropout = 0.0
     c.model.lora_rank, c.model.lora_alpha, c.model.lora_dropout = LORA["rank"], LORA["alpha"], LORA["dropout"]
@@ -213,11 +209,8 @@ def torch_lora_step_seconds(args, batch) -> float:
   device = peak_lib.torch_device()
   enc = lora_encoder_config(args)
   torch.manual_seed(0)
-  base = transformers.LlamaModel(transformers.LlamaConfig(
-      vocab_size=enc.vocab_size, hidden_size=enc.hidden_size, intermediate_size=enc.intermediate_size,
-      num_hidden_layers=enc.num_layers, num_attention_heads=enc.num_heads, num_key_value_heads=enc.num_kv_heads,
-      max_position_embeddings=enc.max_position_embeddings, rms_norm_eps=enc.rms_norm_eps,
-      attention_dropout=0.0, use_cache=False))
+  hf_config = {k: v for k, v in enc.replace(lora_rank=0).to_hf().items() if k != "architectures"}
+  base = transformers.LlamaModel(transformers.LlamaConfig(**{**hf_config, "use_cache": False}))
   model = peft.get_peft_model(base, peft.LoraConfig(
       r=LORA["rank"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"], target_modules=list(LORA["targets"]),
       task_type=peft.TaskType.FEATURE_EXTRACTION)).to(device)

@@ -45,6 +45,11 @@ def merged_lora(params: dict, cfg) -> dict:
   return _decoder().merged(params, cfg)[0]
 
 
+def base_without_adapters(params: dict) -> dict:
+  """A decoder encoder's params less its LoRA adapters (jdr.models.decoder.without_adapters)."""
+  return _decoder().without_adapters(params)
+
+
 def is_decoder(cfg) -> bool:
   return getattr(cfg, "model_type", None) in DECODER_TYPES
 

@@ -273,9 +273,8 @@ def _fresh_encoder_config(model_cfg: ml_collections.ConfigDict, tokenizer_path: 
 
 def lora_fields(model_cfg: ml_collections.ConfigDict) -> dict:
   """model.lora_*: what a decoder encoder's config takes."""
-  return dict(lora_rank=int(model_cfg.get("lora_rank", 0)), lora_alpha=float(model_cfg.get("lora_alpha", 16.0)),
-              lora_dropout=float(model_cfg.get("lora_dropout", 0.0)),
-              lora_targets=model_cfg.get("lora_targets", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"))
+  return dict(lora_rank=int(model_cfg.lora_rank), lora_alpha=float(model_cfg.lora_alpha),
+              lora_dropout=float(model_cfg.lora_dropout), lora_targets=model_cfg.lora_targets)
 
 
 def with_lora(tower: TowerConfig, model_cfg: ml_collections.ConfigDict, source: str) -> TowerConfig:

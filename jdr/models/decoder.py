@@ -726,6 +726,13 @@ def merged(params: dict[str, Any], cfg: DecoderConfig) -> tuple[dict[str, Any], 
   return out, cfg.replace(lora_rank=0)
 
 
+def without_adapters(params: dict[str, Any]) -> dict[str, Any]:
+  """The params with every adapter leaf removed, not merged: the frozen base the adapters apply to."""
+  if not hasattr(params, "items"):
+    return params
+  return {name: without_adapters(sub) for name, sub in params.items() if name not in LORA_PARAMS}
+
+
 PEFT_PREFIX = "base_model.model."  # PEFT's names for adapters of a base model (transformers' AutoModel)
 
 

@@ -28,6 +28,8 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
+from jdr.models import decoder
+
 OPTIMIZERS = ("adamw", "lamb", "optax_lamb")
 
 
@@ -61,9 +63,6 @@ def uses_lora(model_config: ml_collections.ConfigDict) -> bool:
   return model_config.get("lora_rank", 0) > 0
 
 
-LORA_PARAMS = ("lora_a", "lora_b")  # jdr.models.decoder's adapter params
-
-
 def _keys(path) -> list[str]:
   return [k.key for k in path if hasattr(k, "key")]
 
@@ -79,7 +78,7 @@ def trainable_labels(params, train_towers: str, lora: bool = False):
     keys = _keys(path)
     if only_query and keys[0] != "query_tower":
       return "freeze"
-    if lora and "encoder" in keys and not any(k in LORA_PARAMS for k in keys):
+    if lora and "encoder" in keys and not any(k in decoder.LORA_PARAMS for k in keys):
       return "freeze"
     return "train"
 

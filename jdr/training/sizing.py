@@ -33,6 +33,7 @@ from jdr.runtime import parallel
 from jdr.training import step as step_lib
 from jdr.data import pretrain_batches
 from jdr.models import build as build_lib
+from jdr.models import decoder
 from jdr.negatives import sources
 
 
@@ -328,7 +329,7 @@ def _size_step(config: ml_collections.ConfigDict, devices, corpus_rows: int = MS
 def _adapter_figures(params) -> dict:
   """LoRA's adapters (inside the params figures): their count and bytes per device; {} without LoRA."""
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
-  adapters = [x for path, x in flat if any(getattr(k, "key", None) in optimizers.LORA_PARAMS for k in path)]
+  adapters = [x for path, x in flat if any(getattr(k, "key", None) in decoder.LORA_PARAMS for k in path)]
   if not adapters:
     return {}
   return {"adapter_parameters": int(sum(np.prod(x.shape) for x in adapters)),
