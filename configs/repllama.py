@@ -11,7 +11,7 @@ README's training command) run it.
 | EOS | appended to every query and passage after truncation (`model.append_eos`), after Llama's BOS | none (see above) | `data.py` `create_one_example` (`text_encoding + [eos_token_id]`, `prepare_for_model`) | |
 | prefixes | "query: " / "passage: " | the same | `data.py` `TrainPreProcessor` | |
 | LoRA | r 32, alpha 64, dropout 0.1, on q, k, v, o, gate, up, down | r 8, the same alpha / r, dropout and targets | `repllama.py` `build` (its list omits k_proj; the issue's recipe and the paper's "all linear projections" include it) | k_proj carries adapters; runlocal's rank fits its 64-wide layers |
-| base weights | frozen (no gradients, no optimizer state); bfloat16 compute on accelerators (`model.dtype=auto`) | float32 compute on CPU | `train.py --bf16` | |
+| base weights | frozen (no gradients, no optimizer state); stored and computed in bfloat16 on accelerators (`model.dtype=auto`, `model.param_dtype=auto`) | float32 on CPU | `train.py --bf16` | |
 | negatives | 15 hard negatives a query from Tevatron's MS MARCO training file (a blend of BM25 and CoCondenser results), plus in-batch | 15 BM25 negatives from the top 100 of SciFact's corpus, plus in-batch | paper Sec. 3.1; `train.py --train_n_passages 16`, `--negatives_x_device` | runlocal: no mined file for SciFact |
 | loss | softmax cross-entropy over the batch's passages, scores / 0.01 | the same | `repllama.py` `compute_similarity` | |
 | optimizer | AdamW 1e-4, 100 warm-up steps then linear decay, no weight decay | AdamW 1e-3, 10 warm-up steps | `train.py` README command; HF Trainer defaults (weight_decay 0, linear schedule) | runlocal: a random base needs larger adapter steps |

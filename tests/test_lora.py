@@ -12,6 +12,7 @@ import pytest
 from jdr.models import decoder
 from jdr.models.towers import TowerConfig, TwoTower
 from jdr.runtime import defaults
+from jdr.training import gradcache
 from jdr.training import optimizers
 from jdr.training import step as step_lib
 
@@ -164,8 +165,10 @@ def test_frozen_params_get_no_gradient():
   config = two_tower_config()
   model, _, state, batch = make(config)
   score = step_lib.tokens_scorer(model, config)
-  freeze = lambda p: optimizers.without_frozen_gradients(p, "both", True)
-  grads = jax.grad(lambda p: score(freeze(p), batch, step_lib.step_rngs(state))[0])(state.params)
+  trained, frozen = optimizers.split_frozen(state.params, "both", True)
+  grads = jax.grad(lambda p: score(gradcache.merged(p, frozen), batch, step_lib.step_rngs(state))[0])(trained)
+  assert grads["tower"]["encoder"]["layer_0"]["q_proj"]["kernel"] is None  # never differentiated
+  grads = optimizers.with_zero_gradients(grads, frozen)
   kernel = grads["tower"]["encoder"]["layer_0"]["q_proj"]["kernel"]
   assert not np.any(np.asarray(kernel))
   assert np.any(np.asarray(grads["tower"]["encoder"]["layer_0"]["q_proj"]["lora_b"]))
@@ -204,7 +207,10 @@ def test_sharded_lora_runs_equal_one_device(tmp_path):
       from jdr.runtime import config_files
       runs = {{"single": ["mesh.shape=(1,1,1)"], "data_parallel": ["mesh.shape=(8,1,1)", "mesh.rules=dp"],
                "fully_sharded": ["mesh.shape=(2,4,1)", "mesh.rules=fsdp"],
-               "tensor_parallel": ["mesh.shape=(4,1,2)", "mesh.rules=tp"]}}
+               "tensor_parallel": ["mesh.shape=(4,1,2)", "mesh.rules=tp"],
+               "single_grad_cache": ["mesh.shape=(1,1,1)", "grad_cache.chunk_size=4"],
+               "data_parallel_grad_cache": ["mesh.shape=(8,1,1)", "mesh.rules=dp", "grad_cache.chunk_size=8"],
+               "fully_sharded_grad_cache": ["mesh.shape=(2,4,1)", "mesh.rules=fsdp", "grad_cache.chunk_size=8"]}}
       for name, extra in runs.items():
         config = config_files.load_config_file("{root / 'configs' / 'demo.py'}")
         config_files.apply_overrides(config, {overrides!r} + extra)
@@ -223,11 +229,15 @@ def test_sharded_lora_runs_equal_one_device(tmp_path):
   assert len(losses("single")) == 6
   adapters = [k for k in single.files if "lora_b" in k]
   assert adapters and all(np.any(single[k]) for k in adapters)  # the adapters trained away from zero
-  for name in ("data_parallel", "fully_sharded", "tensor_parallel"):
-    sharded = np.load(tmp_path / f"{name}.npz")
-    np.testing.assert_allclose(losses(name), losses("single"), rtol=3e-5, atol=1e-5, err_msg=name)
-    for key in single.files:
-      np.testing.assert_allclose(sharded[key], single[key], rtol=1e-4, atol=2e-5, err_msg=f"{name} {key}")
+  # Gradient caching draws its dropout per row (jdr.training.gradcache), so it is compared with its own single
+  # device run; under fsdp its chunk loops stay XLA-partitioned (no device holds the whole base).
+  for name, reference in (("data_parallel", "single"), ("fully_sharded", "single"), ("tensor_parallel", "single"),
+                          ("data_parallel_grad_cache", "single_grad_cache"),
+                          ("fully_sharded_grad_cache", "single_grad_cache")):
+    sharded, want = np.load(tmp_path / f"{name}.npz"), np.load(tmp_path / f"{reference}.npz")
+    np.testing.assert_allclose(losses(name), losses(reference), rtol=3e-5, atol=1e-5, err_msg=name)
+    for key in want.files:
+      np.testing.assert_allclose(sharded[key], want[key], rtol=1e-4, atol=2e-5, err_msg=f"{name} {key}")
 
 
 def test_peft_loads_the_adapters_and_transformers_the_merged_model(params, tmp_path):
@@ -266,3 +276,38 @@ def test_peft_loads_the_adapters_and_transformers_the_merged_model(params, tmp_p
   plain = load(decoder.state_dict_from_params(base, without_adapters(trained)))
   with_adapters = peft.PeftModel.from_pretrained(plain, str(adapter_dir)).eval()
   np.testing.assert_allclose(hidden(with_adapters)[real], want[real], atol=1e-5)
+
+
+def test_param_dtype_keeps_a_frozen_base_in_bfloat16(tmp_path):
+  """model.param_dtype=auto: a base LoRA freezes is stored bfloat16 when the run computes in bfloat16 (a fresh
+  decoder, and a float32 Hugging Face checkpoint read straight into it); adapters stay float32; a trained
+  decoder, or a float32 run, stays float32; bfloat16 asked of a BERT-family tower is refused."""
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
+  from jdr.training import trainer  # pylint: disable=g-import-not-at-top
+  torch.manual_seed(0)
+  hf_cfg = transformers.LlamaConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, intermediate_size=48)
+  transformers.LlamaModel(hf_cfg).save_pretrained(tmp_path / "llama")
+
+  def stored(init_from="", **model):
+    c = two_tower_config(init_from=init_from, fresh="llama-tiny", tokenizer=str(build_lib.hf.minilm_path()),
+                         **model)
+    built = build_lib.build(c.model, c.data)
+    params = trainer.initial_params(built.model, built, c, jax.random.PRNGKey(0), None)
+    q_proj = params["tower"]["encoder"]["layer_0"]["q_proj"]
+    return built.model.query.encoder.param_dtype, q_proj["kernel"].dtype, q_proj.get("lora_a", q_proj["kernel"]).dtype
+
+  bf16, f32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
+  assert stored(dtype="bfloat16") == ("bfloat16", bf16, f32)
+  assert stored(str(tmp_path / "llama"), dtype="bfloat16") == ("bfloat16", bf16, f32)
+  assert stored(dtype="float32") == ("float32", f32, f32)
+  assert stored(dtype="bfloat16", lora_rank=0) == ("float32", f32, f32)
+  assert stored(dtype="float32", param_dtype="bfloat16") == ("bfloat16", bf16, f32)
+  with pytest.raises(ValueError, match="param_dtype=bfloat16 stores a decoder tower's weights"):
+    c = two_tower_config(init_from="", fresh="tiny", lora_rank=0, param_dtype="bfloat16")
+    build_lib.build(c.model, c.data)
+  with pytest.raises(ValueError, match="param_dtype must be"):
+    c = two_tower_config(init_from="", fresh="llama-tiny", param_dtype="float16")
+    build_lib.build(c.model, c.data)

@@ -69,12 +69,14 @@ def config_from_hf(config: dict[str, Any], **overrides):
   if kind is None:
     raise ValueError(f"unsupported Hugging Face model_type {model_type!r}: jdr reads "
                      f"{', '.join(sorted(_HF_TYPES))}")
+  if kind == "decoder":
+    return _decoder().DecoderConfig.from_hf(config, **overrides)
+  # How weights are stored is a decoder's setting; the encoders keep float32 (build refuses bfloat16 for them).
+  overrides.pop("param_dtype", None)
   if kind == "distilbert":
     return distilbert.config_from_hf(config, **overrides)
   if kind == "modernbert":
     return _modernbert().ModernBertConfig.from_hf(config, **overrides)
-  if kind == "decoder":
-    return _decoder().DecoderConfig.from_hf(config, **overrides)
   return EncoderConfig.from_hf(config, **overrides)
 
 

@@ -144,7 +144,8 @@ def build(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collections.ConfigD
   if kind != "transformer":
     raise ValueError(f"model.tower must be 'transformer' or 'bow_mlp', got {kind!r}")
 
-  overrides = _encoder_overrides(model_cfg)
+  # A decoder checkpoint is read straight into model.param_dtype (a bfloat16 7B never exists in float32 here).
+  overrides = {**_encoder_overrides(model_cfg), "param_dtype": param_dtype(model_cfg)}
   doc_init_from = model_cfg.get("doc_init_from", "")
   if doc_init_from and model_cfg.shared:
     raise ValueError(f"model.doc_init_from={doc_init_from} gives the document tower weights of its own: set "
@@ -152,7 +153,7 @@ def build(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collections.ConfigD
   if init_from:
     sides = {"query": _published(init_from, model_cfg, overrides)}
     sides["doc"] = _published(doc_init_from, model_cfg, overrides) if doc_init_from else sides["query"]
-    towers_ = {side: with_lora(_run_tower(model_cfg, pub, side), model_cfg, str(pub.path))
+    towers_ = {side: with_decoder_settings(_run_tower(model_cfg, pub, side), model_cfg, str(pub.path))
                for side, pub in sides.items()}
     tokenizer_path = (resolve_model(model_cfg.tokenizer) if model_cfg.tokenizer
                       else published.tokenizer_dir(sides["query"], "model.init_from"))
@@ -170,7 +171,7 @@ def build(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collections.ConfigD
     tower = TowerConfig(encoder=encoder_config, pooling=model_cfg.pooling or ("last" if decoder else "cls"),
                         projection_dim=model_cfg.projection_dim or None, normalize=model_cfg.normalize > 0,
                         projection_norm_eps=published.TORCH_LAYER_NORM_EPS if model_cfg.projection_dim else None)
-    tower = with_lora(tower, model_cfg, f"model.fresh={model_cfg.fresh}")
+    tower = with_decoder_settings(tower, model_cfg, f"model.fresh={model_cfg.fresh}")
     towers_ = {"query": tower, "doc": tower}
     tower_params, prompts, base_max_length = None, published.no_prompts(), None
   model = TwoTower(query=towers_["query"], doc=towers_["doc"], shared=model_cfg.shared)
@@ -277,22 +278,45 @@ def lora_fields(model_cfg: ml_collections.ConfigDict) -> dict:
               lora_dropout=float(model_cfg.lora_dropout), lora_targets=model_cfg.lora_targets)
 
 
-def with_lora(tower: TowerConfig, model_cfg: ml_collections.ConfigDict, source: str) -> TowerConfig:
-  """The tower with the run's LoRA settings on its decoder encoder; LoRA asked of any other tower is refused."""
+def param_dtype(model_cfg: ml_collections.ConfigDict) -> str:
+  """model.param_dtype for a decoder tower: "float32", "bfloat16", or "auto" = bfloat16 for a base that LoRA
+  freezes when the run computes in bfloat16 (a 7B base is then 13.5 GB, not 27: nothing updates it, so float32
+  storage buys nothing), float32 otherwise (updates of a trained weight would round away in bfloat16)."""
+  name = model_cfg.get("param_dtype", "auto")
+  if name == "auto":
+    frozen = int(model_cfg.get("lora_rank", 0)) > 0
+    return "bfloat16" if frozen and compute_dtype(model_cfg.dtype) == "bfloat16" else "float32"
+  if name not in ("float32", "bfloat16"):
+    raise ValueError(f"model.param_dtype must be float32, bfloat16 or auto, got {name!r}")
+  return name
+
+
+def with_decoder_settings(tower: TowerConfig, model_cfg: ml_collections.ConfigDict, source: str) -> TowerConfig:
+  """The tower with the run's LoRA settings and model.param_dtype on its decoder encoder; either asked of any
+  other tower is refused."""
   fields = lora_fields(model_cfg)
   if tower.encoder is None or not architectures.is_decoder(tower.encoder):
+    kind = "BoW-MLP" if tower.encoder is None else type(tower.encoder).__name__
     if fields["lora_rank"]:
-      kind = "BoW-MLP" if tower.encoder is None else type(tower.encoder).__name__
       raise ValueError(f"model.lora_rank={fields['lora_rank']}: LoRA adapters are for decoder towers (Llama, "
                        f"Mistral, Qwen2, Qwen3); {source} is a {kind} tower, which trains all its weights "
                        "(set model.lora_rank=0)")
+    refuse_param_dtype(model_cfg, f"{source} is a {kind} tower")
     return tower
-  return tower.replace(encoder=tower.encoder.replace(**fields))
+  return tower.replace(encoder=tower.encoder.replace(**fields, param_dtype=param_dtype(model_cfg)))
+
+
+def refuse_param_dtype(model_cfg: ml_collections.ConfigDict, what: str) -> None:
+  """model.param_dtype=bfloat16 is for decoder towers; other encoders keep float32 weights."""
+  if model_cfg.get("param_dtype", "auto") == "bfloat16":
+    raise ValueError(f"model.param_dtype=bfloat16 stores a decoder tower's weights (Llama, Mistral, Qwen2, "
+                     f"Qwen3) in bfloat16; {what}, whose weights stay float32 (set model.param_dtype=auto)")
 
 
 def _cross_encoder(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collections.ConfigDict) -> Built:
   """A cross-encoder over (query, document) pairs of data.doc_max_length tokens: from a jdr cross-encoder
   workdir or export, a Hugging Face directory / "minilm" (a sequence classifier keeps its head), or fresh."""
+  refuse_param_dtype(model_cfg, "a cross-encoder is a BERT-family encoder")
   overrides = _encoder_overrides(model_cfg)
   init_from = model_cfg.init_from
   params = None
@@ -321,6 +345,7 @@ def _cross_encoder(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collection
 
 def _bow_mlp(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collections.ConfigDict) -> Built:
   """Chang et al.'s BoW-MLP towers, fresh weights, over the (MiniLM) tokenizer's vocabulary."""
+  refuse_param_dtype(model_cfg, "model.tower=bow_mlp is a BoW-MLP tower")
   if model_cfg.init_from:
     raise ValueError(f"model.tower=bow_mlp starts from fresh weights or a jdr workdir, not "
                      f"model.init_from={model_cfg.init_from!r}")
@@ -373,7 +398,7 @@ def _from_jdr_model(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collectio
                          "another checkpoint")
     if tower.encoder is not None:
       tower = tower.replace(encoder=dataclasses.replace(tower.encoder, **_encoder_overrides(model_cfg)))
-    towers[side] = with_lora(tower, model_cfg, f"model.init_from={model_cfg.init_from}")
+    towers[side] = with_decoder_settings(tower, model_cfg, f"model.init_from={model_cfg.init_from}")
   if model.shared and not model_cfg.shared:
     # Two owned copies: one buffer in both towers would be donated twice by the train step.
     copy = lambda tree: jax.tree.map(lambda x: np.array(x, copy=True), tree)

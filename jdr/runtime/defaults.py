@@ -68,6 +68,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model.lora_alpha = 16.0  # the adapters' output is scaled by lora_alpha / lora_rank (PEFT's scaling)
   c.model.lora_dropout = 0.0  # dropout on the adapters' input
   c.model.lora_targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # projections with adapters
+  c.model.param_dtype = "auto"  # decoders' weight storage: float32, bfloat16, or auto (bfloat16 for a base LoRA freezes when computing in bfloat16)
   c.model.append_eos = False  # put the tokenizer's EOS token after every text (RepLLaMA: the token a decoder pools)
 
   # --- negatives and loss: together they are the method ---

@@ -74,11 +74,27 @@ def activation_mesh() -> Mesh | None:
   return getattr(_ACTIVATIONS, "value", None)
 
 
+_ROWS_VMAPPED = threading.local()
+
+
+def rows_vmapped():
+  """While traced inside: the towers see one row at a time under `jax.vmap(..., spmd_axis_name=BATCH_AXES)`
+  (gradient caching's per-row encoders, XLA-partitioned), so `constrain_rows` pins the vmapped rows instead.
+  Without it XLA may split a chunk's activations by width after the FSDP-split weights, every device holding
+  every row of the chunk."""
+  return _scoped(_ROWS_VMAPPED, True)
+
+
 def constrain_rows(x: jax.Array) -> jax.Array:
   """x [rows, ...] with the batch sharding inside `activations_on` (a no-op elsewhere, and for row counts
-  the batch axes do not divide, such as gradient caching's single rows)."""
+  the batch axes do not divide, such as gradient caching's single rows outside `rows_vmapped`)."""
   mesh = activation_mesh()
-  if mesh is None or x.shape[0] % data_parallel_size(mesh):
+  if mesh is None:
+    return x
+  if getattr(_ROWS_VMAPPED, "value", None):
+    # One row of a vmap whose spmd_axis_name is BATCH_AXES: "replicated" here is the rows split over them.
+    return jax.lax.with_sharding_constraint(x, replicated(mesh))
+  if x.shape[0] % data_parallel_size(mesh):
     return x
   return jax.lax.with_sharding_constraint(x, batch_sharding(mesh))
 
@@ -153,6 +169,15 @@ def rules_for(preset: str | Sequence[Sequence[Any]]) -> tuple:
                        "or give ((logical_axis, mesh_axis), ...)")
     return RULES[preset]
   return tuple((name, tuple(axis) if isinstance(axis, list) else axis) for name, axis in preset)
+
+
+def shards_params_over_batch(rules: tuple) -> bool:
+  """Whether a rule table splits some parameter axis over a data-parallel mesh axis (FSDP)."""
+  for logical, axis in rules:
+    axes = axis if isinstance(axis, tuple) else (axis,)
+    if logical != "batch" and any(a in BATCH_AXES for a in axes):
+      return True
+  return False
 
 
 def tree_shardings(abstract_tree: Any, mesh: Mesh, rules: tuple) -> Any:

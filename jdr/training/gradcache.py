@@ -40,6 +40,12 @@ the padded rows' embedding gradients are exactly zero, so they add nothing to th
 (copies of a real row rather than all-padding rows, so no padded row can produce NaN whose zero-cotangent
 product would still be NaN). Prefer divisible sizes: padding is wasted compute.
 
+Frozen parameters (a LoRA decoder's base, ADORE's document tower) are passed apart as `frozen`: the tree
+of the trained ones has None where a frozen one sits, and `frozen` the reverse. Only the trained ones are
+differentiated and accumulated, so a 7B base costs no gradient accumulator and no weight-gradient matmuls.
+Under `shard_map` every argument is whole on every device; a trainer whose parameters are sharded over a batch
+axis (FSDP) passes no mesh, so the loops stay XLA-partitioned and no device ever holds the whole model.
+
 Shared and separate towers need nothing special: the encoders take the whole parameter tree, the vjp of
 a query chunk is zero on a separate document tower's leaves (and vice versa), and both scans add into
 one accumulator. A frozen tower is an encoder that returns `jax.lax.stop_gradient(...)`.
@@ -74,13 +80,15 @@ def batch_row_keys(rng: Array, num_queries: int, num_docs: int) -> tuple[Array, 
   return row_keys(query_rng, num_queries), row_keys(doc_rng, num_docs)
 
 
-def per_row_encoder(model, method: str | Callable, *, deterministic: bool = False) -> Encoder:
+def per_row_encoder(model, method: str | Callable, *, deterministic: bool = False,
+                    spmd_axis_name: tuple[str, ...] | None = None) -> Encoder:
   """An encoder (params, ids, mask, keys) -> [n, D] for a flax module, one dropout key per row.
 
   `model.apply` runs vmapped over single rows, so row i's dropout masks come from keys[i] alone; vmap
   batches the rows' matmuls back together (the params are not vmapped). Only the dropout bits are drawn
   per row (the same number of bits, from n keys instead of one).
-  `method` is e.g. "encode_query" or "encode_doc" of a `jdr.models.towers.TwoTower`.
+  `method` is e.g. "encode_query" or "encode_doc" of a `jdr.models.towers.TwoTower`. `spmd_axis_name`: the
+  mesh axes the rows are split over, for sharding constraints inside (`jdr.runtime.parallel.rows_vmapped`).
   """
   def encode(params, ids, mask, keys):
     def one(row_ids, row_mask, key):
@@ -88,7 +96,7 @@ def per_row_encoder(model, method: str | Callable, *, deterministic: bool = Fals
       out = model.apply({"params": params}, row_ids[None], row_mask[None], deterministic=deterministic,
                         rngs=rngs, method=method)
       return out[0]
-    return jax.vmap(one)(ids, mask, keys)
+    return jax.vmap(one, spmd_axis_name=spmd_axis_name)(ids, mask, keys)
   return encode
 
 
@@ -108,6 +116,14 @@ def plain_value_and_grad(encode_query: Encoder, encode_doc: Encoder, loss_of_emb
 
   (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
   return loss, aux, grads
+
+
+def merged(params: Any, frozen: Any) -> Any:
+  """The whole parameter tree from the trained part (None where a parameter is frozen) and the frozen part
+  (None where one trains); `frozen` None: `params` is the whole tree."""
+  if frozen is None:
+    return params
+  return jax.tree.map(lambda p, f: f if p is None else p, params, frozen, is_leaf=lambda x: x is None)
 
 
 def _to_chunks(x: Array, chunk_size: int) -> Array:
@@ -137,20 +153,22 @@ def _zero_pad_chunks(g: Array, chunk_size: int) -> Array:
 
 
 def _encode_no_grad(encode: Encoder, params, ids, mask, keys, chunk_size: int) -> Array:
+  """`params` is the whole tree here (`merged`)."""
   chunks = (_to_chunks(ids, chunk_size), _to_chunks(mask, chunk_size), _to_chunks(keys, chunk_size))
   params = jax.lax.stop_gradient(params)
   out = jax.lax.map(lambda c: encode(params, *c), chunks)
   return _from_chunks(out, ids.shape[0])
 
 
-def _backprop_chunks(encode: Encoder, params, ids, mask, keys, emb_grad, chunk_size: int, acc):
-  """acc + sum over chunks of vjp(encode chunk)(chunk's embedding gradient), one chunk live at a time."""
+def _backprop_chunks(encode: Encoder, params, frozen, ids, mask, keys, emb_grad, chunk_size: int, acc):
+  """acc + sum over chunks of vjp(encode chunk)(chunk's embedding gradient) with respect to the trained
+  `params`, one chunk live at a time."""
   xs = (_to_chunks(ids, chunk_size), _to_chunks(mask, chunk_size), _to_chunks(keys, chunk_size),
         _zero_pad_chunks(emb_grad, chunk_size))
 
   def body(total, chunk):
     c_ids, c_mask, c_keys, c_grad = chunk
-    emb, pull = jax.vjp(lambda p: encode(p, c_ids, c_mask, c_keys), params)
+    emb, pull = jax.vjp(lambda p: encode(merged(p, frozen), c_ids, c_mask, c_keys), params)
     (g,) = pull(c_grad.astype(emb.dtype))
     return jax.tree.map(jnp.add, total, g), None
 
@@ -160,8 +178,8 @@ def _backprop_chunks(encode: Encoder, params, ids, mask, keys, emb_grad, chunk_s
 
 def cached_value_and_grad(encode_query: Encoder, encode_doc: Encoder, loss_of_embeddings: LossOfEmbeddings,
                           params: Any, batch: dict[str, Array], rng: Array, *, chunk_size: int,
-                          mesh: Mesh | None = None,
-                          batch_axes: tuple[str, ...] = ("data",)) -> tuple[Array, Any, Any]:
+                          mesh: Mesh | None = None, batch_axes: tuple[str, ...] = ("data",),
+                          frozen: Any = None) -> tuple[Array, Any, Any]:
   """(loss, aux, grads) equal to `plain_value_and_grad` (the un-chunked value_and_grad), in chunks.
 
   encode_query / encode_doc: (params, ids [n, L], mask [n, L], keys [n]) -> [n, D], one dropout key per
@@ -177,8 +195,10 @@ def cached_value_and_grad(encode_query: Encoder, encode_doc: Encoder, loss_of_em
     once per chunk. With the mesh, the two chunk loops run under `shard_map` over `batch_axes` (e.g.
     `jdr.runtime.parallel.BATCH_AXES`): each device loops over chunks of its own rows, keeps a local gradient sum
     and all-reduces it once. There B, C and chunk_size must be multiples of the number of batch shards
-    (chunk_size / shards rows per device per chunk); other mesh axes stay automatic, and parameters
-    sharded over a batch axis (FSDP) are gathered for the backward loop.
+    (chunk_size / shards rows per device per chunk); other mesh axes stay automatic. Every parameter is
+    whole on every device there, so parameters sharded over a batch axis (FSDP) want no mesh.
+  frozen: parameters not to differentiate, with None where `params` has one (module docstring); the
+    encoders get both merged, the gradients have None where `frozen` has a value.
   Pure and jit-able; call it inside the jitted step.
   """
   if not isinstance(chunk_size, (int, np.integer)) or isinstance(chunk_size, bool) or chunk_size < 1:
@@ -197,33 +217,34 @@ def cached_value_and_grad(encode_query: Encoder, encode_doc: Encoder, loss_of_em
                          f"is not a multiple of {shards}")
   q_local, d_local = q_chunk // shards, d_chunk // shards
 
-  def encode_all(params, q_ids, q_mask, q_keys, d_ids, d_mask, d_keys):
-    return (_encode_no_grad(encode_query, params, q_ids, q_mask, q_keys, q_local),
-            _encode_no_grad(encode_doc, params, d_ids, d_mask, d_keys, d_local))
+  def encode_all(params, frozen, q_ids, q_mask, q_keys, d_ids, d_mask, d_keys):
+    whole = merged(params, frozen)
+    return (_encode_no_grad(encode_query, whole, q_ids, q_mask, q_keys, q_local),
+            _encode_no_grad(encode_doc, whole, d_ids, d_mask, d_keys, d_local))
 
-  def backprop_all(params, q_ids, q_mask, q_keys, q_grad, d_ids, d_mask, d_keys, d_grad):
+  def backprop_all(params, frozen, q_ids, q_mask, q_keys, q_grad, d_ids, d_mask, d_keys, d_grad):
     if mesh is not None:
       # Varying params: their vjp is then this device's sum, not an all-reduce per chunk (shard_map
       # transposes the implicit broadcast of invariant params into a psum).
       params = jax.lax.pcast(params, batch_axes, to="varying")
     grads = jax.tree.map(jnp.zeros_like, params)
-    grads = _backprop_chunks(encode_query, params, q_ids, q_mask, q_keys, q_grad, q_local, grads)
-    grads = _backprop_chunks(encode_doc, params, d_ids, d_mask, d_keys, d_grad, d_local, grads)
+    grads = _backprop_chunks(encode_query, params, frozen, q_ids, q_mask, q_keys, q_grad, q_local, grads)
+    grads = _backprop_chunks(encode_doc, params, frozen, d_ids, d_mask, d_keys, d_grad, d_local, grads)
     return grads if mesh is None else jax.lax.psum(grads, batch_axes)
 
   if mesh is not None:
     rows = P(batch_axes)
-    encode_all = jax.shard_map(encode_all, mesh=mesh, in_specs=(P(),) + (rows,) * 6, out_specs=(rows, rows),
-                               axis_names=set(batch_axes))
-    backprop_all = jax.shard_map(backprop_all, mesh=mesh, in_specs=(P(),) + (rows,) * 8, out_specs=P(),
+    encode_all = jax.shard_map(encode_all, mesh=mesh, in_specs=(P(), P()) + (rows,) * 6,
+                               out_specs=(rows, rows), axis_names=set(batch_axes))
+    backprop_all = jax.shard_map(backprop_all, mesh=mesh, in_specs=(P(), P()) + (rows,) * 8, out_specs=P(),
                                  axis_names=set(batch_axes))
 
   # 1. Embeddings of the whole batch, no activations kept.
-  q, d = encode_all(params, q_ids, q_mask, q_keys, d_ids, d_mask, d_keys)
+  q, d = encode_all(params, frozen, q_ids, q_mask, q_keys, d_ids, d_mask, d_keys)
   # 2. The loss and its gradient with respect to the embeddings: the "cache".
   (loss, aux), (q_grad, d_grad) = jax.value_and_grad(loss_of_embeddings, argnums=(0, 1), has_aux=True)(q, d)
   # 3. Each chunk's forward again, under vjp, its cached gradient pulled back into the params.
-  grads = backprop_all(params, q_ids, q_mask, q_keys, q_grad, d_ids, d_mask, d_keys, d_grad)
+  grads = backprop_all(params, frozen, q_ids, q_mask, q_keys, q_grad, d_ids, d_mask, d_keys, d_grad)
   return loss, aux, grads
 
 

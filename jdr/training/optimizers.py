@@ -86,14 +86,25 @@ def trainable_labels(params, train_towers: str, lora: bool = False):
   return jax.tree_util.tree_map_with_path(label, params)
 
 
-def without_frozen_gradients(params, train_towers: str, lora: bool = False):
-  """`params` with every frozen one behind stop_gradient, for the differentiated function: autodiff then
-  computes no gradient for them at all (a frozen 7B base costs no weight-gradient matmuls), where the optimizer's
-  freeze only discards gradients already computed."""
+def split_frozen(params, train_towers: str, lora: bool = False):
+  """(trained, frozen): two trees shaped like `params`, each with None where the other holds the leaf;
+  frozen is None when everything trains. The train step differentiates the first only, so autodiff computes
+  no gradient for a frozen parameter at all (a frozen 7B base costs no weight-gradient matmuls), where the
+  optimizer's freeze only discards gradients already computed."""
   if not lora and train_towers == "both":
-    return params
+    return params, None
   labels = trainable_labels(params, train_towers, lora)
-  return jax.tree.map(lambda p, label: p if label == "train" else jax.lax.stop_gradient(p), params, labels)
+  pick = lambda wanted: jax.tree.map(lambda p, label: p if label == wanted else None, params, labels)
+  return pick("train"), pick("freeze")
+
+
+def with_zero_gradients(grads, frozen):
+  """The gradients of `split_frozen`'s trained tree completed with zeros where `frozen` holds a leaf (what
+  the optimizer, which takes the whole tree, discards; XLA never materializes them)."""
+  if frozen is None:
+    return grads
+  return jax.tree.map(lambda g, f: jnp.zeros_like(f) if g is None else g, grads, frozen,
+                      is_leaf=lambda x: x is None)
 
 
 class MomentsState(NamedTuple):

@@ -18,6 +18,7 @@ Batches follow the contract of jdr/data/batch.py.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any, Callable
@@ -79,15 +80,15 @@ def make_spec(model: TwoTower, tx: optax.GradientTransformation, config: ml_coll
               candidates: str, retrieve_in_step: bool) -> Spec:
   chunk = check_grad_cache(config, candidates)
   query_only = optimizers.query_only(config.model)
-  # Frozen parameters enter the differentiated function behind stop_gradient: no gradient is computed for them.
-  freeze = functools.partial(optimizers.without_frozen_gradients, train_towers=config.model.train_towers,
-                             lora=optimizers.uses_lora(config.model))
+  # Frozen parameters are not differentiated at all: no weight-gradient matmuls for a 7B base.
+  split = functools.partial(optimizers.split_frozen, train_towers=config.model.train_towers,
+                            lora=optimizers.uses_lora(config.model))
   if pretrain_batches.is_masked_lm(config):
     gradients = masked_lm_gradients(model)
   elif chunk:
-    gradients = cached_gradients(model, config, mesh, chunk, query_only, freeze)
+    gradients = cached_gradients(model, config, mesh, chunk, query_only, split)
   else:
-    gradients = plain_gradients(SCORERS[candidates](model, config, mesh, retrieve_in_step), freeze)
+    gradients = plain_gradients(SCORERS[candidates](model, config, mesh, retrieve_in_step), split)
   return Spec(model=model, tx=tx, mesh=mesh, gradients=gradients, frozen=("doc_tower",) if query_only else ())
 
 
@@ -110,38 +111,48 @@ def train_step(spec: Spec, state: TrainState, batch: dict[str, jax.Array], corpu
 # Each factory returns (state, batch, corpus, bias) -> ((loss, aux), grads), closing over what it needs.
 
 
-def plain_gradients(score: Callable, freeze: Callable = lambda params: params) -> Callable:
-  """Autodiff through one scoring function (`SCORERS`); `freeze` puts frozen params behind stop_gradient."""
+def plain_gradients(score: Callable, split: Callable = lambda params: (params, None)) -> Callable:
+  """Autodiff through one scoring function (`SCORERS`) with respect to the trained params (`split`)."""
 
   def gradients(state: TrainState, batch, corpus, bias):
-    return jax.value_and_grad(lambda params: score(freeze(params), batch, step_rngs(state), corpus, bias),
-                              has_aux=True)(state.params)
+    trained, frozen = split(state.params)
+    loss_of = lambda params: score(gradcache.merged(params, frozen), batch, step_rngs(state), corpus, bias)
+    (loss, aux), grads = jax.value_and_grad(loss_of, has_aux=True)(trained)
+    return (loss, aux), optimizers.with_zero_gradients(grads, frozen)
 
   return gradients
 
 
 def cached_gradients(model: TwoTower, config: ml_collections.ConfigDict, mesh, chunk: int,
-                     query_only: bool, freeze: Callable = lambda params: params) -> Callable:
-  """Exact gradient caching (jdr/training/gradcache.py) over token batches, `chunk` rows at a time."""
-  frozen_doc = gradcache.per_row_encoder(model, "encode_doc", deterministic=True)
-  query_encoder = gradcache.per_row_encoder(model, "encode_query")
-  doc_encoder = gradcache.per_row_encoder(model, "encode_doc")
-  encode_query = lambda params, *a: query_encoder(freeze(params), *a)
-  encode_doc = ((lambda *a: jax.lax.stop_gradient(frozen_doc(*a))) if query_only else
-                (lambda params, *a: doc_encoder(freeze(params), *a)))
+                     query_only: bool, split: Callable = lambda params: (params, None)) -> Callable:
+  """Exact gradient caching (jdr/training/gradcache.py) over token batches, `chunk` rows at a time; `split`
+  parts the params into (trained, frozen), and only the trained ones are differentiated."""
+  # Sharded chunk loops (one gradient all-reduce per step) hold every parameter whole on every device, so
+  # not when the parameters are sharded over the batch axes (FSDP: a 7B base would be gathered whole); there
+  # the loops stay XLA-partitioned, each chunk's rows pinned to the batch axes (parallel.rows_vmapped).
+  whole_params = mesh is not None and not parallel.shards_params_over_batch(
+      parallel.rules_for(config.mesh.rules))
   objective = tokens_objective(config)
+
+  def encoders(spmd):
+    frozen_doc = gradcache.per_row_encoder(model, "encode_doc", deterministic=True, spmd_axis_name=spmd)
+    encode_doc = ((lambda *a: jax.lax.stop_gradient(frozen_doc(*a))) if query_only else
+                  gradcache.per_row_encoder(model, "encode_doc", spmd_axis_name=spmd))
+    return gradcache.per_row_encoder(model, "encode_query", spmd_axis_name=spmd), encode_doc
 
   def gradients(state: TrainState, batch, corpus, bias):
     del corpus, bias  # token batches only (check_grad_cache)
-    # Sharded chunk loops (one gradient all-reduce per step) when every shard holds whole chunks.
     shards = parallel.data_parallel_size(mesh) if mesh is not None else 1
     sizes = (batch["query_ids"].shape[0], batch["doc_ids"].shape[0], chunk)
-    loss, aux, grads = gradcache.cached_value_and_grad(
-        encode_query, encode_doc, lambda q, d: objective(q, d, batch), state.params, batch,
-        jax.random.fold_in(state.rng, state.step), chunk_size=chunk,
-        mesh=mesh if shards > 1 and not any(n % shards for n in sizes) else None,
-        batch_axes=parallel.BATCH_AXES)
-    return (loss, aux), grads
+    shard_mapped = whole_params and shards > 1 and not any(n % shards for n in sizes)
+    spmd = parallel.BATCH_AXES if shards > 1 and not shard_mapped else None
+    trained, frozen = split(state.params)
+    with parallel.rows_vmapped() if spmd else contextlib.nullcontext():
+      loss, aux, grads = gradcache.cached_value_and_grad(
+          *encoders(spmd), lambda q, d: objective(q, d, batch), trained, batch,
+          jax.random.fold_in(state.rng, state.step), chunk_size=chunk, mesh=mesh if shard_mapped else None,
+          batch_axes=parallel.BATCH_AXES, frozen=frozen)
+    return (loss, aux), optimizers.with_zero_gradients(grads, frozen)
 
   return gradients
 

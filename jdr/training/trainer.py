@@ -244,12 +244,16 @@ def initial_params(model: TwoTower, built: build_lib.Built, config: ml_collectio
     params = init(rng)
     if built.tower_params is None:
       return params
-    params = build_lib.with_tower_params(jax.device_get(params), built.tower_params)
-  expected = jax.tree.map(lambda s: s.shape, jax.eval_shape(init, rng))
+    # The fresh values stay on the devices; only those the towers lack (adapters, a new head) are kept.
+    params = build_lib.with_tower_params(params, built.tower_params)
+  abstract = jax.eval_shape(init, rng)
+  expected = jax.tree.map(lambda s: s.shape, abstract)
   got = jax.tree.map(lambda x: x.shape, params)
   if jax.tree.structure(expected) != jax.tree.structure(got) or expected != got:
     raise ValueError(f"{config.model.init_from}: its weights do not fit the configured towers "
                      f"(expected {expected}, got {got})")
+  # Stored as the towers store them: a jdr model trained in float32 restarts as a bfloat16 base under LoRA.
+  params = jax.tree.map(lambda x, a: x if x.dtype == a.dtype else x.astype(a.dtype), params, abstract)
   return jax.device_put(params, shardings)
 
 
