@@ -18,12 +18,13 @@ README's training command) run it.
 | batch | 128 queries (8 a GPU x 4 GPUs x 4 accumulation steps) | 8 | README command | jdr's batch is one softmax over all 128 queries' passages (gradient caching where memory asks), where Tevatron's accumulation makes four softmaxes of 32 |
 | lengths | queries 32, passages 196 tokens | the same | README (`--q_max_len 32 --p_max_len 196`) | |
 | steps | one epoch of the training file | 120 | README (`--num_train_epochs 1`) | |
-| memory | gradient checkpointing (`model.remat`) | the same | README (`--gradient_checkpointing`) | |
+| memory | gradient checkpointing (`model.remat`), and gradient caching 512 passages at a time (`grad_cache.chunk_size`) | checkpointing only | README (`--gradient_checkpointing`) | gradient caching is exact and is what fits a 7B step on a v5e chip or in a quarter of an H100 (docs/performance.md, `plan`) |
 
   python -m jdr.train --config configs/repllama.py:runlocal --workdir runs/repllama-tiny
   python -m jdr.train --config configs/repllama.py --workdir runs/msmarco-repllama   # Llama-2-7B, accelerators
   python -m jdr.train --config configs/repllama.py --compile-only --config.model.init_from= \\
       --config.model.fresh=llama-7b --config.model.append_eos=false --topology h100:8  # sized before it runs
+  # on a TPU v5e 4x4 slice the parameters are sharded too: "--config.mesh.shape=(1,16,1)" --config.mesh.rules=fsdp
 
 (Sizing runs with no Llama weights or tokenizer: a fresh 7B shape over the MiniLM tokenizer, which has no EOS.)
 
@@ -76,4 +77,5 @@ def get_config(arg=None):
     c.num_train_steps = 3_900  # one epoch: about 500k training queries / 128
     c.optimizer.learning_rate = 1e-4
     c.optimizer.warmup_steps = 100
+    c.grad_cache.chunk_size = 512
   return c

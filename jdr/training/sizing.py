@@ -322,6 +322,8 @@ def _size_step(config: ml_collections.ConfigDict, devices, corpus_rows: int = MS
       # XLA's cost analysis of the SPMD-partitioned module: what one device executes, replicated work (a
       # data-parallel optimizer update) included, so the sum over devices exceeds the model's own count.
       "flops_per_device": flops, "flops_all_devices": flops * devices if flops is not None else None,
+      # XLA counts a loop's body once: gradient caching's chunk loops then report one chunk of each pass.
+      "flops_cover": "one chunk per gradient-caching loop" if config.grad_cache.chunk_size else "the step",
       **_corpus_figures(step),
   }
 
@@ -359,6 +361,8 @@ def report(sizes: dict, file=None) -> None:
         f"{mib(sizes['optimizer_bytes_per_device'])}, activations and other temporaries {mib(sizes['temp_bytes'])}, "
         f"step total {mib(sizes['total_bytes_per_device'])}; " + (
             f"{sizes['flops_per_device'] / 1e12:.3f} TFLOP per device per step"
+            + ("" if sizes.get("flops_cover", "the step") == "the step" else
+               f" ({sizes['flops_cover']}: XLA counts a loop's body once)")
             if sizes["flops_per_device"] is not None else "FLOPs not reported by this compiler"),
         file=file)
   if sizes.get("retrieval"):
