@@ -112,7 +112,7 @@ def test_ance_triples_cover_each_pair_k_times_with_distinct_pool_negatives():
   source = _Generations(pools[:1], qrels)
   batches = pairs.Batches(data, _Tokenizer(), batch_size=batch, query_max_length=4, doc_max_length=4,
                           negative_source=source, negatives_per_query=1, in_batch=False, seed=3,
-                          triples_per_query=k)
+                          triples_per_query=k, mask_duplicate_texts=False)  # documents are ids only
   num_pairs = len(batches.pairs)
   seen = collections.Counter()
   negatives_of = collections.defaultdict(list)
@@ -138,7 +138,8 @@ def test_ance_triples_are_a_function_of_the_step_and_restart_with_each_generatio
   data, qrels, pools = _triples_data()
   make = lambda: pairs.Batches(data, _Tokenizer(), batch_size=4, query_max_length=4, doc_max_length=4,
                                negative_source=_Generations(pools, qrels), negatives_per_query=1,
-                               in_batch=False, seed=1, triples_per_query=2)
+                               in_batch=False, seed=1, triples_per_query=2,
+                               mask_duplicate_texts=False)  # documents are ids only
   first, resumed = make(), make()
   layouts = [first.global_layout(s)[:2] for s in range(14)]
   assert resumed.global_layout(12)[:2] == layouts[12]  # a resumed run builds the same batch

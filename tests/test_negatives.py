@@ -294,3 +294,38 @@ def test_candidate_mask_on_sampled_batch(bm25):
       assert mask[b, c] == (c == b or doc not in _all_positives(qid))
   own = candidate_mask(qids, docs, QRELS, in_batch=False)
   assert own.sum() == 4 * (1 + 3)
+
+
+def test_candidate_mask_masks_duplicate_texts_of_positives():
+  """A negative whose text is a positive's text under another id is masked like the positive; a brute-force
+  transcription over random batches with planted duplicates."""
+  rng = np.random.default_rng(0)
+  texts = {f"d{i}": f"text {i % 7}" for i in range(20)}  # ids with i % 7 equal share a text
+  qrels = {f"q{j}": {f"d{int(k)}": 1 for k in rng.choice(20, size=2, replace=False)} for j in range(6)}
+  keys = lambda ids: [texts[d] for d in ids]
+  for trial in range(20):
+    qids = list(rng.choice(sorted(qrels), size=3, replace=False))
+    targets = [sorted(qrels[q])[0] for q in qids]
+    docs = targets + [f"d{int(k)}" for k in rng.choice(20, size=6)]
+    for in_batch in (True, False):
+      got = candidate_mask(qids, docs, qrels, in_batch=in_batch, text_keys=keys)
+      by_id = candidate_mask(qids, docs, qrels, in_batch=in_batch)
+      for b, qid in enumerate(qids):
+        relevant = {d for d, r in qrels[qid].items() if r > 0} | {docs[b]}
+        for c, doc in enumerate(docs):
+          want = c == b or (by_id[b, c] and texts[doc] not in {texts[d] for d in relevant})
+          assert got[b, c] == want, (trial, in_batch, b, c)
+  # A planted twin: d8 has d1's text; d1 is q's positive, so d8 is no negative of q.
+  mask = candidate_mask(["q", "r"], ["d1", "d2", "d8", "d3"], {"q": {"d1": 1}, "r": {"d2": 1}}, text_keys=keys)
+  assert not mask[0, 2] and mask[1, 2]
+
+
+def test_candidate_mask_counts_what_duplicate_texts_mask():
+  texts = {"d1": "same", "d8": "same", "d2": "other", "d3": "third"}
+  counts = {}
+  candidate_mask(["q", "r"], ["d1", "d2", "d8", "d3"], {"q": {"d1": 1}, "r": {"d2": 1}},
+                 text_keys=lambda ids: [texts[d] for d in ids], counts=counts)
+  assert counts == {"duplicate_texts": 1}  # d8 for q; d1 itself is masked by id, not counted
+  counts = {}
+  candidate_mask(["q", "r"], ["d1", "d2", "d8", "d3"], {"q": {"d1": 1}, "r": {"d2": 1}}, counts=counts)
+  assert counts == {}

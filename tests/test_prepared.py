@@ -290,6 +290,9 @@ def test_training_batches_read_document_tokens_from_the_map(tmp_path, tok, monke
     assert batch.keys() == before.keys()
     for key in batch:
       np.testing.assert_array_equal(batch[key], before[key], err_msg=key)
+  # The duplicate-text keys are the same read from the map's file or from the dict, one per distinct text.
+  assert from_map.text_keys(order) == from_dict.text_keys(order)
+  assert len(set(from_map.text_keys(order))) == len({text_lib.doc_text(doc) for doc in expected.values()})
   corpus_batches = [make(d, candidates="corpus", in_batch=False) for d in (data, dict_data)]
   for step in range(3):
     np.testing.assert_array_equal(*(b.local(step)["positive_rows"] for b in corpus_batches))

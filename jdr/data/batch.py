@@ -43,7 +43,7 @@ Losses are built by `jdr.training.losses.make_loss(config.loss)` and take `(scor
 optional `labels` and `weights`, so a new method adds fields, never a new step.
 """
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -93,13 +93,18 @@ def check(batch: dict[str, np.ndarray]) -> str:
 
 def candidate_mask(batch_query_ids: Sequence[str | None], doc_ids_in_batch: Sequence[str | None],
                    qrels: Mapping[str, Mapping[str, int]], in_batch: bool = True, *,
-                   doc_index: np.ndarray | None = None) -> np.ndarray:
+                   doc_index: np.ndarray | None = None,
+                   text_keys: Callable[[list[str]], list] | None = None,
+                   counts: dict | None = None) -> np.ndarray:
   """valid [B, C]: may column c be a candidate for query b, for the tokens layout above.
 
   Column b is always valid for row b (its target). Another column c is invalid when
   - doc c is padding (id None, or `doc_index[c] == -1`);
   - doc c is a positive of query b (qrels relevance > 0) or the same doc as column b: scoring a relevant
     doc as a negative would push the query away from it;
+  - with `text_keys` (doc ids -> one key per id, e.g. a hash of the text), doc c's text is the text of one of
+    those relevant docs under another id: a duplicate, as relevant as its twin (`counts`, if given, gets
+    their number added under "duplicate_texts");
   - in_batch is False and c is not one of query b's own sampled negatives (B + b*n_neg ... B + (b+1)*n_neg - 1).
   A padding query (id None) keeps only its target, so softmax and pairwise losses give it 0.
   The same negative doc appearing in two columns stays valid in both (as in DPR).
@@ -115,14 +120,21 @@ def candidate_mask(batch_query_ids: Sequence[str | None], doc_ids_in_batch: Sequ
       raise ValueError(f"doc_index has shape {doc_index.shape}, expected ({num_docs},)")
     padding |= doc_index < 0
   valid = np.zeros((num_queries, num_docs), bool)
+  column_keys = None
+  if text_keys is not None:
+    real = [c for c in range(num_docs) if not padding[c]]
+    column_keys = dict(zip(real, text_keys([doc_ids_in_batch[c] for c in real])))
   for b, qid in enumerate(batch_query_ids):
     valid[b, b] = True
     if qid is None:
       continue
     relevant = {d for d, rel in qrels.get(qid, {}).items() if rel > 0}
     relevant.add(doc_ids_in_batch[b])
+    relevant_keys = set(text_keys(sorted(relevant))) if column_keys is not None else set()
     columns = range(num_docs) if in_batch else range(num_queries + b * n_neg, num_queries + (b + 1) * n_neg)
     for c in columns:
       if c != b and not padding[c] and doc_ids_in_batch[c] not in relevant:
-        valid[b, c] = True
+        valid[b, c] = column_keys is None or column_keys[c] not in relevant_keys
+        if counts is not None and not valid[b, c]:
+          counts["duplicate_texts"] = counts.get("duplicate_texts", 0) + 1
   return valid

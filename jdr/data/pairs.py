@@ -7,6 +7,7 @@ global batch layout and keep only its own rows.
 """
 
 import dataclasses
+import hashlib
 import pathlib
 import sys
 import zlib
@@ -160,7 +161,7 @@ class Batches:
                doc_max_length: int, negative_source=None, negatives_per_query: int = 0,
                in_batch: bool = True, seed: int = 0, process_index: int = 0, process_count: int = 1,
                candidates: str = "tokens", pair_weighting: str = "none", random_weight: float = 0.0,
-               triples_per_query: int = 0, prompts: dict | None = None):
+               triples_per_query: int = 0, prompts: dict | None = None, mask_duplicate_texts: bool = True):
     self.data = data
     self.tokenizer = tokenizer
     prompts = prompts or {}
@@ -197,6 +198,12 @@ class Batches:
       raise ValueError("negatives.triples_per_query > 0 (ANCE's triples) needs negatives.per_query=1 and "
                        "negatives.in_batch=False: each triple is scored against its own negative only")
     self.triples_per_query = triples_per_query
+    # Negatives that are a positive's text under another id are masked like the positive (batch.candidate_mask).
+    self._text_keys = self.text_keys if mask_duplicate_texts else None
+    self._positives = {d for q in data.train_qrels.values() for d, rel in q.items() if rel > 0}
+    self._positive_keys: dict[str, bytes] = {}
+    self._masked: dict[str, int] = {}  # negatives masked as duplicates of a positive, since the last log line
+    self._layouts_built = 0
     self._triple_perms: dict[tuple[int, int], np.ndarray] = {}
     # Training queries in a fixed order: `query_index` rows of a batch point into it.
     self.train_qids = training_queries(data.train_qrels)
@@ -236,7 +243,17 @@ class Batches:
     self._layout = (step, self._make_layout(step))
     return self._layout[1]
 
+  def log_scalars(self) -> dict[str, float]:
+    """What the batches since the last call masked, per batch: negatives that duplicate a positive's text."""
+    if self._text_keys is None or not self._layouts_built:
+      return {}
+    out = {"masked_duplicate_texts": self._masked.get("duplicate_texts", 0) / self._layouts_built}
+    self._masked.clear()
+    self._layouts_built = 0
+    return out
+
   def _make_layout(self, step: int) -> tuple[list[str], list[str], np.ndarray]:
+    self._layouts_built += 1
     if self.triples_per_query:
       return self._triples_layout(step)
     chosen = [self.pairs[i] for i in self.pair_indices(step)]
@@ -246,7 +263,8 @@ class Batches:
       rng = np.random.default_rng([self.seed, step, 1])
       sampled = self.negative_source.sample(qids, doc_ids, rng, self.per_query)
       doc_ids = doc_ids + [d for row in sampled for d in row]
-    valid = batch_lib.candidate_mask(qids, doc_ids, self.data.train_qrels, in_batch=self.in_batch)
+    valid = batch_lib.candidate_mask(qids, doc_ids, self.data.train_qrels, in_batch=self.in_batch,
+                                     text_keys=self._text_keys, counts=self._masked)
     return qids, doc_ids, valid
 
   def _triples_layout(self, step: int) -> tuple[list[str], list[str], np.ndarray]:
@@ -269,7 +287,8 @@ class Batches:
     qids, positives = [q for q, _ in chosen], [d for _, d in chosen]
     negatives = [self._pair_negatives(generation, int(i))[j] for i, j in zip(pair_rows, slots)]
     doc_ids = positives + negatives
-    valid = batch_lib.candidate_mask(qids, doc_ids, self.data.train_qrels, in_batch=False)
+    valid = batch_lib.candidate_mask(qids, doc_ids, self.data.train_qrels, in_batch=False,
+                                     text_keys=self._text_keys, counts=self._masked)
     return qids, doc_ids, valid
 
   def _triple_order(self, generation: int, epoch: int) -> np.ndarray:
@@ -283,6 +302,18 @@ class Batches:
     q, d = self.pairs[pair_row]
     rng = np.random.default_rng([self.seed, generation, pair_row, 3])
     return self.negative_source.sample([q], [d], rng, self.triples_per_query)[0]
+
+  def text_keys(self, doc_ids: Sequence[str]) -> list[bytes]:
+    """A 16-byte hash per document of the text it is encoded as (`text.doc_text`): equal texts, equal keys.
+    The training positives' keys are kept (as many as the qrels hold), every other one read again."""
+    missing = sorted({d for d in doc_ids if d not in self._positive_keys})
+    if self._prepared:
+      texts = self.data.corpus.texts(self.doc_rows(missing)) if missing else []
+    else:
+      texts = [text_lib.doc_text(self.data.corpus[d]) for d in missing]
+    read = {d: hashlib.blake2b(t.encode(), digest_size=16).digest() for d, t in zip(missing, texts)}
+    self._positive_keys.update((d, k) for d, k in read.items() if d in self._positives)
+    return [self._positive_keys.get(d) or read[d] for d in doc_ids]
 
   def _tokens(self, tokenizer, texts: list[str], max_length: int) -> tuple[np.ndarray, np.ndarray]:
     return pad(text_lib.tokenize(tokenizer, texts, max_length), max_length, self.pad_id)

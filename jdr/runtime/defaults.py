@@ -77,6 +77,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # | retrieval
   c.negatives.per_query = 0  # sampled negatives per query
   c.negatives.in_batch = True  # other queries' documents in the batch are negatives too
+  c.negatives.mask_duplicate_texts = True  # a negative whose text is one of the query's positives' (another id) is masked
   c.negatives.hardest_in_batch = False  # NCE Neg: keep only the highest-scored negative per query
   c.negatives.bm25_top_k = 100  # BM25 pool the hard negatives are drawn from (ANCE / DPR: top 100)
   c.negatives.static_run = ""  # TREC run of a warm-up model (static source)

@@ -113,7 +113,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
         process_index=jax.process_index(), process_count=jax.process_count(),
         candidates=negatives.candidates, pair_weighting=config.negatives.pair_weighting,
         random_weight=config.negatives.random_weight, triples_per_query=config.negatives.triples_per_query,
-        prompts=prompts)
+        prompts=prompts, mask_duplicate_texts=config.negatives.get("mask_duplicate_texts", True))
     if is_host0:
       pairs.describe_counts(data, batches)
   distiller = None
@@ -180,6 +180,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
         scalars = {k: float(np.mean([m[k] for m in window])) for k in window[0]}
         scalars["examples_per_second"] = len(window) * config.batch_size / elapsed
         scalars.update(negatives.log_scalars(done))
+        if isinstance(batches, pairs.Batches):  # pretraining's batches mask nothing
+          scalars.update(batches.log_scalars())
         writer.write(done, {f"train/{k}": v for k, v in scalars.items()})
         bar.set_postfix(loss=f"{scalars['loss']:.4f}", ex_s=f"{scalars['examples_per_second']:.1f}")
         window, window_start = [], time.perf_counter()
