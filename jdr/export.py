@@ -166,11 +166,10 @@ def _peft_adapter(encoder, params: dict, path: pathlib.Path, base_model: str) ->
   return path
 
 
-def _peft_base(encoder, params: dict, path: pathlib.Path, tokenizer) -> pathlib.Path:
-  """The tower without its adapters (dropped, not merged: the merged model is the export's own Hugging Face
-  folder) as transformers.AutoModel loads it: what the PEFT adapter goes on."""
-  return hf.export_hf(encoder.replace(lora_rank=0), architectures.base_without_adapters(params), path,
-                      tokenizer=tokenizer)
+def _peft_base(encoder, base: dict, path: pathlib.Path, tokenizer) -> pathlib.Path:
+  """The tower's params without its adapters (`base`: dropped, not merged; the merged model is the export's own
+  Hugging Face folder) as transformers.AutoModel loads them: what the PEFT adapter goes on."""
+  return hf.export_hf(encoder.replace(lora_rank=0), base, path, tokenizer=tokenizer)
 
 
 def _same_base(first: dict, second: dict) -> bool:
@@ -186,16 +185,16 @@ def _peft_files(model, params: dict, out: pathlib.Path, tokenizer, base_model: s
   sides = {"": ("tower", "query")} if model.shared else {
       "-query": ("query_tower", "query"), "-doc": ("doc_tower", "doc")}
   towers = {suffix: (getattr(model, side).encoder, params[key]["encoder"])
-            for suffix, (key, side) in sides.items() if getattr(model, side).encoder is not None
-            and _lora_encoder(getattr(model, side).encoder)}
+            for suffix, (key, side) in sides.items() if _lora_encoder(getattr(model, side).encoder)}
   if not towers:
     return
-  bases = [architectures.base_without_adapters(encoder_params) for _, encoder_params in towers.values()]
-  one_base = len(bases) == 1 or _same_base(*bases)
+  bases = {suffix: architectures.base_without_adapters(encoder_params)
+           for suffix, (_, encoder_params) in towers.items()}
+  one_base = len(bases) == 1 or _same_base(*bases.values())
   for suffix, (encoder, encoder_params) in towers.items():
     base = "peft-base" if one_base else f"peft-base{suffix}"
     if not one_base or suffix == next(iter(towers)):
-      _peft_base(encoder, encoder_params, out / base, tokenizer)
+      _peft_base(encoder, bases[suffix], out / base, tokenizer)
     _peft_adapter(encoder, encoder_params, out / f"peft-adapter{suffix}", base_model or f"../{base}")
     print(f"LoRA: a PEFT adapter in peft-adapter{suffix}/ over its un-merged base in {base}/ (the Hugging Face "
           f"folder{'s hold' if len(towers) > 1 else ' holds'} the merged model)", file=sys.stderr)

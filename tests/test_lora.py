@@ -313,3 +313,38 @@ def test_param_dtype_keeps_a_frozen_base_in_bfloat16(tmp_path):
   with pytest.raises(ValueError, match="param_dtype must be"):
     c = two_tower_config(init_from="", fresh="llama-tiny", param_dtype="float16")
     build_lib.build(c.model, c.data)
+
+
+@pytest.mark.slow
+def test_a_jdr_model_restarted_with_other_adapters_starts_from_its_merged_weights(tmp_path):
+  """A LoRA run's workdir as model.init_from of a run with another rank: the saved adapters are folded into the
+  kernels (the merged model, to float32 rounding) and the new run's adapters start fresh; the same when the
+  shared tower is split into two (model.shared=False)."""
+  from conftest import write_tiny_beir  # pylint: disable=g-import-not-at-top
+  from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import config_files  # pylint: disable=g-import-not-at-top
+  from jdr.training import trainer  # pylint: disable=g-import-not-at-top
+  data = write_tiny_beir(tmp_path / "data")
+  config = defaults.get_config()
+  config_files.apply_overrides(config, [
+      "model.init_from=", "model.fresh=llama-tiny", "model.lora_rank=4", "model.lora_alpha=8.0",
+      "model.dropout=0.0", "optimizer.learning_rate=1e-2", "optimizer.warmup_steps=0", "batch_size=4",
+      "data.query_max_length=8", "data.doc_max_length=16", f"data.dataset={data}", "data.eval_split=",
+      "num_train_steps=3", "eval_before_training=False"])
+  trainer.train_and_evaluate(config, tmp_path / "lora4")
+  model, params, _, _ = build_lib.load_jdr_model(tmp_path / "lora4")
+  want, _ = decoder.merged(jax.tree.map(np.asarray, params["tower"]["encoder"]), model.query.encoder)
+  assert np.any(np.asarray(params["tower"]["encoder"]["layer_0"]["q_proj"]["lora_b"]))  # it did train
+  for shared in (True, False):
+    config.model.init_from, config.model.lora_rank, config.model.shared = str(tmp_path / "lora4"), 8, shared
+    built = build_lib.build(config.model, config.data)
+    assert built.params is None and set(built.tower_params) == {"query", "doc"}
+    for side in ("query", "doc"):
+      got = built.tower_params[side]["encoder"]
+      assert "lora_a" not in got["layer_0"]["q_proj"]
+      for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-6)
+    fresh = trainer.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
+    tower = fresh["tower"] if shared else fresh["query_tower"]
+    assert tower["encoder"]["layer_0"]["q_proj"]["lora_a"].shape[-1] == 8
+    assert not np.any(np.asarray(tower["encoder"]["layer_0"]["q_proj"]["lora_b"]))

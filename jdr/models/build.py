@@ -282,9 +282,9 @@ def param_dtype(model_cfg: ml_collections.ConfigDict) -> str:
   """model.param_dtype for a decoder tower: "float32", "bfloat16", or "auto" = bfloat16 for a base that LoRA
   freezes when the run computes in bfloat16 (a 7B base is then 13.5 GB, not 27: nothing updates it, so float32
   storage buys nothing), float32 otherwise (updates of a trained weight would round away in bfloat16)."""
-  name = model_cfg.get("param_dtype", "auto")
+  name = model_cfg.param_dtype
   if name == "auto":
-    frozen = int(model_cfg.get("lora_rank", 0)) > 0
+    frozen = int(model_cfg.lora_rank) > 0
     return "bfloat16" if frozen and compute_dtype(model_cfg.dtype) == "bfloat16" else "float32"
   if name not in ("float32", "bfloat16"):
     raise ValueError(f"model.param_dtype must be float32, bfloat16 or auto, got {name!r}")
@@ -308,7 +308,7 @@ def with_decoder_settings(tower: TowerConfig, model_cfg: ml_collections.ConfigDi
 
 def refuse_param_dtype(model_cfg: ml_collections.ConfigDict, what: str) -> None:
   """model.param_dtype=bfloat16 is for decoder towers; other encoders keep float32 weights."""
-  if model_cfg.get("param_dtype", "auto") == "bfloat16":
+  if model_cfg.param_dtype == "bfloat16":
     raise ValueError(f"model.param_dtype=bfloat16 stores a decoder tower's weights (Llama, Mistral, Qwen2, "
                      f"Qwen3) in bfloat16; {what}, whose weights stay float32 (set model.param_dtype=auto)")
 
@@ -413,9 +413,9 @@ def _from_jdr_model(model_cfg: ml_collections.ConfigDict, data_cfg: ml_collectio
                              append_eos=bool(description.get("append_eos")))
   if any(_adapters(getattr(model, side)) != _adapters(towers[side]) for side in ("query", "doc")):
     # Other adapters than the saved ones: the saved ones are folded into the weights, and the run's start fresh.
-    sides = {"query": "tower" if model.shared else "query_tower", "doc": "tower" if model.shared else "doc_tower"}
-    tower_params = {side: _merged_tower(params[sides[side]] if sides[side] in params else params[f"{side}_tower"],
-                                        getattr(model, side)) for side in ("query", "doc")}
+    # (A shared tower split into two is already under query_tower / doc_tower here.)
+    key = lambda side: "tower" if "tower" in params else f"{side}_tower"
+    tower_params = {side: _merged_tower(params[key(side)], getattr(model, side)) for side in ("query", "doc")}
     return Built(new_model, tokenizer, new_description, tower_params, None)
   return Built(new_model, tokenizer, new_description, None, params)
 

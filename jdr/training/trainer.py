@@ -113,7 +113,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
         process_index=jax.process_index(), process_count=jax.process_count(),
         candidates=negatives.candidates, pair_weighting=config.negatives.pair_weighting,
         random_weight=config.negatives.random_weight, triples_per_query=config.negatives.triples_per_query,
-        prompts=prompts, mask_duplicate_texts=config.negatives.get("mask_duplicate_texts", True))
+        prompts=prompts, mask_duplicate_texts=config.negatives.mask_duplicate_texts)
     if is_host0:
       pairs.describe_counts(data, batches)
   distiller = None
