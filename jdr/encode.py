@@ -56,7 +56,8 @@ def main(argv: Iterable[str] | None = None) -> None:
       error = e
     parallel.raise_if_any_host_failed(error, f"reading their part of {args.corpus}")
     runtime = encoder_runtime.load_runtime(args.model, pooling=args.pooling, normalize=args.normalize,
-                                      max_length=args.max_length, dtype=args.dtype, prompt=args.doc_prompt)
+                                      max_length=args.max_length, dtype=args.dtype, prompt=args.doc_prompt,
+                                      dim=args.dim)
     print(encoder_runtime.length_line(runtime, "documents"), file=sys.stderr)
     tokens_per_batch = args.tokens_per_batch
     if args.batch_size:
@@ -70,7 +71,8 @@ def main(argv: Iterable[str] | None = None) -> None:
       tokens_per_batch = (tokens_per_batch or encoder_runtime.default_tokens_per_batch()) * devices
       print(f"{devices} local devices split each batch's rows", file=sys.stderr)
     from jdr.models import build  # pylint: disable=g-import-not-at-top  (model code loads lazily)
-    settings = encodings.corpus_settings(runtime, args.model, args.corpus, dtype=build.compute_dtype(args.dtype))
+    settings = encodings.corpus_settings(runtime, args.model, args.corpus, dtype=build.compute_dtype(args.dtype),
+                                         **({"truncate_dim": args.dim} if args.dim else {}))
     start = time.perf_counter()
     if args.passages < 1:
       raise ValueError(f"--passages must be >= 1, got {args.passages}")

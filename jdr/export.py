@@ -52,12 +52,15 @@ from jdr.models import architectures
 
 
 def _sentence_transformers_files(path: pathlib.Path, tower: dict, max_length: int, params: dict,
-                                 prompts: dict | None = None) -> None:
+                                 prompts: dict | None = None, matryoshka_dims: list | None = None) -> None:
   """modules.json and the modules' folders: Transformer, Pooling, the tower's head (a Dense, then a LayerNorm
   where the head has one: jdr's and ANCE's head), Normalize; so SentenceTransformer(path) gives jdr's vectors.
   With `prompts` ({"query", "doc"}, either not empty), config_sentence_transformers.json declares them as
   its "query" and "document" prompts, none by default: `encode(texts, prompt_name="query")` (or
-  `encode_query`) gives jdr's query vectors, prompt_name="document" (`encode_document`) its documents'."""
+  `encode_query`) gives jdr's query vectors, prompt_name="document" (`encode_document`) its documents'.
+  A Matryoshka model's widths (loss.matryoshka_dims) are recorded there as "matryoshka_dims", which
+  sentence-transformers does not read: `SentenceTransformer(path, truncate_dim=d)` serves any width, jdr
+  (`jdr.encode --model path --dim d`) the recorded ones."""
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
   modules = [("", "sentence_transformers.models.Transformer"), ("1_Pooling", "sentence_transformers.models.Pooling")]
   hidden = tower["encoder"]["hidden_size"]
@@ -97,10 +100,14 @@ def _sentence_transformers_files(path: pathlib.Path, tower: dict, max_length: in
       [{"idx": i, "name": str(i), "path": folder, "type": kind} for i, (folder, kind) in enumerate(modules)],
       indent=2))
   (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_length}))
+  config = {}
   if prompts and any(prompts.values()):
-    (path / "config_sentence_transformers.json").write_text(json.dumps({
-        "prompts": {"query": prompts.get("query", ""), "document": prompts.get("doc", "")},
-        "default_prompt_name": None}, indent=2))
+    config = {"prompts": {"query": prompts.get("query", ""), "document": prompts.get("doc", "")},
+              "default_prompt_name": None}
+  if matryoshka_dims:
+    config["matryoshka_dims"] = [int(d) for d in matryoshka_dims]
+  if config:
+    (path / "config_sentence_transformers.json").write_text(json.dumps(config, indent=2))
 
 
 def _head_tensors(tower: dict, params: dict) -> dict:
@@ -271,7 +278,7 @@ def _export(workdir: paths.PathLike, out: pathlib.Path, *, query_max_length: int
                         tokenizer=None if folder == "." else tokenizer, prefix=prefix, extra_tensors=head,
                         architecture="RobertaDot" if head and encoder.model_type == "roberta" else None)
     _sentence_transformers_files(path, tower, sentence_transformers_max_length(description, side),
-                                 params[param_key], description.get("prompts"))
+                                 params[param_key], description.get("prompts"), description.get("matryoshka_dims"))
   _peft_files(model, params, out, tokenizer, peft_base_model)
   return out
 

@@ -57,21 +57,25 @@ def main(argv: Iterable[str] | None = None) -> None:
                        + (f" in split {args.split!r}" if args.split else ""))
     meta = encodings.read_meta(args.index)
     model = args.model or meta["model"]
+    dim = args.dim or meta.get("truncate_dim")  # the width the documents were served at (jdr.encode --dim)
     if saved.is_jdr_model(model):
       # A trained model carries its own query tower settings (pooling, query length).
       runtime = encoder_runtime.load_runtime(model, pooling=args.pooling, normalize=args.normalize,
                                         max_length=args.max_length, dtype=args.dtype, side="query",
-                                        prompt=args.query_prompt)
+                                        prompt=args.query_prompt, dim=dim)
     else:
       # Embed queries the way the documents were embedded unless told otherwise.
       runtime = encoder_runtime.load_runtime(
           model, pooling=args.pooling or meta.get("pooling"),
           normalize=meta.get("normalize") if args.normalize is None else args.normalize,
           max_length=args.max_length or meta.get("max_length"), dtype=args.dtype, side="query",
-          prompt=args.query_prompt)
+          prompt=args.query_prompt, dim=dim)
       if not args.max_length and meta.get("max_length"):
         runtime.info["max_length_from"] = f"the length {args.index} was encoded at"
     print(encoder_runtime.length_line(runtime, "queries"), file=sys.stderr)
+    if runtime.info.get("dim") not in (None, meta.get("dim")):
+      raise ValueError(f"queries would be {runtime.info['dim']}-dim vectors, {args.index}'s documents are "
+                       f"{meta.get('dim')}-dim: give --dim {meta.get('dim')} (jdr.encode --dim)")
     if args.recall_target != 1.0 and args.backend != "jax":
       parser.error("--recall-target needs --backend jax")
     if args.index_dtype != "auto" and args.backend != "jax":

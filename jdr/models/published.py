@@ -29,6 +29,7 @@ import numpy as np
 
 from jdr.models import architectures
 from jdr.models import hf
+from jdr.models import towers
 from jdr.models.towers import TowerConfig
 
 # sentence-transformers' prompt names: encode_query reads "query"; encode_document the first of these.
@@ -51,6 +52,9 @@ class Published:
   max_length: int | None  # the max_seq_length a sentence-transformers directory declares
   tokenizer_path: str  # where the tokenizer files are
   side: str | None = None  # "query" / "doc" for an encoder published for one side only (DPR)
+  # The widths a Matryoshka model was trained to serve, where its directory says (a jdr export's
+  # config_sentence_transformers.json); () = not recorded.
+  matryoshka_dims: tuple[int, ...] = ()
 
   @property
   def encoder(self):
@@ -201,7 +205,14 @@ def _sentence_transformers(path: Path, overrides: dict, pooling: str | None = No
     if (inner_dir / name).exists():
       settings = _json(inner_dir / name)
   max_length = int(settings["max_seq_length"]) if settings.get("max_seq_length") else None
-  return Published(str(path), "sentence-transformers", tower, params, _prompts(path), max_length, str(inner_dir))
+  config = _json(path / "config_sentence_transformers.json") if (
+      path / "config_sentence_transformers.json").exists() else {}
+  # A saved truncate_dim is the width sentence-transformers serves the model at, so jdr serves it there too
+  # (re-normalized where the model normalizes: the same ranking as sentence-transformers' cosine).
+  if config.get("truncate_dim"):
+    tower = tower.replace(truncate_dim=int(config["truncate_dim"]))
+  return Published(str(path), "sentence-transformers", tower, params, _prompts(path), max_length, str(inner_dir),
+                   matryoshka_dims=tuple(int(d) for d in config.get("matryoshka_dims") or ()))
 
 
 def _pooling(config_file: Path) -> str:
@@ -299,12 +310,13 @@ def tokenizer_dir(pub: Published, key: str) -> str:
 
 
 def load_tower(model: str, pooling: str | None = None, normalize: bool | None = None,
-               max_length: int | None = None, dtype: str = "float32"):
+               max_length: int | None = None, dtype: str = "float32", dim: int | None = None):
   """A ready-to-encode tower from a published directory or "minilm" -> (Tower, params, tokenizer, info).
 
   Pooling, head, normalisation, prompts and max_length are the directory's own (MiniLM: mean, normalized,
   256), else CLS pooling, no normalisation and the model's maximum length; `pooling` / `normalize` /
-  `max_length` replace them. `params` is the Tower's param tree as device arrays:
+  `max_length` replace them; `dim` serves the first `dim` dimensions (a Matryoshka model's; within the widths
+  a directory records it was trained at). `params` is the Tower's param tree as device arrays:
   `tower.apply({"params": params}, ids, mask)`. info["prompts"] holds the query and document prompts.
   """
   import jax  # pylint: disable=g-import-not-at-top
@@ -321,6 +333,8 @@ def load_tower(model: str, pooling: str | None = None, normalize: bool | None = 
   if max_length > cfg.max_length:
     raise ValueError(f"max_length {max_length} exceeds the model's {cfg.max_length} positions")
   tower = published.tower
+  if dim is not None:
+    tower = towers.truncated(tower, dim, published.matryoshka_dims, str(path))
   info = {"path": str(path), "model_type": cfg.model_type, "family": published.family, "pooling": tower.pooling,
           "normalize": tower.normalize, "max_length": max_length, "max_length_from": source, "dim": tower.dim,
           "dtype": dtype, "prompts": dict(published.prompts)}  # JSON-able; tower.config has the rest

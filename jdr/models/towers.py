@@ -11,7 +11,7 @@ Param trees (the `params` collection):
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
 import flax.linen as nn
 import jax
@@ -46,6 +46,9 @@ class TowerConfig:
   projection_norm: bool = True
   projection_norm_eps: float | None = None
   normalize: bool = False
+  # Serving a Matryoshka model at a smaller width: only the first truncate_dim dimensions are kept (before
+  # normalizing), as sentence-transformers' truncate_dim; training sums its loss over prefixes instead.
+  truncate_dim: int | None = None
   vocab_size: int | None = None  # bow_mlp only (transformers take it from `encoder`).
   bow_embed_dim: int = 512
   bow_hidden: int = 512
@@ -69,16 +72,34 @@ class TowerConfig:
                        f"{self.projection_activation!r}")
     if self.projection_dim is not None and self.projection_dim <= 0:
       raise ValueError(f"projection_dim must be positive or None, got {self.projection_dim}")
+    if self.truncate_dim is not None and not 0 < self.truncate_dim <= self.replace(truncate_dim=None).dim:
+      raise ValueError(f"truncate_dim must be between 1 and the tower's {self.replace(truncate_dim=None).dim} "
+                       f"dimensions, got {self.truncate_dim}")
 
   @property
   def dim(self) -> int:
     """Width of the tower's output vectors."""
+    if self.truncate_dim is not None:
+      return self.truncate_dim
     if self.projection_dim is not None:
       return self.projection_dim
     return self.bow_dim if self.kind == "bow_mlp" else self.encoder.hidden_size
 
   def replace(self, **changes) -> TowerConfig:
     return dataclasses.replace(self, **changes)
+
+
+def truncated(tower: TowerConfig, dim: int, trained: Sequence[int], model: str) -> TowerConfig:
+  """`tower` (a TowerConfig) serving its first `dim` dimensions. Where the model records the widths it was
+  trained at (`trained`), another is refused: the prefix of a vector trained whole is not an embedding of
+  that width."""
+  full = tower.replace(truncate_dim=None).dim
+  if not 0 < dim <= full:
+    raise ValueError(f"{model}: --dim {dim}: the model's vectors have {full} dimensions")
+  if trained and dim not in (*trained, full):
+    raise ValueError(f"{model}: --dim {dim} is not a width it was trained at (loss.matryoshka_dims: "
+                     f"{', '.join(map(str, trained))}; or the full {full})")
+  return tower.replace(truncate_dim=None if dim == full else dim)
 
 
 def pool(hidden: jax.Array, mask: jax.Array, how: str) -> jax.Array:
@@ -204,6 +225,8 @@ class Tower(nn.Module):
         x = jnp.tanh(x)
       if cfg.projection_norm:
         x = self.projection_norm(x)
+    if cfg.truncate_dim is not None:
+      x = x[..., :cfg.truncate_dim]
     if self.config.normalize:
       x = l2_normalize(x)
     return x.astype(jnp.float32)

@@ -113,7 +113,7 @@ def gather_host_parts(part: np.ndarray | None, dim: int, block_bytes: int = GATH
 
 def load_runtime(model: str, *, pooling: str | None = None, normalize: bool | None = None,
                  max_length: int | None = None, dtype: str = "auto",
-                 side: str = "doc", prompt: str | None = None) -> EncoderRuntime:
+                 side: str = "doc", prompt: str | None = None, dim: int | None = None) -> EncoderRuntime:
   """Loads `model` with its tokenizer, jitted, for one side ("query" or "doc").
 
   `model` is a Hugging Face directory, `minilm`, or a jdr model (a `jdr.export` directory or a training
@@ -123,10 +123,15 @@ def load_runtime(model: str, *, pooling: str | None = None, normalize: bool | No
   ("" = none), else the model's own (a jdr model's description["prompts"], a sentence-transformers
   directory's config_sentence_transformers.json); info["prompt"] holds it, info["prompt_from"] where it
   comes from.
+
+  `dim` serves a Matryoshka model's first `dim` dimensions (re-normalized where the tower normalizes), one of
+  the widths it was trained at when it records them (`loss.matryoshka_dims`); None = the model's own width
+  (a sentence-transformers directory's saved truncate_dim, else all). info["dim"] is the width served.
   """
   # pylint: disable=g-import-not-at-top  (model code loads lazily, so `--help` stays fast)
   from jdr.models import build
   from jdr.models import published
+  from jdr.models import towers
   from jdr.models.towers import TwoTower
   from jdr.training import span_embeddings
   if side not in ("query", "doc"):
@@ -135,6 +140,10 @@ def load_runtime(model: str, *, pooling: str | None = None, normalize: bool | No
   if build.is_jdr_model(model):
     two_tower, params, tokenizer, description = build.load_jdr_model(model)
     tower = getattr(two_tower, side)
+    if dim is not None:
+      tower = towers.truncated(tower, dim, description.get("matryoshka_dims") or (), model)
+      two_tower = two_tower.clone(**{s: towers.truncated(getattr(two_tower, s), dim, (), model)
+                                     for s in ("query", "doc")})
     if (pooling not in (None, tower.pooling)) or (normalize not in (None, tower.normalize)):
       raise ValueError(f"{model}: a trained jdr model fixes pooling={tower.pooling} and "
                        f"normalize={tower.normalize}; drop --pooling / --normalize")
@@ -152,7 +161,7 @@ def load_runtime(model: str, *, pooling: str | None = None, normalize: bool | No
     params = _serving(params, two_tower)
     length, source = (max_length, "--max-length") if max_length else build.serving_length(description, side)
     info = {"pooling": tower.pooling, "normalize": tower.normalize, "max_length": length, "max_length_from": source,
-            "trained_max_length": description[f"{side}_max_length"]}
+            "trained_max_length": description[f"{side}_max_length"], "dim": tower.dim}
     # A description from before prompts were recorded has none.
     tokenizer = _with_prompt(tokenizer, info, (description.get("prompts") or published.no_prompts())[side],
                              prompt, side)
@@ -160,7 +169,8 @@ def load_runtime(model: str, *, pooling: str | None = None, normalize: bool | No
                           spans_two_tower if side == "doc" else None)
 
   one_tower, params, tokenizer, info = published.load_tower(
-      model, pooling=pooling, normalize=normalize, max_length=max_length, dtype=build.compute_dtype(dtype))
+      model, pooling=pooling, normalize=normalize, max_length=max_length, dtype=build.compute_dtype(dtype),
+      dim=dim)
   params = _serving(params, one_tower)
   tokenizer = _with_prompt(tokenizer, info, info["prompts"][side], prompt, side)
 
@@ -177,6 +187,7 @@ def load_runtime(model: str, *, pooling: str | None = None, normalize: bool | No
 
 
 PROMPT_FLAGS = {"query": "--query-prompt", "doc": "--doc-prompt"}
+
 
 
 def _with_prompt(tokenizer, info: dict, own: str, asked: str | None, side: str):

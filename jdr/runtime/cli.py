@@ -77,6 +77,10 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                       help="compute dtype of the encoder (auto: bfloat16 on GPU/TPU, float32 on CPU, as training's "
                            "model.dtype; a trained jdr model keeps its own)")
+  parser.add_argument("--dim", type=int, default=None,
+                      help="serve the vectors' first D dimensions, re-normalized where the model normalizes: a "
+                           "Matryoshka model's smaller embedding (one of the widths it was trained at, "
+                           "loss.matryoshka_dims); default: all")
   parser.add_argument("--tokens-per-batch", type=int, default=None,
                       help="padded tokens per batch; the batch size follows from each length bucket "
                            f"(default {encoder_runtime.CPU_TOKENS_PER_BATCH} on CPU, "

@@ -116,6 +116,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.loss.lambda_metric = "mrr@10"  # lambdarank: |delta M| of swapping a pair, M = mrr@K or ndcg@K
   c.loss.lambda_delta = "positions"  # |1/p_i - 1/p_j|, p = list position (DRhard; mrr only) | exact (swap by score)
   c.loss.logq_correction = False  # sampled softmax: score - log Q(doc), Q from the batch's `doc_logq`
+  # Matryoshka (Kusupati et al. 2022): the loss (contrastive, ranking and distillation terms) summed over the
+  # embedding's first d dimensions for each d listed, re-normalized where the towers normalize, so each prefix is
+  # a usable embedding (`jdr.encode --dim d`); the full width trains only when listed
+  c.loss.matryoshka_dims = ""  # e.g. "384,256,128,64": the prefixes the loss is summed over; "" = off
+  c.loss.matryoshka_weights = ""  # one weight per dim, same order ("" = 1 each, as sentence-transformers)
 
   # --- gradient caching (jdr/training/gradcache.py): encode the batch in chunks of this many rows; 0 = off ---
   # --- distillation from a cross-encoder (jdr/training/distill.py): FGD and document-level KD ---

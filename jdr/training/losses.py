@@ -409,6 +409,76 @@ def hardest_negative_mask(scores: Array, valid: Array) -> Array:
   return jnp.logical_or(target, jnp.logical_and(chosen, has_negative))
 
 
+def matryoshka_dims(loss_cfg: ml_collections.ConfigDict) -> tuple[tuple[int, float], ...]:
+  """(dim, weight) pairs of `loss.matryoshka_dims` / `loss.matryoshka_weights`, widest first; () when off.
+
+  Refused here, before any data is read: a dim that is not a positive integer, a dim listed twice, weights
+  that are not one finite non-negative number per dim, or all weights 0."""
+  dims_text, weights_text = str(loss_cfg.get("matryoshka_dims", "")), str(loss_cfg.get("matryoshka_weights", ""))
+  parts = [p.strip() for p in dims_text.split(",") if p.strip()]
+  if not parts:
+    if weights_text.strip():
+      raise ValueError("loss.matryoshka_weights is set without loss.matryoshka_dims")
+    return ()
+  if not all(p.isdigit() and int(p) > 0 for p in parts):
+    raise ValueError(f"loss.matryoshka_dims={dims_text!r}: a comma-separated list of positive integers, "
+                     "e.g. \"384,256,128,64\"")
+  dims = [int(p) for p in parts]
+  if len(set(dims)) != len(dims):
+    raise ValueError(f"loss.matryoshka_dims={dims_text!r} lists a dim twice")
+  weights = [1.0] * len(dims)
+  if weights_text.strip():
+    try:
+      weights = [float(w) for w in weights_text.split(",")]
+    except ValueError:
+      raise ValueError(f"loss.matryoshka_weights={weights_text!r}: numbers, one per dim") from None
+    if len(weights) != len(dims) or not all(0.0 <= w < float("inf") for w in weights) or not any(weights):
+      raise ValueError(f"loss.matryoshka_weights={weights_text!r}: one finite weight >= 0 per dim of "
+                       f"loss.matryoshka_dims ({len(dims)}), not all 0")
+  return tuple(sorted(zip(dims, weights), key=lambda p: -p[0]))
+
+
+def matryoshka_record(loss_cfg: ml_collections.ConfigDict, width: int) -> list[int]:
+  """The Matryoshka dims a model trained under `loss_cfg` serves, widest first, as its description records
+  them ([] when off); a dim wider than the towers' `width` is refused before any data is read."""
+  dims = [dim for dim, _ in matryoshka_dims(loss_cfg)]
+  wide = [dim for dim in dims if dim > width]
+  if wide:
+    raise ValueError(f"loss.matryoshka_dims: {wide} wider than the towers' {width}-dim vectors")
+  return dims
+
+
+def matryoshka_prefix(x: Array, dim: int, normalize: bool) -> Array:
+  """The first `dim` dimensions of vectors [..., D], L2-normalized again when the tower normalizes: what a
+  tower truncated to `dim` serves (jdr.models.towers.TowerConfig.truncate_dim). A dim wider than D is an
+  error, not a silent full-width loss."""
+  if dim > x.shape[-1]:
+    raise ValueError(f"loss.matryoshka_dims: {dim} is wider than the towers' {x.shape[-1]}-dim vectors")
+  if dim == x.shape[-1]:
+    return x
+  x = x[..., :dim]
+  if not normalize:
+    return x
+  # Same eps as the towers' l2_normalize (torch.nn.functional.normalize's).
+  norm = jnp.sqrt(jnp.sum(jnp.square(x.astype(jnp.float32)), axis=-1, keepdims=True))
+  return (x / jnp.maximum(norm, 1e-12)).astype(x.dtype)
+
+
+def matryoshka_sum(dims: tuple[tuple[int, float], ...], loss_at: Callable[[int | None], tuple[Array, dict]]):
+  """sum_m w_m * loss_at(m) over `matryoshka_dims`' pairs (Kusupati et al. 2022, Eq. 1; sentence-transformers'
+  MatryoshkaLoss), `loss_at(None)` alone without them. The aux of the widest dim is kept, with each dim's
+  unweighted loss as "loss/dim_<m>"."""
+  if not dims:
+    return loss_at(None)
+  total, aux = 0.0, None
+  for dim, weight in dims:
+    value, dim_aux = loss_at(dim)
+    aux = dim_aux if aux is None else aux
+    aux[f"loss/dim_{dim}"] = value
+    total = total + weight * value
+  return total, aux
+
+
 def _softmax_nll_of(cfg):
   temperature = cfg.temperature
   return lambda s, v, labels, weights: softmax_nll(s, v, temperature=temperature, labels=labels)

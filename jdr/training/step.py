@@ -79,6 +79,9 @@ def make_train_step(model: TwoTower, tx: optax.GradientTransformation, config: m
 def make_spec(model: TwoTower, tx: optax.GradientTransformation, config: ml_collections.ConfigDict, mesh,
               candidates: str, retrieve_in_step: bool) -> Spec:
   chunk = check_grad_cache(config, candidates)
+  if losses.matryoshka_dims(config.loss) and (candidates == "pairs" or pretrain_batches.is_masked_lm(config)):
+    raise ValueError("loss.matryoshka_dims trains prefixes of two towers' vectors; a cross-encoder's scores and "
+                     "the masked-LM baseline's token loss have none: set loss.matryoshka_dims=\"\"")
   query_only = optimizers.query_only(config.model)
   # Frozen parameters are not differentiated at all: no weight-gradient matmuls for a 7B base.
   split = functools.partial(optimizers.split_frozen, train_towers=config.model.train_towers,
@@ -132,7 +135,7 @@ def cached_gradients(model: TwoTower, config: ml_collections.ConfigDict, mesh, c
   # the loops stay XLA-partitioned, each chunk's rows pinned to the batch axes (parallel.rows_vmapped).
   whole_params = mesh is not None and not parallel.shards_params_over_batch(
       parallel.rules_for(config.mesh.rules))
-  objective = tokens_objective(config)
+  objective = tokens_objective(config, normalizes(model))
 
   def encoders(spmd):
     frozen_doc = gradcache.per_row_encoder(model, "encode_doc", deterministic=True, spmd_axis_name=spmd)
@@ -201,6 +204,8 @@ def corpus_scorer(model, config: ml_collections.ConfigDict, mesh=None, retrieve_
   top_n, recall_target = neg.top_n, neg.top_k_recall_target
   missing_positive = retrieved.check_missing_positive(neg.missing_positive)
   objective, chunk_rows = make_objective(config), config.model.get("encode_chunk_rows", 0)
+  # Matryoshka here trains the query tower's prefixes against the fixed index's prefixes.
+  dims, normalize = losses.matryoshka_dims(config.loss), normalizes(model)
 
   def score(params, batch, rngs, corpus, bias):
     q = encode_queries(model, chunk_rows, params, batch, rngs[0])
@@ -215,9 +220,15 @@ def corpus_scorer(model, config: ml_collections.ConfigDict, mesh=None, retrieve_
                                   batch["positive_vectors"])
     else:
       docs = retrieved.gather_rows(corpus, rows, mesh)
-    scores = jnp.einsum("bd,bnd->bn", q, docs)
-    aux = retrieved.retrieval_diagnostics(retrieved_labels, batch["positive_rows"])
-    return objective(scores, {"labels": labels, "valid": rows >= 0}, labels > 0, aux)
+    fields = {"labels": labels, "valid": rows >= 0}
+
+    def at(dim):
+      aux = retrieved.retrieval_diagnostics(retrieved_labels, batch["positive_rows"])
+      if dim is None:
+        return objective(jnp.einsum("bd,bnd->bn", q, docs), fields, labels > 0, aux)
+      q_dim, d_dim = (losses.matryoshka_prefix(x, dim, n) for x, n in zip((q, docs), normalize))
+      return objective(jnp.einsum("bd,bnd->bn", q_dim, d_dim), fields, labels > 0, aux)
+    return losses.matryoshka_sum(dims, at)
 
   return score
 
@@ -230,7 +241,7 @@ def tokens_scorer(model, config: ml_collections.ConfigDict, mesh=None, retrieve_
   chunk_rows = config.model.get("encode_chunk_rows", 0)
   span_levels = tuple(distill.levels(config)) if distill.enabled(config) else ()
   doc_and_spans = span_embeddings.two_tower_document_spans(config.distill.pooling)
-  objective = tokens_objective(config)
+  objective = tokens_objective(config, normalizes(model))
 
   def score(params, batch, rngs, corpus=None, bias=None):
     del corpus, bias
@@ -265,16 +276,32 @@ def encode_queries(model, chunk_rows: int, params, batch, rng):
       (batch["query_ids"], batch["query_mask"]), rng, chunk_rows)
 
 
-def tokens_objective(config: ml_collections.ConfigDict) -> Callable:
+def normalizes(model: TwoTower) -> tuple[bool, bool]:
+  """Whether the (query, document) towers L2-normalize their vectors: a Matryoshka prefix is normalized again."""
+  return bool(model.query.normalize), bool(model.doc.normalize)
+
+
+def tokens_objective(config: ml_collections.ConfigDict, normalize: tuple[bool, bool] = (False, False)) -> Callable:
   """(q [B, D], d [C, D], batch, spans=None) -> (loss, aux): the configured loss of query vectors against
   document vectors, plus the loss terms other modules own (distill.loss_terms: FGD's and document-level
-  distillation), added to it."""
+  distillation), added to it; with loss.matryoshka_dims, all of it summed over the vectors' prefixes
+  (`losses.matryoshka_sum`; `normalize`: the (query, document) towers' L2 normalization, applied again to a
+  prefix)."""
   objective, logq, hardest = make_objective(config), config.loss.logq_correction, config.negatives.hardest_in_batch
   distilling = distill.enabled(config)
   terms = (distill.loss_terms(config),) if distilling else ()
   contrastive_weight = config.distill.contrastive_weight if distilling else 1.0
+  dims = losses.matryoshka_dims(config.loss)
 
   def loss(q, d, batch, spans=None):
+    def at(dim):
+      if dim is None:
+        return one_width(q, d, batch, spans)
+      prefix = lambda x, side: losses.matryoshka_prefix(x, dim, normalize[side])
+      return one_width(prefix(q, 0), prefix(d, 1), batch, None if spans is None else prefix(spans, 1))
+    return losses.matryoshka_sum(dims, at)
+
+  def one_width(q, d, batch, spans):
     # Under jit the batch-sharded document matrix is all-gathered across devices and hosts by XLA, no
     # hand-written collective.
     scores = q @ d.T

@@ -73,6 +73,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   if pretrain_batches.is_masked_lm(config):
     model = model.clone(mlm_head=True)  # trained here, dropped by every reader of the workdir
   query_only = optimizers.query_only(config.model)
+  if losses.matryoshka_dims(config.loss) and isinstance(model, TwoTower):  # what it serves (jdr.encode --dim)
+    built.description["matryoshka_dims"] = losses.matryoshka_record(config.loss, model.query.dim)
   if is_host0:
     atomic.write_text(workdir / "config.json", config.to_json_best_effort(indent=1))
     atomic.write_text(workdir / "model.json", json.dumps(built.description, indent=1))
