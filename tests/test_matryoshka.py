@@ -173,8 +173,11 @@ def test_trained_matryoshka_model_serves_its_dims_in_jdr_and_sentence_transforme
   config = config_files.load_config_file(str(ROOT / "configs" / "demo.py:tiny"))
   config_files.apply_overrides(config, [f"data.dataset={data}", "num_train_steps=2", "batch_size=4",
                                         "data.eval_split=", "data.query_max_length=16", "data.doc_max_length=32",
-                                        "model.normalize=1", "loss.matryoshka_dims=64,16"])
-  trainer.train_and_evaluate(config, tmp_path / "w")
+                                        "model.normalize=1", "loss.matryoshka_dims=64,16", "data.eval_split=test",
+                                        "eval_before_training=False"])
+  results = trainer.train_and_evaluate(config, tmp_path / "w")
+  assert {"ndcg@10", "dim16/ndcg@10"} <= set(results["after"])  # each narrower width scored on the full corpus
+  assert "dim64/ndcg@10" not in results["after"]
   assert json.loads((tmp_path / "w" / "model.json").read_text())["matryoshka_dims"] == [64, 16]
   out = export.export(tmp_path / "w", tmp_path / "export")
   assert json.loads((out / "config_sentence_transformers.json").read_text())["matryoshka_dims"] == [64, 16]

@@ -15,6 +15,7 @@ reused at every evaluation.
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 import sys
@@ -265,8 +266,11 @@ class Evaluator:
   def __init__(self, encoder: TowerEncoder, config: ml_collections.ConfigDict, mesh, *,
                doc_tower_frozen: bool = False, diagnostics=None, fixed_doc_emb: np.ndarray | None = None,
                cache_dir: str | os.PathLike | None = None, bm25_index: Callable | None = None,
-               fixed_corpus: retrieved.CorpusMatrix | None = None):
+               fixed_corpus: retrieved.CorpusMatrix | None = None, matryoshka_dims: Sequence[int] = ()):
     self.encoder, self.config, self.mesh = encoder, config, mesh
+    # A Matryoshka model's narrower widths, each also scored on the full corpus (exact search of the same
+    # vectors' prefixes, re-normalized where the towers normalize), as "dim<m>/ndcg@10".
+    self.matryoshka_dims = tuple(matryoshka_dims)
     self.data = encoder.data
     self.metric_names = [m.strip() for m in config.eval.metrics.split(",") if m.strip()]
     for name in self.metric_names:
@@ -362,6 +366,12 @@ class Evaluator:
       scored = metrics_lib.evaluate(qrels, run, self.metric_names)
       prefix = "" if i == 0 else f"{factory}/"
       results.update({prefix + k: v for k, v in scored.items()})
+    for dim in (m for m in self.matryoshka_dims if m < query_emb.shape[1]):
+      cut = functools.partial(_prefix, dim=dim, normalize=self.encoder._model.query.normalize)
+      rows, scores = retrieved.exact_top_rows(cut(doc_emb), cut(query_emb), k, "faiss", "float32")
+      run = {q: {self.encoder.doc_ids[int(r)]: float(v) for r, v in zip(row, score) if r >= 0}
+             for q, row, score in zip(self.qids, rows, scores)}
+      results.update({f"dim{dim}/{name}": v for name, v in metrics_lib.evaluate(qrels, run, self.metric_names).items()})
     if self.diagnostics is not None:
       results.update(self.diagnostics(params, doc_emb))
     if self._shards_dir is not None and not self.doc_tower_frozen and jax.process_index() == 0:
@@ -450,6 +460,14 @@ class TrainingDiagnostics:
     if self.negatives is not None and self.negatives.pools_in_use is not None:
       out[f"overlap_negatives@{n}"] = retrieved.overlap(rows, self.negatives.pools_in_use(self.qids)[:, :n])
     return out
+
+
+def _prefix(x: np.ndarray, dim: int, normalize: bool) -> np.ndarray:
+  """The first `dim` dimensions of [n, D] vectors as float32, L2-normalized again when the towers normalize."""
+  x = np.asarray(x[:, :dim], np.float32)
+  if normalize:
+    x = x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+  return x
 
 
 def _split_factories(text: str) -> list[str]:

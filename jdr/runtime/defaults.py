@@ -79,6 +79,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.negatives.in_batch = True  # other queries' documents in the batch are negatives too
   c.negatives.mask_duplicate_texts = True  # a negative whose text is one of the query's positives' (another id) is masked
   c.negatives.hardest_in_batch = False  # NCE Neg: keep only the highest-scored negative per query
+  # In-batch false negatives by a guide (jdr/training/guide.py, GISTEmbed): a negative the guide scores above the
+  # row's positive is masked
+  c.negatives.guide = ""  # "" = off | self (the trained model's own scores) | a bi-encoder or jdr cross-encoder
+  c.negatives.guide_margin = 0.0  # masked when guide(q, neg) > guide(q, pos) - margin (< 0: only clearly above)
   c.negatives.bm25_top_k = 100  # BM25 pool the hard negatives are drawn from (ANCE / DPR: top 100)
   c.negatives.static_run = ""  # TREC run of a warm-up model (static source)
   # triples: each query's negatives from its lines of MS MARCO's triples.train.small.tsv (query, positive and

@@ -32,6 +32,7 @@ import optax
 
 from jdr.training import distill
 from jdr.training import gradcache
+from jdr.training import guide
 from jdr.training import losses
 from jdr.training import span_embeddings
 from jdr.training import optimizers
@@ -292,14 +293,23 @@ def tokens_objective(config: ml_collections.ConfigDict, normalize: tuple[bool, b
   terms = (distill.loss_terms(config),) if distilling else ()
   contrastive_weight = config.distill.contrastive_weight if distilling else 1.0
   dims = losses.matryoshka_dims(config.loss)
+  self_guided, margin = config.negatives.get("guide", "") == guide.SELF, config.negatives.get("guide_margin", 0.0)
 
   def loss(q, d, batch, spans=None):
+    count = None
+    if self_guided:  # the full-width scores guide every prefix
+      valid, count = guide.masked(q @ d.T, batch["valid"], margin)
+      batch = {**batch, "valid": valid}
+
     def at(dim):
       if dim is None:
         return one_width(q, d, batch, spans)
       prefix = lambda x, side: losses.matryoshka_prefix(x, dim, normalize[side])
       return one_width(prefix(q, 0), prefix(d, 1), batch, None if spans is None else prefix(spans, 1))
-    return losses.matryoshka_sum(dims, at)
+    total, aux = losses.matryoshka_sum(dims, at)
+    if count is not None:
+      aux["masked_by_guide"] = count
+    return total, aux
 
   def one_width(q, d, batch, spans):
     # Under jit the batch-sharded document matrix is all-gathered across devices and hosts by XLA, no

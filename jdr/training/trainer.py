@@ -23,6 +23,7 @@ from jdr.runtime import atomic
 from jdr.training import checkpoint
 from jdr.runtime import config_files
 from jdr.training import distill
+from jdr.training import guide
 from jdr.evaluation import periodic
 from jdr.training import losses
 from jdr.training import metric_writers
@@ -57,6 +58,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   pretraining = config.data.kind == "pretrain"
   step_lib.check_grad_cache(config, sources.candidates(config))
   distill.check(config)
+  guide.check(config, sources.candidates(config))
   losses.make_loss(config.loss)  # an unknown loss fails here, before any data is read
 
   # ---------------------------------------------------------------- data and model
@@ -123,6 +125,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     distiller = distill.Distiller(config, data, built.tokenizer, batches, negatives.sampler, workdir / "cache",
                                   prompts=prompts)
 
+  host_guide = None  # a frozen guide model masks each batch's false negatives on the host ("self": in the step)
+  if guide.enabled(config) and config.negatives.guide != guide.SELF:
+    host_guide = guide.HostGuide(config, data)
+
   # ---------------------------------------------------------------- the step, jitted once
   train_step = step_lib.make_train_step(model, tx, config, mesh, negatives.candidates, negatives.retrieve_in_step)
   step_fn = step_lib.jit_step(train_step, state_shardings, mesh, negatives.corpus)
@@ -130,6 +136,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   def batch_at(step: int, state) -> dict[str, jax.Array]:
     negatives.prepare(step, state)
     batch = negatives.complete(batches.local(step), state)
+    if host_guide is not None:
+      batch = host_guide.complete(batch, batches.global_layout(step), batches.host_rows(config.batch_size))
     if distiller is not None:
       batch = distiller.complete(batch, step)
     return parallel.global_batch(batch, mesh)
@@ -147,7 +155,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     evaluator = periodic.Evaluator(encoder, config, mesh, doc_tower_frozen=query_only,
                                      diagnostics=diagnostics, fixed_doc_emb=negatives.doc_emb,
                                      fixed_corpus=negatives.corpus, cache_dir=workdir / "cache",
-                                     bm25_index=bm25_index)
+                                     bm25_index=bm25_index, matryoshka_dims=built.description.get("matryoshka_dims", ()))
   results = {}
   if evaluator and start == 0 and config.eval_before_training:
     results["before"] = evaluator(state.params)
@@ -184,6 +192,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
         scalars.update(negatives.log_scalars(done))
         if isinstance(batches, pairs.Batches):  # pretraining's batches mask nothing
           scalars.update(batches.log_scalars())
+        if host_guide is not None:
+          scalars.update(host_guide.log_scalars())
         writer.write(done, {f"train/{k}": v for k, v in scalars.items()})
         bar.set_postfix(loss=f"{scalars['loss']:.4f}", ex_s=f"{scalars['examples_per_second']:.1f}")
         window, window_start = [], time.perf_counter()
