@@ -144,3 +144,48 @@ def test_fgd_ablation_tiny_end_to_end_and_rerun_skips(tmp_path, monkeypatch, cap
     command.main(argv)
   assert capsys.readouterr().out.count("finished before, skipped") == 5
   assert (out / "table.md").read_text() == table
+
+
+def test_inbatch_ablation_table_and_claims_paired_by_seed(tmp_path):
+  from jdr.reproduce import inbatch  # pylint: disable=g-import-not-at-top
+  def record(row, seed, full, narrow):
+    test = {"ndcg@10": full, "mrr@10": full, "recall@100": 0.9,
+            **{f"dim{w}/{m}": narrow for w in (256, 128, 64) for m in ("ndcg@10", "mrr@10", "recall@100")}}
+    return {"run": f"{row}_s{seed}", "method": row, "seed": seed, "rate": 1e-4, "steps": 208,
+            "dev": {"ndcg@10": full}, "test": test, "masked_by_guide": 3.0 if row == "guided" else None,
+            "seconds": 1.0}
+  for row, seed, full, narrow in (("inbatch", 0, 0.70, 0.50), ("inbatch", 1, 0.72, 0.52),
+                                  ("matryoshka", 0, 0.71, 0.66), ("matryoshka", 1, 0.72, 0.70),
+                                  ("dim64", 0, 0.40, 0.65), ("dim64", 1, 0.40, 0.66),
+                                  ("guided", 0, 0.71, 0.5), ("guided", 1, 0.74, 0.5)):
+    _write(tmp_path / "runs" / f"{row}_s{seed}" / "done.json", record(row, seed, full, narrow))
+  text = commands.write_outputs(tmp_path, inbatch.table_markdown(inbatch.Plan(), tmp_path), inbatch.write_csv)
+  assert "| + Matryoshka 384,256,128,64 | 0,1 | 0.7150 ± 0.0071 | 0.7150 ± 0.0071 | 0.6800 ± 0.0283 |" in text
+  assert "| + guide: the starting MiniLM, frozen | 0,1 |" in text and "| 3.0000 ± 0.0000 |" in text
+  # guided - inbatch: +0.01, +0.02 -> mean 0.015, std 0.0071: holds.
+  assert ("- masking what the frozen starting model ranks above the positive helps: **holds** "
+          "(ndcg@10 +0.0150 ± 0.0071") in text
+  # matryoshka - dim64 at 64: +0.01, +0.04 -> 0.025 ± 0.0212: holds.
+  assert "- Matryoshka at 64 against a model trained at 64 alone: **holds** (dim64/ndcg@10 +0.0250 ± 0.0212" in text
+  assert "- Matryoshka at 384 is at least training at 384 alone: **holds**" in text
+  with open(tmp_path / "runs.csv") as f:
+    lines = {l["run"]: l for l in csv.DictReader(f)}
+  assert float(lines["dim64_s1"]["test_dim64/ndcg@10"]) == 0.66
+
+
+@pytest.mark.long
+def test_inbatch_ablation_tiny_end_to_end_and_rerun_skips(tmp_path, capsys):
+  from jdr.reproduce import __main__ as command  # pylint: disable=g-import-not-at-top
+  out = tmp_path / "inbatch"
+  argv = ["inbatch-ablation", "--out", str(out), "--tiny", "--methods", "inbatch,matryoshka,guided"]
+  command.main(argv)
+  assert "run 3 of 3: guided_s0" in capsys.readouterr().out
+  row = json.loads((out / "runs" / "matryoshka_s0" / "done.json").read_text())
+  assert row["overrides"] == {"loss.matryoshka_dims": "64,42,21,10"}
+  assert {"ndcg@10", "dim42/ndcg@10", "dim21/ndcg@10", "dim10/ndcg@10"} <= set(row["test"])
+  assert {"ndcg@10", "dim10/ndcg@10"} <= set(row["dev"])  # the trainer's final dev evaluation, every width
+  assert json.loads((out / "runs" / "guided_s0" / "done.json").read_text())["masked_by_guide"] is not None
+  table = (out / "table.md").read_text()
+  command.main(argv)
+  assert capsys.readouterr().out.count("finished before, skipped") == 3
+  assert (out / "table.md").read_text() == table

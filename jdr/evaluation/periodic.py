@@ -367,7 +367,7 @@ class Evaluator:
       prefix = "" if i == 0 else f"{factory}/"
       results.update({prefix + k: v for k, v in scored.items()})
     for dim in (m for m in self.matryoshka_dims if m < query_emb.shape[1]):
-      cut = functools.partial(_prefix, dim=dim, normalize=self.encoder._model.query.normalize)
+      cut = functools.partial(prefix_vectors, dim=dim, normalize=self.encoder._model.query.normalize)
       rows, scores = retrieved.exact_top_rows(cut(doc_emb), cut(query_emb), k, "faiss", "float32")
       run = {q: {self.encoder.doc_ids[int(r)]: float(v) for r, v in zip(row, score) if r >= 0}
              for q, row, score in zip(self.qids, rows, scores)}
@@ -462,7 +462,7 @@ class TrainingDiagnostics:
     return out
 
 
-def _prefix(x: np.ndarray, dim: int, normalize: bool) -> np.ndarray:
+def prefix_vectors(x: np.ndarray, dim: int, normalize: bool) -> np.ndarray:
   """The first `dim` dimensions of [n, D] vectors as float32, L2-normalized again when the towers normalize."""
   x = np.asarray(x[:, :dim], np.float32)
   if normalize:

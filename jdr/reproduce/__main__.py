@@ -25,6 +25,7 @@ resume, runs.csv and table statistic (mean ± sample std over seeds):
 
   python -m jdr.reproduce pretrain-ablation --out runs/ablation   # Chang et al.'s pretraining tasks (pretraining.py)
   python -m jdr.reproduce fgd-ablation --out runs/fgd             # FGD on long-document SciFact (fgd.py)
+  python -m jdr.reproduce inbatch-ablation --out runs/inbatch      # guided false negatives, Matryoshka (inbatch.py)
 """
 
 import argparse
@@ -36,6 +37,7 @@ from jdr.runtime import cli
 from jdr.data import shared
 from jdr.reproduce import devsplit
 from jdr.reproduce import fgd
+from jdr.reproduce import inbatch
 from jdr.reproduce import pretraining
 from jdr.reproduce import report
 from jdr.reproduce import rows as rows_lib
@@ -51,7 +53,7 @@ def _floats(text: str) -> tuple[float, ...]:
 
 
 # The experiments besides the SciFact table: {name: module with add_arguments(parser) and main(args, parser)}.
-EXPERIMENTS = {"pretrain-ablation": pretraining, "fgd-ablation": fgd}
+EXPERIMENTS = {"pretrain-ablation": pretraining, "fgd-ablation": fgd, "inbatch-ablation": inbatch}
 
 
 def main(argv=None) -> str:

@@ -251,7 +251,7 @@ class Context:
 
 
 @contextlib.contextmanager
-def _output_to(path: pathlib.Path):
+def output_to(path: pathlib.Path):
   """The trainer's prints and progress bars go to the run's log, and so do Faiss' own (C++) warnings, by file
   descriptor: the terminal keeps the progress lines and the table."""
   path.parent.mkdir(parents=True, exist_ok=True)
@@ -329,7 +329,7 @@ def train(ctx: Context, run: StageRun) -> dict:
   resumed_at = _checkpoint_step(workdir)
   start = time.perf_counter()
   config.eval.corpus_cache = str(ctx.vector_cache)
-  with _output_to(workdir / "train.log"):
+  with output_to(workdir / "train.log"):
     results = trainer.train_and_evaluate(config, workdir)
   seconds = time.perf_counter() - start
   record = {"run": run.name, "method": run.method, "steps": run.steps, "batch_size": ctx.plan.batch_size,
@@ -419,7 +419,7 @@ def score(ctx: Context, run: StageRun) -> dict:
   from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
   ctx.progress.begin(f"score {run.name} on test" + (" and zero-shot" if ctx.zero_shot else ""))
   start = time.perf_counter()
-  with _output_to(ctx.workdir(run) / "score.log"):
+  with output_to(ctx.workdir(run) / "score.log"):
     model, params, tokenizer, description = build_lib.load_jdr_model(ctx.workdir(run))
     record = score_model(ctx, model, params, tokenizer, run.method in rows_lib.QUERY_ONLY,
                          prompts=description.get("prompts"))
@@ -442,7 +442,7 @@ def score_start(ctx: Context) -> dict:
   from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
   ctx.progress.begin("score the start model on dev, test" + (" and zero-shot" if ctx.zero_shot else ""))
   start = time.perf_counter()
-  with _output_to(path.parent / "score.log"):
+  with output_to(path.parent / "score.log"):
     config = rows_lib.start_config(ctx.plan, ctx.dataset, ctx.configs_dir)
     built = build_lib.build(config.model, config.data)
     params = trainer.initial_params(built.model, built, config, jax.random.PRNGKey(config.seed), None)
@@ -484,7 +484,7 @@ def train_teacher(ctx: Context) -> dict:
   ctx.progress.begin(f"train the cross-encoder ({config.num_train_steps} steps) and rerank dev")
   resumed_at = _checkpoint_step(workdir)
   start = time.perf_counter()
-  with _output_to(workdir / "train.log"):
+  with output_to(workdir / "train.log"):
     results = trainer.train_and_evaluate(config, workdir)
   seconds = time.perf_counter() - start
   done = {"steps": config.num_train_steps, "rate": config.optimizer.learning_rate, "seed": config.seed,
@@ -513,7 +513,7 @@ def prepare_mined(ctx: Context) -> None:
                                 configs_dir=ctx.configs_dir).negatives.bm25_top_k
   ctx.progress.begin(f"mine BM25's top {depth} with the cross-encoder's scores, then filter on dev")
   start = time.perf_counter()
-  with _output_to(everything.parent / "mine.log"):
+  with output_to(everything.parent / "mine.log"):
     mine.main(["--data", str(ctx.dataset), "--out", str(everything), "--dev-split", "dev", "--depth", str(depth),
                "--cross-encoder", str(teacher_dir(ctx.out)), "--ce-max-length", str(ctx.plan.eval_doc_length)])
     mine.main(["--from", str(everything), "--out", str(filtered), "--ce-threshold", "dev"])

@@ -106,7 +106,9 @@ class HostGuide:
       self._runtimes = None
     else:
       self._pairs = None
-      self._runtimes = {side: encoder_runtime.load_runtime(resolved, side=side) for side in ("query", "doc")}
+      # The texts as long as the training batch reads them, not the guide's own serving length.
+      self._runtimes = {side: encoder_runtime.load_runtime(resolved, side=side, max_length=length)
+                        for side, length in (("query", self.query_length), ("doc", self.doc_length))}
     kind = "cross-encoder" if self._pairs is not None else "bi-encoder"
     print(f"negatives.guide: {self.path} ({kind}) masks in-batch negatives it scores above the positive "
           f"- {self.margin:g}", file=sys.stderr)
