@@ -152,7 +152,7 @@ def test_inbatch_ablation_table_and_claims_paired_by_seed(tmp_path):
     test = {"ndcg@10": full, "mrr@10": full, "recall@100": 0.9,
             **{f"dim{w}/{m}": narrow for w in (256, 128, 64) for m in ("ndcg@10", "mrr@10", "recall@100")}}
     return {"run": f"{row}_s{seed}", "method": row, "seed": seed, "rate": 1e-4, "steps": 208,
-            "dev": {"ndcg@10": full}, "test": test, "masked_by_guide": 3.0 if row == "guided" else None,
+            "test": test, "masked_by_guide": 3.0 if row == "guided" else None,
             "seconds": 1.0}
   for row, seed, full, narrow in (("inbatch", 0, 0.70, 0.50), ("inbatch", 1, 0.72, 0.52),
                                   ("matryoshka", 0, 0.71, 0.66), ("matryoshka", 1, 0.72, 0.70),
@@ -160,7 +160,7 @@ def test_inbatch_ablation_table_and_claims_paired_by_seed(tmp_path):
                                   ("guided", 0, 0.71, 0.5), ("guided", 1, 0.74, 0.5)):
     _write(tmp_path / "runs" / f"{row}_s{seed}" / "done.json", record(row, seed, full, narrow))
   text = commands.write_outputs(tmp_path, inbatch.table_markdown(inbatch.Plan(), tmp_path), inbatch.write_csv)
-  assert "| + Matryoshka 384,256,128,64 | 0,1 | 0.7150 ± 0.0071 | 0.7150 ± 0.0071 | 0.6800 ± 0.0283 |" in text
+  assert "| + Matryoshka 384,256,128,64 | 0,1 | 0.7150 ± 0.0071 | 0.6800 ± 0.0283 |" in text
   assert "| + guide: the starting MiniLM, frozen | 0,1 |" in text and "| 3.0000 ± 0.0000 |" in text
   # guided - inbatch: +0.01, +0.02 -> mean 0.015, std 0.0071: holds.
   assert ("- masking what the frozen starting model ranks above the positive helps: **holds** "
@@ -183,7 +183,6 @@ def test_inbatch_ablation_tiny_end_to_end_and_rerun_skips(tmp_path, capsys):
   row = json.loads((out / "runs" / "matryoshka_s0" / "done.json").read_text())
   assert row["overrides"] == {"loss.matryoshka_dims": "64,42,21,10"}
   assert {"ndcg@10", "dim42/ndcg@10", "dim21/ndcg@10", "dim10/ndcg@10"} <= set(row["test"])
-  assert {"ndcg@10", "dim10/ndcg@10"} <= set(row["dev"])  # the trainer's final dev evaluation, every width
   assert json.loads((out / "runs" / "guided_s0" / "done.json").read_text())["masked_by_guide"] is not None
   table = (out / "table.md").read_text()
   command.main(argv)

@@ -12,9 +12,10 @@ in-batch row's choice on dev in the table's build), seeds 0-2:
   matryoshka   + loss.matryoshka_dims=384,256,128,64 (each weight 1)
   dim256, dim128, dim64   + loss.matryoshka_dims=D: trained at that width alone
 
-Each model is scored once on dev (the trainer's final evaluation) and on test: the corpus encoded once at 256
-tokens, searched exactly at each width of 384, 256, 128, 64 (the vectors' prefixes, re-normalized, as
-`jdr.encode --dim` serves them). OUT/runs/ROW_sSEED holds a run's workdir and, once scored, done.json; a re-run
+Nothing is chosen here (one given rate, the settings fixed above), so no dev evaluation is run; each model is
+scored once on test: the corpus encoded once at 256 tokens, searched exactly at each width of 384, 256, 128, 64
+(the vectors' prefixes, re-normalized, as `jdr.encode --dim` serves them). `--steps` sets every row's budget
+(default the table's 208). OUT/runs/ROW_sSEED holds a run's workdir and, once scored, done.json; a re-run
 skips what finished and resumes a stopped training from its checkpoint. OUT/table.md (mean ± sample std over
 seeds, and paired differences by seed) and OUT/runs.csv are written from the records.
 
@@ -92,12 +93,12 @@ def _widths(plan: Plan) -> tuple[int, ...]:
 
 
 def run_config(plan: Plan, row: str, seed: int, dataset: pathlib.Path):
-  """The table's in-batch stage config (rows.stage_config) at this plan's rate, its one change applied, and a
-  dev evaluation only at the end."""
+  """The table's in-batch stage config (rows.stage_config) at this plan's rate, its one change applied, and no
+  evaluation while training (nothing is chosen on dev)."""
   table = dataclasses.replace(rows_lib.tiny_plan() if plan.tiny else rows_lib.Plan(), steps=plan.steps,
                               batch_size=plan.batch_size)
   c = rows_lib.stage_config(table, "inbatch", steps=plan.steps, rate=plan.rate, seed=seed, dataset=dataset)
-  c.eval_every, c.eval_before_training = 0, False
+  c.eval_every, c.eval_before_training, c.data.eval_split = 0, False, ""
   for key, value in row_overrides(row, plan).items():
     section, name = key.split(".")
     c[section][name] = value
@@ -144,7 +145,7 @@ def run_one(plan: Plan, row: str, seed: int, dataset: pathlib.Path, out: pathlib
   started = time.perf_counter()
   with runs_lib.output_to(directory / "log.txt"):
     results = trainer.train_and_evaluate(run_config(plan, row, seed, dataset), workdir)
-    dev = {k: float(v) for k, v in results.get("after", {}).items()}
+    del results
     logged = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     masked = [x["train/masked_by_guide"] for x in logged if "train/masked_by_guide" in x]
     trained = time.perf_counter() - started
@@ -153,7 +154,7 @@ def run_one(plan: Plan, row: str, seed: int, dataset: pathlib.Path, out: pathlib
                         doc_max_length=(rows_lib.tiny_plan() if plan.tiny else rows_lib.Plan()).eval_doc_length,
                         cache=out / "vector-cache")
   record = {"run": directory.name, "method": row, "seed": seed, "rate": plan.rate, "steps": plan.steps,
-            "overrides": row_overrides(row, plan), "dev": dev, "test": test,
+            "overrides": row_overrides(row, plan), "test": test,
             "masked_by_guide": sum(masked) / len(masked) if masked else None,
             "train_seconds": round(trained, 1), "seconds": round(time.perf_counter() - started, 1)}
   atomic.write_text(directory / "done.json", json.dumps(record, indent=1))
@@ -177,13 +178,12 @@ def table_markdown(plan: Plan, out: pathlib.Path) -> str:
            + (" (tiny model, built-in data)" if plan.tiny else ""), "",
            f"Every row trains {plan.steps} steps x {plan.batch_size} pairs at learning rate {plan.rate:g}; test "
            f"nDCG@10 at each width (the first {', '.join(map(str, widths))} dimensions, re-normalized).", "",
-           "| row | seeds | dev nDCG@10 | " + " | ".join(f"test nDCG@10 at {w}" for w in widths)
+           "| row | seeds | " + " | ".join(f"test nDCG@10 at {w}" for w in widths)
            + " | test Recall@100 | masked by the guide per batch |",
-           "|---|---|---|" + "---|" * len(widths) + "---|---|"]
+           "|---|---|" + "---|" * len(widths) + "---|---|"]
   for row, found in finals.items():
     seeds = ",".join(str(r["seed"]) for r in found)
-    cells = [report.mean_std([r["dev"].get("ndcg@10") for r in found if "ndcg@10" in r["dev"]])]
-    cells += [report.mean_std([r["test"][k] for r in found if k in r["test"]]) for k in keys]
+    cells = [report.mean_std([r["test"][k] for r in found if k in r["test"]]) for k in keys]
     cells.append(report.mean_std([r["test"]["recall@100"] for r in found]))
     masked = [r.get("masked_by_guide") for r in found if r.get("masked_by_guide") is not None]
     cells.append(report.mean_std(masked) if masked else "—")
@@ -207,7 +207,6 @@ def write_csv(out: pathlib.Path) -> pathlib.Path:
   for found in final_runs(out).values():
     for r in found:
       line = {k: r.get(k, "") for k in ("run", "method", "seed", "rate", "steps", "train_seconds", "seconds")}
-      line.update(report.flat("dev_", r.get("dev")))
       line.update(report.flat("test_", r.get("test")))
       lines.append({k: "" if v is None else v for k, v in line.items()})
   return report.write_rows_csv(out / "runs.csv", lines)
@@ -217,6 +216,8 @@ def add_arguments(parser) -> None:
   parser.add_argument("--out", required=True, help="output directory (runs, table, CSV); a re-run goes on there")
   parser.add_argument("--methods", default="", help=f"comma-separated rows of {','.join(ROWS)} (default: all)")
   parser.add_argument("--seeds", default="", help="comma-separated seeds (default 0,1,2)")
+  parser.add_argument("--steps", type=int, default=0, help="every row's training steps (default 208, the "
+                      "SciFact table's budget); fixed for an output directory")
   parser.add_argument("--rate", type=float, default=0.0, help="every row's learning rate (default 1e-4: the "
                       "in-batch row's choice on dev in the SciFact table)")
   parser.add_argument("--self-margin", type=float, default=None, help="negatives.guide_margin of self_guided "
@@ -230,6 +231,8 @@ def main(args, parser) -> str:
   plan = tiny_plan() if args.tiny else Plan()
   if args.rate:
     plan = dataclasses.replace(plan, rate=args.rate)
+  if args.steps:
+    plan = dataclasses.replace(plan, steps=args.steps)
   if args.self_margin is not None:
     plan = dataclasses.replace(plan, self_margin=args.self_margin)
   if args.seeds:
