@@ -2,6 +2,10 @@
 
 One trainer for every method (jdr/training/trainer.py): which towers train, where negatives come from and which
 loss is used are config values (see configs/base.py), never a fork of it.
+
+Exit status: 0 done; 2 bad input or settings, or a checkpoint that could not be written (one `error:` line);
+3 a non-finite loss or gradient norm (one `error:` line naming the step; nothing holding it was saved, and the
+run resumes from the last good checkpoint); 143 / 130 stopped by SIGTERM / SIGINT after a saved step.
 """
 
 import argparse
@@ -73,6 +77,9 @@ def main(argv=None) -> None:
       if isinstance(e, checkpoint.WriteError) and __name__ == "__main__":
         print(f"error: {cli.describe(e)}", file=sys.stderr)  # earlier checkpoints stay as they were
         cli.exit_now(2)
+      if isinstance(e, checkpoint.NonFiniteError):
+        print(f"\nerror: {e}", file=sys.stderr)  # on a line of its own after the progress bar
+        raise SystemExit(3) from None
       raise
 
 

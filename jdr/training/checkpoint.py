@@ -6,6 +6,12 @@ Load order at start-up (trainer.train_and_evaluate):
   2. else `config.model.init_from`: a jdr workdir or export directory, a Hugging Face directory, or
      `minilm`;
   3. else fresh random weights.
+
+Every step this process saves is sealed once orbax has finished it: CHECKSUMS in the step's folder lists each
+file's size and CRC-32. A resume restores the newest step that verifies: a step whose files are missing,
+truncated or changed, an empty or unreadable step folder, or one holding a non-finite value is reported with its
+path, moved to checkpoints-damaged/, and the step before it is tried, saying so. A step saved before sealing
+existed (no CHECKSUMS) is restored when orbax reads it and its values are finite.
 """
 
 import contextlib
@@ -13,9 +19,12 @@ import json
 import logging
 import os
 import sys
+import time
+import zlib
 from typing import Any, Iterator
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from jdr.runtime import atomic
@@ -23,6 +32,11 @@ from jdr.runtime import paths
 
 STATE = "state"
 META = "meta"
+CHECKSUMS = "jdr_checksums.json"  # in each step's folder: {relative path: [bytes, crc32]}
+DAMAGED = "checkpoints-damaged"  # beside checkpoints/: steps that failed verification, kept for inspection
+
+# The steps this process saved and has not sealed yet, by checkpoints folder: sealed once orbax has finished them.
+_unsealed: dict[str, set[int]] = {}
 
 
 def directory(workdir: paths.PathLike):
@@ -49,10 +63,132 @@ def latest_step(workdir: paths.PathLike) -> int | None:
     mngr.close()
 
 
+class NonFiniteError(FloatingPointError):
+  """Training produced a non-finite value; nothing holding it was saved."""
+
+
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+
+
+def all_finite(tree) -> bool:
+  """Whether every floating-point value of `tree` (params, optimizer moments) is finite."""
+  return bool(_all_finite(tree))
+
+
 def save(mngr: ocp.CheckpointManager, step: int, state: Any, meta: dict, *, force: bool = False) -> bool:
-  """Saves state and JSON metadata at `step`; returns whether a checkpoint was written."""
-  return mngr.save(step, args=ocp.args.Composite(**{STATE: ocp.args.StandardSave(state),
-                                                      META: ocp.args.JsonSave(meta)}), force=force)
+  """Saves state and JSON metadata at `step`; returns whether a checkpoint was written. A state holding a
+  non-finite value is refused (NonFiniteError): such a step is never kept as the latest good one. Steps saved
+  before, which orbax has finished by now, are sealed (CHECKSUMS)."""
+  if not all_finite(state):
+    raise NonFiniteError(f"the state at step {step} holds a non-finite parameter or optimizer value; not saved. "
+                         f"The last good checkpoint is step {mngr.latest_step()} in {mngr.directory}")
+  saved = mngr.save(step, args=ocp.args.Composite(**{STATE: ocp.args.StandardSave(state),
+                                                       META: ocp.args.JsonSave(meta)}), force=force)
+  # orbax finishes the previous save before it starts this one: those steps are complete on disk.
+  folder = str(mngr.directory)
+  _seal(mngr, _unsealed.setdefault(folder, set()) - {step})
+  if saved:
+    _unsealed[folder].add(step)
+  return saved
+
+
+def wait(mngr: ocp.CheckpointManager) -> None:
+  """Waits for the saves in flight and seals them."""
+  mngr.wait_until_finished()
+  _seal(mngr, set(_unsealed.get(str(mngr.directory), ())))
+
+
+def _seal(mngr: ocp.CheckpointManager, steps: set[int]) -> None:
+  folder = str(mngr.directory)
+  for step in sorted(steps):
+    _unsealed.get(folder, set()).discard(step)
+    path = paths.as_path(folder) / str(step)
+    # Only local checkpoints are sealed: reading a step back from object storage costs its whole size.
+    if jax.process_index() == 0 and paths.is_local(path) and path.is_dir():
+      atomic.write_text(path / CHECKSUMS, json.dumps(_checksums(path), indent=0, sort_keys=True))
+
+
+def _checksums(step_dir) -> dict[str, list[int]]:
+  out = {}
+  root = paths.local(step_dir)
+  for directory_path, _, names in os.walk(root):
+    for name in names:
+      full = os.path.join(directory_path, name)
+      rel = os.path.relpath(full, root)
+      if rel == CHECKSUMS:
+        continue
+      crc = 0
+      with open(full, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+          crc = zlib.crc32(block, crc)
+      out[rel] = [os.path.getsize(full), crc]
+  return out
+
+
+def verify(step_dir) -> str | None:
+  """Why the step folder `step_dir` cannot be trusted, or None: it is empty, or a file its CHECKSUMS lists is
+  missing, of another size or another CRC-32. A folder without CHECKSUMS (saved before sealing, or on object
+  storage) is not judged here."""
+  path = paths.as_path(step_dir)
+  if not path.is_dir() or not any(path.iterdir()):
+    return "the step's folder is empty"
+  if not paths.is_local(path) or not (path / CHECKSUMS).exists():
+    return None
+  try:
+    want = json.loads((path / CHECKSUMS).read_text())
+  except ValueError:
+    return f"{CHECKSUMS} does not parse"
+  got = _checksums(path)
+  for rel, (size, crc) in sorted(want.items()):
+    if rel not in got:
+      return f"{rel} is missing"
+    if got[rel][0] != size:
+      return f"{rel} has {got[rel][0]} bytes, {size} when saved"
+    if got[rel][1] != crc:
+      return f"{rel} has changed since it was saved (CRC-32)"
+  return None
+
+
+def restore_latest_good(mngr: ocp.CheckpointManager, abstract_state: Any) -> tuple[Any, dict] | None:
+  """(state, meta) of the newest step that verifies, restores and holds only finite values; None when the
+  workdir has no step at all. A step that fails is reported on stderr with its path and the reason, moved to
+  checkpoints-damaged/, and the one before it is tried; when every step fails, a ValueError names them."""
+  failed = []
+  for step in sorted(mngr.all_steps(), reverse=True):
+    path = paths.as_path(str(mngr.directory)) / str(step)
+    problem = verify(path)
+    restored = None
+    if problem is None:
+      try:
+        restored = restore(mngr, abstract_state, step)
+      except Exception as e:  # pylint: disable=broad-except  (any damage orbax meets: the step is unusable)
+        problem = f"it does not restore ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
+    if problem is None and not all_finite(restored[0]):
+      problem = "it holds a non-finite parameter or optimizer value"
+    if problem is None:
+      if failed:
+        print(f"resuming from step {step}, the newest checkpoint that verifies", file=sys.stderr)
+      return restored
+    failed.append(f"{path}: {problem}")
+    print(f"checkpoint {path} is damaged: {problem}; moved to {DAMAGED}/, trying the step before it",
+          file=sys.stderr)
+    _move_aside(path)
+    mngr.reload()
+  if failed:
+    raise ValueError("no checkpoint in the workdir verifies: " + "; ".join(failed) +
+                     f" (they are in {DAMAGED}/; remove the workdir's checkpoints/ to start again)")
+  return None
+
+
+def _move_aside(path) -> None:
+  if jax.process_index() != 0:
+    return
+  target = path.parent.parent / DAMAGED
+  target.mkdir(parents=True, exist_ok=True)
+  path.rename(target / f"{path.name}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
 class WriteError(OSError):
@@ -136,10 +272,25 @@ def load_params(path: paths.PathLike) -> tuple[Any, dict]:
 
 
 def latest_params(workdir: paths.PathLike) -> Any:
-  """The parameters of the latest checkpoint in a training workdir, as host arrays (no shardings needed)."""
+  """The parameters of the newest checkpoint of a training workdir that verifies, restores and is finite, as
+  host arrays (no shardings needed); a newer one that fails is reported and left where it is."""
   mngr = manager(workdir)
-  step = mngr.latest_step()
-  if step is None:
+  if mngr.latest_step() is None:
     raise FileNotFoundError(f"{paths.as_path(workdir) / 'checkpoints'}: no checkpoint to load")
-  restored = mngr.restore(step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore()}))
-  return restored[STATE]["params"]
+  failed = []
+  for step in sorted(mngr.all_steps(), reverse=True):
+    path = paths.as_path(str(mngr.directory)) / str(step)
+    problem = verify(path)
+    if problem is None:
+      try:
+        params = mngr.restore(step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore()}))[STATE]["params"]
+        if all_finite(params):
+          if failed:
+            print(f"reading step {step}, the newest checkpoint that verifies", file=sys.stderr)
+          return params
+        problem = "it holds a non-finite parameter"
+      except Exception as e:  # pylint: disable=broad-except  (any damage orbax meets: the step is unusable)
+        problem = f"it does not restore ({type(e).__name__})"
+    failed.append(f"{path}: {problem}")
+    print(f"checkpoint {path} is damaged: {problem}; trying the step before it", file=sys.stderr)
+  raise ValueError("no checkpoint in the workdir verifies: " + "; ".join(failed))

@@ -64,6 +64,15 @@ class MetricWriter:
         print(f"jdr: no TensorBoard events ({type(e).__name__}: {e}); metrics.jsonl has every scalar", file=sys.stderr)
         self._tb = None
 
+  def recorded(self, step: int, prefix: str) -> dict[str, float]:
+    """The scalars named `prefix`... that the log kept for `step` (a finished run's final evaluation), without
+    the prefix; {} when none."""
+    found = {}
+    for _, record in _records(self.path) if self.active else []:
+      if record["step"] == step:
+        found.update({k[len(prefix):]: v for k, v in record.items() if k.startswith(prefix)})
+    return found
+
   def write(self, step: int, scalars: dict[str, float]) -> None:
     if not self.active:
       return

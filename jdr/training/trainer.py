@@ -89,8 +89,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
 
   # ---------------------------------------------------------------- state: resume | init_from | fresh
   mngr = checkpoint.manager(workdir, keep=config.keep_checkpoints)
-  if mngr.latest_step() is not None:
-    state, _ = checkpoint.restore(mngr, abstract_state)
+  restored = checkpoint.restore_latest_good(mngr, abstract_state)  # the newest step that verifies
+  if restored is not None:
+    state = restored[0]
     print(f"resumed from {workdir / 'checkpoints'} at step {int(state.step)}", file=sys.stderr)
   else:
     params = initial_params(model, built, config, init_rng, state_shardings.params)
@@ -176,10 +177,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
       if step + 1 < config.num_train_steps:
         next_batch = batch_at(step + 1, state)
       step_metrics = jax.device_get(step_metrics)
-      if not math.isfinite(float(step_metrics["loss"])):
-        mngr.wait_until_finished()
-        raise FloatingPointError(
-            f"loss is {float(step_metrics['loss'])} at step {step + 1}; stopped without saving. The last "
+      # A non-finite gradient norm has already put non-finite values in the parameters or moments.
+      bad = [k for k in ("loss", "grad_norm") if not math.isfinite(float(step_metrics[k]))]
+      if bad:
+        checkpoint.wait(mngr)
+        raise checkpoint.NonFiniteError(
+            f"{bad[0]} is {float(step_metrics[bad[0]])} at step {step + 1}; stopped without saving. The last "
             f"good checkpoint is step {mngr.latest_step()} in {workdir / 'checkpoints'}")
       window.append(step_metrics)
       done = step + 1
@@ -210,12 +213,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     bar.close()  # also on an error, whose line then starts a line of its own
   if mngr.latest_step() != int(state.step):
     checkpoint.save(mngr, int(state.step), state, _data_position(batches, int(state.step)), force=True)
-  mngr.wait_until_finished()
+  checkpoint.wait(mngr)
   if stop.signum is not None:
     writer.close()
     raise preemption.Stopped(stop.signum, int(state.step), workdir)
 
-  if evaluator:
+  finished_before = start >= config.num_train_steps and writer.recorded(start, "eval/")
+  if finished_before:  # a re-run of a finished workdir: its final evaluation is on record, not written twice
+    results["after"] = finished_before
+    periodic.print_metrics(f"{workdir} already finished at step {start}; its final evaluation, on record",
+                           finished_before)
+  elif evaluator:
     results["after"] = evaluator(state.params, final=True)
     writer.write(int(state.step), {f"eval/{k}": v for k, v in results["after"].items()})
     if "before" in results:
