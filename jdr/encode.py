@@ -21,6 +21,7 @@ from jdr.runtime import cli
 from jdr.retrieval import encoder_runtime
 from jdr.retrieval import encodings
 from jdr.runtime import parallel
+from jdr.runtime import workdir_lock
 from jdr.data import formats
 
 
@@ -40,12 +41,14 @@ def main(argv: Iterable[str] | None = None) -> None:
                       help="also store window vectors for FGD's Eq. 16 ensemble, e.g. passage:128,sentence:64 "
                            "([CLS]-pooled models; FirstP only)")
   cli.add_skip_invalid_flag(parser)
+  parser.add_argument("--force", action="store_true", help="run even when another live run writes --out")
   args = parser.parse_args(argv)
   if args.model is None:
     parser.error("--model is required")
   # A multi-process launch (jdr.launch.*) splits the shards over the hosts: join it before jax starts.
   parallel.initialize_distributed()
-  with cli.reporting_errors(skip_flag="--skip-invalid"):
+  with cli.reporting_errors(skip_flag="--skip-invalid"), workdir_lock.held(
+      args.out, "python -m jdr.encode", force=args.force, process_index=jax.process_index()):
     # The corpus first: a bad line is reported in seconds, not after loading the model. Each process of a
     # multi-host job reads and tokenizes only its own part of the file (its share of the bytes).
     error = corpus = None

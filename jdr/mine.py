@@ -41,6 +41,7 @@ import tqdm
 from jdr.runtime import cli
 from jdr.runtime import defaults
 from jdr.runtime import paths
+from jdr.runtime import workdir_lock
 from jdr.data import pairs
 from jdr.negatives import mining
 from jdr.negatives import sources
@@ -94,6 +95,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="queries filtered (and saved) at a time; 0: 4096, or with --cross-encoder about "
                            f"{CE_CHUNK_PAIRS:,} (query, candidate) pairs' worth")
   cli.add_skip_invalid_flag(parser)
+  parser.add_argument("--force", action="store_true", help="run even when another live run writes --out")
   return parser
 
 
@@ -432,7 +434,8 @@ def main(argv: Iterable[str] | None = None) -> None:
   filters, on_dev = _check(args, parser)
   out = pathlib.Path(args.out)
   start = time.perf_counter()
-  with cli.reporting_errors(skip_flag="--skip-invalid"):
+  with cli.reporting_errors(skip_flag="--skip-invalid"), workdir_lock.held(out, "python -m jdr.mine",
+                                                                            force=args.force):
     if args.source is not None:
       report = refilter(args, filters, on_dev)
       print(describe(report))

@@ -18,6 +18,7 @@ from jdr.runtime import cli
 from jdr.runtime import config_files
 from jdr.runtime import parallel
 from jdr.runtime import paths
+from jdr.runtime import workdir_lock
 from jdr.training import preemption
 from jdr.training import sizing
 
@@ -37,6 +38,8 @@ def main(argv=None) -> None:
                "some):\n" + config_help.describe())
     parser.add_argument("--config", required=True, help="configs/X.py[:arg]")
     parser.add_argument("--workdir", default=None, help="checkpoints, logs; an existing one resumes")
+    parser.add_argument("--force", action="store_true",
+                        help="run even when another live run holds --workdir (refused by default)")
     parser.add_argument("--compile-only", action="store_true",
                         help="compile the step for the configured mesh and print its per-device memory and FLOPs "
                              "(jdr/training/sizing.py); no data is read and nothing trains")
@@ -63,8 +66,12 @@ def main(argv=None) -> None:
       sizing.report(sizing.size_step(config, topology=args.topology))
       return
     created = not paths.as_path(args.workdir).exists()
+    parallel.use_cpu_devices(config.mesh.cpu_devices)  # before jax starts: the lock asks for the process index
+    parallel.initialize_distributed()
     try:
-      with checkpoint.writes_reported(args.workdir):
+      # One run per workdir: a second launch on it refuses before anything is written.
+      with workdir_lock.held(args.workdir, "python -m jdr.train " + " ".join(argv), force=args.force,
+                             process_index=jax.process_index()), checkpoint.writes_reported(args.workdir):
         trainer.train_and_evaluate(config, args.workdir)
     except preemption.Stopped as stopped:
       preemption.exit_stopped(stopped, argv)

@@ -34,6 +34,7 @@ import pathlib
 import sys
 
 from jdr.runtime import cli
+from jdr.runtime import workdir_lock
 from jdr.data import shared
 from jdr.reproduce import devsplit
 from jdr.reproduce import fgd
@@ -85,9 +86,20 @@ def main(argv=None) -> str:
   for name, module in EXPERIMENTS.items():
     module.add_arguments(experiments.add_parser(name, help=module.__doc__.splitlines()[0], description=module.__doc__,
                                                 formatter_class=argparse.RawDescriptionHelpFormatter))
+  for sub in experiments.choices.values():
+    sub.add_argument("--force", action="store_true", help="run even when another live run writes --out")
   args = top.parse_args(argv)
+  if args.report_only:
+    return _run(args, experiments, argv)
+  # One build per output directory: a second launch on it refuses before anything is written.
+  with cli.reporting_errors(), workdir_lock.held(args.out, f"python -m jdr.reproduce {args.table}", force=args.force):
+    return _run(args, experiments, argv)
+
+
+def _run(args, experiments, argv) -> str:
   if args.table in EXPERIMENTS:
     return EXPERIMENTS[args.table].main(args, experiments.choices[args.table])
+  parser = experiments.choices["scifact"]
 
   plan = rows_lib.tiny_plan() if args.tiny else rows_lib.Plan()
   if args.rates:
