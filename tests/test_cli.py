@@ -157,3 +157,14 @@ def test_train_refuses_an_unusable_interval_before_any_work(tmp_path, capsys, ke
       f"--config.data.dataset={tmp_path / 'absent'}", f"--config.{key}={value}"])
   _assert_reported(code, err, f"{key}={value}: must be an integer {valid} (", skip_hint=False)
   assert not (tmp_path / "w").exists()
+
+
+def test_an_error_after_a_progress_bar_starts_a_line_of_its_own():
+  """In a log (stderr not a terminal), `grep ^error:` finds the error even when a progress bar was open."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  code = ("import tqdm\nfrom jdr.runtime import cli\nbar = tqdm.tqdm(total=10, desc='work', mininterval=0)\n"
+          "bar.update(3)\nwith cli.reporting_errors():\n  raise ValueError('boom')\n")
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+  assert proc.returncode == 2
+  assert "error: boom" in proc.stderr.splitlines()

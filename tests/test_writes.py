@@ -130,3 +130,27 @@ def test_a_partial_folder_is_removed_even_while_late_writes_recreate_it(tmp_path
   writer.join()
   assert not partial.exists()
   assert atomic.remove_tree(tmp_path / "never-made")  # nothing to remove is no error
+
+
+def test_a_short_numpy_write_on_a_full_disk_names_the_file_and_the_reason(tmp_path, monkeypatch):
+  """numpy's C writer reports a full disk as "N requested and M written", without an errno: the error names
+  the file and says "No space left on device" when the disk has no room left, "a short write" otherwise."""
+  import errno as errno_lib  # pylint: disable=g-import-not-at-top
+  import os as os_lib  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import encodings  # pylint: disable=g-import-not-at-top
+
+  def short_write(f, array):
+    raise OSError("32000 requested and 11232 written")
+  monkeypatch.setattr(np, "save", short_write)
+  real = os_lib.statvfs
+  full = type("Stats", (), {"f_bavail": 0, "f_frsize": 4096})
+  monkeypatch.setattr(os_lib, "statvfs", lambda p: full)
+  with pytest.raises(OSError) as raised:
+    encodings.save_npy(tmp_path / "emb-00000.npy", np.zeros((4, 2), np.float32))
+  assert raised.value.errno == errno_lib.ENOSPC and raised.value.filename == str(tmp_path / "emb-00000.npy")
+  assert "No space left on device" in str(raised.value)
+  assert not list(tmp_path.iterdir())  # no partial file
+  monkeypatch.setattr(os_lib, "statvfs", real)
+  with pytest.raises(OSError, match="a short write"):
+    encodings.save_npy(tmp_path / "emb-00000.npy", np.zeros((4, 2), np.float32))

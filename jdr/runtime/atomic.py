@@ -9,6 +9,7 @@ uploaded in one piece.
 """
 
 import contextlib
+import errno
 import fcntl
 import io
 import os
@@ -70,9 +71,19 @@ def is_special(path: paths.PathLike) -> bool:
 
 
 def naming(e: OSError, path: paths.PathLike) -> OSError:
-  """`e` with `path` as its file name when it has none ("[Errno 28] No space left on device" says where)."""
+  """`e` with `path` as its file name when it has none ("[Errno 28] No space left on device" says where). A
+  short write that numpy's C writer reports without an errno ("32000 requested and 11232 written") is a full
+  disk when the disk holding `path` has (almost) no space left, and says so."""
   if e.filename is None and e.errno is not None:
     return OSError(e.errno, e.strerror, os.fspath(path))
+  if e.errno is None and re.search(r"\d+ requested and \d+ written", str(e)):
+    try:
+      stats = os.statvfs(os.path.dirname(os.path.abspath(os.fspath(path))) or ".")
+      full = stats.f_bavail * stats.f_frsize < (16 << 20)
+    except OSError:
+      full = False
+    reason = os.strerror(errno.ENOSPC) if full else f"a short write ({e})"
+    return OSError(errno.ENOSPC if full else errno.EIO, reason, os.fspath(path))
   return e
 
 

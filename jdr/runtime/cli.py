@@ -44,6 +44,14 @@ def exit_now(code: int) -> None:
   os._exit(code)
 
 
+def end_progress_bars() -> None:
+  """Closes the progress bars still open, each ending its line, so an `error:` line printed next starts a line
+  of its own (`grep ^error:` finds it in a log)."""
+  import tqdm  # pylint: disable=g-import-not-at-top
+  for bar in list(getattr(tqdm.tqdm, "_instances", ())):
+    bar.close()
+
+
 @contextlib.contextmanager
 def reporting_errors(skip_flag: str | None = None) -> Iterator[None]:
   """Turns expected errors raised inside into `error: ...` on stderr and SystemExit(2).
@@ -56,6 +64,7 @@ def reporting_errors(skip_flag: str | None = None) -> Iterator[None]:
   except EXPECTED_ERRORS as e:
     if os.environ.get("JDR_TRACEBACK"):
       raise
+    end_progress_bars()
     print(f"error: {describe(e)}", file=sys.stderr)
     if isinstance(e, formats.DataFormatError) and skip_flag and e.line is not None:
       print(f"(rerun with {skip_flag} to drop the invalid records and go on; each is counted on stderr)",
