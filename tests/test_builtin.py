@@ -122,3 +122,17 @@ def test_write_builtin_is_idempotent_and_valid_beir(tmp_path):
   assert [p.read_bytes() for p in files] == first
   assert F.load_beir(tmp_path, "test") == B.builtin_dataset("test")
   assert F.load_beir(tmp_path, "train") == B.builtin_dataset("train")
+
+
+def test_writing_the_builtin_again_leaves_the_files_untouched(tmp_path):
+  """A second write (another run on the same workdir) changes no file's time, so a prepared corpus made from the
+  first copy stays valid; a file that differs is replaced whole."""
+  directory = B.write_builtin(tmp_path / "b")
+  stamps = {p: os.stat(p).st_mtime_ns for p in directory.rglob("*") if p.is_file()}
+  os.utime(directory / "corpus.jsonl", ns=(1, 1))
+  stamps[directory / "corpus.jsonl"] = 1
+  (directory / "queries.jsonl").write_text("damaged")
+  B.write_builtin(tmp_path / "b")
+  assert os.stat(directory / "corpus.jsonl").st_mtime_ns == 1  # same bytes: not rewritten
+  assert (directory / "queries.jsonl").read_text() != "damaged"
+  assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging folder left

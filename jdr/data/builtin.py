@@ -15,8 +15,10 @@ import inspect
 import os
 import pathlib
 import sysconfig
+import tempfile
 
 from jdr.data import formats
+from jdr.runtime import atomic
 
 _SKIP_DIRS = {"test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3", "site-packages", "dist-packages",
               "ensurepip", "__pycache__", "__phello__"}
@@ -132,11 +134,20 @@ def builtin_dataset(split: str = "test") -> tuple[formats.Corpus, formats.Querie
 def write_builtin(directory) -> pathlib.Path:
   """Writes the built-in dataset in BEIR layout (corpus.jsonl, queries.jsonl, qrels/{train,test}.tsv).
 
-  Idempotent: writing again gives the same bytes.
+  Idempotent and safe beside a reader: each file is written whole (atomically), and only when it is missing or
+  differs, so a run already reading it (its prepared corpus records the file's size and time) never sees it
+  change, and two runs writing it at once leave one finished copy.
   """
   directory = pathlib.Path(directory)
   corpus, test_queries, test_qrels = builtin_dataset("test")
   _, train_queries, train_qrels = builtin_dataset("train")
-  formats.write_beir(directory, corpus, {**test_queries, **train_queries}, test_qrels, split="test")
-  formats.write_qrels(directory / "qrels" / "train.tsv", train_qrels)
+  directory.parent.mkdir(parents=True, exist_ok=True)
+  with tempfile.TemporaryDirectory(dir=directory.parent, prefix=f".{directory.name}.") as staging:
+    staging = pathlib.Path(staging)
+    formats.write_beir(staging, corpus, {**test_queries, **train_queries}, test_qrels, split="test")
+    formats.write_qrels(staging / "qrels" / "train.tsv", train_qrels)
+    for source in sorted(p for p in staging.rglob("*") if p.is_file()):
+      target, content = directory / source.relative_to(staging), source.read_bytes()
+      if not target.is_file() or target.read_bytes() != content:
+        atomic.write_atomic(target, lambda f, content=content: f.write(content))
   return directory
