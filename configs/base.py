@@ -16,6 +16,9 @@ BEIR = "corpus.jsonl, queries.jsonl, qrels/train.tsv, qrels/dev.tsv"
 MSMARCO_PASSAGE = ("data/msmarco-passage", f"MS MARCO passage ranking, BEIR layout ({BEIR}) or MS MARCO's own "
                    "files (collection.tsv, queries.train.tsv, qrels.train.tsv, ...; then data.eval_split=dev.small)")
 MSMARCO_DOC = ("data/msmarco-doc", f"MS MARCO document ranking, BEIR layout: {BEIR}")
+# MS MARCO passage's training queries with a positive in qrels.train.tsv (532,761 pairs): what the authors'
+# loaders count their epochs over (DRhard preprocess.py's train-query, ANCE msmarco_data.py's)
+MSMARCO_TRAIN_QUERIES = 502_939
 REQA_SQUAD = ("data/reqa-squad", "ReQA SQuAD, BEIR layout: corpus.jsonl of sentences with their paragraph, "
               "queries.jsonl, qrels/train.tsv and qrels/test.tsv of a question split")
 WIKIPEDIA = ("data/enwiki-pages-articles.xml.bz2",

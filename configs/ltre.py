@@ -12,7 +12,7 @@ applies.
 | loss | RankNet, log(1 + exp(s_irrelevant - s_relevant)), mean over (relevant, irrelevant) pairs | the same | LTRe Eq. 1 | |
 | `:lambdarank` | ADORE's: abs(1/p_i - 1/p_j) by list position, MRR@200 | MRR@10 | LTRe Eq. 2; the weight as DRhard adore/train.py computes it | the paper's delta M read as the authors' code reads it |
 | optimizer | AdamW 5e-6, betas (0.9, 0.999), weight decay 0.01 | AdamW 1e-4 | LTRe's experimental settings | runlocal: ADORE's scaled run |
-| schedule | 2,000 warm-up steps, then linear decay | 20 warm-up steps | LTRe's experimental settings | runlocal: scaled to its steps |
+| schedule | 2,000 warm-up steps, then linear decay reaching 0 at its last step (`optimizer.schedule_steps=0`, not ADORE's 6-epoch total) | 20 warm-up steps | LTRe's experimental settings | the total of LTRe's own code is not among the sources jdr read; runlocal: scaled to its steps |
 | batch, depth, dropout | 32 queries, top 200, 0.1 | the same | LTRe's experimental settings | |
 | query tokens | 64 | 32 | DRhard adore/train.py (ADORE's) | not among the LTRe settings jdr cites |
 
@@ -33,4 +33,5 @@ def get_config(arg=None):
   c.negatives.missing_positive = "replace_last"
   if not a.runlocal:
     c.optimizer.warmup_steps = 2000
+    c.optimizer.schedule_steps = 0  # ADORE's is DRhard's 6 epochs; LTRe's decays over its own steps
   return c

@@ -4,7 +4,9 @@ negative) pair of the batch.
 
 By default the recipe runs what the authors' code ran: one mean over all the batch's pairs, a query's own hard
 negative in the same pool as the other rows' documents (DRhard `model.py`, `inbatch_train`), which has no
-alpha. The paper's Eq. 13 (L_s + alpha * L_r over per-part means) is the argument `alpha`.
+alpha. The paper's Eq. 13 (L_s + alpha * L_r over per-part means) is the argument `alpha`. An epoch goes over
+the training queries, each once with one of its positives drawn at random, as DRhard's dataset does, so a query
+fills one row of a batch (`data.epoch_over=queries`; `pairs` goes over (query, positive) pairs instead).
 
 | setting | full | runlocal | source | where jdr departs, and why |
 |---|---|---|---|---|
@@ -16,11 +18,14 @@ alpha. The paper's Eq. 13 (L_s + alpha * L_r over per-part means) is the argumen
 | data | MS MARCO passage (`data.dataset`) | SciFact train | paper Sec. 7.1 | |
 | hard negatives | 1 a query, uniform from the top 200 left after dropping positives from the warm-up's top 210 | the same | DRhard `star/prepare_hardneg.py` (`topk + 10`, filter, `[:topk]`), paper Sec. 6.1 | |
 | random negatives | every other document of the batch | the same | paper Fig. 1b, DRhard `inbatch_train` | |
+| batches | every training query once an epoch, with one of its positives drawn at random, epochs shuffled (`data.epoch_over=queries`) | the same | DRhard `dataset.py` (`TrainInbatchWithHardDataset`: its length is the queries', `random.choice` of a query's positives), `star/train.py` (the Trainer's random sampler) | an epoch's last batch runs on into the next epoch, where DRhard's is short (502,939 = 1,964 x 256 + 155): jdr's batches have one shape; `data.epoch_over=pairs` is jdr's other reading, every (query, positive) pair an epoch |
 | weighting | one mean over every pair (`negatives.pair_weighting=batch_mean`) | the same | DRhard `model.py` | `:alpha` gives Eq. 13, alpha 0.1 |
 | loss | RankNet, log(1 + exp(s_neg - s_pos)) | the same | paper Eq. 14; DRhard's two-way log-softmax | |
 | optimizer | LAMB (weight norm clamped at 10), 1e-4, 1,000 warm-up steps, weight decay 0.01, clip 1.0 | AdamW 2e-5, 10 warm-up steps | DRhard README (`--optimizer_str lamb --learning_rate 1e-4`), `star/train.py` defaults, `lamb.py` | runlocal: the rate chosen on dev by `python -m jdr.reproduce scifact` |
+| schedule | linear warm-up, then linear decay reaching 0 at step 196,500 (`optimizer.schedule_steps`): 100 epochs of 1,965 batches, so at step 50,000 the rate is 0.75 of its peak | decay to 0 at its last step | DRhard `star/train.py` (`num_train_epochs` 100; `get_linear_schedule_with_warmup` over the Trainer's total), README ("likely to converge within 50k steps ... you can manually kill the process") | runlocal: its own short schedule |
 | batch | 256 queries | 32 | paper Sec. 7.1 | 2-core budget |
-| lengths | queries 24, passages 120 tokens; mining at 32 / 256 | 32 / 256 (jdr.reproduce's) | DRhard README (`--max_query_length 24 --max_doc_length 120`), prepare_hardneg's defaults | runlocal: the table's shared lengths |
+| lengths | queries 24, passages 120 tokens; mining with queries at 32 (`negatives.mine_query_length`), passages at 256 (`eval.doc_max_length`) | 32 / 256, mining too (jdr.reproduce's) | DRhard README (`star/train.py --max_query_length 24 --max_doc_length 120`; `prepare_hardneg.py --max_query_length 32 --max_doc_length 256`) | the evaluation encodes queries at the training length, 24, where DRhard's `star/inference.py` takes 32; runlocal: the table's shared lengths |
+| corpus precision | float32: the warm-up's passage vectors mined in float32 (`negatives.corpus_dtype=float32`) | the same | DRhard `prepare_hardneg.py` (float32 memmaps, a Faiss flat index) | `corpus_dtype=auto` keeps a bfloat16 corpus on GPUs and TPUs: half the memory, 0.9987 of the float32 top 200 on SciFact (docs/performance.md) |
 | steps | 50,000 | 104 after a 104-step warm-up | DRhard README ("converges within 50k steps") | jdr.reproduce's 208-step budget |
 
   python -m jdr.train --config configs/bm25_neg.py:runlocal --workdir runs/bm25_warmup \\
@@ -36,11 +41,15 @@ The full recipe, from the released warm-up (MS MARCO passage in data/msmarco-pas
 Arguments: `runlocal` (above), `alpha` (the paper's Eq. 13 with alpha 0.1 instead of the code's batch mean).
 """
 
+import math
+
 import ance
 import base
 import inbatch
 
 ARGS = dict(runlocal=False, alpha=False)
+
+DRHARD_EPOCHS = 100  # star/train.py's num_train_epochs: the run its schedule plans, stopped by hand near 50k steps
 
 
 def get_config(arg=None):
@@ -51,6 +60,8 @@ def get_config(arg=None):
   c.negatives.mine_extra = 10
   c.negatives.per_query = 1
   c.negatives.in_batch = True
+  c.data.epoch_over = "queries"  # DRhard's dataset: each query once an epoch, with a positive drawn at random
+  c.negatives.corpus_dtype = "float32"  # DRhard mines on a float32 Faiss index
   if a.alpha:
     c.negatives.pair_weighting, c.negatives.random_weight = "alpha", 0.1
   else:
@@ -72,6 +83,9 @@ def get_config(arg=None):
     c.optimizer.warmup_steps = 1000
     c.optimizer.weight_decay = 0.01
     c.num_train_steps = 50_000
+    # DRhard's Trainer decays over all its epochs' batches; the paper's model is the one at 50k steps.
+    c.optimizer.schedule_steps = DRHARD_EPOCHS * math.ceil(base.MSMARCO_TRAIN_QUERIES / c.batch_size)
     c.data.query_max_length, c.data.doc_max_length = 24, 120
     c.eval.doc_max_length = 256  # the static negatives are mined at prepare_hardneg's lengths
+    c.negatives.mine_query_length = 32
   return c

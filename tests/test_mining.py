@@ -128,6 +128,31 @@ def test_dense_static_pools_are_the_top_minus_positives(tmp_path):
   assert list((tmp_path / "cache").glob("dense_static-top14-*.npy")), "the mined rows are cached"
 
 
+def test_dense_static_mines_at_its_own_query_length(tmp_path):
+  """DRhard's prepare_hardneg.py encodes queries at 32 tokens where STAR trains at 24
+  (`negatives.mine_query_length`): the miner reads that length, the trainer's encoder keeps its own and its
+  tokenized queries, and the mined rows are cached under the length they were mined at."""
+
+  class Recording(_FixedEncoder):
+    def queries(self, params, qids):
+      self.seen.append((self.query_max_length, dict(self._query_tokens)))
+      return super().queries(params, qids)
+
+  rng = np.random.default_rng(5)
+  qids = [f"q{i}" for i in range(6)]
+  encoder = Recording(rng.normal(size=(30, 4)).astype(np.float32), rng.normal(size=(6, 4)).astype(np.float32), qids)
+  encoder.query_max_length, encoder._query_tokens, encoder.seen = 24, {"q0": "24 tokens"}, []
+  data = type("Data", (), {"corpus": {f"d{i}": None for i in range(30)}, "train_qrels": {q: {"d0": 1} for q in qids},
+                           "queries": {q: q for q in qids}})()
+  for length in (32, 0):
+    config = ml_collections.ConfigDict({"negatives": {"top_n": 5, "mine_extra": 0, "mine_backend": "faiss",
+                                                      "corpus_dtype": "float32", "mine_query_length": length}})
+    sources.SOURCES["dense_static"].build(config, data, tmp_path, encoder, None)
+  assert encoder.seen == [(32, {}), (24, {"q0": "24 tokens"})]
+  assert encoder.query_max_length == 24 and encoder._query_tokens == {"q0": "24 tokens"}
+  assert len(list((tmp_path / "cache").glob("dense_static-top5-*.npy"))) == 2
+
+
 @pytest.mark.parametrize("rule", ["append", "replace_last"])
 def test_host_vectors_serve_every_missing_positive_rule(rule):
   """The step's candidates' vectors from the batch (host retrieval) equal a lookup in the whole matrix."""

@@ -4,6 +4,8 @@ The LAMB tests hold `lamb` to a float64 numpy transcription of the authors' rule
 from the rules that jdr/training/optimizers.py's docstring quotes from DRhard's / ANCE's lamb.py, not from jdr's code.
 """
 
+import math
+import pathlib
 import textwrap
 
 import flax.linen as nn
@@ -282,3 +284,47 @@ def test_lamb_on_fsdp_sharded_params():
       print("OK")
   """)
   run_on_cpu_devices(script, devices=2)
+
+
+def hf_linear_schedule_with_warmup(step, warmup, total):
+  """transformers' get_linear_schedule_with_warmup, which all three authors' trainers call: the multiple of the
+  peak rate at `step`."""
+  if step < warmup:
+    return step / max(1, warmup)
+  return max(0.0, (total - step) / max(1, total - warmup))
+
+
+MSMARCO_TRAIN_QUERIES = 502_939  # qrels.train.tsv's queries: the datasets' lengths the authors' totals count
+
+
+@pytest.mark.parametrize("recipe,authors_total,about", [
+    # DRhard star/train.py: the Trainer's ceil(100 epochs x ceil(queries / 256) batches), stopped near 50k by hand
+    ("star.py", math.ceil(100 * math.ceil(MSMARCO_TRAIN_QUERIES / 256)), 0.75),
+    # ANCE run_ann.py: --single_warmup schedules over max_steps, 1M by default; the paper reports 600k
+    ("ance.py", 1_000_000, 0.40),
+    # DRhard adore/train.py: t_total = len(train_dataloader) // accumulation * 6 epochs; jdr stops at 60k
+    ("adore.py", math.ceil(MSMARCO_TRAIN_QUERIES / 32) * 6, 0.37),
+])
+def test_recipe_schedules_at_the_papers_stop_are_the_authors(recipe, authors_total, about):
+  from jdr.runtime import config_files  # pylint: disable=g-import-not-at-top
+  root = pathlib.Path(__file__).resolve().parents[1] / "configs"
+  c = config_files.load_config_file(str(root / recipe))
+  total = optimizers.schedule_steps(c.optimizer, c.num_train_steps)
+  schedule = optimizers.learning_rate_schedule(c.optimizer.learning_rate, c.optimizer.warmup_steps, total)
+  for step in (c.optimizer.warmup_steps // 2, c.optimizer.warmup_steps, c.num_train_steps // 2, c.num_train_steps):
+    expected = hf_linear_schedule_with_warmup(step, c.optimizer.warmup_steps, authors_total)
+    assert float(schedule(step)) / c.optimizer.learning_rate == pytest.approx(expected, rel=1e-5), step
+  assert float(schedule(c.num_train_steps)) / c.optimizer.learning_rate == pytest.approx(about, abs=0.005)
+  # The scaled-down run keeps its own short schedule: the rate reaches 0 at its last step.
+  local = config_files.load_config_file(f"{root / recipe}:runlocal")
+  steps = optimizers.schedule_steps(local.optimizer, local.num_train_steps)
+  assert steps == local.num_train_steps
+  assert float(optimizers.learning_rate_schedule(local.optimizer.learning_rate, local.optimizer.warmup_steps,
+                                                 steps)(steps)) == 0.0
+
+
+def test_a_schedule_shorter_than_the_run_is_refused():
+  with pytest.raises(ValueError, match="schedule_steps=50 is below num_train_steps=100"):
+    optimizers.make_optimizer(_cfg(schedule_steps=50), total_steps=100)
+  assert optimizers.schedule_steps(_cfg(schedule_steps=1000), 100) == 1000
+  assert optimizers.schedule_steps(_cfg(schedule_steps=0), 100) == optimizers.schedule_steps(_cfg(), 100) == 100

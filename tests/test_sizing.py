@@ -57,7 +57,7 @@ def test_adore_and_ltre_compile_against_an_abstract_ms_marco_corpus():
   per_row = 2 * lq * 4 + 4 + top * 4 + top * d * 4 + d * 4
   assert host["batch_bytes_per_device"] == b // devices * per_row
   in_step = _sizes(*tiny, config="ltre.py:jax")
-  assert in_step["retrieval"] == "in_step" and in_step["corpus_dtype"] == "float32"  # auto is float32 on CPUs
+  assert in_step["retrieval"] == "in_step" and in_step["corpus_dtype"] == "float32"  # the recipe's, as DRhard's
   rows = -(-n // (devices * 128)) * 128  # each device's shard, padded to whole 128-row blocks
   assert in_step["corpus_bytes_per_device"] == rows * d * 4 + rows * 4  # the rows and their -inf/0 bias
   assert in_step["batch_bytes_per_device"] == b // devices * (2 * lq * 4 + 4)

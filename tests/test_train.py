@@ -413,13 +413,14 @@ def test_help_lists_every_config_key_with_its_default_and_meaning(capsys):
   assert e.value.code == 0
   listed = {}
   for line in capsys.readouterr().out.splitlines():
-    found = re.fullmatch(r"  ([\w.]+) = (.+?)  # (.+)", line)
+    found = re.fullmatch(r"  ([\w.]+) = (.+?)(?:  \[(.+)\])?  # (.+)", line)
     if found:
-      listed[found.group(1)] = (found.group(2), found.group(3))
+      listed[found.group(1)] = (found.group(2), found.group(4), found.group(3))
   config = defaults.get_config()
   assert set(listed) == set(config_files.all_keys(config))
   assert listed["num_train_steps"][0] == str(config.num_train_steps)
-  assert all(meaning.strip() for _, meaning in listed.values())
+  assert listed["num_train_steps"][2] == ">= 0" and listed["model.dropout"][2] == "[0, 1)"  # the ranges
+  assert all(meaning.strip() for _, meaning, _ in listed.values())
 
 
 @pytest.mark.slow

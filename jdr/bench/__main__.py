@@ -20,6 +20,7 @@ BENCHMARKS = {
     "pretrain": "jdr.bench.pretrain_speed",
     "scale": "jdr.bench.scale",
     "sizing": "jdr.bench.sizing_table",
+    "suite": "jdr.bench.eval_suite",
     "train-step": "jdr.bench.train_step",
 }
 

@@ -24,6 +24,7 @@ from jdr.data import corpus_by_host
 from jdr.data import formats
 from jdr.data import msmarco
 from jdr.data import prepared
+from jdr.data import refresh_triples
 from jdr.data import text as text_lib
 
 
@@ -37,6 +38,9 @@ class RetrievalData:
   eval_qrels: dict | None
   name: str
   files: msmarco.Files | None = None  # where they were read from (None: not from a dataset directory)
+  # What an epoch goes over, `data.epoch_over`: it says what one training example is (DRhard's STAR dataset is
+  # its queries), so it travels with the data to the batches, each mixture dataset's with its own
+  epoch_over: str = "pairs"
 
 
 def load(data_cfg: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> RetrievalData:
@@ -81,7 +85,8 @@ def load(data_cfg: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> Re
   if data_cfg.eval_split and eval_qrels is None:
     eval_qrels = formats.read_qrels(where.eval_qrels, doc_ids=corpus, query_ids=queries)
   train_qrels = keep_fraction(train_qrels, data_cfg.get("train_fraction", 1.0))
-  data = RetrievalData(corpus, queries, train_qrels, eval_qrels, directory.name, where)
+  data = RetrievalData(corpus, queries, train_qrels, eval_qrels, directory.name, where,
+                       epoch_over=data_cfg.get("epoch_over", "pairs"))
   check(data, directory, data_cfg)
   return data
 
@@ -150,6 +155,9 @@ def pad(rows: Sequence[np.ndarray], length: int, pad_id: int) -> tuple[np.ndarra
   return ids, mask
 
 
+EPOCHS_OVER = ("pairs", "queries")  # data.epoch_over
+
+
 class Batches:
   """Global batches as a pure function of the step; `local(step)` is this process's rows.
 
@@ -161,7 +169,8 @@ class Batches:
                doc_max_length: int, negative_source=None, negatives_per_query: int = 0,
                in_batch: bool = True, seed: int = 0, process_index: int = 0, process_count: int = 1,
                candidates: str = "tokens", pair_weighting: str = "none", random_weight: float = 0.0,
-               triples_per_query: int = 0, prompts: dict | None = None, mask_duplicate_texts: bool = True):
+               triples_per_query: int = 0, prompts: dict | None = None, mask_duplicate_texts: bool = True,
+               padding_per_query: int = 0):
     self.data = data
     self.tokenizer = tokenizer
     prompts = prompts or {}
@@ -174,6 +183,11 @@ class Batches:
     self.negative_source = negative_source
     self.per_query = negatives_per_query if negative_source is not None else 0
     self.in_batch = in_batch
+    # A dataset without sampled negatives in a mixture whose other datasets sample n a query (jdr/data/mixture.py)
+    # takes their shape, n invalid columns a query, so one jitted step serves them all (`_make_layout`).
+    if padding_per_query and (self.per_query or candidates != "tokens"):
+      raise ValueError("padding_per_query fills a token batch without sampled negatives to the shape of one with them")
+    self.padding_per_query = padding_per_query
     self.seed = seed
     self.process_index, self.process_count = process_index, process_count
     self.pad_id = tokenizer.pad_token_id or 0
@@ -198,6 +212,15 @@ class Batches:
       raise ValueError("negatives.triples_per_query > 0 (ANCE's triples) needs negatives.per_query=1 and "
                        "negatives.in_batch=False: each triple is scored against its own negative only")
     self.triples_per_query = triples_per_query
+    # How a refresh generation becomes triples (ANCE's chunks, one positive a query, readers): the source's.
+    self.triple_plan = getattr(negative_source, "triple_plan", None) or refresh_triples.TriplePlan()
+    if triples_per_query and self.triple_plan.readers and batch_size % self.triple_plan.readers:
+      raise ValueError(f"batch_size={batch_size} must be a multiple of negatives.triple_readers="
+                       f"{self.triple_plan.readers}: each reader gives a batch the same number of triples")
+    self._lines: tuple[int, np.ndarray] | None = None  # (generation, its lines): refresh_triples.lines
+    if data.epoch_over not in EPOCHS_OVER:
+      raise ValueError(f"data.epoch_over must be one of {', '.join(EPOCHS_OVER)}, got {data.epoch_over!r}")
+    self.epoch_over = data.epoch_over
     # Negatives that are a positive's text under another id are masked like the positive (batch.candidate_mask).
     self._text_keys = self.text_keys if mask_duplicate_texts else None
     self._positives = {d for q in data.train_qrels.values() for d, rel in q.items() if rel > 0}
@@ -213,24 +236,37 @@ class Batches:
 
   @property
   def examples_per_epoch(self) -> int:
-    return len(self.pairs)
+    return len(self.train_qids) if self.epoch_over == "queries" else len(self.pairs)
 
   def _permutation(self, epoch: int) -> np.ndarray:
+    """The rows of `self.pairs` epoch `epoch` trains on, in order: every pair once, or with epoch_over=queries
+    every training query once with one of its pairs drawn uniformly (DRhard's `random.choice` of a query's
+    positives), so a query fills one row of a batch at most; where each query has one positive the two agree."""
     if epoch not in self._perms:
-      self._perms = {epoch: np.random.default_rng([self.seed, epoch]).permutation(len(self.pairs))}
+      rng = np.random.default_rng([self.seed, epoch])
+      order = rng.permutation(self.examples_per_epoch)
+      if self.epoch_over == "queries":
+        first, count = self._query_pairs()
+        order = first[order] + (rng.random(len(order)) * count[order]).astype(np.int64)
+      self._perms = {epoch: order}
     return self._perms[epoch]
+
+  def _query_pairs(self) -> tuple[np.ndarray, np.ndarray]:
+    """(first row, number of rows) of each training query's pairs in `self.pairs`, in `train_qids` order."""
+    starts = [i for i in range(len(self.pairs)) if i == 0 or self.pairs[i][0] != self.pairs[i - 1][0]]
+    return np.array(starts, np.int64), np.diff(np.array(starts + [len(self.pairs)], np.int64))
 
   def queries_drawn(self, steps: int) -> list[str]:
     """The training queries the batches of steps 0 .. steps - 1 hold, sorted: every one once an epoch is
     reached (and with ANCE's triples, whose order depends on the refresh), else the first steps x batch_size
     pairs of epoch 0's order. What a teacher must score up front for a run shorter than an epoch."""
-    if self.triples_per_query or steps * self.batch_size >= len(self.pairs):
+    if self.triples_per_query or steps * self.batch_size >= self.examples_per_epoch:
       return list(self.train_qids)
     return sorted({self.pairs[i][0] for i in self._permutation(0)[:steps * self.batch_size].tolist()})
 
   def pair_indices(self, step: int) -> np.ndarray:
     positions = step * self.batch_size + np.arange(self.batch_size)
-    epochs, within = np.divmod(positions, len(self.pairs))
+    epochs, within = np.divmod(positions, self.examples_per_epoch)
     return np.array([self._permutation(int(e))[i] for e, i in zip(epochs, within)])
 
   def global_layout(self, step: int) -> tuple[list[str], list[str], np.ndarray]:
@@ -265,42 +301,62 @@ class Batches:
       doc_ids = doc_ids + [d for row in sampled for d in row]
     valid = batch_lib.candidate_mask(qids, doc_ids, self.data.train_qrels, in_batch=self.in_batch,
                                      text_keys=self._text_keys, counts=self._masked)
+    if self.padding_per_query:
+      # The columns repeat the batch's positives, so every column holds a real document's tokens (a pooling
+      # over no token at all is not defined for every tower), and are invalid for every row: never scored.
+      doc_ids = doc_ids + [d for d in doc_ids for _ in range(self.padding_per_query)]
+      valid = np.concatenate([valid, np.zeros((len(qids), len(doc_ids) - valid.shape[1]), bool)], axis=1)
     return qids, doc_ids, valid
 
   def _triples_layout(self, step: int) -> tuple[list[str], list[str], np.ndarray]:
     """ANCE's batches of triples (`run_ann_data_gen.py`, `GetTripletTrainingDataProcessingFn`): each refresh
-    generation turns every training pair into `triples_per_query` (query, positive, negative) triples, the
-    negatives drawn without replacement from the query's pool of that generation, and the triples are
-    shuffled into batches; a batch row sees one triple's one negative.
+    generation turns its lines (`refresh_triples.lines`: (query, positive) pairs) into `triples_per_query`
+    (query, positive, negative) triples each, the negatives drawn without replacement from the query's pool of
+    that generation, read in the order `self.triple_plan` gives; a batch row sees one triple's one negative.
 
     Still a pure function of (seed, step): the generation in force at `step` and the step its schedule puts
     it in force come from the negative source (`generation(step)`), the triples of pair i from
-    (seed, generation, i) and their order from (seed, generation, pass over them)."""
-    k = self.triples_per_query
+    (seed, generation, i) and their order from (seed, generation) (and, shuffled, the pass over them)."""
+    k, plan = self.triples_per_query, self.triple_plan
     generation, since = self.negative_source.generation(step)
-    total = len(self.pairs) * k
-    positions = (step - since) * self.batch_size + np.arange(self.batch_size)
-    passes, within = np.divmod(positions, total)
-    picked = np.array([self._triple_order(generation, int(e))[i] for e, i in zip(passes, within)])
-    pair_rows, slots = np.divmod(picked, k)
+    lines = self._generation_lines(generation)
+    if plan.readers:
+      at, slots = refresh_triples.reader_rows(step - since, self.batch_size, len(lines), k, plan.readers)
+    else:
+      positions = (step - since) * self.batch_size + np.arange(self.batch_size)
+      passes, within = np.divmod(positions, len(lines) * k)
+      picked = np.array([self._triple_order(generation, int(e), len(lines))[i] for e, i in zip(passes, within)])
+      at, slots = np.divmod(picked, k)
+    pair_rows = lines[at]
     chosen = [self.pairs[i] for i in pair_rows]
     qids, positives = [q for q, _ in chosen], [d for _, d in chosen]
     negatives = [self._pair_negatives(generation, int(i))[j] for i, j in zip(pair_rows, slots)]
     doc_ids = positives + negatives
-    valid = batch_lib.candidate_mask(qids, doc_ids, self.data.train_qrels, in_batch=False,
+    # A line's own positive is its only one (triples_over=queries: ANCE trains its query's other positives as
+    # negatives, so they are not masked); else every positive of the query is masked.
+    qrels = {q: {d: 1} for q, d in chosen} if plan.over == "queries" else self.data.train_qrels
+    valid = batch_lib.candidate_mask(qids, doc_ids, qrels, in_batch=False,
                                      text_keys=self._text_keys, counts=self._masked)
     return qids, doc_ids, valid
 
-  def _triple_order(self, generation: int, epoch: int) -> np.ndarray:
+  def _generation_lines(self, generation: int) -> np.ndarray:
+    if self._lines is None or self._lines[0] != generation:
+      self._lines = (generation, refresh_triples.lines(self.pairs, self.data.train_qrels, self.triple_plan,
+                                                       generation, self.seed))
+    return self._lines[1]
+
+  def _triple_order(self, generation: int, epoch: int, num_lines: int) -> np.ndarray:
     key = (generation, epoch)
     if key not in self._triple_perms:
-      size = len(self.pairs) * self.triples_per_query
+      size = num_lines * self.triples_per_query
       self._triple_perms = {key: np.random.default_rng([self.seed, generation, epoch, 2]).permutation(size)}
     return self._triple_perms[key]
 
   def _pair_negatives(self, generation: int, pair_row: int) -> list[str]:
     q, d = self.pairs[pair_row]
     rng = np.random.default_rng([self.seed, generation, pair_row, 3])
+    if self.triple_plan.over == "queries":  # only the line's positive is skipped (ANCE's GenerateNegativePassaageID)
+      return self.negative_source.sample([q], [d], rng, self.triples_per_query, keep_other_positives=True)[0]
     return self.negative_source.sample([q], [d], rng, self.triples_per_query)[0]
 
   def text_keys(self, doc_ids: Sequence[str]) -> list[bytes]:

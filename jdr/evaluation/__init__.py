@@ -1,1 +1,1 @@
-"""Evaluation: metrics, the trainer's periodic evaluator and its candidate mode, reranking."""
+"""Evaluation: metrics, the trainer's periodic evaluator and its candidate mode, the evaluation suite, reranking."""

@@ -199,11 +199,13 @@ class TowerEncoder:
       tokens = text_lib.tokenize(self.query_tokenizer, [self.data.queries[q] for q in missing],
                                  self.query_max_length)
       self._query_tokens.update(zip(missing, tokens))
+    return self.query_vectors(params, [self._query_tokens[q] for q in qids])
+
+  def query_vectors(self, params, token_ids: Sequence[np.ndarray]) -> np.ndarray:
+    """float32 [n, D]: the query tower's vectors of already tokenized queries (the evaluation suite's)."""
     runtime = encoder_runtime.EncoderRuntime(self.encode_query, self.serving(params), self.query_tokenizer,
-                                        self.query_max_length, {},
-                                        rows_multiple=self.rows_multiple)
-    return encoder_runtime.encode_tokens(runtime, [self._query_tokens[q] for q in qids],
-                                    tokens_per_batch=self.tokens_per_batch)
+                                             self.query_max_length, {}, rows_multiple=self.rows_multiple)
+    return encoder_runtime.encode_tokens(runtime, token_ids, tokens_per_batch=self.tokens_per_batch)
 
 
 # The values of eval.candidates and eval.final (jdr/runtime/defaults.py says what each means).

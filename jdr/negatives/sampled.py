@@ -139,11 +139,17 @@ class _PoolNegatives:
     """The query's candidates in rank order (positives not yet removed); [] when it has none."""
     raise NotImplementedError
 
-  def sample(self, query_ids, positives, rng, n, *, exclude=None):
+  def sample(self, query_ids, positives, rng, n, *, exclude=None, keep_other_positives=False):
+    """As `NegativeSource.sample`; `keep_other_positives` skips only each row's own positive, leaving the query's
+    other positives in its pool as negatives (ANCE's triples: `run_ann_data_gen.py` skips the one positive it
+    keeps a query)."""
     _check_rows(query_ids, positives, exclude, n)
     out = []
     for i, (qid, pos) in enumerate(zip(query_ids, positives)):
-      excluded = _excluded(self.qrels, qid, pos, exclude and exclude[i])
+      if keep_other_positives:
+        excluded = {pos} | set(exclude[i] if exclude else ())
+      else:
+        excluded = _excluded(self.qrels, qid, pos, exclude and exclude[i])
       candidates = [d for d in self.pool(qid) if d not in excluded]
       if len(candidates) >= n:
         picks = rng.choice(len(candidates), size=n, replace=False)

@@ -16,6 +16,7 @@ The trainer calls `negatives.prepare(step, state)` before building each batch an
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -28,6 +29,7 @@ import numpy as np
 
 from jdr.runtime import atomic
 from jdr.data import pairs
+from jdr.data import refresh_triples
 from jdr.data import text as text_lib
 from jdr.retrieval import encodings
 from jdr.runtime import paths
@@ -106,8 +108,24 @@ def check(config: ml_collections.ConfigDict) -> None:
   if neg.triples_per_query < 0 or (neg.triples_per_query and neg.source != "ance"):
     raise ValueError(f"negatives.triples_per_query={neg.triples_per_query!r}: an int >= 0, read by source=ance "
                      "only (each refresh generation's triples)")
+  plan = triple_plan(neg)  # refuses a bad value before anything is loaded
+  if plan != refresh_triples.TriplePlan() and not neg.triples_per_query:
+    raise ValueError("negatives.triples_over, refresh_chunks and triple_readers shape ANCE's triples: they are "
+                     "read with source=ance and triples_per_query > 0 only")
+  if neg.triples_per_query and plan.readers and config.batch_size % plan.readers:
+    raise ValueError(f"batch_size={config.batch_size} must be a multiple of negatives.triple_readers="
+                     f"{plan.readers}: each reader gives a batch the same number of triples")
+  mine_length = neg.get("mine_query_length", 0)
+  if mine_length < 0 or (mine_length and neg.source != "dense_static"):
+    raise ValueError(f"negatives.mine_query_length={mine_length!r}: an int >= 0, read by source=dense_static only")
   if candidates(config) == "pairs":
     check_cross_encoder(config)
+
+
+def triple_plan(neg: ml_collections.ConfigDict) -> refresh_triples.TriplePlan:
+  """How ANCE's refresh generations become triples (jdr/data/refresh_triples.py), from `negatives`."""
+  return refresh_triples.TriplePlan(neg.get("triples_over", "pairs"), neg.get("refresh_chunks", 1),
+                                    neg.get("triple_readers", 0))
 
 
 def check_cross_encoder(config: ml_collections.ConfigDict) -> None:
@@ -153,6 +171,7 @@ def _dense_static(config, data, workdir, encoder, initial_params, *_) -> Negativ
   """STAR's static hard negatives: the starting model's own top-n, mined once and cached, held as rows."""
   neg, train_qids = config.negatives, pairs.training_queries(data.train_qrels)
   depth = neg.top_n + neg.mine_extra
+  encoder = at_query_length(encoder, neg.get("mine_query_length", 0))
   rows = mine_rows(encoder, initial_params, train_qids, depth,
                    workdir / "cache" / _cache_name("dense_static", depth, encoder, train_qids),
                    neg.mine_backend, neg.corpus_dtype, shards_dir=workdir / "cache" / "encoding")
@@ -177,7 +196,7 @@ def _ance(config, data, workdir, encoder, initial_params, *_) -> Negatives:
   refresher = refresh.AsyncRefresher(mine, every=neg.refresh_every, delay=neg.refresh_delay,
                                      directory=workdir / "ance", max_wait_s=max_wait, log=retrieved.log,
                                      initial_params=initial_params, inline=jax.process_count() > 1)
-  sampler = RefreshedNegatives(refresher, qid_list, data.train_qrels, data.corpus, neg.top_n)
+  sampler = RefreshedNegatives(refresher, qid_list, data.train_qrels, data.corpus, neg.top_n, triple_plan(neg))
   return Negatives("tokens", sampler=sampler, refresher=refresher, top_n=neg.top_n,
                    pools_in_use=sampler.rows_of)
 
@@ -289,9 +308,11 @@ class RefreshedNegatives(sampled.RowPools):
   """ANCE: uniform negatives from the pools of the refresh generation in force at the current step: each
   generation is rows [Q, top_n] for the training queries `qids` (the refresher's arrays, never id lists)."""
 
-  def __init__(self, refresher, qids, qrels, corpus_ids, top_n: int):
+  def __init__(self, refresher, qids, qrels, corpus_ids, top_n: int,
+               plan: refresh_triples.TriplePlan | None = None):
     super().__init__(np.full((len(qids), top_n), -1, np.int32), qids, qrels, corpus_ids, "ANCE")
     self.refresher, self.top_n, self.step = refresher, top_n, 0
+    self.triple_plan = plan or refresh_triples.TriplePlan()  # read by the batches (pairs.Batches)
 
   def current_rows(self) -> np.ndarray:
     rows = self.refresher.pools(self.step)
@@ -344,6 +365,18 @@ def corpus_embeddings(neg, encoder, params, cache: pathlib.Path, corpus_ids: lis
   # starting tower's) and read back memory-mapped: the shards are the one copy of the matrix the host keeps.
   retrieved.log(f"the corpus ({len(corpus_ids)} documents) under the starting document tower, in {cache / 'encoding'}")
   return encoder.corpus(params, progress=True, shards_dir=cache / "encoding")
+
+
+def at_query_length(encoder, length: int):
+  """`encoder` encoding queries at `length` tokens (0: its own length), e.g. DRhard's prepare_hardneg.py mining at
+  32 where STAR trains at 24. A shallow copy with its own token cache, so the trainer's encoder, which
+  evaluates at the training length, never reads a query tokenized at the mining length."""
+  if not length or length == encoder.query_max_length:
+    return encoder
+  other = copy.copy(encoder)
+  other.query_max_length = length
+  other._query_tokens = {}  # pylint: disable=protected-access  (the copy's own: see above)
+  return other
 
 
 def mine_rows(encoder, params, qids: list[str], n: int, path: pathlib.Path | None,

@@ -10,6 +10,7 @@ import io
 import tokenize
 
 from jdr.runtime import defaults
+from jdr.runtime import settings
 
 
 def _key(target: ast.expr) -> str | None:
@@ -35,12 +36,14 @@ def meanings() -> dict[str, str]:
 
 
 def describe() -> str:
-  """One line per key: `key = default  meaning`, in the order jdr/runtime/defaults.py sets them."""
+  """One line per key: `key = default  [range]  meaning`, in the order jdr/runtime/defaults.py sets them (the
+  range of a numeric key: jdr.runtime.settings)."""
   config = defaults.get_config()
   lines = []
   for key, meaning in meanings().items():
     value = config
     for part in key.split("."):
       value = value[part]
-    lines.append(f"  {key} = {value!r}" + (f"  # {meaning}" if meaning else ""))
+    limits = f"  [{settings.RANGES[key]}]" if key in settings.RANGES else ""
+    lines.append(f"  {key} = {value!r}{limits}" + (f"  # {meaning}" if meaning else ""))
   return "\n".join(lines)

@@ -25,6 +25,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.data.train_split = "train"  # qrels/SPLIT.tsv (MS MARCO: qrels.SPLIT.tsv) of the training pairs
   c.data.eval_split = "test"  # the qrels evaluated before, during and after training ("" = none)
   c.data.train_fraction = 1.0  # < 1 trains on a fixed subset of the training queries (by a hash of the id)
+  # pairs: each epoch every (query, positive) pair once, so a query with several positives can fill several rows
+  # of a batch; queries: every training query once, with one of its positives drawn at random (DRhard's STAR)
+  c.data.epoch_over = "pairs"  # pairs | queries (see above)
+  # Several datasets in one run, each batch from one of them; jdr/data/mixture.py has the grammar and the options
+  # (weight, negatives, in_batch, prompt, split, source, mined, static_run, triples_file, name) and what is refused
+  c.data.mixture = ""  # "" = off; "DIR:weight=2,negatives=bm25,in_batch=0,prompt='q: ',split=train;DIR2": the first DIR's data.eval_split is evaluated
+  c.data.mixture_sampling = "proportional"  # data.mixture: each step's dataset drawn by weight | round_robin (by weight, in turn)
   c.data.query_max_length = 32  # training tokens per query (an export serves longer ones)
   c.data.doc_max_length = 128  # training tokens per document (a cross-encoder: per pair)
   # data.kind="pretrain" (jdr/data/pretrain_batches.py); data.dataset may name the Wikispeedia directory
@@ -97,7 +104,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.negatives.pair_weighting = "none"  # none | batch_mean (STAR's code) | alpha (STAR's Eq. 13)
   c.negatives.random_weight = 0.0  # pair_weighting=alpha: weight of the batch's other docs as random negatives
   c.negatives.mine_extra = 0  # dense_static mines top_n + this, drops positives, keeps top_n (STAR: 10)
+  c.negatives.mine_query_length = 0  # dense_static mines with queries of this many tokens (0 = data.query_max_length)
   c.negatives.triples_per_query = 0  # ance: each refresh turns every pair into this many triples (ANCE: 20)
+  # ance's triples (jdr/data/refresh_triples.py): queries = each query once a generation with the last positive
+  # its qrels list, negatives skipping only that positive (ANCE's); pairs = every (query, positive) pair,
+  # negatives skipping all of the query's positives
+  c.negatives.triples_over = "pairs"  # ance: queries (ANCE's) | pairs (see above)
+  c.negatives.refresh_chunks = 1  # ance: generation g trains on chunk g mod this of the training queries (ANCE: 5)
+  # ance: a generation's lines (a query's triples) dealt in turn to this many readers, each reading its triples
+  # in order, a batch the next batch_size / readers of each (ANCE's 4 GPUs); 0 = triples shuffled across queries
+  c.negatives.triple_readers = 0  # ance: readers of consecutive triples (ANCE: 4); 0 = shuffled (see above)
   # retrieval (ADORE / LTRe): a fixed corpus index, candidates retrieved by the query tower being trained
   c.negatives.retrieve_every = 1  # 1 = at every step (ADORE / LTRe); 0 = once before training (static ablation)
   c.negatives.missing_positive = "append"  # none of the top n relevant: append (DRhard) | replace_last (LTRe Alg. 1)
@@ -153,6 +169,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.optimizer.name = "adamw"  # adamw | lamb (STAR / ANCE's, weight norm clamped at 10) | optax_lamb
   c.optimizer.learning_rate = 2e-5  # peak, after the warm-up; then linear decay to 0
   c.optimizer.warmup_steps = 100  # linear warm-up from 0
+  # The authors' schedules span the run they planned; their papers stop earlier, at num_train_steps
+  c.optimizer.schedule_steps = 0  # the step where the linear decay reaches 0 (0 = num_train_steps)
   c.optimizer.weight_decay = 0.01  # decoupled, not on biases and LayerNorm
   c.optimizer.b1 = 0.9  # Adam / LAMB first-moment decay
   c.optimizer.b2 = 0.999  # second-moment decay
@@ -196,6 +214,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval.rerank_batch_size = 0  # 0 = about 1,024 tokens a batch on CPU, 16,384 on accelerators (as jdr.encode)
   c.eval.factories = "Flat"  # Faiss indexes to evaluate on, ';'-separated ("Flat;OPQ48,IVF1,PQ48")
   c.eval.diagnostic_queries = 200  # training queries for the overlap diagnostics (0 = off)
+  # The suite (jdr/evaluation/suite.py): small tasks of other domains scored at every evaluation beside the run's
+  # own, as eval/suite/TASK/ndcg@10 and eval/suite/mean/ndcg@10: does the run over-fit its own domain? Named
+  # tasks are the shared data folder's (scifact, trec-dl-sample, reqa-squad); NAME:SPLIT picks a split (else test,
+  # or dev); any other entry is a BEIR directory's path
+  c.eval.suite = ""  # comma-separated suite tasks: scifact, trec-dl-sample, reqa-squad or BEIR dirs ("" = off)
+  # 2,000 and 50: NanoBEIR's tasks are 50 queries over 2-5k documents, and fewer documents would leave TREC DL's
+  # sample (~95 judged passages a query) a handful of queries. The three named tasks then cost MiniLM 153 s an
+  # evaluation on a 2-core CPU, 93 s of it SciFact's 2,000 abstracts (`python -m jdr.bench suite`)
+  c.eval.suite_max_docs = 2000  # documents a suite task keeps: its queries' judged ones + a fixed sample (0 = all)
+  c.eval.suite_max_queries = 50  # queries a suite task scores, a fixed sample (0 = as many as the document cap fits)
 
   # --- parallelism ---
   c.mesh = ml_collections.ConfigDict()

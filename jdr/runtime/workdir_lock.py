@@ -6,8 +6,11 @@ the owner. The kernel drops the lock when its process dies however it dies, so a
 taken over, saying whose it was; nothing stale ever blocks. `force` takes the folder even from a live owner (the
 folder on a shared disk seen from another host whose lock the kernel here cannot see, or on purpose).
 
-Object storage (gs://) has no file locks: there the folder is not locked, and a line says so. In a multi-host
-job the first process holds the lock for all (every process writes into the same folder as one run).
+Object storage (gs://) has no file locks: there the lock is a lease, FOLDER/.jdr-lease holding the owner and
+an expiry LEASE_SECONDS ahead, renewed every RENEW_SECONDS by a background thread while the run lives and
+deleted when it ends. A second run refuses while the lease is live; one whose owner died without deleting it is
+taken over once it expires, saying so. In a multi-host job the first process holds the lock for all (every
+process writes into the same folder as one run).
 """
 
 from __future__ import annotations
@@ -18,12 +21,16 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
 from typing import Iterator
 
 from jdr.runtime import paths
 
 NAME = ".jdr-lock"
+LEASE = ".jdr-lease"
+LEASE_SECONDS = 300.0  # a lease not renewed for this long belongs to a run that has died
+RENEW_SECONDS = 60.0
 
 
 class Busy(ValueError):
@@ -48,8 +55,8 @@ def held(folder: paths.PathLike, command: str, *, force: bool = False, process_i
     yield
     return
   if not paths.is_local(folder):
-    print(f"{folder}: object storage has no file locks; make sure no other run writes here", file=sys.stderr)
-    yield
+    with _leased(folder, command, force):
+      yield
     return
   created = not folder.exists()
   folder.mkdir(parents=True, exist_ok=True)
@@ -67,8 +74,7 @@ def held(folder: paths.PathLike, command: str, *, force: bool = False, process_i
     else:
       if previous.strip():
         print(f"{folder}: a lock left by {_owner_text(previous)}, which has ended: taken over", file=sys.stderr)
-    owner = {"host": socket.gethostname(), "pid": os.getpid(),
-             "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": command}
+    owner = _owner(command)
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(owner).encode(), 0)
     try:
@@ -81,3 +87,53 @@ def held(folder: paths.PathLike, command: str, *, force: bool = False, process_i
     if created and os.listdir(paths.local(folder)) == [NAME]:
       os.remove(path)
       os.rmdir(paths.local(folder))
+
+
+def _owner(command: str) -> dict:
+  return {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+          "command": command}
+
+
+@contextlib.contextmanager
+def _leased(folder, command: str, force: bool) -> Iterator[None]:
+  """The lease on object storage (see the module note)."""
+  lease = folder / LEASE
+  now = time.time()
+  if lease.exists():
+    raw = lease.read_text()
+    try:
+      expires = float(json.loads(raw)["expires"])
+    except (ValueError, KeyError, TypeError):
+      expires = 0.0
+    if expires > now and not force:
+      raise Busy(f"{folder} is in use by {_owner_text(raw)} (its lease is renewed while it runs); wait for it to "
+                 "finish, or pass --force if it is not running")
+    print(f"{folder}: " + (f"taking it from {_owner_text(raw)} (--force)" if expires > now else
+                           f"a lease left by {_owner_text(raw)}, which has expired: taken over"), file=sys.stderr)
+  owner = _owner(command)
+  write = lambda: lease.write_text(json.dumps({**owner, "expires": time.time() + LEASE_SECONDS}))
+  folder.mkdir(parents=True, exist_ok=True)
+  write()
+  # Object storage has no atomic create: of two runs that wrote at once, the one whose lease is read back holds it.
+  if json.loads(lease.read_text())["pid"] != owner["pid"] and not force:
+    raise Busy(f"{folder} is in use by {_owner_text(lease.read_text())}")
+  stop = threading.Event()
+
+  def renew():
+    while not stop.wait(RENEW_SECONDS):
+      try:
+        write()
+      except OSError as e:  # a failed renewal is retried; the lease lasts LEASE_SECONDS
+        print(f"{lease}: could not renew the lease ({e})", file=sys.stderr)
+
+  thread = threading.Thread(target=renew, daemon=True, name="jdr-lease")
+  thread.start()
+  try:
+    yield
+  finally:
+    stop.set()
+    thread.join()
+    try:
+      lease.unlink()
+    except OSError:
+      pass

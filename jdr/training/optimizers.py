@@ -168,12 +168,25 @@ def lamb(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.9
   )
 
 
+def schedule_steps(cfg: ml_collections.ConfigDict, train_steps: int) -> int:
+  """The step where the learning rate reaches 0: `optimizer.schedule_steps`, or the run's own length when 0.
+
+  Two numbers because the authors' runs have two: their schedule spans the run they planned (DRhard's STAR 100
+  epochs, ANCE's max_steps of 1M, ADORE's 6 epochs), while the paper reports the model at an earlier step,
+  where the rate is still well above 0. A schedule that ended before training did would leave steps at rate 0."""
+  total = int(cfg.get("schedule_steps", 0)) or train_steps
+  if total < train_steps:
+    raise ValueError(f"optimizer.schedule_steps={total} is below num_train_steps={train_steps}: the steps after it "
+                     "would train at learning rate 0 (0 = end the schedule with the run)")
+  return total
+
+
 def make_optimizer(cfg: ml_collections.ConfigDict, total_steps: int, train_towers: str = "both",
                    lora: bool = False) -> optax.GradientTransformation:
-  """Builds the optimizer of `config.optimizer` for a run of `total_steps` steps. Frozen parameters (a
-  query-only run's document tower, the encoder under LoRA) get no optimizer state: optax.multi_transform
-  gives the inner optimizer only the trained ones."""
-  schedule = learning_rate_schedule(cfg.learning_rate, cfg.warmup_steps, total_steps)
+  """Builds the optimizer of `config.optimizer` for a run of `total_steps` steps (its schedule spans
+  `schedule_steps(cfg, total_steps)`). Frozen parameters (a query-only run's document tower, the encoder under
+  LoRA) get no optimizer state: optax.multi_transform gives the inner optimizer only the trained ones."""
+  schedule = learning_rate_schedule(cfg.learning_rate, cfg.warmup_steps, schedule_steps(cfg, total_steps))
   if cfg.name == "adamw":
     tx = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
                      mask=decay_mask)

@@ -278,8 +278,9 @@ def encode_queries(model, chunk_rows: int, params, batch, rng):
 
 
 def normalizes(model: TwoTower) -> tuple[bool, bool]:
-  """Whether the (query, document) towers L2-normalize their vectors: a Matryoshka prefix is normalized again."""
-  return bool(model.query.normalize), bool(model.doc.normalize)
+  """Whether the (query, document) towers L2-normalize their vectors: a Matryoshka prefix is normalized again.
+  A module without tower configs (a cross-encoder, a stand-in) normalizes nothing."""
+  return tuple(bool(getattr(getattr(model, side, None), "normalize", False)) for side in ("query", "doc"))
 
 
 def tokens_objective(config: ml_collections.ConfigDict, normalize: tuple[bool, bool] = (False, False)) -> Callable:

@@ -25,13 +25,16 @@ from jdr.runtime import config_files
 from jdr.training import distill
 from jdr.training import guide
 from jdr.evaluation import periodic
+from jdr.evaluation import suite as suite_lib
 from jdr.training import losses
 from jdr.training import metric_writers
 from jdr.training import optimizers
 from jdr.runtime import parallel
 from jdr.runtime import paths
+from jdr.runtime import settings
 from jdr.training import preemption
 from jdr.training import step as step_lib
+from jdr.data import mixture
 from jdr.data import pairs
 from jdr.data import pretrain_batches
 from jdr.negatives import sources
@@ -42,7 +45,12 @@ from jdr.models.towers import TwoTower
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict:
   """Trains per `config`, checkpointing to and resuming from `workdir`; returns the final metrics."""
   check_intervals(config)  # pure: an interval the loop cannot use fails before a workdir, a backend or data
+  settings.check(config)  # every numeric setting in its range, before anything is read or written
+  # data.mixture: each dataset's own run config, its entry refused here if bad; [] = data.dataset alone
+  mix = mixture.plan(config, sources.SAMPLERS, sources.check)
+  primary = mix[0].config if mix else config  # the run as its (first) dataset sees it: the one evaluated
   config_files.check_inputs(config)  # a missing dataset, model or teacher: one line, before anything is read
+  suite_lib.check(config)  # and a missing eval.suite task or split
   # ---------------------------------------------------------------- hosts and mesh
   # first: both must run before anything starts a jax backend
   parallel.use_cpu_devices(config.mesh.cpu_devices)
@@ -70,7 +78,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     batches, data = pretrain_batches.make(config, built.tokenizer, process_index=jax.process_index(),
                                           process_count=jax.process_count(), prompts=prompts)
   else:
-    data = pairs.load(config.data, workdir)
+    data = pairs.load(primary.data, workdir)
+  further = [pairs.load(e.config.data, workdir) for e in mix[1:]]  # data.mixture's other datasets
   model = built.model
   if pretrain_batches.is_masked_lm(config):
     model = model.clone(mlm_head=True)  # trained here, dropped by every reader of the workdir
@@ -107,20 +116,22 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
       tokens_per_batch=config.eval.tokens_per_batch, mesh=mesh, cache_dir=config.eval.corpus_cache,
       prompts=prompts)
 
-  negatives = sources.make(config, data, workdir, encoder, state.params, mesh,
+  negatives = sources.make(primary, data, workdir, encoder, state.params, mesh,
                            step_lib.make_step_query_vectors(model, config.model.encode_chunk_rows))
   if not pretraining:
-    batches = pairs.Batches(
-        data, built.tokenizer, batch_size=config.batch_size,
-        query_max_length=config.data.query_max_length, doc_max_length=config.data.doc_max_length,
-        negative_source=negatives.sampler, negatives_per_query=config.negatives.per_query,
-        in_batch=config.negatives.in_batch, seed=config.seed,
-        process_index=jax.process_index(), process_count=jax.process_count(),
-        candidates=negatives.candidates, pair_weighting=config.negatives.pair_weighting,
-        random_weight=config.negatives.random_weight, triples_per_query=config.negatives.triples_per_query,
-        prompts=prompts, mask_duplicate_texts=config.negatives.mask_duplicate_texts)
+    batches = pair_batches(primary, data, negatives, built.tokenizer, prompts, mix[0] if mix else None)
     if is_host0:
       pairs.describe_counts(data, batches)
+  if mix:  # every further dataset with its own data, negatives and batches; each step draws one (data.mixture)
+    per_dataset = [batches]
+    for entry, entry_data in zip(mix[1:], further):
+      entry_negatives = sources.make(entry.config, entry_data, workdir, encoder, state.params, mesh)
+      per_dataset.append(pair_batches(entry.config, entry_data, entry_negatives, built.tokenizer, prompts, entry))
+      if is_host0:
+        pairs.describe_counts(entry_data, per_dataset[-1])
+    batches = mixture.Mixture(mix, per_dataset, config.data.mixture_sampling, config.seed)
+    if is_host0:
+      batches.describe(config.num_train_steps)
   distiller = None
   if distill.enabled(config):  # the teacher scores every (query, document) the run can meet, once, cached
     distiller = distill.Distiller(config, data, built.tokenizer, batches, negatives.sampler, workdir / "cache",
@@ -157,6 +168,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
                                      diagnostics=diagnostics, fixed_doc_emb=negatives.doc_emb,
                                      fixed_corpus=negatives.corpus, cache_dir=workdir / "cache",
                                      bm25_index=bm25_index, matryoshka_dims=built.description.get("matryoshka_dims", ()))
+  # eval.suite's tasks of other domains, scored beside the run's own evaluation (alone when it has none)
+  evaluator = suite_lib.alongside(evaluator, suite_lib.make(encoder, config, doc_tower_frozen=query_only))
   results = {}
   if evaluator and start == 0 and config.eval_before_training:
     results["before"] = evaluator(state.params)
@@ -195,6 +208,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
         scalars.update(negatives.log_scalars(done))
         if isinstance(batches, pairs.Batches):  # pretraining's batches mask nothing
           scalars.update(batches.log_scalars())
+        if isinstance(batches, mixture.Mixture):  # each dataset's share of the steps so far: mixture/NAME
+          scalars.update(batches.log_scalars(done))
         if host_guide is not None:
           scalars.update(host_guide.log_scalars())
         writer.write(done, {f"train/{k}": v for k, v in scalars.items()})
@@ -279,7 +294,24 @@ def initial_params(model: TwoTower, built: build_lib.Built, config: ml_collectio
   return jax.device_put(params, shardings)
 
 
-def _data_position(batches: pairs.Batches, step: int) -> dict:
+def pair_batches(config: ml_collections.ConfigDict, data: pairs.RetrievalData, negatives: sources.Negatives,
+                 tokenizer, prompts: dict | None, entry: mixture.Entry | None = None) -> pairs.Batches:
+  """The supervised batches `config` asks for, of `data` with `negatives`' sampler; with a mixture's `entry`
+  (`config` is its own), in that dataset's query prompt and the mixture's shape."""
+  neg, padding_per_query = config.negatives, 0
+  if entry is not None:
+    prompts, padding_per_query = entry.prompts(prompts), entry.padding_per_query
+  return pairs.Batches(
+      data, tokenizer, batch_size=config.batch_size,
+      query_max_length=config.data.query_max_length, doc_max_length=config.data.doc_max_length,
+      negative_source=negatives.sampler, negatives_per_query=neg.per_query, in_batch=neg.in_batch, seed=config.seed,
+      process_index=jax.process_index(), process_count=jax.process_count(),
+      candidates=negatives.candidates, pair_weighting=neg.pair_weighting, random_weight=neg.random_weight,
+      triples_per_query=neg.triples_per_query, prompts=prompts, mask_duplicate_texts=neg.mask_duplicate_texts,
+      padding_per_query=padding_per_query)
+
+
+def _data_position(batches: pairs.Batches | mixture.Mixture, step: int) -> dict:
   """Where the data stream stands after `step` steps (informational: batches are a function of step)."""
   consumed = step * batches.batch_size
   return {"step": step, "examples_consumed": consumed,
