@@ -5,6 +5,11 @@ with the bundled all-MiniLM-L6-v2, retrieves for its queries and prints the metr
 command lines a user runs on real data (jdr.encode, jdr.retrieve, jdr.evaluate).
 """
 
+from jdr.runtime import host_memory
+
+# `python -m` this module: glibc's malloc on huge pages, by re-executing before anything heavy is imported.
+host_memory.reexec_if_command(__name__)
+
 import argparse
 import pathlib
 import sys

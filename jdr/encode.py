@@ -9,6 +9,11 @@ process reads, tokenizes, encodes and writes only its own part of the corpus, as
 directory (local disk all hosts share, or gs://...).
 """
 
+from jdr.runtime import host_memory
+
+# `python -m` this module: glibc's malloc on huge pages, by re-executing before anything heavy is imported.
+host_memory.reexec_if_command(__name__)
+
 import argparse
 import dataclasses
 import sys

@@ -9,6 +9,11 @@ Metrics and the query-averaging conventions are jdr.evaluation.metrics' (equal t
 
 from __future__ import annotations
 
+from jdr.runtime import host_memory
+
+# `python -m` this module: glibc's malloc on huge pages, by re-executing before anything heavy is imported.
+host_memory.reexec_if_command(__name__)
+
 import argparse
 import json
 import sys

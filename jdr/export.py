@@ -31,6 +31,11 @@ a 100-token query whole. By default they are what the encoder supports, up to 51
 and --doc-max-length set them.
 """
 
+from jdr.runtime import host_memory
+
+# `python -m` this module: glibc's malloc on huge pages, by re-executing before anything heavy is imported.
+host_memory.reexec_if_command(__name__)
+
 import argparse
 import json
 import os

@@ -26,6 +26,11 @@ Standard output gets a report of what each filter dropped and the dev table, and
 
 from __future__ import annotations
 
+from jdr.runtime import host_memory
+
+# `python -m` this module: glibc's malloc on huge pages, by re-executing before anything heavy is imported.
+host_memory.reexec_if_command(__name__)
+
 import argparse
 import dataclasses
 import json

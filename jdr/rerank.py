@@ -11,6 +11,11 @@ is printed with the depth, the numbers LTRe's Table 2 reports for reranking.
 
 from __future__ import annotations
 
+from jdr.runtime import host_memory
+
+# `python -m` this module: glibc's malloc on huge pages, by re-executing before anything heavy is imported.
+host_memory.reexec_if_command(__name__)
+
 import argparse
 import sys
 import time

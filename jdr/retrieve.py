@@ -8,6 +8,11 @@ encoded after the model's query prompt, or --query-prompt's. The work is
 jdr.retrieval.encoder_runtime's, .encodings' and .retrievers'.
 """
 
+from jdr.runtime import host_memory
+
+# `python -m` this module: glibc's malloc on huge pages, by re-executing before anything heavy is imported.
+host_memory.reexec_if_command(__name__)
+
 import argparse
 import sys
 import time

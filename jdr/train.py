@@ -8,6 +8,11 @@ Exit status: 0 done; 2 bad input or settings, or a checkpoint that could not be 
 run resumes from the last good checkpoint); 143 / 130 stopped by SIGTERM / SIGINT after a saved step.
 """
 
+from jdr.runtime import host_memory
+
+# `python -m` this module: glibc's malloc on huge pages, by re-executing before anything heavy is imported.
+host_memory.reexec_if_command(__name__)
+
 import argparse
 import sys
 

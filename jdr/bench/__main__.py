@@ -1,5 +1,10 @@
 """`python -m jdr.bench NAME [args]`: run one benchmark (see `--help` for the names)."""
 
+from jdr.runtime import host_memory
+
+# `python -m` this module: glibc's malloc on huge pages, by re-executing before anything heavy is imported.
+host_memory.reexec_if_command(__name__)
+
 import argparse
 import importlib
 import os

@@ -18,6 +18,11 @@ separated by blank lines; queries.jsonl; qrels/SPLIT.tsv for each source split) 
 
 from __future__ import annotations
 
+from jdr.runtime import host_memory
+
+# `python -m` this module: glibc's malloc on huge pages, by re-executing before anything heavy is imported.
+host_memory.reexec_if_command(__name__)
+
 import argparse
 import json
 import pathlib

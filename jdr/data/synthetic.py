@@ -39,6 +39,11 @@ that looks finished (a hidden `.NAME.*.tmp` folder that a killed run leaves can 
 written last, is the completion mark.
 """
 
+from jdr.runtime import host_memory
+
+# `python -m` this module: glibc's malloc on huge pages, by re-executing before anything heavy is imported.
+host_memory.reexec_if_command(__name__)
+
 import argparse
 import functools
 import itertools

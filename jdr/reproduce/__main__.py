@@ -28,6 +28,11 @@ resume, runs.csv and table statistic (mean ± sample std over seeds):
   python -m jdr.reproduce inbatch-ablation --out runs/inbatch      # guided false negatives, Matryoshka (inbatch.py)
 """
 
+from jdr.runtime import host_memory
+
+# `python -m` this module: glibc's malloc on huge pages, by re-executing before anything heavy is imported.
+host_memory.reexec_if_command(__name__)
+
 import argparse
 import dataclasses
 import pathlib

@@ -28,6 +28,11 @@ Cache layout (NAME = the first 20 hex digits of the key):
 
 from __future__ import annotations
 
+from jdr.runtime import host_memory
+
+# `python -m` this module: glibc's malloc on huge pages, by re-executing before anything heavy is imported.
+host_memory.reexec_if_command(__name__)
+
 import collections
 import concurrent.futures
 import contextlib

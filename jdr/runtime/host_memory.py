@@ -7,7 +7,7 @@ large part of a CPU step, and far fewer with 2 MiB pages (the figures: docs/perf
 "Host memory"). glibc (2.35 and later) does that with the tunable `glibc.malloc.hugetlb=1`
 (madvise(MADV_HUGEPAGE) on its mappings), but it reads tunables only when a process starts. So `python -m
 jdr.<command>` re-executes itself once, before anything heavy is imported, with the tunable added to
-GLIBC_TUNABLES (see `jdr/__init__.py`). Keeping freed memory
+GLIBC_TUNABLES (`reexec_if_command`, at the top of each command's module). Keeping freed memory
 instead (M_ARENA_MAX=1, M_MMAP_MAX=0, no trimming, all settable in-process) saved as much time but held two
 to three scratch buffers resident, which the long-document FGD steps cannot afford.
 
@@ -73,13 +73,14 @@ def reexec_plan(orig_argv: list[str], environ: dict[str, str], glibc: tuple[int,
   return env, f"re-executing with GLIBC_TUNABLES={env['GLIBC_TUNABLES']}"
 
 
-def reexec_command_line_with_huge_pages() -> None:
+def reexec_if_command(module_name: str) -> None:
   """Re-executes this `python -m jdr...` process with huge-page malloc where `reexec_plan` says so.
 
-  Called from jdr/__init__.py only while runpy is still locating the command's module (sys.argv[0] is "-m"),
-  i.e. before the command or JAX has been imported or has printed anything.
+  Called at the top of each command's module with its `__name__`: only a module run as `__main__` re-executes,
+  before JAX or anything heavy is imported and before it has printed anything; importing jdr, or a command's
+  module as a library, never does.
   """
-  if sys.argv[:1] != ["-m"] or not sys.executable:
+  if module_name != "__main__" or not sys.executable:
     return
   env, _ = reexec_plan(list(getattr(sys, "orig_argv", [])), dict(os.environ), glibc_version(),
                        transparent_huge_pages())

@@ -3,6 +3,11 @@
 The builders live in jdr.data.tfds.builders, not here: TFDS needs a builder in an importable module.
 """
 
+from jdr.runtime import host_memory
+
+# `python -m` this module: glibc's malloc on huge pages, by re-executing before anything heavy is imported.
+host_memory.reexec_if_command(__name__)
+
 import argparse
 
 from jdr.data import tfds as jdr_tfds
