@@ -168,6 +168,7 @@ def test_bench_prints_each_stage_and_a_json_line(root):
   assert out["stages"]["load"]["text"]["tokens_per_passage"] > out["stages"]["load"]["text"]["words_per_passage"]
   bm25 = out["stages"]["bm25_mine"]
   assert bm25["queries"] == 114 and bm25["top_k"] == 200 and bm25["bytes_per_query"] > 0
+  assert 0 < bm25["index_s"] + bm25["mine_s"] <= bm25["seconds"]  # the library's own timed parts
   assert not list(root.glob("work-*"))  # the run's work is removed
 
 

@@ -65,7 +65,6 @@ hardware, versions); standard error has the stages' own output, also kept in WOR
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import importlib
 import importlib.metadata
@@ -116,36 +115,6 @@ class Stage:
   requires: tuple[str, ...] = ()  # "module:attribute" it calls; absent from this jdr = skipped
   internal: bool = False  # run only for the stages that need it, not by default
   workers: bool = False  # starts worker processes: their group's memory is sampled (`group_peak_pss_gib`)
-
-
-class _Marks:
-  """Seconds spent in chosen functions, and when the first call started: how a stage is split into parts where
-  the library does them in one call."""
-
-  def __init__(self):
-    self.seconds = collections.Counter()
-    self.first_start = {}
-
-  def wrap(self, owner, attr: str, key: str) -> None:
-    original = getattr(owner, attr)
-
-    def timed(*args, **kwargs):
-      start = time.perf_counter()
-      self.first_start.setdefault(key, start)
-      try:
-        return original(*args, **kwargs)
-      finally:
-        self.seconds[key] += time.perf_counter() - start
-
-    setattr(owner, attr, timed)
-
-  def wrap_if_present(self, module: str, attr: str, key: str) -> None:
-    try:
-      owner = importlib.import_module(module)
-    except ModuleNotFoundError:
-      return
-    if hasattr(owner, attr):
-      self.wrap(owner, attr, key)
 
 
 def _overrides(ctx: Context, *stage: str) -> list[str]:
@@ -229,19 +198,17 @@ def text_sample(data, count: int = 1000) -> dict:
 def _train_first_step(ctx: Context, workdir_name: str = "train") -> dict:
   from jdr import train  # pylint: disable=g-import-not-at-top
   from jdr.training import metric_writers
-  from jdr.data import prepared  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import timings  # pylint: disable=g-import-not-at-top
   workdir = ctx.path(workdir_name)
   argv = _train_command(ctx, workdir, "data.eval_split=", "num_train_steps=1", "log_every=1",
                         "eval_before_training=false", "checkpoint_every=0")
-  marks = _Marks()  # the preparing passes, which run only where the corpus is not prepared yet
-  marks.wrap(prepared.Indexer, "run", "index")
-  marks.wrap(prepared.Tokenizer, "run", "tokenize")
   wall, start = time.time(), time.perf_counter()
-  train.main(argv)
+  with timings.window() as marks:  # the preparing passes, which run only where the corpus is not prepared yet
+    train.main(argv)
   total = time.perf_counter() - start
   first = next(r for r in metric_writers.read(workdir) if "train/loss" in r)
-  return {"seconds": first["time"] - wall, "total_s": total, "prepare_index_s": marks.seconds["index"],
-          "prepare_tokens_s": marks.seconds["tokenize"],
+  return {"seconds": first["time"] - wall, "total_s": total, "prepare_index_s": marks.seconds["prepare_index"],
+          "prepare_tokens_s": marks.seconds["prepare_tokens"],
           "loss": first["train/loss"]}
 
 
@@ -252,19 +219,18 @@ def _first_step_prepared(ctx: Context) -> dict:
 def _bm25_mine(ctx: Context) -> dict:
   from jdr.data import pairs  # pylint: disable=g-import-not-at-top
   from jdr.negatives import sampled  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import timings  # pylint: disable=g-import-not-at-top
   config = _config(ctx)
   start = time.perf_counter()
   data = pairs.load(config.data, ctx.path("bm25"))
   load_s = time.perf_counter() - start
   # BM25Negatives indexes and mines in its constructor: timing the library's two calls splits it.
-  marks = _Marks()
-  marks.wrap_if_present("jdr.retrieval.bm25", "corpus_index", "index")
-  marks.wrap_if_present("jdr.retrieval.bm25", "mine", "mine")
   start = time.perf_counter()
-  negatives = sampled.BM25Negatives(data.corpus, data.queries, data.train_qrels, top_k=TOP_N,
-                                    cache_dir=ctx.path("bm25-cache"))
-  return {"seconds": time.perf_counter() - start, "load_s": load_s,
-          **{f"{k}_s": v for k, v in marks.seconds.items()}, "queries": len(negatives.qids),
+  with timings.window() as marks:
+    negatives = sampled.BM25Negatives(data.corpus, data.queries, data.train_qrels, top_k=TOP_N,
+                                      cache_dir=ctx.path("bm25-cache"))
+  return {"seconds": time.perf_counter() - start, "load_s": load_s, "index_s": marks.seconds["bm25_index"],
+          "mine_s": marks.seconds["bm25_mine"], "queries": len(negatives.qids),
           "top_k": negatives.top_k}
 
 
@@ -393,17 +359,14 @@ def _adore_index(ctx: Context) -> dict:
 
 def _evaluate(ctx: Context) -> dict:
   from jdr.training import trainer
-  from jdr.evaluation import periodic
-  marks = _Marks()
-  marks.wrap(periodic.Evaluator, "__call__", "evaluate")
-  marks.wrap(periodic.TowerEncoder, "corpus", "encode_corpus")
-  marks.wrap(periodic.TrainingDiagnostics, "__call__", "diagnostics")
+  from jdr.runtime import timings  # pylint: disable=g-import-not-at-top
   # The full-corpus evaluation, as the end of training runs it (python -m jdr.bench eval-candidates times the
   # candidates the evaluations during training score).
   config = _config(ctx, "num_train_steps=0", "eval_before_training=false", "checkpoint_every=0",
                    "eval.candidates=full")
   start = time.perf_counter()
-  results = trainer.train_and_evaluate(config, ctx.path("evaluate"))
+  with timings.window() as marks:
+    results = trainer.train_and_evaluate(config, ctx.path("evaluate"))
   if "evaluate" not in marks.first_start:
     raise ValueError(f"the trainer evaluated nothing (data.eval_split={config.data.eval_split!r})")
   return {"seconds": marks.seconds["evaluate"], "setup_s": marks.first_start["evaluate"] - start,

@@ -65,6 +65,7 @@ import tqdm
 
 from jdr.runtime import atomic
 from jdr.runtime import paths
+from jdr.runtime import timings
 from jdr.data import formats
 from jdr.data import text as text_lib
 
@@ -632,6 +633,7 @@ class Indexer:
     self.skipped_duplicates, self.first_skipped = 0, None
     self._cached = (None, None)
 
+  @timings.timed("prepare_index")
   def run(self) -> None:
     self.partial.mkdir(parents=True, exist_ok=True)
     start = self._resume()
@@ -781,6 +783,7 @@ class Tokenizer:
     vocab = len(tokenizer) if hasattr(tokenizer, "__len__") else tokenizer.vocab_size
     self.dtype = np.dtype(np.uint16 if vocab <= np.iinfo(np.uint16).max + 1 else np.int32)
 
+  @timings.timed("prepare_tokens")
   def run(self) -> None:
     n = len(self.corpus)
     bounds = [(lo, min(n, lo + TOKENS_CHUNK)) for lo in range(0, n, TOKENS_CHUNK)]

@@ -33,6 +33,7 @@ from jdr.evaluation import eval_candidates
 from jdr.evaluation import metrics as metrics_lib
 from jdr.runtime import parallel
 from jdr.runtime import paths
+from jdr.runtime import timings
 from jdr.evaluation import reranking
 from jdr.retrieval import topk
 from jdr.data import formats
@@ -107,6 +108,7 @@ class TowerEncoder:
                                                          lo, hi, progress=self.host == 0)
     return self._doc_tokens
 
+  @timings.timed("encode_corpus")
   def corpus(self, params, progress: bool = False, shards_dir: str | os.PathLike | None = None) -> np.ndarray:
     """float32 [N, D], rows in `self.doc_ids` order, on every host.
 
@@ -346,6 +348,7 @@ class Evaluator:
         self._fixed[factory] = index
     return index.search_scored(query_emb, k)
 
+  @timings.timed("evaluate")
   def __call__(self, params, final: bool = False) -> dict[str, float]:
     query_emb = self.encoder.queries(params, self.qids)
     results, doc_emb = {}, None
@@ -453,6 +456,7 @@ class TrainingDiagnostics:
                                   min(self.n, len(self.encoder.doc_ids)))
     return self._bm25
 
+  @timings.timed("diagnostics")
   def __call__(self, params, doc_emb: np.ndarray) -> dict[str, float]:
     if not self.qids:
       return {}

@@ -55,6 +55,7 @@ import numpy as np
 
 from jdr.runtime import atomic
 from jdr.runtime import paths
+from jdr.runtime import timings
 from jdr.data.text import doc_text
 
 log = logging.getLogger(__name__)
@@ -207,6 +208,7 @@ def index_for(texts: Iterable[str], count: int, *, fingerprint: str | None = Non
   return index
 
 
+@timings.timed("bm25_index")
 def corpus_index(corpus: Mapping, **kwargs) -> Index:
   """`index_for` over a {doc id: Doc} corpus, each document as `doc_text` (title + " " + text)."""
   return index_for(_Texts(corpus), len(corpus), **kwargs)
@@ -571,6 +573,7 @@ class Mined:
   from_cache: bool  # whether it was read whole from the cache, nothing mined
 
 
+@timings.timed("bm25_mine")
 def mine(index: Index, texts: Sequence[str], k: int, cache_dir: str | os.PathLike | None = None, *,
          query_ids: Sequence[str] | None = None, chunk_size: int = 4096, n_threads: int = -1,
          show_progress: bool = True, desc: str = "BM25 mining") -> Mined:

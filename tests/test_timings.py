@@ -1,0 +1,41 @@
+"""The library's timed parts, which benchmarks read through `timings.window()` instead of patching the library."""
+
+import pathlib
+import time
+
+from jdr.runtime import timings
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_a_window_reads_each_parts_seconds_and_first_start_within_it():
+  @timings.timed("test_part")
+  def work(seconds):
+    time.sleep(seconds)
+    return seconds
+
+  work(0.01)  # before the window: not counted in it
+  with timings.window() as w:
+    opened = time.perf_counter()
+    assert work(0.02) == 0.02
+    work(0.01)
+  assert 0.03 <= w.seconds["test_part"] < 0.5 and w.seconds["other"] == 0
+  assert w.first_start["test_part"] >= opened
+
+
+def test_the_parts_the_scale_bench_reads_are_timed_where_they_are_defined():
+  from jdr.data import prepared  # pylint: disable=g-import-not-at-top
+  from jdr.evaluation import periodic  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import bm25  # pylint: disable=g-import-not-at-top
+  parts = {prepared.Indexer.run: "prepare_index", prepared.Tokenizer.run: "prepare_tokens",
+           bm25.corpus_index: "bm25_index", bm25.mine: "bm25_mine", periodic.Evaluator.__call__: "evaluate",
+           periodic.TowerEncoder.corpus: "encode_corpus", periodic.TrainingDiagnostics.__call__: "diagnostics"}
+  for fn in parts:
+    assert fn.__wrapped__, fn  # functools.wraps of timings.timed
+  scale = (ROOT / "jdr" / "bench" / "scale.py").read_text()
+  assert all(f'"{name}"' in scale for name in parts.values())
+
+
+def test_no_benchmark_replaces_a_library_attribute():
+  for path in sorted((ROOT / "jdr" / "bench").glob("*.py")):
+    assert "setattr(" not in path.read_text(), path.name
