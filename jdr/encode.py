@@ -23,6 +23,7 @@ from typing import Iterable
 import jax
 
 from jdr.runtime import cli
+from jdr.retrieval import flags
 from jdr.retrieval import encoder_runtime
 from jdr.retrieval import encodings
 from jdr.runtime import parallel
@@ -32,8 +33,8 @@ from jdr.data import formats
 
 def main(argv: Iterable[str] | None = None) -> None:
   parser = argparse.ArgumentParser(prog="python -m jdr.encode", description=__doc__.splitlines()[0])
-  cli.add_model_flags(parser)
-  cli.add_prompt_flags(parser, "doc")
+  flags.add_model_flags(parser)
+  flags.add_prompt_flags(parser, "doc")
   parser.add_argument("--corpus", required=True, help="BEIR directory, corpus.jsonl or collection TSV")
   parser.add_argument("--out", required=True, help="output directory (resumes if it exists)")
   parser.add_argument("--shard-size", type=int, default=10_000, help="documents per shard file")

@@ -48,7 +48,7 @@ import jax
 import numpy as np
 
 from jdr.runtime import atomic
-from jdr.training import checkpoint
+from jdr.runtime import checkpoint
 from jdr.runtime import cli
 from jdr.runtime import paths
 from jdr.models import build as build_lib

@@ -44,6 +44,7 @@ import numpy as np
 import tqdm
 
 from jdr.runtime import cli
+from jdr.retrieval import flags
 from jdr.runtime import defaults
 from jdr.runtime import paths
 from jdr.runtime import workdir_lock
@@ -79,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
                       "id, or minilm")
   parser.add_argument("--doc-model", default=None, help="--retriever model: the documents' encoder when it is "
                       "published apart (DPR's context encoder); default: --model")
-  cli.add_prompt_flags(parser, "query", "doc")
+  flags.add_prompt_flags(parser, "query", "doc")
   parser.add_argument("--encoding", default=None,
                       help="--retriever model: the corpus's jdr.encode directory (default: encoded into OUT)")
   parser.add_argument("--run", default=None, help="--retriever run: a TREC run or MS MARCO top1000 file")

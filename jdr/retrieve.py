@@ -19,6 +19,7 @@ import time
 from typing import Iterable
 
 from jdr.runtime import cli
+from jdr.retrieval import flags
 from jdr.retrieval import encoder_runtime
 from jdr.retrieval import encodings
 from jdr.retrieval import retrievers
@@ -28,8 +29,8 @@ from jdr.models import saved
 
 def main(argv: Iterable[str] | None = None) -> None:
   parser = argparse.ArgumentParser(prog="python -m jdr.retrieve", description=__doc__.splitlines()[0])
-  cli.add_model_flags(parser)
-  cli.add_prompt_flags(parser, "query")
+  flags.add_model_flags(parser)
+  flags.add_prompt_flags(parser, "query")
   parser.add_argument("--index", required=True, help="an encoding directory written by jdr.encode")
   parser.add_argument("--queries", required=True, help="BEIR directory, queries.jsonl or queries TSV")
   parser.add_argument("--split", default=None, help="with a BEIR directory: only queries in qrels/SPLIT")

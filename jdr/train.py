@@ -18,7 +18,7 @@ import sys
 
 import jax
 
-from jdr.training import checkpoint
+from jdr.runtime import checkpoint
 from jdr.runtime import cli
 from jdr.runtime import config_files
 from jdr.runtime import parallel

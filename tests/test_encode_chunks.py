@@ -7,7 +7,7 @@ import optax
 import pytest
 
 from jdr.runtime import defaults
-from jdr.training import span_embeddings
+from jdr.retrieval import span_embeddings
 from jdr.training import step
 from jdr.models.bert import EncoderConfig
 from jdr.models.towers import TowerConfig, TwoTower

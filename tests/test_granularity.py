@@ -35,7 +35,7 @@ def _tower(tmp_path, kind, **tower_args):
 
 
 def _spans(tower, params, ids, mask, span, pooling="attention"):
-  from jdr.training import span_embeddings  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import span_embeddings  # pylint: disable=g-import-not-at-top
   return tower.apply({"params": params}, ids, mask, span, pooling=pooling, method=span_embeddings.document_and_span_vectors)
 
 

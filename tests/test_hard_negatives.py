@@ -231,7 +231,7 @@ def test_killed_and_resumed_equals_uninterrupted(tmp_path, recipe, extra):
   saved = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
   assert 12 in saved and 24 not in saved, saved
   subprocess.run(_cmd(recipe, workdir, data, common), env=_env(), check=True, capture_output=True, timeout=600)
-  from jdr.training import checkpoint  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import checkpoint  # pylint: disable=g-import-not-at-top
   straight = jax.tree.leaves(checkpoint.latest_params(tmp_path / "straight"))
   resumed = jax.tree.leaves(checkpoint.latest_params(workdir))
   for a, b in zip(straight, resumed):

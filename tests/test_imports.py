@@ -110,7 +110,7 @@ def identifiers(path: pathlib.Path) -> set[str]:
 
 
 def test_the_models_know_no_training_method(tmp_path):
-  """Methods plug in around the encoder: FGD's span pooling lives in jdr.training.span_embeddings, on what the
+  """Methods plug in around the encoder: FGD's span pooling lives in jdr.retrieval.span_embeddings, on what the
   encoder hands out, and no model module takes or names a span."""
   found = {p.relative_to(ROOT).as_posix(): sorted(n for n in identifiers(p) if "span" in n.lower())
            for p in sorted((ROOT / "jdr" / "models").rglob("*.py"))}
@@ -161,3 +161,34 @@ def test_the_crossing_check_sees_each_form(tmp_path):
   example.write_text("from jdr.data import formats\nfrom jdr.data.formats import _hidden\nformats._x()\n"
                      "formats.Doc._y\nmonkeypatch.setattr(formats, '_z', 1)\nself._fine = formats.Doc\n")
   assert len(private_crossings(example)) == 4
+
+
+# The stage folders, lowest first: a module imports only from its own floor or the ones below it. The command
+# lines, the benchmarks, the experiment runner and the launchers stand above all of them.
+FLOORS = ("runtime", "data", "models", "retrieval", "negatives", "evaluation", "training")
+
+
+def climbing(found: dict[str, set[str]]) -> dict[str, list[str]]:
+  """{module: the modules it imports from a higher floor}, for modules inside the stage folders."""
+  rank = {f"jdr.{floor}": i for i, floor in enumerate(FLOORS)}
+  floor_of = lambda name: next((r for prefix, r in rank.items() if name == prefix or name.startswith(prefix + ".")),
+                               None)
+  out = {}
+  for module, imports in found.items():
+    own = floor_of(module)
+    if own is None:
+      continue
+    above = sorted(i for i in imports if (f := floor_of(i)) is not None and f > own)
+    if above:
+      out[module] = above
+  return out
+
+
+def test_floors_only_go_down():
+  assert climbing(modules()) == {}
+
+
+def test_the_floor_check_sees_a_climbing_import():
+  found = modules()
+  found["jdr.models.saved"] = found["jdr.models.saved"] | {"jdr.training.checkpoint"}
+  assert climbing(found) == {"jdr.models.saved": ["jdr.training.checkpoint"]}

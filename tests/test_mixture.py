@@ -317,7 +317,7 @@ def test_a_run_resumed_mid_mixture_is_bitwise_the_uninterrupted_one(tmp_path, ca
   """Three datasets (random negatives; none, padded; random without in-batch negatives), 10 steps, checkpoints
   at 5 and 10: resumed from step 5 (as if killed between 5 and 10), the weights equal the straight run's, bitwise,
   and the logged shares are the schedule's."""
-  from jdr.training import checkpoint  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import checkpoint  # pylint: disable=g-import-not-at-top
   from jdr.training import trainer  # pylint: disable=g-import-not-at-top
   a = write_tiny_beir(tmp_path / "a")
   b = write_tiny_beir(tmp_path / "b", num_docs=24, seed=1)

@@ -189,7 +189,7 @@ def test_signalled_run_saves_its_step_and_resumes_exactly(tmp_path):
   assert first < second < steps, (first, second)
 
   subprocess.run(_train_cmd(workdir, data, *common), env=_env(), check=True, capture_output=True, timeout=600)
-  from jdr.training import checkpoint  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import checkpoint  # pylint: disable=g-import-not-at-top
   straight = jax.tree.leaves(checkpoint.latest_params(tmp_path / "straight"))
   resumed = jax.tree.leaves(checkpoint.latest_params(workdir))
   for a, b in zip(straight, resumed):
@@ -290,7 +290,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
   bad_step = int(line.split("at step ")[1].split(";")[0])
   saved = sorted(int(p.name) for p in (tmp_path / "w" / "checkpoints").iterdir() if p.name.isdigit())
   assert saved and max(saved) == bad_step - 1
-  from jdr.training import checkpoint  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import checkpoint  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(checkpoint.latest_params(tmp_path / "w")))
   # The optimizer's moments too: a non-finite gradient norm stops the run before its state is saved.

@@ -90,7 +90,7 @@ _LATE_REPORTS = """
 import os, resource, sys, time
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
 import numpy as np, orbax.checkpoint as ocp
-from jdr.training import checkpoint
+from jdr.runtime import checkpoint
 rng = np.random.default_rng(0)
 params = {f"w{i}": rng.random((1000, 1000), dtype=np.float32) for i in range(8)}  # incompressible, 32 MB
 try:

@@ -1,7 +1,7 @@
 """Document pieces for fine-grained distillation (Zhou et al., FGD): token windows as span masks.
 
 FGD embeds sentences and passages of a long document with the document's own forward pass (Eq. 7:
-`jdr.training.span_embeddings.document_and_span_vectors`). Its setting splits the document into consecutive windows of
+`jdr.retrieval.span_embeddings.document_and_span_vectors`). Its setting splits the document into consecutive windows of
 64 tokens (sentences) and 128 tokens (passages); `windows` builds them as masks over the token axis.
 """
 

@@ -372,7 +372,7 @@ def flash_attention(q, k, v, key_mask, scale: float, rate: float, key):
 
 class FirstTokenAttention(NamedTuple):
   """What a block's attention gives its first token, for a caller that pools it its own way (FGD's Eq. 7 in
-  jdr.training.span_embeddings): the first token's attention probabilities [B, N, L] (after attention
+  jdr.retrieval.span_embeddings): the first token's attention probabilities [B, N, L] (after attention
   dropout), the values [B, N, L, D] they weight, in the compute dtype, and the first token's input to the
   block [B, H], the residual its attention output is added to."""
   probabilities: jax.Array

@@ -9,7 +9,7 @@ import json
 import pathlib
 from typing import Any
 
-from jdr.training import checkpoint
+from jdr.runtime import checkpoint
 from jdr.runtime import paths
 from jdr.data import text
 

@@ -292,7 +292,7 @@ def read_json(path: pathlib.Path) -> dict | None:
 
 def _checkpoint_step(workdir: pathlib.Path) -> int:
   """The step of `workdir`'s latest checkpoint (0 without one): where a training run resumes."""
-  from jdr.training import checkpoint  # pylint: disable=g-import-not-at-top  (it loads the checkpoint library)
+  from jdr.runtime import checkpoint  # pylint: disable=g-import-not-at-top  (it loads the checkpoint library)
   return checkpoint.latest_step(workdir) or 0
 
 

@@ -133,7 +133,7 @@ def load_runtime(model: str, *, pooling: str | None = None, normalize: bool | No
   from jdr.models import published
   from jdr.models import towers
   from jdr.models.towers import TwoTower
-  from jdr.training import span_embeddings
+  from jdr.retrieval import span_embeddings
   if side not in ("query", "doc"):
     raise ValueError(f"side must be 'query' or 'doc', got {side!r}")
   model = build.resolve_model(model)  # a hub id -> its snapshot in huggingface_hub's cache

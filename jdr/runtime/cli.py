@@ -16,8 +16,6 @@ import os
 import sys
 from typing import Iterator
 
-from jdr.retrieval import encoder_runtime
-from jdr.data import formats
 
 # What a user can cause and fix: bad or missing files, settings that disagree. Anything else is a bug
 # and keeps its traceback.
@@ -66,43 +64,8 @@ def reporting_errors(skip_flag: str | None = None) -> Iterator[None]:
       raise
     end_progress_bars()
     print(f"error: {describe(e)}", file=sys.stderr)
-    if isinstance(e, formats.DataFormatError) and skip_flag and e.line is not None:
+    # A data-format error (jdr.data.formats.DataFormatError) carries the file's line: the records can be skipped.
+    if getattr(e, "line", None) is not None and skip_flag:
       print(f"(rerun with {skip_flag} to drop the invalid records and go on; each is counted on stderr)",
             file=sys.stderr)
     raise SystemExit(2) from None
-
-
-def add_model_flags(parser: argparse.ArgumentParser) -> None:
-  parser.add_argument("--model", default=None,
-                      help="a published model directory or Hugging Face hub id (owner/name), a jdr export or "
-                           "workdir, or `minilm` (bundled)")
-  parser.add_argument("--pooling", choices=["cls", "mean", "max", "last"], default=None,
-                      help="default: the model's own (mean for minilm, cls otherwise)")
-  parser.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
-                      help="L2-normalize embeddings (default: the model's own)")
-  parser.add_argument("--max-length", type=int, default=None,
-                      help="tokens per text (default: a jdr export's serving length, a sentence-transformers "
-                           "model's max_seq_length, else what the model supports, up to 512)")
-  parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                      help="compute dtype of the encoder (auto: bfloat16 on GPU/TPU, float32 on CPU, as training's "
-                           "model.dtype; a trained jdr model keeps its own)")
-  parser.add_argument("--dim", type=int, default=None,
-                      help="serve the vectors' first D dimensions, re-normalized where the model normalizes: a "
-                           "Matryoshka model's smaller embedding (one of the widths it was trained at, "
-                           "loss.matryoshka_dims); default: all")
-  parser.add_argument("--tokens-per-batch", type=int, default=None,
-                      help="padded tokens per batch; the batch size follows from each length bucket "
-                           f"(default {encoder_runtime.CPU_TOKENS_PER_BATCH} on CPU, "
-                           f"{encoder_runtime.ACCELERATOR_TOKENS_PER_BATCH} on GPU/TPU)")
-
-
-def add_prompt_flags(parser: argparse.ArgumentParser, *sides: str) -> None:
-  """--query-prompt and/or --doc-prompt (`sides`: "query", "doc"): the text put before every query / document,
-  replacing the model's own (None, the default: the model's own; "" = none)."""
-  texts = {"query": "query", "doc": "document"}
-  for side in sides:
-    parser.add_argument(encoder_runtime.PROMPT_FLAGS[side], dest=f"{side}_prompt", default=None,
-                        help=f"text put before every {texts[side]} before tokenizing (its tokens count toward "
-                             f"the length), e.g. E5's \"{'query' if side == 'query' else 'passage'}: \"; default: "
-                             "the model's own (a jdr model's, a sentence-transformers directory's prompts); \"\" = "
-                             "none")

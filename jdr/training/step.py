@@ -34,7 +34,7 @@ from jdr.training import distill
 from jdr.training import gradcache
 from jdr.training import guide
 from jdr.training import losses
-from jdr.training import span_embeddings
+from jdr.retrieval import span_embeddings
 from jdr.training import optimizers
 from jdr.runtime import parallel
 from jdr.data import pretrain_batches

@@ -20,7 +20,7 @@ import numpy as np
 import tqdm
 
 from jdr.runtime import atomic
-from jdr.training import checkpoint
+from jdr.runtime import checkpoint
 from jdr.runtime import config_files
 from jdr.training import distill
 from jdr.training import guide
