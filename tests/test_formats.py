@@ -334,3 +334,13 @@ def test_corpus_part_errors_name_the_files_own_line(tmp_path):
     f.write("d1\tx\n")
   with pytest.raises(ValueError, match="cannot be split into parts by bytes"):
     F.read_corpus(gz, part=0, parts=2)
+
+
+def test_an_empty_queries_file_is_named_not_blamed_on_the_qrels(tmp_path):
+  from conftest import write_tiny_beir  # pylint: disable=g-import-not-at-top
+  from jdr.data import formats as formats_lib  # pylint: disable=g-import-not-at-top
+  data = write_tiny_beir(tmp_path / "d")
+  (data / "queries.jsonl").write_text("")
+  for load in (lambda: formats_lib.load_beir(data, "test"), lambda: formats_lib.load_queries(str(data), "test")):
+    with pytest.raises(formats_lib.DataFormatError, match=r"queries.jsonl: holds no queries"):
+      load()

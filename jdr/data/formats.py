@@ -626,8 +626,15 @@ def load_beir(directory: PathLike, split: str | None = None, *, skip_invalid: bo
   if not qrels_path.exists():
     splits = sorted(p.stem for p in (directory / "qrels").glob("*.tsv"))
     raise FileNotFoundError(f"no split {split!r} in {directory}: {qrels_path} is missing (splits: {splits})")
+  _some_queries(queries, directory / "queries.jsonl")
   qrels = read_qrels(qrels_path, doc_ids=corpus, query_ids=queries, skip_invalid=skip_invalid)
   return corpus, {qid: text for qid, text in queries.items() if qid in qrels}, qrels
+
+
+def _some_queries(queries: Queries, path) -> None:
+  """An empty queries file is its own error, not the qrels' first id "not among the queries"."""
+  if not queries:
+    raise DataFormatError(path, None, "holds no queries (an empty file?), so its qrels judge none")
 
 
 def load_queries(path: str, split: str | None, *, skip_invalid: bool = False) -> dict[str, str]:
@@ -640,6 +647,7 @@ def load_queries(path: str, split: str | None, *, skip_invalid: bool = False) ->
     qrels_path = path_ / "qrels" / f"{split}.tsv"
     if not qrels_path.exists():
       raise FileNotFoundError(f"--split {split}: {qrels_path} is missing")
+    _some_queries(queries, path_ / "queries.jsonl")
     qrels = read_qrels(qrels_path, query_ids=queries, skip_invalid=skip_invalid)
     return {q: queries[q] for q in qrels}
   if split is not None:
