@@ -316,3 +316,19 @@ def test_encode_corpus_reads_token_ids_from_the_map(tmp_path, tok, monkeypatch):
   want, want_ids, _ = encodings.load_embeddings(tmp_path / "from-dict")
   np.testing.assert_array_equal(got, want)
   assert got_ids == want_ids == list(corpus)
+
+
+def test_two_processes_preparing_one_corpus_at_once_leave_one_finished_copy(tmp_path):
+  """Two runs sharing the prepared-corpus cache start on a new corpus together: both succeed, on one folder."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  data = write_tiny_beir(tmp_path / "d", num_docs=3000)
+  code = ("import sys\nfrom jdr.data import prepared\n"
+          "c = prepared.prepare(sys.argv[1], out_dir=sys.argv[2], progress=False)\nprint(c.folder, len(c))\n")
+  procs = [subprocess.Popen([sys.executable, "-c", code, str(data / "corpus.jsonl"), str(tmp_path / "cache")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+  outs = [p.communicate(timeout=300) for p in procs]
+  assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+  folders = {out.split()[0] for out, _ in outs}
+  assert len(folders) == 1 and {out.split()[1] for out, _ in outs} == {"3000"}
+  assert [p.name for p in (tmp_path / "cache").iterdir() if not p.name.startswith(".")] == [pathlib.Path(*folders).name]
