@@ -198,8 +198,11 @@ def index_for(texts: Iterable[str], count: int, *, fingerprint: str | None = Non
     place = _Place(cache_dir, name)
     with _exclusive(place.local):
       if not place.fetch():
-        build_index(texts, count, place.local, meta, workers=workers, chunk_docs=chunk_docs,
-               show_progress=show_progress)
+        try:
+          build_index(texts, count, place.local, meta, workers=workers, chunk_docs=chunk_docs,
+                      show_progress=show_progress)
+        except OSError as e:  # a full disk names the index being written, not just "no space left"
+          raise atomic.naming(e, place.local) from None
         place.publish()
     index = Index.load(place.local)
     if index.key != key:
