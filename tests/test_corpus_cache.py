@@ -11,7 +11,7 @@ from conftest import write_tiny_beir
 from jdr.runtime import config_files
 from jdr.retrieval import corpus_cache
 from jdr.runtime import defaults
-from jdr.evaluation import periodic
+from jdr.retrieval import tower_encoder
 from jdr.training import trainer
 from jdr.data import pairs
 from jdr.models import build
@@ -33,7 +33,7 @@ def tiny(tmp_path_factory):
 def _encoder(tiny, cache_dir, **kwargs):
   built, data, _ = tiny
   settings = dict(query_max_length=16, doc_max_length=32, tokens_per_batch=96) | kwargs
-  return periodic.TowerEncoder(built.model, built.tokenizer, data, cache_dir=str(cache_dir), **settings)
+  return tower_encoder.TowerEncoder(built.model, built.tokenizer, data, cache_dir=str(cache_dir), **settings)
 
 
 def _no_encoding(*args, **kwargs):

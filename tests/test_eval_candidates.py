@@ -14,6 +14,7 @@ from jdr.runtime import config_files
 from jdr.retrieval import encoder_runtime
 from jdr.retrieval import encodings
 from jdr.runtime import defaults
+from jdr.retrieval import tower_encoder
 from jdr.evaluation import periodic
 from jdr.evaluation import metrics as metrics_lib
 from jdr.training import trainer
@@ -36,7 +37,7 @@ def tiny(tmp_path_factory):
 
 
 def _encoder(tiny):
-  return periodic.TowerEncoder(tiny.built.model, tiny.built.tokenizer, tiny.data, query_max_length=16,
+  return tower_encoder.TowerEncoder(tiny.built.model, tiny.built.tokenizer, tiny.data, query_max_length=16,
                                  doc_max_length=32)
 
 
@@ -187,7 +188,7 @@ class Killed(Exception):
 def test_a_killed_full_evaluation_resumes_at_its_last_shard(tiny, tmp_path, monkeypatch):
   encoder = _encoder(tiny)
   expected = periodic.Evaluator(encoder, _config(tiny), None)(tiny.params)  # in memory, no shards
-  monkeypatch.setattr(periodic, "SHARD_DOCS", 10)  # 4 shards of the 40 documents
+  monkeypatch.setattr(tower_encoder, "SHARD_DOCS", 10)  # 4 shards of the 40 documents
   encode = encoder_runtime.encode_tokens
   encoded = []
 

@@ -113,6 +113,7 @@ from conftest import write_tiny_beir
 from jdr.training import trainer
 from jdr.runtime import config_files
 from jdr.runtime import defaults
+from jdr.retrieval import tower_encoder
 from jdr.evaluation import periodic
 from jdr.training import optimizers
 from jdr.runtime import parallel
@@ -128,7 +129,7 @@ built = build.build(config.model, config.data)
 data = pairs.load(config.data, sys.argv[3])
 params = trainer.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
 kwargs = dict(query_max_length=16, doc_max_length=32, tokens_per_batch=96)  # 3-row batches: padded to 8
-alone = periodic.TowerEncoder(built.model, built.tokenizer, data, **kwargs)
+alone = tower_encoder.TowerEncoder(built.model, built.tokenizer, data, **kwargs)
 reference = alone.corpus(params), alone.queries(params, sorted(data.queries)[:5])
 for shape, rules in (((8, 1, 1), "dp"), ((2, 4, 1), "fsdp")):
   mesh = parallel.make_mesh(shape)
@@ -136,7 +137,7 @@ for shape, rules in (((8, 1, 1), "dp"), ((2, 4, 1), "fsdp")):
   tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps)
   _, shardings = step.abstract_train_state(built.model, tx, config, mesh, parallel.rules_for(rules))
   sharded = jax.device_put(params, shardings.params)
-  encoder = periodic.TowerEncoder(built.model, built.tokenizer, data, mesh=mesh, **kwargs)
+  encoder = tower_encoder.TowerEncoder(built.model, built.tokenizer, data, mesh=mesh, **kwargs)
   got = encoder.corpus(sharded), encoder.queries(sharded, sorted(data.queries)[:5])
   for a, b in zip(got, reference):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

@@ -138,7 +138,7 @@ def test_host_retrieval_equals_brute_force():
 def test_adore_trains_query_tower_only(tmp_path, backend):
   """ADORE: the document tower and the corpus vectors are bitwise unchanged; the query tower learns."""
   from jdr.training import trainer  # pylint: disable=g-import-not-at-top
-  from jdr.evaluation.periodic import TowerEncoder  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval.tower_encoder import TowerEncoder  # pylint: disable=g-import-not-at-top
   data = write_tiny_beir(tmp_path / "data")
   config = _config(f"adore.py:runlocal{',jax' if backend == 'jax' else ''}", data, "num_train_steps=4",
                    "checkpoint_every=100", "eval_before_training=false")

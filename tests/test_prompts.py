@@ -175,7 +175,7 @@ def prompted_run(tmp_path_factory):
   """A tiny random two-tower model trained one step with a query and a document prompt, its batches and
   its evaluation's encoder recorded."""
   from jdr.data import pairs  # pylint: disable=g-import-not-at-top
-  from jdr.evaluation import periodic  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import tower_encoder  # pylint: disable=g-import-not-at-top
   from jdr.runtime import config_files  # pylint: disable=g-import-not-at-top
   from jdr.training import trainer  # pylint: disable=g-import-not-at-top
   root = tmp_path_factory.mktemp("prompted-run")
@@ -186,10 +186,10 @@ def prompted_run(tmp_path_factory):
                                         "eval_before_training=False", "eval.diagnostic_queries=0"])
   config.model.query_prompt, config.model.doc_prompt = QUERY_PROMPT, DOC_PROMPT
   batches, encoders = [], []
-  local, init = pairs.Batches.local, periodic.TowerEncoder.__init__
+  local, init = pairs.Batches.local, tower_encoder.TowerEncoder.__init__
   with pytest.MonkeyPatch.context() as m:
     m.setattr(pairs.Batches, "local", lambda self, step: batches.append(local(self, step)) or batches[-1])
-    m.setattr(periodic.TowerEncoder, "__init__", lambda self, *a, **k: (encoders.append(self), init(self, *a, **k))[1])
+    m.setattr(tower_encoder.TowerEncoder, "__init__", lambda self, *a, **k: (encoders.append(self), init(self, *a, **k))[1])
     trainer.train_and_evaluate(config, root / "w")
   return root / "w", batches, encoders
 

@@ -13,7 +13,7 @@ import pytest
 from jdr.data import formats
 from jdr.data import shared
 from jdr.data import text as text_lib
-from jdr.evaluation import periodic
+from jdr.retrieval import tower_encoder
 from jdr.evaluation import suite as suite_lib
 from jdr.models import build
 from jdr.runtime import config_files
@@ -56,7 +56,7 @@ def tiny():
   config = suite_config("")
   built = build.build(config.model, config.data)
   params = trainer.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
-  encoder = periodic.TowerEncoder(built.model, built.tokenizer, NO_DATA, query_max_length=16, doc_max_length=32)
+  encoder = tower_encoder.TowerEncoder(built.model, built.tokenizer, NO_DATA, query_max_length=16, doc_max_length=32)
   return types.SimpleNamespace(built=built, params=params, encoder=encoder)
 
 
@@ -211,7 +211,7 @@ def test_the_suite_scores_as_pytrec_eval_on_an_exact_ranking(tmp_path, tiny):
 def test_the_models_prompts_come_first(tmp_path, tiny):
   task = write_task(tmp_path / "t")
   prompts = {"query": "query: ", "doc": "passage: "}
-  encoder = periodic.TowerEncoder(tiny.built.model, tiny.built.tokenizer, NO_DATA, query_max_length=16,
+  encoder = tower_encoder.TowerEncoder(tiny.built.model, tiny.built.tokenizer, NO_DATA, query_max_length=16,
                                   doc_max_length=32, prompts=prompts)
   (loaded,) = suite_lib.Suite(encoder, suite_config(str(task))).tasks
   tokenizer = tiny.built.tokenizer

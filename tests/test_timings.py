@@ -25,11 +25,12 @@ def test_a_window_reads_each_parts_seconds_and_first_start_within_it():
 
 def test_the_parts_the_scale_bench_reads_are_timed_where_they_are_defined():
   from jdr.data import prepared  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import tower_encoder  # pylint: disable=g-import-not-at-top
   from jdr.evaluation import periodic  # pylint: disable=g-import-not-at-top
   from jdr.retrieval import bm25  # pylint: disable=g-import-not-at-top
   parts = {prepared.Indexer.run: "prepare_index", prepared.Tokenizer.run: "prepare_tokens",
            bm25.corpus_index: "bm25_index", bm25.mine: "bm25_mine", periodic.Evaluator.__call__: "evaluate",
-           periodic.TowerEncoder.corpus: "encode_corpus", periodic.TrainingDiagnostics.__call__: "diagnostics"}
+           tower_encoder.TowerEncoder.corpus: "encode_corpus", periodic.TrainingDiagnostics.__call__: "diagnostics"}
   for fn in parts:
     assert fn.__wrapped__, fn  # functools.wraps of timings.timed
   scale = (ROOT / "jdr" / "bench" / "scale.py").read_text()

@@ -2,7 +2,6 @@
 a lock left by a killed run is taken over, and --force takes the folder anyway."""
 
 import json
-import os
 import pathlib
 import signal
 import subprocess

@@ -28,6 +28,7 @@ from jdr.runtime import config_files
 from jdr.retrieval import encoder_runtime
 from jdr.runtime import defaults
 from jdr.evaluation import eval_candidates
+from jdr.retrieval import tower_encoder
 from jdr.evaluation import periodic
 from jdr.training import trainer
 from jdr.bench import encode_speed
@@ -47,7 +48,7 @@ def _config(args, dataset: pathlib.Path, split: str):
   return config
 
 
-def _warm_up(encoder: periodic.TowerEncoder, params, candidates, qids) -> float:
+def _warm_up(encoder: tower_encoder.TowerEncoder, params, candidates, qids) -> float:
   """Compiles the shapes the full corpus, the candidates and the queries are encoded in; returns seconds."""
   start = time.perf_counter()
   corpus = encoder.data.corpus
@@ -96,7 +97,7 @@ def main(argv=None) -> None:
   built = build.build(config.model, config.data)
   data = pairs.load(config.data, root)
   params = trainer.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
-  encoder = periodic.TowerEncoder(built.model, built.tokenizer, data, query_max_length=config.data.query_max_length,
+  encoder = tower_encoder.TowerEncoder(built.model, built.tokenizer, data, query_max_length=config.data.query_max_length,
                                     doc_max_length=config.eval.doc_max_length,
                                     tokens_per_batch=config.eval.tokens_per_batch)
   cache = root / "cache"

@@ -19,7 +19,8 @@ import types
 import jax
 import numpy as np
 
-from jdr.evaluation import periodic
+from jdr.retrieval import tower_encoder  # pylint: disable=g-import-not-at-top
+
 from jdr.evaluation import suite as suite_lib
 from jdr.models import build
 from jdr.runtime import config_files
@@ -48,7 +49,7 @@ def main(argv=None) -> None:
   built = build.build(config.model, config.data)
   params = trainer.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
   # The trainer's encoder of the model (its prompts and batching); the suite brings its own texts.
-  encoder = periodic.TowerEncoder(built.model, built.tokenizer, types.SimpleNamespace(corpus={}, queries={}),
+  encoder = tower_encoder.TowerEncoder(built.model, built.tokenizer, types.SimpleNamespace(corpus={}, queries={}),
                                   query_max_length=args.query_max_length, doc_max_length=args.doc_max_length,
                                   tokens_per_batch=args.tokens_per_batch, prompts=built.description.get("prompts"))
   start = time.perf_counter()

@@ -401,7 +401,7 @@ STAGES = {
     "adore_index": Stage(_adore_index, needs=("encode_corpus",), requires=("jdr.negatives.retrieved:HostIndex",)),
     "mine": Stage(_mine, per="query", needs=("generate",), workers=True, requires=("jdr.mine:main",)),
     "evaluate": Stage(_evaluate, per="query", needs=("generate",),
-                      requires=("jdr.evaluation.periodic:Evaluator", "jdr.evaluation.periodic:TowerEncoder",
+                      requires=("jdr.evaluation.periodic:Evaluator", "jdr.retrieval.tower_encoder:TowerEncoder",
                                 "jdr.evaluation.periodic:TrainingDiagnostics")),
 }
 BASELINE = Stage(_baseline)

@@ -189,6 +189,16 @@ def prepare(corpus_file: formats.PathLike, tokenizer=None, max_length: int | Non
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def id_sequence(corpus: collections.abc.Sequence | collections.abc.Mapping) -> collections.abc.Sequence:
+  """The corpus's doc ids in row order, without a list of N strings where the corpus can avoid one: a
+  prepared corpus gives its memory-mapped ids (decoded when indexed), a sequence is kept as it is."""
+  if hasattr(corpus, "id_sequence"):
+    return corpus.id_sequence()
+  if isinstance(corpus, collections.abc.Mapping):
+    return list(corpus)
+  return corpus
+
+
 class PreparedCorpus(collections.abc.Mapping):
   """A prepared corpus, memory-mapped: rows are documents in file order. Also a Mapping {doc id: Doc} in
   that order (what RetrievalData.corpus always was), its documents read from the corpus file when asked.

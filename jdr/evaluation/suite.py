@@ -9,7 +9,7 @@ and its corpus at eval.suite_max_docs: the evaluated queries' judged documents, 
 sample of the others (`choose_queries`, `sample_rows`). Both samples are drawn with `SAMPLE_SEED`, not the run's
 seed, so every evaluation of every run scores the same queries against the same documents, and curves compare.
 Each task is read, capped and tokenized once per run (`load_task`: arrays of token ids, nothing kept per
-document but its id); every evaluation encodes them with the trainer's towers (`periodic.TowerEncoder`: its
+document but its id); every evaluation encodes them with the trainer's towers (`tower_encoder.TowerEncoder`: its
 prompts, batching and compiled shapes), searches exactly on the host and scores with `jdr.evaluation.metrics`.
 
 Metrics (eval.metrics' names): "suite/TASK/ndcg@10" for each task and "suite/mean/ndcg@10", the mean over tasks
@@ -32,7 +32,7 @@ from jdr.data import prepared
 from jdr.data import shared
 from jdr.data import text as text_lib
 from jdr.evaluation import metrics as metrics_lib
-from jdr.evaluation import periodic
+from jdr.retrieval import tower_encoder
 from jdr.negatives import retrieved
 from jdr.runtime import config_files
 from jdr.runtime import paths
@@ -243,13 +243,13 @@ def load_task(spec: TaskSpec, *, max_docs: int, max_queries: int, doc_tokenizer,
 class Suite:
   """The suite's tasks, loaded once; `suite(params)` scores them all with the towers' params.
 
-  `encoder` is the trainer's `periodic.TowerEncoder`: its tokenizers (the model's prompts), lengths, batching and
+  `encoder` is the trainer's `tower_encoder.TowerEncoder`: its tokenizers (the model's prompts), lengths, batching and
   jitted encoders, so the suite compiles no shape the run's own evaluation has not. With a frozen document tower
   (ADORE / LTRe) each task's documents are encoded once. The search is exact, in float32, on the host (faiss):
   corpora of a few thousand vectors, searched faster than the devices would be set up for them, and the same
   numbers on every platform. `seconds` holds the last call's time a task (encoding, search and metrics)."""
 
-  def __init__(self, encoder: periodic.TowerEncoder, config: ml_collections.ConfigDict, *,
+  def __init__(self, encoder: tower_encoder.TowerEncoder, config: ml_collections.ConfigDict, *,
                doc_tower_frozen: bool = False):
     ev = config.eval
     self.encoder = encoder
@@ -303,7 +303,7 @@ class Suite:
     return results
 
 
-def make(encoder: periodic.TowerEncoder, config: ml_collections.ConfigDict, *,
+def make(encoder: tower_encoder.TowerEncoder, config: ml_collections.ConfigDict, *,
          doc_tower_frozen: bool = False) -> Suite | None:
   """eval.suite's Suite, loaded now (before training: a bad task fails here); None when eval.suite is ""."""
   return Suite(encoder, config, doc_tower_frozen=doc_tower_frozen) if check(config) else None

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from jdr.data import prepared
 from jdr.data.formats import Doc, read_run
 
 if TYPE_CHECKING:
@@ -81,7 +82,7 @@ class RandomNegatives:
   """Uniform negatives from the whole corpus, without replacement within a query (Rand Neg)."""
 
   def __init__(self, corpus_ids: Sequence[str] | Mapping[str, Doc], qrels: Qrels):
-    self.corpus_ids = id_sequence(corpus_ids)
+    self.corpus_ids = prepared.id_sequence(corpus_ids)
     self.qrels = qrels
     if not len(self.corpus_ids):
       raise ValueError("RandomNegatives needs a non-empty corpus")
@@ -108,16 +109,6 @@ class RandomNegatives:
     _check_rows(query_ids, positives, exclude, n)
     return [self.sample_one(qid, _excluded(self.qrels, qid, pos, exclude and exclude[i]), rng, n)
             for i, (qid, pos) in enumerate(zip(query_ids, positives))]
-
-
-def id_sequence(corpus: Sequence[str] | Mapping[str, Doc]) -> Sequence[str]:
-  """The corpus's doc ids in row order, without a list of N strings where the corpus can avoid one: a
-  prepared corpus gives its memory-mapped ids (decoded when indexed), a sequence is kept as it is."""
-  if hasattr(corpus, "id_sequence"):
-    return corpus.id_sequence()
-  if isinstance(corpus, Mapping):
-    return list(corpus)
-  return corpus
 
 
 class _PoolNegatives:

@@ -27,6 +27,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from jdr.data import prepared
 from jdr.runtime import atomic
 from jdr.data import pairs
 from jdr.data import refresh_triples
@@ -208,7 +209,7 @@ def _retrieval(config, data, workdir, encoder, initial_params, mesh, step_query_
   The corpus matrix exists once: memory-mapped on the host for Faiss (the batch carries its candidates'
   vectors), or on the devices for the in-step JAX search (the host keeps only the map)."""
   neg, cache, train_qids = config.negatives, workdir / "cache", pairs.training_queries(data.train_qrels)
-  corpus_ids = sampled.id_sequence(data.corpus)
+  corpus_ids = prepared.id_sequence(data.corpus)
   emb = corpus_embeddings(neg, encoder, initial_params, cache, corpus_ids)
   out = Negatives("corpus", top_n=neg.top_n, doc_emb=emb)
   if neg.retrieval_backend == "jax" and neg.retrieve_every != 0:

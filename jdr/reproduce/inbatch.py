@@ -115,13 +115,14 @@ def score_widths(workdir: pathlib.Path, dataset: pathlib.Path, widths, *, query_
   from jdr.data import formats
   from jdr.data import pairs
   from jdr.evaluation import metrics as metrics_lib
+  from jdr.retrieval import tower_encoder  # pylint: disable=g-import-not-at-top
   from jdr.evaluation import periodic
   from jdr.models import build as build_lib
   from jdr.negatives import retrieved
   model, params, tokenizer, description = build_lib.load_jdr_model(workdir)
   corpus, queries, qrels = formats.load_beir(dataset, "test")
   data = pairs.RetrievalData(corpus, queries, {}, qrels, pathlib.Path(dataset).name)
-  encoder = periodic.TowerEncoder(model, tokenizer, data, query_max_length=query_max_length,
+  encoder = tower_encoder.TowerEncoder(model, tokenizer, data, query_max_length=query_max_length,
                                   doc_max_length=doc_max_length, cache_dir=str(cache),
                                   prompts=description.get("prompts"))
   doc_emb, qids = encoder.corpus(params, progress=True), sorted(qrels)

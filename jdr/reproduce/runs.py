@@ -371,14 +371,14 @@ def evaluate_on(model, params, tokenizer, dataset: pathlib.Path, split: str, met
   evaluation, or the start's)."""
   import hashlib  # pylint: disable=g-import-not-at-top
   from jdr.retrieval import retrievers  # pylint: disable=g-import-not-at-top
-  from jdr.evaluation import periodic  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import tower_encoder  # pylint: disable=g-import-not-at-top
   from jdr.retrieval import index as index_lib  # pylint: disable=g-import-not-at-top
   from jdr.evaluation import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
   from jdr.data import formats  # pylint: disable=g-import-not-at-top
   from jdr.data import pairs  # pylint: disable=g-import-not-at-top
   corpus, queries, qrels = formats.load_beir(dataset, split)
   data = pairs.RetrievalData(corpus, queries, {}, qrels, pathlib.Path(dataset).name)
-  encoder = periodic.TowerEncoder(model, tokenizer, data, query_max_length=query_max_length,
+  encoder = tower_encoder.TowerEncoder(model, tokenizer, data, query_max_length=query_max_length,
                                     doc_max_length=doc_max_length, cache_dir=str(vector_cache), prompts=prompts)
   doc_emb = encoder.corpus(params, progress=True)
   qids = sorted(qrels)

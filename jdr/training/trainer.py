@@ -24,6 +24,7 @@ from jdr.runtime import checkpoint
 from jdr.runtime import config_files
 from jdr.training import distill
 from jdr.training import guide
+from jdr.retrieval import tower_encoder
 from jdr.evaluation import periodic
 from jdr.evaluation import suite as suite_lib
 from jdr.training import losses
@@ -110,7 +111,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
                                 rng=jax.device_put(jax.random.PRNGKey(config.seed + 1), state_shardings.rng))
 
   # ---------------------------------------------------------------- negatives (may mine with the weights)
-  encoder = periodic.TowerEncoder(
+  encoder = tower_encoder.TowerEncoder(
       model, built.tokenizer, data, query_max_length=config.data.query_max_length,
       doc_max_length=config.eval.doc_max_length or config.data.doc_max_length,
       tokens_per_batch=config.eval.tokens_per_batch, mesh=mesh, cache_dir=config.eval.corpus_cache,
