@@ -364,14 +364,14 @@ def test_a_mine_killed_by_sigkill_resumes(tmp_path, monkeypatch):
   progress = None
   deadline = time.time() + 120
   while time.time() < deadline and child.poll() is None:
-    found = list(tmp_path.glob("bm25-top8-*.partial/progress.json"))
+    found = list(tmp_path.glob("bm25-*-top8.partial/progress.json"))
     progress = json.loads(found[0].read_text()) if found else None
     if progress and progress["chunks"] >= 3:
       break
     time.sleep(0.05)
   os.kill(child.pid, signal.SIGKILL)
   child.wait()
-  progress = json.loads(next(tmp_path.glob("bm25-top8-*.partial/progress.json")).read_text())
+  progress = json.loads(next(tmp_path.glob("bm25-*-top8.partial/progress.json")).read_text())
   assert 3 <= progress["chunks"] < 10, progress
   index = bm25.index_for(TEXTS, len(TEXTS), cache_dir=tmp_path, show_progress=False)
   expected = bm25.mine(index, queries, 8, show_progress=False)

@@ -86,7 +86,7 @@ def test_bm25_candidates_score_as_a_brute_force_rerank(tiny, tmp_path):
   _close(got, {f"bm25-top5/{k}": v for k, v in oracle.items()})
   # Only the candidates were encoded, and the mined rows are kept in the cache folder.
   assert len(evaluator.candidates.unique) == len(np.unique(rows[rows >= 0])) < len(encoder.doc_ids)
-  assert list(tmp_path.glob("bm25-top5-*"))
+  assert list((bm25.kept_beside(tiny.data.corpus) or tmp_path).glob("bm25-*-top5"))
 
 
 def test_each_evaluation_says_its_kind(tiny, tmp_path):

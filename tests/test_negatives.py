@@ -329,3 +329,31 @@ def test_candidate_mask_counts_what_duplicate_texts_mask():
   counts = {}
   candidate_mask(["q", "r"], ["d1", "d2", "d8", "d3"], {"q": {"d1": 1}, "r": {"d2": 1}}, counts=counts)
   assert counts == {}
+
+
+def test_bm25_index_and_lists_kept_beside_a_prepared_corpus_serve_every_later_run(tmp_path):
+  """A second run (another workdir) over the same prepared corpus builds and mines nothing; a shallower depth
+  reads the first k columns of the deeper list, which equal a fresh mine at that depth."""
+  from conftest import write_tiny_beir  # pylint: disable=g-import-not-at-top
+  from jdr.data import formats, prepared  # pylint: disable=g-import-not-at-top
+  bm25 = bm25_lib
+  data = write_tiny_beir(tmp_path / "data", num_docs=60)
+  corpus_all, queries, qrels = formats.load_beir(data, "train")
+  corpus = prepared.prepare(data / "corpus.jsonl", out_dir=tmp_path / "prepared", progress=False)
+  first = BM25Negatives(corpus, queries, qrels, top_k=20, cache_dir=tmp_path / "w1" / "cache",
+                                show_progress=False)
+  assert not first.from_cache and first.cache_path.parent == corpus.folder / "bm25"
+  assert list((corpus.folder / "bm25").glob("bm25-index-*")) and not (tmp_path / "w1").exists()
+  bm25.OPEN.clear()  # another process: nothing in memory
+  again = prepared.prepare(data / "corpus.jsonl", out_dir=tmp_path / "prepared", progress=False)
+  second = BM25Negatives(again, queries, qrels, top_k=20, cache_dir=tmp_path / "w2" / "cache",
+                                 show_progress=False)
+  assert second.from_cache and all(second.pool(q) == first.pool(q) for q in first.qids)
+  shallow = BM25Negatives(again, queries, qrels, top_k=5, cache_dir=tmp_path / "w3" / "cache",
+                                  show_progress=False)
+  assert shallow.from_cache and shallow.cache_path == first.cache_path  # the deeper list, read
+  fresh = bm25.mine(bm25.index_for([doc_text(corpus_all[d]) for d in corpus_all], len(corpus_all)),
+                    [queries[q] for q in shallow.qids], 5, show_progress=False)
+  assert all(shallow.pool(q) == [corpus.id_sequence()[r] for r in fresh.rows[i] if r >= 0]
+             for i, q in enumerate(shallow.qids))
+

@@ -22,8 +22,11 @@ cache directory the arrays are written chunk by chunk and a killed mine resumes 
 Cache layout (NAME = the first 20 hex digits of the key):
   bm25-index-NAME/  meta.json, data.npy (float32 [nnz] weights), indices.npy (int32 [nnz] doc rows, ascending
                     within a term), indptr.npy (int64 [V + 1]), lengths.npy (int32 [N]), vocab.txt (V lines)
-  bm25-top{k}-NAME/ meta.json, rows.npy (int32 [Q, k]), scores.npy (float32 [Q, k])
+  bm25-QUERIES-top{k}/ meta.json, rows.npy (int32 [Q, k]), scores.npy (float32 [Q, k]); QUERIES names the
+                    index, the queries and their ids, so a list at a larger k serves a smaller one
   ....partial/      the same while being written, with progress.json (what is finished)
+A prepared corpus (jdr.data.prepared) keeps its index and lists in its own folder's bm25/ (`kept_beside`): a
+second run, a learning-rate sweep or `jdr.mine` over the same corpus reads them instead of building again.
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ STOPWORDS = frozenset(("a", "an", "and", "are", "as", "at", "be", "but", "by", "
                        "these", "they", "this", "to", "was", "will", "with"))
 # Bump when what an index or a mined file holds changes, so old caches are not reused.
 _INDEX_VERSION = 1
-_MINE_VERSION = 1
+_MINE_VERSION = 2  # 2: lists named by their queries, then depth (a deeper one serves a shallower)
 
 _split = re.compile(TOKEN_PATTERN).findall
 
@@ -128,6 +131,7 @@ class Index:
   lengths: np.ndarray
   _vocab: dict | None = None
   _tmp: object = None  # the temporary directory of an index built without a cache, kept alive with it
+  mined_dir: pathlib.Path | None = None  # where `mine` keeps lists over it (beside a prepared corpus)
 
   @classmethod
   def load(cls, path: str | os.PathLike) -> "Index":
@@ -211,10 +215,26 @@ def index_for(texts: Iterable[str], count: int, *, fingerprint: str | None = Non
   return index
 
 
+def kept_beside(corpus) -> pathlib.Path | None:
+  """Where a prepared corpus (jdr.data.prepared) keeps its BM25 index and mined lists: a folder beside its own
+  arrays, shared by every run and `jdr.mine` that reads it (built once, whole or not at all, one builder at a
+  time); None for a corpus that is not prepared."""
+  folder = getattr(corpus, "folder", None)
+  return pathlib.Path(folder) / "bm25" if folder is not None and getattr(corpus, "manifest", None) else None
+
+
 @timings.timed("bm25_index")
 def corpus_index(corpus: Mapping, **kwargs) -> Index:
-  """`index_for` over a {doc id: Doc} corpus, each document as `doc_text` (title + " " + text)."""
-  return index_for(_Texts(corpus), len(corpus), **kwargs)
+  """`index_for` over a {doc id: Doc} corpus, each document as `doc_text` (title + " " + text). A prepared
+  corpus is named by its own key (no pass over the texts to hash them) and its index is kept beside it
+  (`kept_beside`), whatever `cache_dir` says."""
+  beside = kept_beside(corpus)
+  if beside is not None:
+    kwargs = {**kwargs, "cache_dir": beside, "fingerprint": f"prepared:{corpus.manifest['key']}"}
+  index = index_for(_Texts(corpus), len(corpus), **kwargs)
+  if beside is not None:
+    index.mined_dir = beside  # `mine` keeps its lists there too, for every run over this corpus
+  return index
 
 
 class _Texts:
@@ -581,10 +601,13 @@ def mine(index: Index, texts: Sequence[str], k: int, cache_dir: str | os.PathLik
          query_ids: Sequence[str] | None = None, chunk_size: int = 4096, n_threads: int = -1,
          show_progress: bool = True, desc: str = "BM25 mining") -> Mined:
   """`search` for many queries, chunk by chunk on every core, with a progress bar. With `cache_dir`, the
-  result is kept there (memory-mapped when read back) under a key of the index, k, the query texts and
-  `query_ids` (when given), and a killed mine resumes at its last finished chunk."""
+  result is kept there (memory-mapped when read back) under a key of the index, the query texts and `query_ids`
+  (when given) and k, and a killed mine resumes at its last finished chunk. A kept list of the same queries at a
+  larger k serves a smaller one (its first k columns: each row is sorted by score)."""
   if k < 1:
     raise ValueError(f"k must be >= 1, got {k}")
+  # An index kept beside a prepared corpus keeps its mined lists beside it too, whatever `cache_dir` says.
+  cache_dir = getattr(index, "mined_dir", None) or cache_dir
   if query_ids is not None and len(query_ids) != len(texts):
     raise ValueError(f"{len(query_ids)} query ids for {len(texts)} query texts")
   from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
@@ -592,9 +615,13 @@ def mine(index: Index, texts: Sequence[str], k: int, cache_dir: str | os.PathLik
     n = len(texts)
     place = None
     if cache_dir is not None and n:  # nothing to keep for no queries (and no empty file can be mapped)
-      head = dict(version=_MINE_VERSION, index=index.key, k=k, queries=n, ids=query_ids is not None)
-      key = _hexkey(head, itertools.chain(query_ids or (), texts))
-      place = _Place(cache_dir, f"bm25-top{k}-{key[:20]}")
+      head = dict(version=_MINE_VERSION, index=index.key, queries=n, ids=query_ids is not None)
+      queries_key = _hexkey(head, itertools.chain(query_ids or (), texts))
+      key = _hexkey(dict(queries=queries_key, k=k))
+      deeper = _deeper(cache_dir, queries_key, n, k)
+      if deeper is not None:
+        return deeper
+      place = _Place(cache_dir, f"bm25-{queries_key[:20]}-top{k}")
       stack.enter_context(_exclusive(place.local))
       if place.fetch():
         return Mined(*_load_mined(place.local, key, n, k), place.local, True)
@@ -617,10 +644,30 @@ def mine(index: Index, texts: Sequence[str], k: int, cache_dir: str | os.PathLik
     if place is None:
       return Mined(rows, scores, None, False)
     del rows, scores
-    atomic.write_text(partial / "meta.json", json.dumps(dict(key=key, queries=n, k=k, index=index.key), indent=1))
+    atomic.write_text(partial / "meta.json", json.dumps(dict(key=key, queries_key=queries_key, queries=n, k=k,
+                                                             index=index.key), indent=1))
     _rename(partial, place.local)
     place.publish()
     return Mined(*_load_mined(place.local, key, n, k), place.local, False)
+
+
+def _deeper(cache_dir, queries_key: str, n: int, k: int) -> Mined | None:
+  """The first k columns of a finished local list of the same queries mined to a larger depth, or None."""
+  if not paths.is_local(cache_dir) or not pathlib.Path(os.fspath(cache_dir)).is_dir():
+    return None
+  found = []
+  for path in pathlib.Path(os.fspath(cache_dir)).glob(f"bm25-{queries_key[:20]}-top*"):
+    depth = path.name.rsplit("-top", 1)[1]
+    if depth.isdigit() and int(depth) > k and (path / "meta.json").exists():
+      found.append((int(depth), path))
+  if not found:
+    return None
+  depth, path = min(found)
+  meta = json.loads((path / "meta.json").read_text())
+  if meta.get("queries_key") != queries_key:
+    return None
+  rows, scores = _load_mined(path, meta["key"], n, depth)
+  return Mined(rows[:, :k], scores[:, :k], path, True)
 
 
 def _exclusive(local: pathlib.Path):
