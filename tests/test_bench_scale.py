@@ -179,3 +179,18 @@ def test_a_failed_or_timed_out_stage_is_a_result_not_a_crash(tmp_path):
   assert failed["status"] == "failed" and "KeyError: 'no_such_stage'" in failed["error"]
   timed_out = scale.run_stage("load", ctx, timeout=0.01)
   assert timed_out["status"] == "timeout" and "after 0.01 s" in timed_out["error"]
+
+
+@pytest.mark.slow
+def test_a_second_bm25_negative_run_builds_and_mines_nothing(root):
+  """bm25_first_step_again: a new workdir over the same corpus reads the BM25 index and the mined lists kept
+  beside the prepared corpus: the library's index building and query scoring are never called in it."""
+  proc = subprocess.run([sys.executable, "-m", "jdr.bench", "scale", "--passages", str(PASSAGES), "--stages",
+                         "bm25_first_step_again", "--out", str(root)], capture_output=True, text=True, timeout=600,
+                        check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  stages = json.loads(proc.stdout.strip().splitlines()[-1])["stages"]
+  first, again = stages["bm25_first_step"], stages["bm25_first_step_again"]
+  assert first["status"] == again["status"] == "ok"
+  assert first["bm25_build_s"] > 0 and first["bm25_search_s"] > 0
+  assert again["bm25_build_s"] == 0 and again["bm25_search_s"] == 0  # never called: read back

@@ -24,6 +24,12 @@ memory is its own:
                     command on a corpus prepares it (prepare_index_s, prepare_tokens_s: its two passes)
   first_step_prepared  the same command again in a new workdir: the start of every later run, the corpus
                     already prepared
+  bm25_first_step   train_first_step with BM25 negatives (negatives.source=bm25, one a query from the top 200,
+                    as configs/bm25_neg.py): the first run builds the BM25 index and mines every training query
+                    (bm25_index_s, bm25_mine_s; of which bm25_build_s and bm25_search_s are the building and
+                    the scoring), beside the prepared corpus
+  bm25_first_step_again  the same command in a new workdir: what every later run of a sweep, a seed or another
+                    BM25-negative recipe pays before its first step, index and lists read back
   bm25_mine         BM25Negatives' top 200 of every training query; load_s is reading the dataset first, and
                     index_s / mine_s the library's index and mining calls inside it, where this jdr has them
   tiny_model        a fresh model saved as a training workdir (0 steps, on the builtin data), for the stages
@@ -216,6 +222,32 @@ def _first_step_prepared(ctx: Context) -> dict:
   return _train_first_step(ctx, "train-again")
 
 
+BM25_NEGATIVES = ("negatives.source=bm25", "negatives.per_query=1", f"negatives.bm25_top_k={TOP_N}")
+
+
+def _bm25_first_step(ctx: Context, workdir_name: str = "train-bm25") -> dict:
+  from jdr import train  # pylint: disable=g-import-not-at-top
+  from jdr.training import metric_writers  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import timings  # pylint: disable=g-import-not-at-top
+  workdir = ctx.path(workdir_name)
+  argv = _train_command(ctx, workdir, "data.eval_split=", "num_train_steps=1", "log_every=1",
+                        "eval_before_training=false", "checkpoint_every=0", *BM25_NEGATIVES)
+  wall, start = time.time(), time.perf_counter()
+  with timings.window() as marks:
+    train.main(argv)
+  total = time.perf_counter() - start
+  first = next(r for r in metric_writers.read(workdir) if "train/loss" in r)
+  # bm25_build_s / bm25_search_s: building the index and scoring queries, 0 when the kept ones were read.
+  return {"seconds": first["time"] - wall, "total_s": total, "bm25_index_s": marks.seconds["bm25_index"],
+          "bm25_mine_s": marks.seconds["bm25_mine"], "bm25_build_s": marks.seconds["bm25_build"],
+          "bm25_search_s": marks.seconds["bm25_search"], "prepare_index_s": marks.seconds["prepare_index"],
+          "prepare_tokens_s": marks.seconds["prepare_tokens"], "loss": first["train/loss"]}
+
+
+def _bm25_first_step_again(ctx: Context) -> dict:
+  return _bm25_first_step(ctx, "train-bm25-again")
+
+
 def _bm25_mine(ctx: Context) -> dict:
   from jdr.data import pairs  # pylint: disable=g-import-not-at-top
   from jdr.negatives import sampled  # pylint: disable=g-import-not-at-top
@@ -392,6 +424,9 @@ STAGES = {
     "load": Stage(_load, needs=("generate",), requires=("jdr.data.pairs:load",)),
     "train_first_step": Stage(_train_first_step, needs=("generate",), requires=("jdr.train:main",)),
     "first_step_prepared": Stage(_first_step_prepared, needs=("train_first_step",), requires=("jdr.train:main",)),
+    "bm25_first_step": Stage(_bm25_first_step, needs=("generate",), workers=True, requires=("jdr.train:main",)),
+    "bm25_first_step_again": Stage(_bm25_first_step_again, needs=("bm25_first_step",), workers=True,
+                                   requires=("jdr.retrieval.bm25:kept_beside",)),
     "bm25_mine": Stage(_bm25_mine, per="query", needs=("generate",), workers=True,
                        requires=("jdr.negatives.sampled:BM25Negatives",)),
     "tiny_model": Stage(_tiny_model, per="fixed", requires=("jdr.train:main",), internal=True),

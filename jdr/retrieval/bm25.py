@@ -322,6 +322,7 @@ def _tokenized(chunks: Iterator[list[str]], workers: int) -> Iterator[tuple]:
 _SPILL = ("docs", "terms", "tfs")  # int32 postings in doc order, appended chunk by chunk while tokenizing
 
 
+@timings.timed("bm25_build")
 def build_index(texts: Iterable[str], count: int, final: pathlib.Path, meta: dict, *, workers: int | None,
            chunk_docs: int, show_progress: bool) -> pathlib.Path:
   """Writes the index of `texts` to `final` through `final`.partial, resuming a killed build there."""
@@ -567,6 +568,7 @@ class Scorer:
     self.touched = np.empty((self.lanes, block + 1), np.int32)  # + 1: the slot a seen doc writes, uncounted
     self.arrays = [np.asarray(a) for a in (index.data, index.indices, index.indptr)]
 
+  @timings.timed("bm25_search")
   def __call__(self, texts: Sequence[str], k: int) -> tuple[np.ndarray, np.ndarray]:
     terms, starts = self.index.query_terms(texts)
     rows, scores = np.empty((len(texts), k), np.int32), np.empty((len(texts), k), np.float32)
