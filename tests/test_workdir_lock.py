@@ -91,3 +91,23 @@ def test_object_storage_lease_refuses_a_live_owner_and_takes_an_expired_one(fake
                                                           "command": "dead", "expires": time.time() - 1}))
   with workdir_lock.held(folder, "third"):
     assert "which has expired: taken over" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["encode", "mine", "reproduce"])
+def test_encode_mine_and_reproduce_refuse_a_busy_out(tmp_path, command):
+  from conftest import write_tiny_beir  # pylint: disable=g-import-not-at-top
+  data = write_tiny_beir(tmp_path / "data")
+  out = tmp_path / "out"
+  args = {"encode": ["jdr.encode", "--model", "minilm", "--corpus", data, "--out", out],
+          "mine": ["jdr.mine", "--data", data, "--out", out],
+          "reproduce": ["jdr.reproduce", "inbatch-ablation", "--tiny", "--out", out]}[command]
+  holder = _hold(out)
+  try:
+    proc = subprocess.run([sys.executable, "-m", *map(str, args)], capture_output=True, text=True, timeout=300)
+  finally:
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr
+  assert proc.stderr.strip().splitlines()[-1].startswith(f"error: {out} is in use by pid {holder.pid}")
+  assert sorted(p.name for p in out.iterdir()) == [".jdr-lock"]
