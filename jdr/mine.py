@@ -188,7 +188,7 @@ class Retriever:
               f"(e.g. {missing[:3]}): they get no negatives", file=sys.stderr)
       return ranked.rows, np.where(ranked.rows >= 0, ranked.scores, np.nan).astype(np.float32), None
     from jdr.retrieval import encoder_runtime  # pylint: disable=g-import-not-at-top
-    from jdr.negatives import retrieved  # pylint: disable=g-import-not-at-top
+    from jdr.retrieval import host_search  # pylint: disable=g-import-not-at-top
     doc_emb = self.doc_emb()
     if self._query_runtime is None:
       self._query_runtime = encoder_runtime.load_runtime(self.args.model, side="query",
@@ -196,7 +196,7 @@ class Retriever:
                                                     prompt=self.args.query_prompt)
       print(encoder_runtime.length_line(self._query_runtime, "queries"), file=sys.stderr)
     query_emb = encoder_runtime.encode_texts(self._query_runtime, texts)
-    rows, scores = retrieved.exact_top_rows(doc_emb, query_emb, depth, progress=f"dense candidates ({tag})")
+    rows, scores = host_search.exact_top_rows(doc_emb, query_emb, depth, progress=f"dense candidates ({tag})")
     return rows, np.where(rows >= 0, scores, np.nan).astype(np.float32), query_emb
 
   def doc_emb(self):

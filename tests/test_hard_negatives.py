@@ -32,6 +32,7 @@ def _config(recipe: str, data, *overrides):
 
 def test_replace_last_rule():
   """LTRe Algorithm 1 line 4: only a list without any relevant document gets its last entry replaced."""
+  from jdr.retrieval import host_search  # pylint: disable=g-import-not-at-top
   from jdr.negatives import retrieved  # pylint: disable=g-import-not-at-top
   rows = jnp.array([[5, 6, 7, 8], [1, 2, 3, 4], [9, 3, 10, 11]])
   positives = jnp.array([[2, 7, -1], [4, -1, -1], [12, 13, 3]])  # column 0 = the batch positive
@@ -121,12 +122,12 @@ def test_host_retrieval_equals_brute_force():
   rng = np.random.default_rng(1)
   corpus = rng.normal(size=(2000, 32)).astype(np.float32)
   queries = rng.normal(size=(16, 32)).astype(np.float32)
-  retriever, recon = retrieved.reconstruct(corpus, "Flat")
+  retriever, recon = host_search.reconstruct(corpus, "Flat")
   np.testing.assert_array_equal(recon, corpus)
-  rows = retrieved.top_rows(retriever, queries, 100)
+  rows = host_search.top_rows(retriever, queries, 100)
   expected = np.argsort(-(queries.astype(np.float64) @ corpus.T.astype(np.float64)), axis=1)[:, :100]
   np.testing.assert_array_equal(rows, expected)
-  pq, recon = retrieved.reconstruct(corpus, "OPQ8,IVF1,PQ8", train_size=2000)
+  pq, recon = host_search.reconstruct(corpus, "OPQ8,IVF1,PQ8", train_size=2000)
   assert np.abs(recon - corpus).max() > 1e-3  # compressed: not the original vectors
   scores, ids = pq.search(queries, 10)
   rows = np.array([[int(i) for i in r] for r in ids])

@@ -7,6 +7,8 @@ import ml_collections
 import numpy as np
 import pytest
 
+from jdr.retrieval import host_search  # pylint: disable=g-import-not-at-top
+
 from jdr.negatives import retrieved
 from jdr.negatives import sampled
 from jdr.negatives import sources
@@ -23,7 +25,7 @@ def test_exact_top_rows_equals_brute_force(backend):
   rng = np.random.default_rng(0)
   doc_emb = rng.normal(size=(300, 16)).astype(np.float32)
   queries = rng.normal(size=(37, 16)).astype(np.float32)
-  rows, scores = retrieved.exact_top_rows(doc_emb, queries, 20, backend, "float32", batch=8)
+  rows, scores = host_search.exact_top_rows(doc_emb, queries, 20, backend, "float32", batch=8)
   expected_rows, expected_scores = brute_force(doc_emb, queries, 20)
   assert rows.dtype == np.int32 and scores.dtype == np.float32 and rows.shape == (37, 20)
   np.testing.assert_array_equal(rows, expected_rows)
@@ -35,7 +37,7 @@ def test_exact_top_rows_pads_a_short_corpus(backend):
   rng = np.random.default_rng(1)
   doc_emb = rng.normal(size=(5, 8)).astype(np.float32)
   queries = rng.normal(size=(3, 8)).astype(np.float32)
-  rows, scores = retrieved.exact_top_rows(doc_emb, queries, 7, backend, "float32")
+  rows, scores = host_search.exact_top_rows(doc_emb, queries, 7, backend, "float32")
   np.testing.assert_array_equal(rows[:, :5], brute_force(doc_emb, queries, 5)[0])
   assert (rows[:, 5:] == -1).all() and np.isneginf(scores[:, 5:]).all()
 
@@ -47,14 +49,14 @@ def test_exact_top_rows_reads_a_memory_mapped_matrix(tmp_path):
   np.save(tmp_path / "emb.npy", doc_emb)
   mapped = np.load(tmp_path / "emb.npy", mmap_mode="r")
   queries = rng.normal(size=(9, 12)).astype(np.float32)
-  np.testing.assert_array_equal(retrieved.exact_top_rows(mapped, queries, 10, "faiss")[0],
+  np.testing.assert_array_equal(host_search.exact_top_rows(mapped, queries, 10, "faiss")[0],
                                 brute_force(doc_emb, queries, 10)[0])
 
 
 def test_unknown_mining_backend_is_refused():
   with pytest.raises(ValueError, match="mining backend"):
-    retrieved.mining_backend("gpu")
-  assert retrieved.mining_backend("auto") == "faiss"  # this host has no accelerator
+    host_search.mining_backend("gpu")
+  assert host_search.mining_backend("auto") == "faiss"  # this host has no accelerator
 
 
 def test_drop_rows_keeps_rank_order_without_the_excluded():
@@ -164,7 +166,7 @@ def test_host_vectors_serve_every_missing_positive_rule(rule):
   positive_rows[:, 0] = rng.integers(0, 60, size=5)
   positive_rows[1, 1] = cand_rows[1, 3]  # a retrieved positive
   positive_rows[2, :2] = cand_rows[2, :2]
-  vectors = retrieved.HostVectors(matrix=matrix)
+  vectors = host_search.HostVectors(matrix=matrix)
   rows, _, _ = retrieved.candidates(jnp.asarray(cand_rows), jnp.asarray(positive_rows), rule)
   got = retrieved.vectors_of(rows, jnp.asarray(cand_rows), jnp.asarray(vectors(cand_rows)),
                              jnp.asarray(positive_rows), jnp.asarray(vectors(positive_rows)))
@@ -179,12 +181,12 @@ def test_compressed_host_index_decodes_what_it_searches():
   (sa_decode of sa_encode), and its search finds the rows faiss's own index finds."""
   rng = np.random.default_rng(7)
   emb = rng.normal(size=(3000, 16)).astype(np.float32)
-  index = retrieved.HostIndex(emb, "OPQ4,IVF1,PQ4", seed=0, train_size=2000)
+  index = host_search.HostIndex(emb, "OPQ4,IVF1,PQ4", seed=0, train_size=2000)
   assert index.vectors.matrix is None and index.vectors.codes.shape == (3000, index.vectors.codes.shape[1])
   rows = rng.integers(-1, 3000, size=(4, 6))
   got = index.vectors(rows)
   assert not got[rows < 0].any()
-  retriever, decoded = retrieved.reconstruct(emb, "OPQ4,IVF1,PQ4", train_size=2000)
+  retriever, decoded = host_search.reconstruct(emb, "OPQ4,IVF1,PQ4", train_size=2000)
   np.testing.assert_allclose(got[rows >= 0], decoded[rows[rows >= 0]], rtol=1e-6, atol=1e-6)
   queries = rng.normal(size=(5, 16)).astype(np.float32)
   _, ids = retriever.search(queries, 10)

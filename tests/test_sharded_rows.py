@@ -7,7 +7,7 @@ import pytest
 from jdr.retrieval import index as index_lib
 from jdr.retrieval import sharded_rows
 from jdr.retrieval import topk
-from jdr.negatives import retrieved
+from jdr.retrieval import host_search
 
 
 def shards(tmp_path, sizes=(7, 0, 13, 5), dim=4, seed=0):
@@ -40,8 +40,8 @@ def test_indexing_equals_the_concatenation(tmp_path):
 def test_search_over_shards_equals_search_over_the_whole(tmp_path, backend):
   rows, whole = shards(tmp_path, sizes=(40, 1, 33, 26), dim=8, seed=1)
   queries = np.random.default_rng(2).normal(size=(6, 8)).astype(np.float32)
-  got_rows, got_scores = retrieved.exact_top_rows(rows, queries, 15, backend, "float32")
-  want_rows, want_scores = retrieved.exact_top_rows(whole, queries, 15, backend, "float32")
+  got_rows, got_scores = host_search.exact_top_rows(rows, queries, 15, backend, "float32")
+  want_rows, want_scores = host_search.exact_top_rows(whole, queries, 15, backend, "float32")
   np.testing.assert_array_equal(got_rows, want_rows)
   np.testing.assert_allclose(got_scores, want_scores, rtol=1e-6)
 
@@ -56,8 +56,8 @@ def test_ties_across_shards_go_to_the_earlier_row(tmp_path):
     mapped.append(np.load(tmp_path / f"same-{i}.npy", mmap_mode="r"))
   rows, same = sharded_rows.ShardedRows(mapped), np.repeat(vector, 21, axis=0)
   queries = np.random.default_rng(6).normal(size=(3, 8)).astype(np.float32)
-  got_rows, _ = retrieved.exact_top_rows(rows, queries, 15, "faiss", "float32")
-  want_rows, _ = retrieved.exact_top_rows(same, queries, 15, "faiss", "float32")
+  got_rows, _ = host_search.exact_top_rows(rows, queries, 15, "faiss", "float32")
+  want_rows, _ = host_search.exact_top_rows(same, queries, 15, "faiss", "float32")
   np.testing.assert_array_equal(got_rows, want_rows)
   np.testing.assert_array_equal(got_rows, np.tile(np.arange(15), (3, 1)))
 
@@ -75,7 +75,7 @@ def test_placed_and_indexed_without_a_copy_equal_the_whole(tmp_path, monkeypatch
     plain = index_lib.make_retriever(kind, 8)
     plain.add(whole, ids)
     assert sharded.search(queries, 9)[1] == plain.search(queries, 9)[1]
-  np.testing.assert_array_equal(retrieved.HostVectors(matrix=rows)(np.array([[512, -1], [0, 301]])),
+  np.testing.assert_array_equal(host_search.HostVectors(matrix=rows)(np.array([[512, -1], [0, 301]])),
                                 np.stack([[whole[512], np.zeros(8)], [whole[0], whole[301]]]))
 
 

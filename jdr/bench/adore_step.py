@@ -89,8 +89,9 @@ class Bench:
     from jdr.training import optimizers
     from jdr.runtime import parallel
     from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
+    from jdr.retrieval import host_search  # pylint: disable=g-import-not-at-top
     from jdr.negatives import retrieved  # pylint: disable=g-import-not-at-top
-    self.args, self.parallel, self.retrieved = args, parallel, retrieved
+    self.args, self.parallel, self.retrieved, self.host_search = args, parallel, retrieved, host_search
     config = recipe_config(args)
     self.mesh = mesh = mesh if mesh is not None else parallel.make_mesh(config.mesh.shape)
     parallel.check_batch_size(config.batch_size, mesh)
@@ -126,7 +127,7 @@ class Bench:
 
   def faiss(self, emb: np.ndarray, positives: np.ndarray, factory: str) -> dict:
     start = time.perf_counter()
-    index = self.retrieved.HostIndex(emb, factory, seed=0, train_size=self.args.train_size)
+    index = self.host_search.HostIndex(emb, factory, seed=0, train_size=self.args.train_size)
     build_s = time.perf_counter() - start
     # The jitted step takes a corpus argument; with the batch's candidate vectors (what the host retrieval
     # adds, as in training) it scores those and never reads it.

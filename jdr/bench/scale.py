@@ -38,7 +38,7 @@ memory is its own:
                     vectors written in jdr.encode's layout instead (its shards, ids and meta.json), for sizes where
                     the tiny model's encoding alone would take hours: the later stages read them as they read an
                     encoding, and what they measure (memory, search) does not depend on the vectors' values
-  dense_mine        jdr.negatives.retrieved.exact_top_rows: the top 200 of every training query (--dense-queries N:
+  dense_mine        jdr.retrieval.host_search.exact_top_rows: the top 200 of every training query (--dense-queries N:
                     a seeded sample of N of them) over encode_corpus's vectors (load_s: reading them,
                     encode_queries_s: the queries' vectors; seconds_per_query: the search's)
   adore_index       ADORE's fixed index as the trainer holds it (Faiss): encode_corpus's vectors memory-mapped,
@@ -329,6 +329,7 @@ def _dense_mine(ctx: Context) -> dict:
   from jdr.retrieval import encodings  # pylint: disable=g-import-not-at-top
   from jdr.data import formats  # pylint: disable=g-import-not-at-top
   from jdr.data import msmarco  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import host_search  # pylint: disable=g-import-not-at-top
   from jdr.negatives import retrieved  # pylint: disable=g-import-not-at-top
   where = msmarco.files(ctx.data, "train")
   start = time.perf_counter()
@@ -345,7 +346,7 @@ def _dense_mine(ctx: Context) -> dict:
   runtime = encoder_runtime.load_runtime(str(ctx.path("tiny-model")), side="query")
   query_emb = encoder_runtime.encode_texts(runtime, [queries[q] for q in qids])
   encoded = time.perf_counter()
-  rows, _ = retrieved.exact_top_rows(doc_emb, query_emb, TOP_N, ctx.dense_backend)
+  rows, _ = host_search.exact_top_rows(doc_emb, query_emb, TOP_N, ctx.dense_backend)
   end = time.perf_counter()
   return {"seconds": end - encoded, "load_s": loaded - start, "encode_queries_s": encoded - loaded,
           "queries": len(qids), "training_queries": total, "seconds_per_query": (end - encoded) / len(qids),
@@ -366,7 +367,7 @@ def _adore_index(ctx: Context) -> dict:
   anon_peak = anon_before
   start = time.perf_counter()
   emb, _, _ = encodings.load_embeddings(ctx.path("encoding"))
-  index = retrieved.HostIndex(emb, "Flat")
+  index = host_search.HostIndex(emb, "Flat")
   built = time.perf_counter()
   rng = np.random.default_rng(ctx.seed)
   for _ in range(ADORE_STEPS):
@@ -432,8 +433,8 @@ STAGES = {
     "tiny_model": Stage(_tiny_model, per="fixed", requires=("jdr.train:main",), internal=True),
     "encode_corpus": Stage(_encode_corpus, needs=("generate", "tiny_model"), requires=("jdr.encode:main",)),
     "dense_mine": Stage(_dense_mine, per="query", needs=("encode_corpus", "tiny_model"),
-                        requires=("jdr.negatives.retrieved:exact_top_rows",)),
-    "adore_index": Stage(_adore_index, needs=("encode_corpus",), requires=("jdr.negatives.retrieved:HostIndex",)),
+                        requires=("jdr.retrieval.host_search:exact_top_rows",)),
+    "adore_index": Stage(_adore_index, needs=("encode_corpus",), requires=("jdr.retrieval.host_search:HostIndex",)),
     "mine": Stage(_mine, per="query", needs=("generate",), workers=True, requires=("jdr.mine:main",)),
     "evaluate": Stage(_evaluate, per="query", needs=("generate",),
                       requires=("jdr.evaluation.periodic:Evaluator", "jdr.retrieval.tower_encoder:TowerEncoder",

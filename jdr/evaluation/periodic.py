@@ -28,6 +28,7 @@ from jdr.runtime import timings
 from jdr.evaluation import reranking
 from jdr.retrieval import topk
 from jdr.data import formats
+from jdr.retrieval import host_search
 from jdr.negatives import retrieved
 from jdr.negatives import sampled
 
@@ -107,7 +108,7 @@ class Evaluator:
     self.factories = [f.strip() for f in _split_factories(config.eval.factories)] or ["Flat"]
     self.doc_tower_frozen = doc_tower_frozen
     self.diagnostics = diagnostics
-    self._fixed: dict[str, retrieved.HostIndex] = {}
+    self._fixed: dict[str, host_search.HostIndex] = {}
     # A frozen document tower's corpus vectors, when the caller already has them (ADORE's fixed index), and
     # their copy on the devices, when its step searches there: searched here too, never copied again.
     self._fixed_emb = fixed_doc_emb if doc_tower_frozen else None
@@ -151,7 +152,7 @@ class Evaluator:
     Flat matrix. Flat is the exact search, on the mesh (eval.backend=jax, the first factory) or by faiss.knn
     over the vectors where they lie (memory-mapped shards); a compressed factory is a Faiss index of its
     codes, kept for every evaluation when the document tower is frozen."""
-    if retrieved.is_flat(factory):
+    if host_search.is_flat(factory):
       if first and self.fixed_corpus is not None:  # ADORE's matrix on the devices: its own placement
         corpus = self.fixed_corpus
         if k not in self._fixed_search:
@@ -160,11 +161,11 @@ class Evaluator:
         scores, rows = jax.device_get(self._fixed_search[k](np.asarray(query_emb, np.float32)))
         return np.asarray(rows, np.int32), np.asarray(scores, np.float32)
       backend = self.config.eval.backend if first else "faiss"
-      return retrieved.exact_top_rows(doc_emb, query_emb, k, backend, self.config.eval.corpus_dtype,
+      return host_search.exact_top_rows(doc_emb, query_emb, k, backend, self.config.eval.corpus_dtype,
                                       mesh=self.mesh if backend == "jax" else None)
     index = self._fixed.get(factory)
     if index is None:
-      index = retrieved.HostIndex(doc_emb, factory, seed=self.config.seed)
+      index = host_search.HostIndex(doc_emb, factory, seed=self.config.seed)
       if self.doc_tower_frozen:
         self._fixed[factory] = index
     return index.search_scored(query_emb, k)
@@ -194,7 +195,7 @@ class Evaluator:
       results.update({prefix + k: v for k, v in scored.items()})
     for dim in (m for m in self.matryoshka_dims if m < query_emb.shape[1]):
       cut = functools.partial(prefix_vectors, dim=dim, normalize=self.encoder._model.query.normalize)
-      rows, scores = retrieved.exact_top_rows(cut(doc_emb), cut(query_emb), k, "faiss", "float32")
+      rows, scores = host_search.exact_top_rows(cut(doc_emb), cut(query_emb), k, "faiss", "float32")
       run = {q: {self.encoder.doc_ids[int(r)]: float(v) for r, v in zip(row, score) if r >= 0}
              for q, row, score in zip(self.qids, rows, scores)}
       results.update({f"dim{dim}/{name}": v for name, v in metrics_lib.evaluate(qrels, run, self.metric_names).items()})
@@ -282,7 +283,7 @@ class TrainingDiagnostics:
     if not self.qids:
       return {}
     n = min(self.n, len(doc_emb))
-    rows, _ = retrieved.exact_top_rows(doc_emb, self.encoder.queries(params, self.qids), n)
+    rows, _ = host_search.exact_top_rows(doc_emb, self.encoder.queries(params, self.qids), n)
     out = {f"overlap_bm25@{n}": retrieved.overlap(rows, self.bm25_rows()[:, :n])}
     if self.negatives is not None and self.negatives.pools_in_use is not None:
       out[f"overlap_negatives@{n}"] = retrieved.overlap(rows, self.negatives.pools_in_use(self.qids)[:, :n])

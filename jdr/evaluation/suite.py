@@ -33,7 +33,7 @@ from jdr.data import shared
 from jdr.data import text as text_lib
 from jdr.evaluation import metrics as metrics_lib
 from jdr.retrieval import tower_encoder
-from jdr.negatives import retrieved
+from jdr.retrieval import host_search
 from jdr.runtime import config_files
 from jdr.runtime import paths
 
@@ -286,7 +286,7 @@ class Suite:
     query_emb = self.encoder.query_vectors(params, task.query_tokens)
     doc_emb = self.doc_vectors(params, task)
     k = min(self.top_k, len(task.doc_ids))
-    rows, scores = retrieved.exact_top_rows(doc_emb, query_emb, k, "faiss", "float32")
+    rows, scores = host_search.exact_top_rows(doc_emb, query_emb, k, "faiss", "float32")
     return {q: {task.doc_ids[int(r)]: float(s) for r, s in zip(row, score) if r >= 0}
             for q, row, score in zip(task.qids, rows, scores)}
 

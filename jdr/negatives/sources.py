@@ -36,6 +36,7 @@ from jdr.retrieval import encodings
 from jdr.runtime import paths
 from jdr.negatives import given
 from jdr.negatives import refresh
+from jdr.retrieval import host_search
 from jdr.negatives import retrieved
 from jdr.negatives import sampled
 from jdr.negatives import training_files
@@ -99,7 +100,7 @@ def check(config: ml_collections.ConfigDict) -> None:
       raise ValueError(f"negatives.index_factory={neg.index_factory!r} needs retrieval_backend=faiss "
                        "(the JAX back-end is exact top-k over the flat matrix)")
   if neg.source in ("dense_static", "ance"):
-    retrieved.mining_backend(neg.mine_backend)  # refuses an unknown name before anything is loaded
+    host_search.mining_backend(neg.mine_backend)  # refuses an unknown name before anything is loaded
   if neg.source == "ance" and neg.refresh_every < 1:
     raise ValueError("negatives.source='ance' needs negatives.refresh_every >= 1 (steps between refreshes)")
   if neg.pair_weighting != "none" and neg.source == "retrieval":
@@ -216,7 +217,7 @@ def _retrieval(config, data, workdir, encoder, initial_params, mesh, step_query_
     out.corpus = retrieved.put_corpus(emb, corpus_ids, mesh, neg.corpus_dtype)
     out.retrieve_in_step = True
     return out
-  index = retrieved.HostIndex(emb, neg.index_factory, seed=config.seed)
+  index = host_search.HostIndex(emb, neg.index_factory, seed=config.seed)
   if neg.retrieve_every == 0:
     # Mined once with the starting query tower, then fixed: the ablation that isolates "dynamic".
     path = cache / _cache_name("retrieval_static", neg.top_n, encoder, train_qids)
@@ -391,7 +392,7 @@ def mine_rows(encoder, params, qids: list[str], n: int, path: pathlib.Path | Non
   if path is not None and path.exists():
     return paths.load_npy(path)
   doc_emb = encoder.corpus(params, progress=path is not None, shards_dir=shards_dir)
-  rows, _ = retrieved.exact_top_rows(doc_emb, encoder.queries(params, qids), n, backend, dtype,
+  rows, _ = host_search.exact_top_rows(doc_emb, encoder.queries(params, qids), n, backend, dtype,
                                      progress="mining" if path is not None else None)
   if path is not None:
     atomic.write_atomic(path, lambda f: np.save(f, rows))

@@ -118,7 +118,7 @@ def score_widths(workdir: pathlib.Path, dataset: pathlib.Path, widths, *, query_
   from jdr.retrieval import tower_encoder  # pylint: disable=g-import-not-at-top
   from jdr.evaluation import periodic
   from jdr.models import build as build_lib
-  from jdr.negatives import retrieved
+  from jdr.retrieval import host_search  # pylint: disable=g-import-not-at-top
   model, params, tokenizer, description = build_lib.load_jdr_model(workdir)
   corpus, queries, qrels = formats.load_beir(dataset, "test")
   data = pairs.RetrievalData(corpus, queries, {}, qrels, pathlib.Path(dataset).name)
@@ -130,7 +130,7 @@ def score_widths(workdir: pathlib.Path, dataset: pathlib.Path, widths, *, query_
   results = {}
   for width in widths:
     cut = lambda x: periodic.prefix_vectors(x, width, model.query.normalize)
-    rows, scores = retrieved.exact_top_rows(cut(doc_emb), cut(query_emb), 100, "faiss", "float32")
+    rows, scores = host_search.exact_top_rows(cut(doc_emb), cut(query_emb), 100, "faiss", "float32")
     run = {q: {encoder.doc_ids[int(r)]: float(v) for r, v in zip(row, score) if r >= 0}
            for q, row, score in zip(qids, rows, scores)}
     prefix = "" if width >= doc_emb.shape[1] else f"dim{width}/"
