@@ -118,7 +118,7 @@ def test_in_step_retrieval_equals_brute_force(devices):
 def test_host_retrieval_equals_brute_force():
   """Faiss on the host (flat) gives the brute-force top-n as corpus rows, and the reconstruction of a flat
   index is the embeddings themselves; a PQ index's reconstruction reproduces its own search scores."""
-  from jdr.negatives import retrieved  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import host_search  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(1)
   corpus = rng.normal(size=(2000, 32)).astype(np.float32)
   queries = rng.normal(size=(16, 32)).astype(np.float32)

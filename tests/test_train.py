@@ -349,9 +349,15 @@ def test_every_recipe_trains(tmp_path, recipe):
   losses = _losses(tmp_path / "w")
   assert len(losses) == 3 and all(np.isfinite(losses))
   assert [p.name for p in (tmp_path / "w" / "checkpoints").iterdir() if p.name.isdigit()] == ["3"]
-  if config.negatives.source in ("bm25", "bm25_random", "dense_static", "retrieval"):
-    # What was mined once (BM25 candidates, the starting model's top-n or corpus vectors) is cached.
+  if config.negatives.source in ("dense_static", "retrieval"):
+    # What was mined once (the starting model's top-n or corpus vectors) is cached in the workdir.
     assert (tmp_path / "w" / "cache").exists()
+  if config.negatives.source in ("bm25", "bm25_random"):
+    # BM25's index and candidates are kept beside the prepared corpus, for every later run over it.
+    from jdr.data import pairs  # pylint: disable=g-import-not-at-top
+    from jdr.retrieval import bm25  # pylint: disable=g-import-not-at-top
+    beside = bm25.kept_beside(pairs.load(config.data, tmp_path / "w").corpus)
+    assert beside is not None and list(beside.glob("bm25-*-top*"))
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ underneath), so there is one encode path.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Sequence
 
 import jax
