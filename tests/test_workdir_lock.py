@@ -43,7 +43,7 @@ def test_second_holder_refused_naming_the_owner_then_taken_after_it_dies(tmp_pat
   with workdir_lock.held(tmp_path / "w", "third"):
     assert "which has ended: taken over" in capsys.readouterr().err
     assert json.loads((tmp_path / "w" / ".jdr-lock").read_text())["command"] == "third"
-  assert (tmp_path / "w" / ".jdr-lock").read_text() == ""  # released cleanly
+  assert (tmp_path / "w" / ".jdr-lock").read_text() == ""  # reclaimd cleanly
   with workdir_lock.held(tmp_path / "w", "fourth"):
     assert capsys.readouterr().err == ""
 
@@ -76,18 +76,18 @@ def test_two_trainings_on_one_workdir_one_refused(tmp_path):
   assert sorted(p.name for p in (tmp_path / "w").iterdir()) == [".jdr-lock"]  # nothing written
 
 
-def test_object_storage_lease_refuses_a_live_owner_and_takes_an_expired_one(fake_gcs, monkeypatch, capsys):
+def test_object_storage_claim_refuses_a_live_owner_and_takes_an_expired_one(fake_gcs, monkeypatch, capsys):
   from etils import epath  # pylint: disable=g-import-not-at-top
   folder = "gs://bucket/w"
   with workdir_lock.held(folder, "first"):
-    lease = json.loads(epath.Path(folder, ".jdr-lease").read_text())
-    assert lease["command"] == "first" and lease["expires"] > time.time() + 200
+    claim = json.loads(epath.Path(folder, ".jdr-claim").read_text())
+    assert claim["command"] == "first" and claim["expires"] > time.time() + 200
     with pytest.raises(workdir_lock.Busy, match="is in use by pid .* \\(first\\)"):
       with workdir_lock.held(folder, "second"):
         pass
-  assert not epath.Path(folder, ".jdr-lease").exists()  # released
-  # A lease whose owner died without releasing it: refused until it expires, then taken over.
-  epath.Path(folder, ".jdr-lease").write_text(json.dumps({"host": "h", "pid": 1, "started": "t",
+  assert not epath.Path(folder, ".jdr-claim").exists()  # reclaimd
+  # A claim whose owner died without releasing it: refused until it expires, then taken over.
+  epath.Path(folder, ".jdr-claim").write_text(json.dumps({"host": "h", "pid": 1, "started": "t",
                                                           "command": "dead", "expires": time.time() - 1}))
   with workdir_lock.held(folder, "third"):
     assert "which has expired: taken over" in capsys.readouterr().err

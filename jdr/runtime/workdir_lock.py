@@ -6,9 +6,9 @@ the owner. The kernel drops the lock when its process dies however it dies, so a
 taken over, saying whose it was; nothing stale ever blocks. `force` takes the folder even from a live owner (the
 folder on a shared disk seen from another host whose lock the kernel here cannot see, or on purpose).
 
-Object storage (gs://) has no file locks: there the lock is a lease, FOLDER/.jdr-lease holding the owner and
-an expiry LEASE_SECONDS ahead, renewed every RENEW_SECONDS by a background thread while the run lives and
-deleted when it ends. A second run refuses while the lease is live; one whose owner died without deleting it is
+Object storage (gs://) has no file locks: there the lock is a claim file, FOLDER/.jdr-claim holding the owner and
+an expiry CLAIM_SECONDS ahead, renewed every RENEW_SECONDS by a background thread while the run lives and
+deleted when it ends. A second run refuses while the claim is live; one whose owner died without deleting it is
 taken over once it expires, saying so. In a multi-host job the first process holds the lock for all (every
 process writes into the same folder as one run).
 """
@@ -28,8 +28,8 @@ from typing import Iterator
 from jdr.runtime import paths
 
 NAME = ".jdr-lock"
-LEASE = ".jdr-lease"
-LEASE_SECONDS = 300.0  # a lease not renewed for this long belongs to a run that has died
+CLAIM = ".jdr-claim"
+CLAIM_SECONDS = 300.0  # a claim not renewed for this long belongs to a run that has died
 RENEW_SECONDS = 60.0
 
 
@@ -55,7 +55,7 @@ def held(folder: paths.PathLike, command: str, *, force: bool = False, process_i
     yield
     return
   if not paths.is_local(folder):
-    with _leased(folder, command, force):
+    with _claimed(folder, command, force):
       yield
     return
   created = not folder.exists()
@@ -80,7 +80,7 @@ def held(folder: paths.PathLike, command: str, *, force: bool = False, process_i
     try:
       yield
     finally:
-      os.ftruncate(fd, 0)  # an empty lock file: released cleanly, nothing to report next time
+      os.ftruncate(fd, 0)  # an empty lock file: reclaimd cleanly, nothing to report next time
   finally:
     os.close(fd)
     # A folder this run made and left empty (it stopped before writing anything) is not left behind.
@@ -95,38 +95,38 @@ def _owner(command: str) -> dict:
 
 
 @contextlib.contextmanager
-def _leased(folder, command: str, force: bool) -> Iterator[None]:
-  """The lease on object storage (see the module note)."""
-  lease = folder / LEASE
+def _claimed(folder, command: str, force: bool) -> Iterator[None]:
+  """The claim on object storage (see the module note)."""
+  claim = folder / CLAIM
   now = time.time()
-  if lease.exists():
-    raw = lease.read_text()
+  if claim.exists():
+    raw = claim.read_text()
     try:
       expires = float(json.loads(raw)["expires"])
     except (ValueError, KeyError, TypeError):
       expires = 0.0
     if expires > now and not force:
-      raise Busy(f"{folder} is in use by {_owner_text(raw)} (its lease is renewed while it runs); wait for it to "
+      raise Busy(f"{folder} is in use by {_owner_text(raw)} (its claim is renewed while it runs); wait for it to "
                  "finish, or pass --force if it is not running")
     print(f"{folder}: " + (f"taking it from {_owner_text(raw)} (--force)" if expires > now else
-                           f"a lease left by {_owner_text(raw)}, which has expired: taken over"), file=sys.stderr)
+                           f"a claim left by {_owner_text(raw)}, which has expired: taken over"), file=sys.stderr)
   owner = _owner(command)
-  write = lambda: lease.write_text(json.dumps({**owner, "expires": time.time() + LEASE_SECONDS}))
+  write = lambda: claim.write_text(json.dumps({**owner, "expires": time.time() + CLAIM_SECONDS}))
   folder.mkdir(parents=True, exist_ok=True)
   write()
-  # Object storage has no atomic create: of two runs that wrote at once, the one whose lease is read back holds it.
-  if json.loads(lease.read_text())["pid"] != owner["pid"] and not force:
-    raise Busy(f"{folder} is in use by {_owner_text(lease.read_text())}")
+  # Object storage has no atomic create: of two runs that wrote at once, the one whose claim is read back holds it.
+  if json.loads(claim.read_text())["pid"] != owner["pid"] and not force:
+    raise Busy(f"{folder} is in use by {_owner_text(claim.read_text())}")
   stop = threading.Event()
 
   def renew():
     while not stop.wait(RENEW_SECONDS):
       try:
         write()
-      except OSError as e:  # a failed renewal is retried; the lease lasts LEASE_SECONDS
-        print(f"{lease}: could not renew the lease ({e})", file=sys.stderr)
+      except OSError as e:  # a failed renewal is retried; the claim lasts CLAIM_SECONDS
+        print(f"{claim}: could not renew the claim ({e})", file=sys.stderr)
 
-  thread = threading.Thread(target=renew, daemon=True, name="jdr-lease")
+  thread = threading.Thread(target=renew, daemon=True, name="jdr-claim")
   thread.start()
   try:
     yield
@@ -134,6 +134,6 @@ def _leased(folder, command: str, force: bool) -> Iterator[None]:
     stop.set()
     thread.join()
     try:
-      lease.unlink()
+      claim.unlink()
     except OSError:
       pass
