@@ -150,10 +150,9 @@ def run_one(plan: Plan, row: str, seed: int, dataset: pathlib.Path, out: pathlib
     logged = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     masked = [x["train/masked_by_guide"] for x in logged if "train/masked_by_guide" in x]
     trained = time.perf_counter() - started
-    test = score_widths(workdir, dataset, _widths(plan), query_max_length=(rows_lib.tiny_plan() if plan.tiny
-                                                                          else rows_lib.Plan()).query_max_length,
-                        doc_max_length=(rows_lib.tiny_plan() if plan.tiny else rows_lib.Plan()).eval_doc_length,
-                        cache=out / "vector-cache")
+    table = rows_lib.tiny_plan() if plan.tiny else rows_lib.Plan()  # the SciFact table's lengths
+    test = score_widths(workdir, dataset, _widths(plan), query_max_length=table.query_max_length,
+                        doc_max_length=table.eval_doc_length, cache=out / "vector-cache")
   record = {"run": directory.name, "method": row, "seed": seed, "rate": plan.rate, "steps": plan.steps,
             "overrides": row_overrides(row, plan), "test": test,
             "masked_by_guide": sum(masked) / len(masked) if masked else None,
