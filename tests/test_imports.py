@@ -54,6 +54,18 @@ def test_no_library_module_imports_a_command_line():
   assert {m: bad for m, bad in offenders.items() if bad} == {}
 
 
+def test_the_library_imports_neither_benchmarks_nor_experiments():
+  """jdr.bench and jdr.reproduce ship inside the package, so `python -m jdr.bench` and `python -m jdr.reproduce`
+  run from an installed jdr; they stand above the library like the command lines: it never imports them, and
+  they use only its public names (test_no_private_name_crosses_a_module_boundary)."""
+  offenders = {m: names(imps, ("jdr.bench", "jdr.reproduce")) for m, imps in modules().items()
+               if not m.startswith(("jdr.bench", "jdr.reproduce")) and m not in COMMAND_LINES}
+  assert {m: bad for m, bad in offenders.items() if bad} == {}
+  found = modules()
+  found["jdr.training.trainer"] = found["jdr.training.trainer"] | {"jdr.bench.recipes"}
+  assert names(found["jdr.training.trainer"], ("jdr.bench", "jdr.reproduce")) == ["jdr.bench.recipes"]
+
+
 def test_data_imports_neither_models_nor_negatives():
   offenders = {m: names(imps, ("jdr.models", "jdr.negatives")) for m, imps in modules().items()
                if m.startswith("jdr.data")}
@@ -192,3 +204,27 @@ def test_the_floor_check_sees_a_climbing_import():
   found = modules()
   found["jdr.models.saved"] = found["jdr.models.saved"] | {"jdr.training.checkpoint"}
   assert climbing(found) == {"jdr.models.saved": ["jdr.training.checkpoint"]}
+
+
+def cited_files(path: pathlib.Path) -> list[str]:
+  """The `.md` files a module's text names (docstrings and comments), as written."""
+  import re  # pylint: disable=g-import-not-at-top
+  return re.findall(r"(?<![\w/.-])((?:[\w-]+/)*[\w-]+\.md)\b", path.read_text())
+
+
+def test_docstrings_cite_files_inside_the_repository():
+  """A module points its reader only at files the repository holds (docs/, README.md); a recipe's experiment
+  output (`table.md` under OUT/) is named as such, never as a bare file."""
+  missing = {}
+  for path in sorted((ROOT / "jdr").rglob("*.py")) + sorted((ROOT / "configs").glob("*.py")):
+    bad = [name for name in cited_files(path)
+           if not (ROOT / name).is_file() and not name.endswith("table.md")]
+    if bad:
+      missing[path.relative_to(ROOT).as_posix()] = sorted(set(bad))
+  assert missing == {}
+
+
+def test_the_citation_check_sees_a_file_outside(tmp_path):
+  example = tmp_path / "example.py"
+  example.write_text('"""See DESIGN.md and docs/performance.md."""\n')
+  assert cited_files(example) == ["DESIGN.md", "docs/performance.md"]

@@ -236,19 +236,19 @@ def test_mine_with_a_cross_encoder_resumes_without_scoring_a_finished_chunk_agai
 
   argv = lambda out: ["--data", str(mine_data), "--out", str(out), "--dev-split", "dev", "--depth", "10",
                       "--cross-encoder", "stand-in", "--ce-threshold", "dev", "--chunk", "4"]
-  monkeypatch.setattr(mine, "scorer", lambda args: scorer())
+  monkeypatch.setattr(mine, "scorer", lambda settings: scorer())
   mine.main(argv(tmp_path / "whole"))
   total = sum(len(p) for p in scored)
   assert "cross-encoder (dev)" in capsys.readouterr().err
   dev_pairs = sum(len(p) for p in scored[:_dev_calls(scored, mine_data)])
   scored.clear()
-  monkeypatch.setattr(mine, "scorer", lambda args: scorer(limit=dev_pairs + 100))
+  monkeypatch.setattr(mine, "scorer", lambda settings: scorer(limit=dev_pairs + 100))
   with pytest.raises(_Stop):
     mine.main(argv(tmp_path / "resumed"))
   first = [tuple(x) for p in scored for x in p]
   assert (tmp_path / "resumed" / mining.PARTIAL_DEV).exists() and (tmp_path / "resumed" / mining.PARTIAL).exists()
   scored.clear()
-  monkeypatch.setattr(mine, "scorer", lambda args: scorer())
+  monkeypatch.setattr(mine, "scorer", lambda settings: scorer())
   mine.main(argv(tmp_path / "resumed"))
   second = [tuple(x) for p in scored for x in p]
   assert 0 < len(second) < total - dev_pairs  # no dev pair, and not every training pair, scored again
@@ -260,11 +260,11 @@ def test_mine_with_a_cross_encoder_resumes_without_scoring_a_finished_chunk_agai
   assert not (tmp_path / "resumed" / mining.PARTIAL_DEV).exists()
   # Stopped again, then resumed with queries at another length: the saved chunks are not theirs.
   scored.clear()
-  monkeypatch.setattr(mine, "scorer", lambda args: scorer(limit=dev_pairs + 100))
+  monkeypatch.setattr(mine, "scorer", lambda settings: scorer(limit=dev_pairs + 100))
   with pytest.raises(_Stop):
     mine.main(argv(tmp_path / "changed"))
   capsys.readouterr()
-  monkeypatch.setattr(mine, "scorer", lambda args: scorer())
+  monkeypatch.setattr(mine, "scorer", lambda settings: scorer())
   mine.main(argv(tmp_path / "changed") + ["--query-max-length", "16"])
   assert "was made with other settings; starting over" in capsys.readouterr().err
 
@@ -300,11 +300,11 @@ def test_a_directory_written_over_reads_as_unfinished_until_its_meta_lands(mine_
 
 
 def test_the_default_chunk_holds_a_bounded_number_of_cross_encoder_pairs():
-  from jdr import mine  # pylint: disable=g-import-not-at-top
-  assert mine.chunk_queries(0, 100, cross_encoder=False) == 4096
-  assert mine.chunk_queries(0, 100, cross_encoder=True) == mine.CE_CHUNK_PAIRS // 100
-  assert mine.chunk_queries(0, 100_000, cross_encoder=True) == 1
-  assert mine.chunk_queries(7, 100, cross_encoder=True) == 7  # a given --chunk wins
+  from jdr.negatives import mined_lists  # pylint: disable=g-import-not-at-top
+  assert mined_lists.chunk_queries(0, 100, cross_encoder=False) == 4096
+  assert mined_lists.chunk_queries(0, 100, cross_encoder=True) == mined_lists.CE_CHUNK_PAIRS // 100
+  assert mined_lists.chunk_queries(0, 100_000, cross_encoder=True) == 1
+  assert mined_lists.chunk_queries(7, 100, cross_encoder=True) == 7  # a given --chunk wins
 
 
 def _dev_calls(scored, beir) -> int:

@@ -1,4 +1,5 @@
-"""Hard negatives for training queries, filtered against false negatives: the library of `python -m jdr.mine`.
+"""Hard negatives for training queries, filtered against false negatives: the filters `python -m jdr.mine` applies
+(jdr/negatives/mined_lists.py runs them over every training query).
 
 Each query's candidates are the top `depth` of one first-stage retriever (BM25, a model through jdr's encode
 and search path, or a run file) as corpus rows with the retriever's scores. A query's labeled positives are

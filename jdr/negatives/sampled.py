@@ -5,7 +5,7 @@ query b's positive) and query b's n_neg sampled negatives sit at B + b*n_neg ...
 A `NegativeSource` fills the second part; `jdr.data.batch.candidate_mask` builds the `valid` [B, C]
 matrix the losses in `jdr.training.losses` take.
 
-Sources (the "negatives come from" column of DESIGN.md):
+Sources (the "negatives" column of docs/architecture.md's recipe table):
   RandomNegatives   uniform over the corpus (Rand Neg)
   BM25Negatives     uniform over BM25's top-k, mined once with `jdr.retrieval.bm25` and cached (BM25 Neg; DPR, ANCE warm-up)
   StaticNegatives   top-k of a TREC run file, e.g. a warm-up dense model's (STAR's static hard negatives)

@@ -8,7 +8,7 @@
   the k * devices candidates are merged, so no device ever holds another's scores.
 
 Both return (scores float32 [Q, k], ids list[list[str]]) with higher scores first, so the training loop
-and the command lines can swap one for the other through a config value (DESIGN.md, style point 5).
+and the command lines can swap one for the other through a value (`jdr.retrieval.retrievers.build_index`, `load_index`).
 
 Memory is reported as `bytes_per_doc()`: what one more document costs in the index (the string ids,
 kept in a Python list by both back-ends, are not counted).
