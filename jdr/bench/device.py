@@ -35,7 +35,8 @@ all together as the last JSON line; a section that fails is reported as its erro
   adore   the ADORE recipe's step (configs/adore.py with in-step JAX retrieval) with and without its retrieval,
           at each size; share = (with - without) / with.
   int8-scifact  real vectors: SciFact encoded by MiniLM, top-200 of its test queries from float32, bfloat16
-          and int8 storage: Recall@200 against float32 and nDCG@10 of each.
+          and int8 storage: Recall@200 against float32 and nDCG@10 of each; and ADORE's loss over its training
+          queries' top-200 from each storage, and the loss's gradient for the query vectors, against float32's.
 """
 
 from __future__ import annotations
@@ -526,6 +527,59 @@ def section_int8_scifact(mesh, k: int = 200) -> dict:
     out[dtype] = {"recall_vs_exact": round(float(np.mean([len(set(a) & set(b)) / k for a, b in zip(rows, exact)])), 4),
                   "ndcg@10": round(metrics.evaluate(qrels, run, ["ndcg@10"])["ndcg@10"], 4),
                   "bytes_per_doc": topk.storage_bytes_per_row(docs.shape[1], dtype)}
+  out["adore_loss"] = _adore_loss_by_storage(path, doc_ids, docs, mesh, k)
+  return out
+
+
+def _adore_loss_by_storage(path, doc_ids: list[str], docs: np.ndarray, mesh, k: int) -> dict:
+  """ADORE's loss (configs/adore.py's LambdaRank: its metric and pair weights, every positive appended when none
+  is retrieved) for SciFact's training queries, their top-k and the candidates' vectors read from each storage:
+  the loss, its gradient with respect to the query vectors (what trains the query tower), and the candidate
+  lists, each against float32 storage."""
+  from jdr.bench import recipes  # pylint: disable=g-import-not-at-top
+  from jdr.data import formats  # pylint: disable=g-import-not-at-top
+  from jdr.negatives import retrieved  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import encoder_runtime  # pylint: disable=g-import-not-at-top
+  from jdr.training import losses  # pylint: disable=g-import-not-at-top
+  loss_cfg = recipes.load("adore").loss
+  _, queries, qrels = formats.load_beir(path, "train")
+  row_of = {d: i for i, d in enumerate(doc_ids)}
+  qids = [q for q in queries if any(d in row_of for d in qrels.get(q, {}))]
+  most = max(len(qrels[q]) for q in qids)
+  positive_rows = np.full((len(qids), most), -1, np.int32)
+  for i, q in enumerate(qids):
+    rows_q = [row_of[d] for d, rel in qrels[q].items() if rel > 0 and d in row_of]
+    positive_rows[i, :len(rows_q)] = rows_q
+  q = encoder_runtime.encode_texts(encoder_runtime.load_runtime("minilm", side="query"), [queries[i] for i in qids])
+
+  def per_query(scores, valid, labels):
+    return losses.lambdarank(scores[None], valid[None], labels=labels[None], metric=loss_cfg.lambda_metric,
+                             delta=loss_cfg.lambda_delta)
+
+  def loss_and_grad(q, vectors, valid, labels):
+    def total(q):
+      each = jax.vmap(per_query)(jnp.einsum("bd,bnd->bn", q, vectors), valid, labels)
+      return jnp.mean(each), each
+    (mean, each), grad = jax.value_and_grad(total, has_aux=True)(q)
+    return mean, each, grad
+
+  out, exact = {"queries": len(qids), "metric": loss_cfg.lambda_metric, "delta": loss_cfg.lambda_delta}, None
+  for dtype in ("float32", "bfloat16", "int8"):
+    placed = topk.put_corpus(docs, mesh, dtype)
+    _, top = topk.search_fn(placed, k, mesh)(q)
+    rows, labels, _ = retrieved.candidates(top, jnp.asarray(positive_rows), "append")
+    vectors = topk.gather_rows(placed.rows, rows, mesh)
+    mean, each, grad = (np.asarray(x, np.float64) for x in loss_and_grad(jnp.asarray(q), vectors, rows >= 0, labels))
+    if exact is None:
+      exact = (np.asarray(top), mean, each, grad)
+    cosine = np.sum(grad * exact[3], 1) / np.maximum(np.linalg.norm(grad, axis=1) * np.linalg.norm(exact[3], axis=1),
+                                                      1e-30)
+    out[dtype] = {"loss": round(float(mean), 6),
+                  "loss_relative_difference": float(abs(mean - exact[1]) / abs(exact[1])),
+                  "per_query_max_abs_difference": float(np.max(np.abs(each - exact[2]))),
+                  "gradient_cosine_mean": float(np.mean(cosine)), "gradient_cosine_min": float(np.min(cosine)),
+                  "candidates_vs_exact": round(float(np.mean([len(set(a) & set(b)) / k
+                                                              for a, b in zip(np.asarray(top), exact[0])])), 4)}
   return out
 
 
