@@ -15,14 +15,14 @@ p its position in the list, 1/p read as 0 beyond K; a query's loss is the mean o
 | towers | query tower trained; the document tower frozen, the corpus encoded once | the same (MiniLM's shared tower split in two) | DRhard adore/train.py (only the query encoder is loaded; passage vectors read from a memmap) | |
 | data | MS MARCO passage | SciFact train | DRhard README | runlocal: offline |
 | candidates | top 200 of the whole index, retrieved at every step | the same | adore/train.py (`--neg_topk 200`, `index.search` in the loop) | |
-| no relevant in the top n | every positive of the query appended after the n (`negatives.missing_positive=append`) | the same | adore/train.py (`np.hstack` of the query's positives when `target_labels` sums to 0) | jdr's rows are (query, positive) pairs, so its batch positive is appended first (the appended ones all weigh 1/p_j against a retrieved p_j, so their order changes nothing) |
+| no relevant in the top n | every positive of the query appended after the n (`negatives.retrieval.missing_positive=append`) | the same | adore/train.py (`np.hstack` of the query's positives when `target_labels` sums to 0) | jdr's rows are (query, positive) pairs, so its batch positive is appended first (the appended ones all weigh 1/p_j against a retrieved p_j, so their order changes nothing) |
 | batches | an epoch over every (query, positive) pair (`data.epoch_over=pairs`) | the same | DRhard adore/train.py (`TrainQueryDataset`: every training query once an epoch, `RandomSampler`) | a departure still open: DRhard goes over queries, `data.epoch_over=queries` (configs/star.py's); this recipe's SciFact rows were trained over pairs |
 | pair weight | abs(1/p_i - 1/p_j), p the list position, 0 beyond K (`loss.lambda_delta=positions`) | the same | adore/train.py `metric_weights`; JPQ run_train.py `compute_loss` | `:ndcg` takes the exact swap change: the authors wrote no NDCG weight |
 | K | MRR@200 | MRR@10 | DRhard README (passage: `--metric_cut 200`) | runlocal keeps the cut its runs were chosen with |
 | pair loss | log(1 + exp(s_irrelevant - s_relevant)), mean over the pairs, weight-0 pairs counted | the same | adore/train.py (`C_pos` on (relevant, irrelevant) pairs, `C_neg` on the reverse order: the same charge for each, over twice the pairs); paper (LambdaLoss over RankNet); JPQ run_train.py | |
 | optimizer | AdamW 5e-6, betas (0.9, 0.999), eps 1e-8, weight decay 0.01 (not biases, LayerNorm) | AdamW 1e-4 | adore/train.py defaults | runlocal: the rate `python -m jdr.reproduce scifact` chose on a dev split |
 | schedule | 2,000 warm-up steps, then linear decay reaching 0 at step 94,302 (`optimizer.schedule_steps`): 6 epochs of 15,717 batches, so at step 60,000 the rate is 0.37 of its peak | 20 warm-up steps, decay to 0 at its last step | adore/train.py (`get_linear_schedule_with_warmup` over `t_total = len(train_dataloader) * num_train_epochs`, 6 epochs) | runlocal: scaled to its steps |
-| corpus precision | float32: the index searched and scored in float32 (`negatives.corpus_dtype=float32`, the `:jax` search's storage; Faiss's is float32 always) | the same | adore/train.py (a float32 memmap of passage vectors; Faiss `Flat`, `useFloat16 = False` on GPUs) | `corpus_dtype=auto` keeps a bfloat16 corpus on GPUs and TPUs: half the memory (docs/performance.md) |
+| corpus precision | float32: the index searched and scored in float32 (`negatives.retrieval.corpus_dtype=float32`, the `:jax` search's storage; Faiss's is float32 always) | the same | adore/train.py (a float32 memmap of passage vectors; Faiss `Flat`, `useFloat16 = False` on GPUs) | `corpus_dtype=auto` keeps a bfloat16 corpus on GPUs and TPUs: half the memory (docs/performance.md) |
 | gradient clip | global norm 1.0 | the same | adore/train.py `--max_grad_norm` | |
 | batch | 32 | 32 | adore/train.py `--per_gpu_batch_size` | |
 | query tokens | 64 | 32 | adore/train.py `--max_seq_length` | runlocal: SciFact's claims are short |
@@ -79,12 +79,13 @@ def recipe(a):
   c.model.shared = False
   c.model.train_towers = "query"
   c.negatives.source = "retrieval"
-  c.negatives.top_n = 200
-  c.negatives.retrieve_every = 0 if a.static else 1
-  c.negatives.retrieval_backend = "jax" if a.jax else "faiss"
+  c.negatives.retrieval.top_n = 200
+  c.negatives.retrieval.every = 0 if a.static else 1
+  c.negatives.retrieval.backend = "jax" if a.jax else "faiss"
   c.negatives.in_batch = False
-  c.negatives.missing_positive = "append"
-  c.negatives.corpus_dtype = "float32"  # DRhard searches and scores a float32 index (the :jax search's storage)
+  c.negatives.retrieval.missing_positive = "append"
+  # DRhard searches and scores a float32 index (the :jax search's storage)
+  c.negatives.retrieval.corpus_dtype = "float32"
   c.loss.name = "ranknet" if a.ranknet else "lambdarank"
   c.loss.lambda_metric = "ndcg@10" if a.ndcg else "mrr@10" if a.runlocal else "mrr@200"
   c.loss.lambda_delta = "exact" if a.ndcg else "positions"
@@ -99,7 +100,7 @@ def recipe(a):
   c.data.doc_max_length = 256  # the fixed index is encoded at this length
   c.eval.doc_max_length = 256
   if a.pq:
-    c.negatives.index_factory = "OPQ48,IVF1,PQ48"
+    c.negatives.retrieval.index_factory = "OPQ48,IVF1,PQ48"
     c.eval.factories = "OPQ48,IVF1,PQ48;Flat"
     c.eval.backend = "faiss"
   if a.runlocal:

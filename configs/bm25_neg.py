@@ -30,7 +30,7 @@ def get_config(arg=None):
   c = inbatch.recipe(a)
   c.negatives.source = "bm25"
   c.negatives.per_query = 1
-  c.negatives.bm25_top_k = 100
+  c.negatives.bm25.top_k = 100
   c.loss.name = "softmax_nll"
   if not a.runlocal:
     c.negatives.in_batch = False

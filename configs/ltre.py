@@ -8,7 +8,7 @@ applies.
 
 | setting | full | runlocal | source | where jdr departs, and why |
 |---|---|---|---|---|
-| no relevant in the top n | the n-th retrieved replaced by the batch positive (`negatives.missing_positive=replace_last`) | the same | LTRe Algorithm 1, line 4 | |
+| no relevant in the top n | the n-th retrieved replaced by the batch positive (`negatives.retrieval.missing_positive=replace_last`) | the same | LTRe Algorithm 1, line 4 | |
 | loss | RankNet, log(1 + exp(s_irrelevant - s_relevant)), mean over (relevant, irrelevant) pairs | the same | LTRe Eq. 1 | |
 | `:lambdarank` | ADORE's: abs(1/p_i - 1/p_j) by list position, MRR@200 | MRR@10 | LTRe Eq. 2; the weight as DRhard adore/train.py computes it | the paper's delta M read as the authors' code reads it |
 | optimizer | AdamW 5e-6, betas (0.9, 0.999), weight decay 0.01 | AdamW 1e-4 | LTRe's experimental settings | runlocal: ADORE's scaled run |
@@ -30,7 +30,7 @@ def get_config(arg=None):
   a = base.parse_arg(arg, **ARGS)
   a.ranknet = a.ranknet or not a.lambdarank  # RankNet unless LambdaRank is asked for
   c = adore.recipe(a)
-  c.negatives.missing_positive = "replace_last"
+  c.negatives.retrieval.missing_positive = "replace_last"
   if not a.runlocal:
     c.optimizer.warmup_steps = 2000
     c.optimizer.schedule_steps = 0  # ADORE's is DRhard's 6 epochs; LTRe's decays over its own steps

@@ -24,8 +24,8 @@ fills one row of a batch (`data.epoch_over=queries`; `pairs` goes over (query, p
 | optimizer | LAMB (weight norm clamped at 10), 1e-4, 1,000 warm-up steps, weight decay 0.01, clip 1.0 | AdamW 2e-5, 10 warm-up steps | DRhard README (`--optimizer_str lamb --learning_rate 1e-4`), `star/train.py` defaults, `lamb.py` | runlocal: the rate chosen on dev by `python -m jdr.reproduce scifact` |
 | schedule | linear warm-up, then linear decay reaching 0 at step 196,500 (`optimizer.schedule_steps`): 100 epochs of 1,965 batches, so at step 50,000 the rate is 0.75 of its peak | decay to 0 at its last step | DRhard `star/train.py` (`num_train_epochs` 100; `get_linear_schedule_with_warmup` over the Trainer's total), README ("likely to converge within 50k steps ... you can manually kill the process") | runlocal: its own short schedule |
 | batch | 256 queries | 32 | paper Sec. 7.1 | 2-core budget |
-| lengths | queries 24, passages 120 tokens; mining with queries at 32 (`negatives.mine_query_length`), passages at 256 (`eval.doc_max_length`) | 32 / 256, mining too (jdr.reproduce's) | DRhard README (`star/train.py --max_query_length 24 --max_doc_length 120`; `prepare_hardneg.py --max_query_length 32 --max_doc_length 256`) | the evaluation encodes queries at the training length, 24, where DRhard's `star/inference.py` takes 32; runlocal: the table's shared lengths |
-| corpus precision | float32: the warm-up's passage vectors mined in float32 (`negatives.corpus_dtype=float32`) | the same | DRhard `prepare_hardneg.py` (float32 memmaps, a Faiss flat index) | `corpus_dtype=auto` keeps a bfloat16 corpus on GPUs and TPUs: half the memory, 0.9987 of the float32 top 200 on SciFact (docs/performance.md) |
+| lengths | queries 24, passages 120 tokens; mining with queries at 32 (`negatives.dense_static.query_length`), passages at 256 (`eval.doc_max_length`) | 32 / 256, mining too (jdr.reproduce's) | DRhard README (`star/train.py --max_query_length 24 --max_doc_length 120`; `prepare_hardneg.py --max_query_length 32 --max_doc_length 256`) | the evaluation encodes queries at the training length, 24, where DRhard's `star/inference.py` takes 32; runlocal: the table's shared lengths |
+| corpus precision | float32: the warm-up's passage vectors mined in float32 (`negatives.dense_static.corpus_dtype=float32`) | the same | DRhard `prepare_hardneg.py` (float32 memmaps, a Faiss flat index) | `corpus_dtype=auto` keeps a bfloat16 corpus on GPUs and TPUs: half the memory, 0.9987 of the float32 top 200 on SciFact (docs/performance.md) |
 | steps | 50,000 | 104 after a 104-step warm-up | DRhard README ("converges within 50k steps") | jdr.reproduce's 208-step budget |
 
   python -m jdr.train --config configs/bm25_neg.py:runlocal --workdir runs/bm25_warmup \\
@@ -56,12 +56,12 @@ def get_config(arg=None):
   a = base.parse_arg(arg, **ARGS)
   c = inbatch.recipe(a)  # runlocal: the same budget and optimizer as the in-batch baseline
   c.negatives.source = "dense_static"
-  c.negatives.top_n = 200
-  c.negatives.mine_extra = 10
+  c.negatives.dense_static.top_n = 200
+  c.negatives.dense_static.extra = 10
   c.negatives.per_query = 1
   c.negatives.in_batch = True
   c.data.epoch_over = "queries"  # DRhard's dataset: each query once an epoch, with a positive drawn at random
-  c.negatives.corpus_dtype = "float32"  # DRhard mines on a float32 Faiss index
+  c.negatives.dense_static.corpus_dtype = "float32"  # DRhard mines on a float32 Faiss index
   if a.alpha:
     c.negatives.pair_weighting, c.negatives.random_weight = "alpha", 0.1
   else:
@@ -87,5 +87,5 @@ def get_config(arg=None):
     c.optimizer.schedule_steps = DRHARD_EPOCHS * math.ceil(base.MSMARCO_TRAIN_QUERIES / c.batch_size)
     c.data.query_max_length, c.data.doc_max_length = 24, 120
     c.eval.doc_max_length = 256  # the static negatives are mined at prepare_hardneg's lengths
-    c.negatives.mine_query_length = 32
+    c.negatives.dense_static.query_length = 32
   return c

@@ -19,7 +19,7 @@ positives). --from filters a finished directory again, without retrieving or sco
 report, then choose (the cross-encoder's scores are kept for every candidate it did not filter).
 
 The output directory (jdr.negatives.mining's layout) is what `jdr.train --config.negatives.source=mined
---config.negatives.mined=MINED` reads. A killed run resumes: the retriever's candidates are cached
+--config.negatives.mined.file=MINED` reads. A killed run resumes: the retriever's candidates are cached
 (BM25's arrays, the corpus encoding's shards) and the filtered chunks of queries are kept as they finish.
 Standard output gets a report of what each filter dropped and the dev table, and, last, one JSON line.
 """

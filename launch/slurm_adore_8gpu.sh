@@ -29,7 +29,7 @@ PYTHON="${PYTHON:-python}"
 DRY_RUN=()
 if [[ "${1:-}" == "--dry-run" ]]; then DRY_RUN=(--dry-run); fi
 ENCODED=()
-if [[ -n "$CORPUS_ENCODING" ]]; then ENCODED=(--config.negatives.corpus_encoding="$CORPUS_ENCODING"); fi
+if [[ -n "$CORPUS_ENCODING" ]]; then ENCODED=(--config.negatives.retrieval.corpus_encoding="$CORPUS_ENCODING"); fi
 
 "$PYTHON" -m jdr.launch.slurm --nodes 1 --gpus-per-node 8 --per host --partition "$PARTITION" --time "$TIME" \
     --job-name jdr-adore --setup "source .venv/bin/activate" --script "$SCRIPT" "${DRY_RUN[@]}" -- \

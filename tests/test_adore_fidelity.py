@@ -70,12 +70,15 @@ def _step_loss(corpus, queries, positive_rows, *, cut, n, cand_rows=None, **conf
   config = defaults.get_config()
   config.model.train_towers = "query"
   config.negatives.source = "retrieval"
-  config.negatives.top_n = n
+  config.negatives.retrieval.top_n = n
   config.loss.name = "lambdarank"
   config.loss.lambda_metric = f"mrr@{cut}"
   for key, value in config_overrides.items():
-    section, name = key.split("__")
-    config[section][name] = value
+    *sections, name = key.split("__")
+    node = config
+    for section in sections:
+      node = node[section]
+    node[name] = value
   mesh = parallel.make_mesh((-1, 1, 1))
   score = step.corpus_scorer(QueryTable(), config, mesh, retrieve_in_step=cand_rows is None)
   placed = retrieved.put_corpus(corpus, [str(i) for i in range(len(corpus))], mesh, "float32")
@@ -123,7 +126,7 @@ def test_in_step_retrieval_equals_drhard(cut):
   np.testing.assert_allclose(loss, expected, rtol=2e-5)
   np.testing.assert_allclose(grad, expected_grad, rtol=2e-4, atol=1e-7 * np.abs(expected_grad).max())
   # The example tells the rules apart: LTRe's replacement and the exact swap each give another loss.
-  for other in ({"negatives__missing_positive": "replace_last"}, {"loss__lambda_delta": "exact"}):
+  for other in ({"negatives__retrieval__missing_positive": "replace_last"}, {"loss__lambda_delta": "exact"}):
     assert abs(_step_loss(corpus, queries, positive_rows, cut=cut, n=n, **other)[0] - expected) > 1e-3 * expected
 
 
@@ -169,8 +172,8 @@ def test_ltre_keeps_replace_last():
   root = pathlib.Path(__file__).resolve().parents[1] / "configs"
   ltre = config_files.load_config_file(str(root / "ltre.py:runlocal"))
   adore = config_files.load_config_file(str(root / "adore.py:runlocal"))
-  assert ltre.negatives.missing_positive == "replace_last"
-  assert (adore.negatives.missing_positive, adore.loss.lambda_delta) == ("append", "positions")
+  assert ltre.negatives.retrieval.missing_positive == "replace_last"
+  assert (adore.negatives.retrieval.missing_positive, adore.loss.lambda_delta) == ("append", "positions")
   rows, labels, _ = retrieved.candidates(jnp.array([[5, 6, 7]]), jnp.array([[9, 8]]), "replace_last")
   np.testing.assert_array_equal(rows, [[5, 6, 9]])
   np.testing.assert_array_equal(labels, [[0, 0, 1]])

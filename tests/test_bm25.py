@@ -293,7 +293,9 @@ QRELS = {f"q{i}": {f"d{i}": 1} for i in range(len(QUERIES))}
 def _diagnostics(negatives, cache_dir=None, n=5):
   data = types.SimpleNamespace(corpus=CORPUS, queries=QUERY_TEXTS, train_qrels=QRELS)
   encoder = types.SimpleNamespace(doc_ids=list(CORPUS))
-  config = ml_collections.ConfigDict({"negatives": {"top_n": n}, "eval": {"diagnostic_queries": 6}})
+  # n: the pool depth of the run's source (jdr.negatives.sources.depth), here a dense_static pool's
+  config = ml_collections.ConfigDict({"negatives": {"source": "dense_static", "dense_static": {"top_n": n}},
+                                      "eval": {"diagnostic_queries": 6}})
   from jdr.evaluation import periodic  # pylint: disable=g-import-not-at-top  (imports JAX)
   return periodic.TrainingDiagnostics(encoder, data, negatives, config, cache_dir=cache_dir)
 

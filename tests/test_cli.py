@@ -159,6 +159,13 @@ def test_train_refuses_an_unusable_interval_before_any_work(tmp_path, capsys, ke
   assert not (tmp_path / "w").exists()
 
 
+def test_train_refuses_an_old_key_with_its_new_name(tmp_path, capsys):
+  code, err = _exit_code_and_stderr(capsys, train.main, [
+      "--config", ROOT / "configs" / "demo.py", "--workdir", tmp_path / "w", "--config.negatives.bm25_top_k=50"])
+  _assert_reported(code, err, "negatives.bm25_top_k is now negatives.bm25.top_k", skip_hint=False)
+  assert not (tmp_path / "w").exists()
+
+
 def test_an_error_after_a_progress_bar_starts_a_line_of_its_own():
   """In a log (stderr not a terminal), `grep ^error:` finds the error even when a progress bar was open."""
   import subprocess  # pylint: disable=g-import-not-at-top

@@ -37,7 +37,7 @@ def _student_config(beir, teacher, extra=()):
   config_files.apply_overrides(config, [
       "model.init_from=", "model.fresh=tiny", "model.pooling=cls", "model.normalize=0", f"data.dataset={beir}",
       "data.query_max_length=12", "data.doc_max_length=32", "batch_size=4", "negatives.source=bm25",
-      "negatives.bm25_top_k=3", "negatives.per_query=2", "num_train_steps=2", "log_every=1",
+      "negatives.bm25.top_k=3", "negatives.per_query=2", "num_train_steps=2", "log_every=1",
       "optimizer.warmup_steps=1", "eval_before_training=False", "eval.diagnostic_queries=0",
       f"distill.teacher={teacher}", "distill.passage_tokens=8", "distill.sentence_tokens=4",
       *extra])
@@ -198,7 +198,7 @@ def test_mined_teacher_scores_train_margin_mse_and_listwise_kl(tmp_path, setup):
     pairs = [(queries[q], corpus.texts([row])[0]), (queries[q], corpus.texts([int(mined.positives[i, 0])])[0])]
     np.testing.assert_allclose(score(pairs), [mined.teacher[i, 1], mined.positive_teacher[i, 0]], rtol=1e-4,
                                atol=1e-5)
-  config = _student_config(beir, "mined", ["negatives.source=mined", f"negatives.mined={out}",
+  config = _student_config(beir, "mined", ["negatives.source=mined", f"negatives.mined.file={out}",
                                             "distill.granularities=", "distill.document=True",
                                             "distill.margin_mse=True", "distill.contrastive_weight=0"])
   trainer.train_and_evaluate(config, tmp_path / "s")

@@ -343,18 +343,18 @@ def test_the_triple_settings_are_refused_where_they_would_be_ignored():
   from jdr.negatives import sources  # pylint: disable=g-import-not-at-top
   from jdr.runtime import defaults  # pylint: disable=g-import-not-at-top
   c = defaults.get_config()
-  c.negatives.source, c.negatives.per_query, c.negatives.refresh_every = "ance", 1, 5
-  c.negatives.refresh_chunks = 5
+  c.negatives.source, c.negatives.per_query, c.negatives.ance.refresh_every = "ance", 1, 5
+  c.negatives.ance.refresh_chunks = 5
   with pytest.raises(ValueError, match="triples_per_query > 0 only"):
     sources.check(c)
-  c.negatives.triples_per_query, c.negatives.triple_readers, c.batch_size = 20, 3, 32
-  with pytest.raises(ValueError, match="multiple of negatives.triple_readers=3"):
+  c.negatives.ance.triples_per_query, c.negatives.ance.triple_readers, c.batch_size = 20, 3, 32
+  with pytest.raises(ValueError, match="multiple of negatives.ance.triple_readers=3"):
     sources.check(c)
-  c.negatives.triple_readers = 4
+  c.negatives.ance.triple_readers = 4
   sources.check(c)
-  c.negatives.triples_over = "query"
+  c.negatives.ance.triples_over = "query"
   with pytest.raises(ValueError, match="triples_over must be one of queries, pairs"):
     sources.check(c)
-  c.negatives.triples_over, c.negatives.mine_query_length = "queries", 32
-  with pytest.raises(ValueError, match="mine_query_length=32.*dense_static only"):
+  c.negatives.ance.triples_over, c.negatives.dense_static.query_length = "queries", 32
+  with pytest.raises(ValueError, match="dense_static.query_length=32.*dense_static only"):
     sources.check(c)

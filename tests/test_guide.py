@@ -1,4 +1,4 @@
-"""Guided in-batch false-negative masking (negatives.guide): the mask against a brute-force transcription of
+"""Guided in-batch false-negative masking (negatives.guide.model): the mask against a brute-force transcription of
 GISTEmbed's rule, in the step ("self") and on the host (a frozen bi-encoder or cross-encoder)."""
 
 import json
@@ -49,7 +49,7 @@ def test_self_guide_in_the_step_is_the_loss_over_the_masked_columns():
   q, d = rnd.normal(size=(4, 8)).astype(np.float32), rnd.normal(size=(8, 8)).astype(np.float32)
   valid = np.ones((4, 8), bool)
   c = defaults.get_config()
-  c.negatives.guide, c.negatives.guide_margin = "self", 0.1
+  c.negatives.guide.model, c.negatives.guide.margin = "self", 0.1
   loss, aux = step_lib.tokens_objective(c)(jnp.asarray(q), jnp.asarray(d), {"valid": jnp.asarray(valid)})
   kept, count = brute_force(q @ d.T, valid, 0.1)
   assert int(aux["masked_by_guide"]) == count > 0
@@ -66,12 +66,14 @@ def test_self_guide_in_the_step_is_the_loss_over_the_masked_columns():
 
 def test_bad_guide_settings_are_refused():
   c = defaults.get_config()
-  c.negatives.guide, c.negatives.guide_margin = "self", float("nan")
-  with pytest.raises(ValueError, match="guide_margin"):
-    guide.check(c, "tokens")
-  c.negatives.guide_margin = 0.0
+  c.negatives.guide.model, c.negatives.guide.margin = "self", float("nan")
+  with pytest.raises(ValueError, match="guide.margin"):
+    guide.check(c.negatives.guide, "tokens", "two_tower")
+  c.negatives.guide.margin = 0.0
   with pytest.raises(ValueError, match="two towers' token batches"):
-    guide.check(c, "corpus")
+    guide.check(c.negatives.guide, "corpus", "two_tower")
+  with pytest.raises(ValueError, match="two towers' token batches"):
+    guide.check(c.negatives.guide, "tokens", "cross_encoder")
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +115,7 @@ def _train(tmp_path, guide_path, margin=0.0):
   config = config_files.load_config_file(str(ROOT / "configs" / "demo.py:tiny"))
   config_files.apply_overrides(config, [f"data.dataset={data}", "num_train_steps=2", "batch_size=8",
                                         "data.eval_split=", "data.query_max_length=16", "data.doc_max_length=32",
-                                        f"negatives.guide={guide_path}", f"negatives.guide_margin={margin}",
+                                        f"negatives.guide.model={guide_path}", f"negatives.guide.margin={margin}",
                                         "log_every=1"])
   trainer.train_and_evaluate(config, tmp_path / "w")
   lines = [json.loads(x) for x in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
@@ -137,7 +139,7 @@ def test_host_guide_masks_what_its_scores_say(tmp_path, request, kind):
   assert len(logged) == 2 and logged[0]["train/masked_by_guide"] == 56
 
   data = pairs.load(config.data, tmp_path / "w2")
-  host = guide.HostGuide(config, data)
+  host = guide.HostGuide(config.negatives.guide, data, config.data.query_max_length, config.data.doc_max_length)
   qids = sorted(data.train_qrels)[:4]
   doc_ids = [next(iter(data.train_qrels[q])) for q in qids] + sorted(data.corpus)[:3]
   valid = np.ones((4, 7), bool)

@@ -20,7 +20,8 @@ from conftest import cpu_devices_env, write_tiny_beir
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = ["model.init_from=", "model.fresh=tiny", "model.pooling=mean", "model.dropout=0.1",
         "optimizer.learning_rate=1e-3", "optimizer.warmup_steps=2", "batch_size=8", "log_every=1",
-        "data.query_max_length=16", "data.doc_max_length=32", "eval.doc_max_length=32", "negatives.top_n=10"]
+        "data.query_max_length=16", "data.doc_max_length=32", "eval.doc_max_length=32",
+        "negatives.dense_static.top_n=10", "negatives.ance.top_n=10", "negatives.retrieval.top_n=10"]
 
 
 def _config(recipe: str, data, *overrides):
@@ -174,7 +175,7 @@ def test_faiss_and_jax_retrieval_train_alike(tmp_path):
   losses = {}
   for backend in ("faiss", "jax"):
     config = _config("adore.py:runlocal", data, "num_train_steps=5", "checkpoint_every=100",
-                     "data.eval_split=", f"negatives.retrieval_backend={backend}")
+                     "data.eval_split=", f"negatives.retrieval.backend={backend}")
     trainer.train_and_evaluate(config, tmp_path / backend)
     records = [json.loads(l) for l in (tmp_path / backend / "metrics.jsonl").read_text().splitlines()]
     losses[backend] = [r["train/loss"] for r in records if "train/loss" in r]
@@ -193,7 +194,7 @@ def test_mismatched_encoding_is_refused_before_step_0(tmp_path):
   (enc / "meta.json").write_text(json.dumps({"num_docs": len(ids), "shard_size": 10_000, "num_shards": 1,
                                              "complete": True, "dim": 64}))
   config = _config("adore.py:runlocal", data, "num_train_steps=3", "data.eval_split=",
-                   f"negatives.corpus_encoding={enc}")
+                   f"negatives.retrieval.corpus_encoding={enc}")
   with pytest.raises(ValueError) as e:
     trainer.train_and_evaluate(config, tmp_path / "w")
   assert str(enc) in str(e.value) and "data.dataset" in str(e.value)
@@ -276,7 +277,7 @@ def test_failing_refresh_keeps_training_on_previous_negatives(tmp_path, monkeypa
   monkeypatch.setattr(sources, "mine_rows", flaky)
   data = write_tiny_beir(tmp_path / "data")
   config = _config("ance.py:runlocal", data, "num_train_steps=8", "checkpoint_every=100", "data.eval_split=",
-                   "negatives.refresh_every=2", "negatives.refresh_delay=1")
+                   "negatives.ance.refresh_every=2", "negatives.ance.refresh_delay=1")
   trainer.train_and_evaluate(config, tmp_path / "w")
   records = [json.loads(l) for l in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
   losses = [r["train/loss"] for r in records if "train/loss" in r]
@@ -298,7 +299,7 @@ def test_adore_on_8_devices_equals_one(tmp_path):
       base = {TINY!r} + ["data.dataset={data}", "data.eval_split=", "num_train_steps=6", "checkpoint_every=100"]
       for name, extra in {{"single": ["mesh.shape=(1,1,1)"], "jax8": ["mesh.shape=(8,1,1)"],
                           "faiss8": ["mesh.shape=(2,4,1)", "mesh.rules=fsdp",
-                                     "negatives.retrieval_backend=faiss"]}}.items():
+                                     "negatives.retrieval.backend=faiss"]}}.items():
         config = config_files.load_config_file("{ROOT / 'configs' / 'adore.py'}:runlocal,jax")
         config_files.apply_overrides(config, base + extra)
         trainer.train_and_evaluate(config, "{tmp_path}/" + name)

@@ -79,9 +79,9 @@ def test_slurm_adore_on_one_node_of_eight_gpus():
   assert not any("corpus_encoding" in w for w in train)  # only when CORPUS_ENCODING is given
   check_train_command(train)
   config = config_files.load_config_file(str(ROOT / "configs" / "adore.py:jax"))
-  assert config.negatives.retrieval_backend == "jax" and config.model.train_towers == "query"
+  assert config.negatives.retrieval.backend == "jax" and config.model.train_towers == "query"
   with_encoding = dry_run("slurm_adore_8gpu.sh", CORPUS_ENCODING="/shared/msmarco-emb")
-  assert "--config.negatives.corpus_encoding=/shared/msmarco-emb" in with_encoding
+  assert "--config.negatives.retrieval.corpus_encoding=/shared/msmarco-emb" in with_encoding
 
 
 def test_local_multiprocess_run():

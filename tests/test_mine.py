@@ -497,7 +497,7 @@ def test_a_negative_text_of_several_rows_is_a_false_negative_where_one_is_releva
 
 
 def test_a_training_file_is_read_once_for_the_sampler_and_the_teacher(tmp_path, monkeypatch):
-  """The negatives source and the distiller both load negatives.mined: the file is read once, and again only
+  """The negatives source and the distiller both load negatives.mined.file: the file is read once, and again only
   when it changed or another corpus asks."""
   from jdr.data import prepared
   from jdr.negatives import training_files as negative_files
@@ -528,7 +528,7 @@ def test_training_reads_negatives_from_a_tevatron_file(tmp_path):
   config = defaults.get_config()
   config_files.apply_overrides(config, [
       "model.init_from=", "model.fresh=tiny", f"data.dataset={beir}", "data.eval_split=", "batch_size=4",
-      "data.query_max_length=12", "data.doc_max_length=32", "negatives.source=mined", f"negatives.mined={given}",
+      "data.query_max_length=12", "data.doc_max_length=32", "negatives.source=mined", f"negatives.mined.file={given}",
       "negatives.per_query=1", "num_train_steps=2", "log_every=1", "eval_before_training=False"])
   trainer.train_and_evaluate(config, tmp_path / "w")
   records = [json.loads(l) for l in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
@@ -548,9 +548,9 @@ def test_an_unfiltered_bm25_mining_trains_on_what_the_bm25_source_samples(mine_d
   config = defaults.get_config()
   config.data.dataset, config.data.eval_split = str(mine_data), ""
   data = pairs.load(config.data, tmp_path / "w")
-  config.negatives.bm25_top_k, config.negatives.mined = 12, str(tmp_path / "mined")
-  bm25 = sources.SAMPLERS["bm25"](config.negatives, data, tmp_path / "cache")
-  mined = sources.SAMPLERS["mined"](config.negatives, data, None)
+  config.negatives.bm25.top_k, config.negatives.mined.file = 12, str(tmp_path / "mined")
+  bm25 = sources.SAMPLERS["bm25"](config.negatives.bm25, data, tmp_path / "cache")
+  mined = sources.SAMPLERS["mined"](config.negatives.mined, data, None)
   qids = sorted(data.train_qrels)
   positives = [next(iter(data.train_qrels[q])) for q in qids]
   for seed in range(3):

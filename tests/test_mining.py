@@ -12,6 +12,7 @@ from jdr.retrieval import host_search  # pylint: disable=g-import-not-at-top
 from jdr.negatives import retrieved
 from jdr.negatives import sampled
 from jdr.negatives import sources
+from jdr.runtime import defaults
 
 
 def brute_force(doc_emb, queries, n):
@@ -107,7 +108,7 @@ class _FixedEncoder:
 
 
 def test_dense_static_pools_are_the_top_minus_positives(tmp_path):
-  """STAR's static negatives: the top (top_n + mine_extra) of the starting towers, positives dropped, the
+  """STAR's static negatives: the top (top_n + extra) of the starting towers, positives dropped, the
   first top_n kept, as rows; what the sampler draws from and what the diagnostics compare."""
   rng = np.random.default_rng(4)
   corpus = {f"d{i}": None for i in range(120)}
@@ -119,9 +120,10 @@ def test_dense_static_pools_are_the_top_minus_positives(tmp_path):
   qrels = {q: {f"d{top[i, 1]}": 1, f"d{top[i, 6]}": 1, f"d{top[i, 0] if i % 2 else 119}": 0}
            for i, q in enumerate(qids)}
   data = type("Data", (), {"corpus": corpus, "train_qrels": qrels, "queries": {q: q for q in qids}})()
-  config = ml_collections.ConfigDict({"negatives": {"top_n": 10, "mine_extra": 4, "mine_backend": "faiss",
-                                                    "corpus_dtype": "float32"}})
-  out = sources.SOURCES["dense_static"].build(config, data, tmp_path, _FixedEncoder(doc_emb, query_emb, qids), None)
+  group = ml_collections.ConfigDict({"top_n": 10, "extra": 4, "query_length": 0, "backend": "faiss",
+                                     "corpus_dtype": "float32"})
+  out = sources.SOURCES["dense_static"].build(group, sources.Run.of(defaults.get_config()), sources.Build(
+      data, tmp_path, _FixedEncoder(doc_emb, query_emb, qids)))
   got = out.pools_in_use(qids)
   for i in range(15):
     positives = {top[i, 1], top[i, 6]}
@@ -132,7 +134,7 @@ def test_dense_static_pools_are_the_top_minus_positives(tmp_path):
 
 def test_dense_static_mines_at_its_own_query_length(tmp_path):
   """DRhard's prepare_hardneg.py encodes queries at 32 tokens where STAR trains at 24
-  (`negatives.mine_query_length`): the miner reads that length, the trainer's encoder keeps its own and its
+  (`negatives.dense_static.query_length`): the miner reads that length, the trainer's encoder keeps its own and its
   tokenized queries, and the mined rows are cached under the length they were mined at."""
 
   class Recording(_FixedEncoder):
@@ -147,9 +149,10 @@ def test_dense_static_mines_at_its_own_query_length(tmp_path):
   data = type("Data", (), {"corpus": {f"d{i}": None for i in range(30)}, "train_qrels": {q: {"d0": 1} for q in qids},
                            "queries": {q: q for q in qids}})()
   for length in (32, 0):
-    config = ml_collections.ConfigDict({"negatives": {"top_n": 5, "mine_extra": 0, "mine_backend": "faiss",
-                                                      "corpus_dtype": "float32", "mine_query_length": length}})
-    sources.SOURCES["dense_static"].build(config, data, tmp_path, encoder, None)
+    group = ml_collections.ConfigDict({"top_n": 5, "extra": 0, "backend": "faiss", "corpus_dtype": "float32",
+                                       "query_length": length})
+    sources.SOURCES["dense_static"].build(group, sources.Run.of(defaults.get_config()),
+                                          sources.Build(data, tmp_path, encoder))
   assert encoder.seen == [(32, {}), (24, {"q0": "24 tokens"})]
   assert encoder.query_max_length == 24 and encoder._query_tokens == {"q0": "24 tokens"}
   assert len(list((tmp_path / "cache").glob("dense_static-top5-*.npy"))) == 2

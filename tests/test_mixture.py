@@ -159,7 +159,7 @@ def test_plan_gives_each_dataset_its_own_run(tmp_path):
     ("{a};{b}:negatives=mined", ["negatives.source=random", "negatives.per_query=1"], "needs its file: mined="),
     ("{a};{b}:negatives=static", ["negatives.source=random", "negatives.per_query=1"], "static_run=..."),
     ("{a};{b}:negatives=mined,mined={missing}", ["negatives.source=random", "negatives.per_query=1"],
-     "negatives.mined="),
+     "negatives.mined.file="),
 ])
 def test_plan_refuses_a_bad_entry_by_number(tmp_path, entries, overrides, reason):
   a, b = write_tiny_beir(tmp_path / "a"), write_tiny_beir(tmp_path / "b", num_docs=24, seed=1)

@@ -161,7 +161,7 @@ def test_trains_and_evaluates_as_its_beir_copy(marco, twin, tmp_path):
   manifest = synthetic.manifest(marco)
   assert f"mapped {manifest['triples']} triples of {manifest['train_queries']} queries" in proc.stderr
   oracle = _train(tmp_path / "beir", twin, "--config.data.eval_split=dev", *triples,
-                  f"--config.negatives.triples_file={marco / 'triples.train.small.tsv'}")
+                  f"--config.negatives.triples.file={marco / 'triples.train.small.tsv'}")
   assert oracle.returncode == 0, oracle.stderr[-3000:]
   read = lambda w: [{k: v for k, v in json.loads(line).items() if k != "time" and "per_second" not in k}
                     for line in (w / "metrics.jsonl").read_text().splitlines()]
@@ -181,16 +181,19 @@ def test_a_directory_without_a_corpus_is_one_error_line(tmp_path):
 
 
 def test_the_triples_source_is_refused_without_its_file(marco, tmp_path):
+  """The triples source's own check (jdr.negatives.given.check, run by the negatives' check) refuses a missing
+  file in one line, and a file another source would ignore."""
+  from jdr.negatives import sources  # pylint: disable=g-import-not-at-top
   from jdr.runtime import config_files  # pylint: disable=g-import-not-at-top
   from jdr.runtime import defaults
   c = defaults.get_config()
   c.data.dataset, c.negatives.source, c.negatives.per_query = str(marco), "triples", 1
-  config_files.check_inputs(c)  # the directory's own triples.train.small.tsv
+  sources.check(c)  # the directory's own triples.train.small.tsv
   c.data.dataset = str(tmp_path)
-  with pytest.raises(config_files.ConfigError, match=r"negatives.triples_file=.*triples.train.small.tsv: file not "
-                                                     r"found; set --config.negatives.triples_file=FILE"):
-    config_files.check_inputs(c)
+  with pytest.raises(config_files.ConfigError, match=r"negatives.triples.file=.*triples.train.small.tsv: file not "
+                                                     r"found; set --config.negatives.triples.file=FILE"):
+    sources.check(c)
   c.negatives.source = "random"
-  c.negatives.triples_file = str(marco / "triples.train.small.tsv")
+  c.negatives.triples.file = str(marco / "triples.train.small.tsv")
   with pytest.raises(config_files.ConfigError, match="read by negatives.source=triples only"):
-    config_files.check_inputs(c)
+    sources.check(c)

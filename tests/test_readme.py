@@ -38,8 +38,8 @@ SKIPPED = {
 
 # Every training run: 2 steps of 4 queries, short texts, small candidate pools, no evaluation split.
 TRAIN = ["num_train_steps=2", "batch_size=4", "log_every=1", "checkpoint_every=2", "data.query_max_length=16",
-         "data.doc_max_length=32", "data.eval_split=", "negatives.top_n=8",
-         "negatives.bm25_top_k=8", "eval.diagnostic_queries=4"]
+         "data.doc_max_length=32", "data.eval_split=", "negatives.dense_static.top_n=8",
+         "negatives.ance.top_n=8", "negatives.retrieval.top_n=8", "negatives.bm25.top_k=8", "eval.diagnostic_queries=4"]
 
 
 def commands(readme: str) -> list[list[str]]:

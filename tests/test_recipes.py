@@ -59,9 +59,9 @@ def test_adore_arguments_each_change_what_they_name():
   assert (plain.loss.name, plain.loss.lambda_metric) == ("lambdarank", "mrr@10")
   assert load("adore.py:runlocal,ndcg").loss.lambda_metric == "ndcg@10"
   assert load("adore.py:runlocal,ranknet").loss.name == "ranknet"
-  assert load("adore.py:runlocal,static").negatives.retrieve_every == 0
-  assert load("adore.py:runlocal,jax").negatives.retrieval_backend == "jax"
-  assert load("adore.py:pq").negatives.index_factory == "OPQ48,IVF1,PQ48"
+  assert load("adore.py:runlocal,static").negatives.retrieval.every == 0
+  assert load("adore.py:runlocal,jax").negatives.retrieval.backend == "jax"
+  assert load("adore.py:pq").negatives.retrieval.index_factory == "OPQ48,IVF1,PQ48"
   # The typo that used to run MRR LambdaRank without a word.
   with pytest.raises(config_files.ConfigError, match="'ndgc' .did you mean ndcg"):
     load("adore.py:runlocal,ndgc")
@@ -70,7 +70,7 @@ def test_adore_arguments_each_change_what_they_name():
   assert load("ltre.py:runlocal,lambdarank,ndcg").loss.lambda_metric == "ndcg@10"
   assert load("ltre.py:runlocal,lambdarank").loss.name == "lambdarank"
   assert load("ltre.py").optimizer.warmup_steps == 2000
-  assert load("adore_star.py:runlocal,jax").negatives.retrieval_backend == "jax"
+  assert load("adore_star.py:runlocal,jax").negatives.retrieval.backend == "jax"
 
 
 def test_demo_takes_tiny_only():

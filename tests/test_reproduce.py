@@ -65,9 +65,9 @@ def test_every_row_is_a_recipe_config_at_the_same_budget():
       assert (c.data.train_split, c.data.eval_split) == ("train", "dev")
       assert c.model.init_from == ("W" if i else "minilm")
   static = rows_lib.stage_config(plan, "adore_static", steps=8, rate=1e-4, seed=0, dataset="D")
-  assert static.negatives.retrieve_every == 0
+  assert static.negatives.retrieval.every == 0
   ltre = rows_lib.stage_config(plan, "ltre_pq", steps=8, rate=1e-4, seed=0, dataset="D")
-  assert ltre.negatives.index_factory == "OPQ48,IVF1,PQ48"
+  assert ltre.negatives.retrieval.index_factory == "OPQ48,IVF1,PQ48"
   assert ltre.eval.factories.split(";") == ["OPQ48,IVF1,PQ48", "Flat"]
   assert [s.method for s in {r.name: r for r in rows_lib.rows(plan)}["adore_star"].stages] == \
       ["bm25_neg", "star", "adore_star"]
@@ -75,7 +75,7 @@ def test_every_row_is_a_recipe_config_at_the_same_budget():
   bm25 = rows_lib.stage_config(plan, "bm25_neg", steps=8, rate=1e-4, seed=0, dataset="OUT/data/D")
   for method, folder in rows_lib.MINED.items():
     c = rows_lib.stage_config(plan, method, steps=8, rate=1e-4, seed=0, dataset="OUT/data/D")
-    assert c.negatives.mined == str(pathlib.Path("OUT/data") / folder)
+    assert c.negatives.mined.file == str(pathlib.Path("OUT/data") / folder)
     assert (c.negatives.per_query, c.negatives.in_batch, c.loss.temperature) == \
         (bm25.negatives.per_query, bm25.negatives.in_batch, bm25.loss.temperature)
     assert (c.distill.teacher, c.distill.margin_mse) == (("mined", True) if method == "margin_mse" else ("", False))

@@ -3,6 +3,7 @@ line naming the key before anything is read or written."""
 
 import math
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -74,3 +75,36 @@ def test_train_refuses_a_bad_setting_in_one_line_and_writes_nothing(tmp_path):
   assert proc.returncode == 2 and "Traceback" not in proc.stderr
   assert proc.stderr.strip().splitlines()[-1] == "error: optimizer.learning_rate=nan is out of range: > 0 (and finite)"
   assert not (tmp_path / "w").exists()
+
+
+def test_every_renamed_key_is_gone_and_points_at_keys_that_exist():
+  keys = set(config_files.all_keys(defaults.get_config()))
+  for old, new in settings.RENAMED.items():
+    assert old not in keys, old
+    named = re.findall(r"negatives(?:\.\w+)+", new)
+    assert named and set(named) <= keys, (old, new)
+    assert settings.renamed(old) == f"{old} is now {new}"
+  assert settings.renamed("negatives.per_query") is None
+
+
+def test_an_old_key_is_refused_in_one_line_naming_the_new_one(tmp_path):
+  """On the command line, in a recipe (a leaf it adds to the unlocked config, or a string where a group now
+  is) and in a config built in code, the old name is refused with the new one."""
+  config = defaults.get_config()
+  with pytest.raises(config_files.ConfigError, match=r"^negatives\.bm25_top_k is now negatives\.bm25\.top_k$"):
+    config_files.apply_overrides(config, ["negatives.bm25_top_k=50"])
+  with pytest.raises(config_files.ConfigError, match=r"^negatives\.guide is now negatives\.guide\.model$"):
+    config_files.apply_overrides(config, ["negatives.guide=self"])
+  for body, old in (("c.negatives.refresh_every = 3", "negatives.refresh_every"),
+                    ('c.negatives.mined = "runs/mined"', "negatives.mined")):
+    recipe = tmp_path / f"old_{old.split('.')[1]}.py"
+    recipe.write_text(f"import base\n\n\ndef get_config(arg=None):\n  c = base.get_config()\n  {body}\n  return c\n")
+    (tmp_path / "base.py").write_text((ROOT / "configs" / "base.py").read_text())
+    with pytest.raises(config_files.ConfigError) as e:
+      config_files.load_config_file(str(recipe))
+    assert str(e.value) == f"{recipe}: {settings.renamed(old)}"
+  config = defaults.get_config()
+  config.negatives.retrieve_every = 0  # a config built in code: caught before anything reads it
+  with pytest.raises(ValueError, match=r"^negatives\.retrieve_every is now negatives\.retrieval\.every$"):
+    settings.check_renamed(config)
+  settings.check_renamed(defaults.get_config())

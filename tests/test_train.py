@@ -116,8 +116,8 @@ def test_two_processes_equal_one(tmp_path):
   evaluation (each device encoding its own rows of the corpus, gathered across the hosts) scores the same."""
   data = write_tiny_beir(tmp_path / "data")
   common = ["--config.num_train_steps=6", "--config.checkpoint_every=3", "--config.eval_before_training=False",
-            "--config.negatives.source=ance", "--config.negatives.per_query=1", "--config.negatives.top_n=5",
-            "--config.negatives.refresh_every=2", "--config.negatives.refresh_delay=1"]
+            "--config.negatives.source=ance", "--config.negatives.per_query=1", "--config.negatives.ance.top_n=5",
+            "--config.negatives.ance.refresh_every=2", "--config.negatives.ance.refresh_delay=1"]
   launched = _two_processes_and_one(tmp_path, data, common)
   assert "refresh: generation 2 (snapshot step 4, mined in" in launched.stderr
   assert len(_losses(tmp_path / "multi")) == 6  # host 0 alone writes the log
@@ -143,8 +143,8 @@ def test_two_processes_equal_one(tmp_path):
   assert len(ids) == n == len(set(ids)) and all(len(np.load(p)["ids"]) for p in exchange)
 
 
-ANCE = ["--config.negatives.source=ance", "--config.negatives.per_query=1", "--config.negatives.top_n=5",
-        "--config.negatives.refresh_every=6", "--config.negatives.refresh_delay=3"]
+ANCE = ["--config.negatives.source=ance", "--config.negatives.per_query=1", "--config.negatives.ance.top_n=5",
+        "--config.negatives.ance.refresh_every=6", "--config.negatives.ance.refresh_delay=3"]
 
 
 def _stop_after_8_more_steps(cmd, workdir, signum) -> int:
@@ -344,7 +344,7 @@ def test_every_recipe_trains(tmp_path, recipe):
   config = config_files.load_config_file(f"{ROOT / 'configs' / recipe}.py:runlocal")
   config_files.apply_overrides(config, [a[len("--config."):] for a in TINY] + [
       f"data.dataset={data}", "data.eval_split=", "num_train_steps=3", "checkpoint_every=0",
-      "negatives.top_n=10", "eval.doc_max_length=32"])
+      "negatives.retrieval.top_n=10", "eval.doc_max_length=32"])
   trainer.train_and_evaluate(config, tmp_path / "w")
   losses = _losses(tmp_path / "w")
   assert len(losses) == 3 and all(np.isfinite(losses))

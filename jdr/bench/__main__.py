@@ -21,6 +21,7 @@ BENCHMARKS = {
     "encode": "jdr.bench.encode_speed",
     "eval-candidates": "jdr.bench.eval_candidates",
     "fgd-step": "jdr.bench.fgd_step",
+    "fingerprint": "jdr.bench.fingerprint",
     "plan": "jdr.bench.plan",
     "pretrain": "jdr.bench.pretrain_speed",
     "scale": "jdr.bench.scale",

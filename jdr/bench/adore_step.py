@@ -67,7 +67,7 @@ def recipe_config(args) -> ml_collections.ConfigDict:
   else:  # a Hugging Face directory (jdr.bench device writes a random BERT-base there)
     c.model.init_from, c.model.pooling, c.model.normalize = args.model, "mean", False
   c.model.dtype = getattr(args, "dtype", c.model.dtype)
-  c.negatives.top_n = args.top_n
+  c.negatives.retrieval.top_n = args.top_n
   c.data.query_max_length = args.query_length
   c.batch_size = args.batch_size
   c.optimizer.warmup_steps = 0

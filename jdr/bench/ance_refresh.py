@@ -46,8 +46,8 @@ def _config(args) -> ml_collections.ConfigDict:
   c.data.dataset = args.dataset
   c.data.eval_split = ""
   c.num_train_steps = args.steps
-  c.negatives.refresh_every = args.refresh_every
-  c.negatives.refresh_delay = args.delay
+  c.negatives.ance.refresh_every = args.refresh_every
+  c.negatives.ance.refresh_delay = args.delay
   c.log_every = 1
   c.eval_before_training = False
   c.checkpoint_every = args.steps + 1  # the one checkpoint is saved after the loop, outside the timings

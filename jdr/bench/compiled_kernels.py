@@ -12,7 +12,7 @@ and the largest groups of alike kernels (the same work in every layer). It is wh
 at hand, and what a change to the model's structure shows at once: a transpose or a materialized broadcast
 is a kernel in this list. Matmuls run as cuBLAS calls, as autotuning chose for BERT-base's matmuls on an
 NVIDIA H200 (without autotuning XLA would make every one a Triton fusion); a matmul whose operand must be
-converted first (an int8 corpus: --config.negatives.corpus_dtype=int8) shows the conversion as a kernel of its
+converted first (an int8 corpus: --config.negatives.retrieval.corpus_dtype=int8) shows the conversion as a kernel of its
 own, where on the card autotuning picks a Triton fusion that converts on the way. Its times are bounds, not
 measurements: `python -m jdr.bench device --profile` measures on a GPU. For Triton (Pallas) kernels it also
 reads the PTX XLA writes for the card: which tensor-core instructions their products use, and, where ptxas is

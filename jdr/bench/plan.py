@@ -192,8 +192,11 @@ def step_tokens(config: ml_collections.ConfigDict) -> int:
 
 def stages(config: ml_collections.ConfigDict) -> list[Stage]:
   """Prepare, mine, train and evaluate of a full recipe at its corpus's size (module docstring)."""
+  from jdr.negatives import retrieved  # pylint: disable=g-import-not-at-top
+  from jdr.negatives import sources  # pylint: disable=g-import-not-at-top
   from jdr.training import distill  # pylint: disable=g-import-not-at-top
   corpus, neg = corpus_of(config), config.negatives
+  own, depth = sources.section(neg), sources.depth(neg)  # the chosen source's group, its pool depth
   out = []
   # ---- prepare: the corpus tokenized once into memory-mapped arrays (jdr.data.prepared), on the host.
   out.append(Stage("prepare", "index and tokenize", *_prepare(corpus, config.data.doc_max_length), "host"))
@@ -202,27 +205,27 @@ def stages(config: ml_collections.ConfigDict) -> list[Stage]:
     out.append(Stage("prepare", "encode the fixed index", s, f, "device"))
   # ---- mine
   if neg.source in ("bm25", "bm25_random"):
-    out.append(Stage("mine", f"BM25 index, top-{neg.bm25_top_k} of {corpus.train_queries:,} queries",
+    out.append(Stage("mine", f"BM25 index, top-{own.top_k} of {corpus.train_queries:,} queries",
                      *_bm25(corpus, corpus.train_queries), "host"))
   elif neg.source == "dense_static":
     s, f = _dense_mining(config, corpus)
-    out.append(Stage("mine", f"top-{neg.top_n + neg.mine_extra}", s, f, "device"))
+    out.append(Stage("mine", f"top-{own.top_n + own.extra}", s, f, "device"))
   elif neg.source == "ance":
     s, f = _dense_mining(config, corpus)
-    passes = 1 + (config.num_train_steps - 1) // neg.refresh_every
-    out.append(Stage("mine", f"{passes} x top-{neg.top_n} (the start, then every {neg.refresh_every:,} steps)",
+    passes = 1 + (config.num_train_steps - 1) // own.refresh_every
+    out.append(Stage("mine", f"{passes} x top-{own.top_n} (the start, then every {own.refresh_every:,} steps)",
                      passes * s, f"{passes} x ({f}) = {passes} x {_f(s)} s", "device"))
   if distill.enabled(config):
     pieces = sum(k * (config.data.query_max_length + size) for (_, size), k in
                  zip(distill.levels(config), distill.piece_counts(config).values()))
     pair = min(config.data.query_max_length + config.data.doc_max_length, 512) + pieces
     rate = FIGURES["encode_docs_per_s"].value * FIGURES["encode_tokens_per_doc"].value
-    out.append(Stage("mine", "teacher scores", corpus.train_queries * (1 + neg.top_n) * pair / rate,
-                     f"{corpus.train_queries:,} queries x {1 + neg.top_n} documents x {pair:,} tokens (the "
+    out.append(Stage("mine", "teacher scores", corpus.train_queries * (1 + depth) * pair / rate,
+                     f"{corpus.train_queries:,} queries x {1 + depth} documents x {pair:,} tokens (the "
                      f"document and its pieces) / {rate / 1e6:.2f}M tokens/s (c)", "device"))
   # ---- train
   steps = config.num_train_steps
-  if neg.source == "retrieval" and not (neg.retrieval_backend == "jax" and neg.retrieve_every != 0):
+  if neg.source == "retrieval" and not retrieved.settings(own).in_step:
     faiss = FIGURES["faiss_flat_s_per_million"].value * corpus.docs / 1e6
     given = FIGURES["adore_step_given_s"].value
     out.append(Stage("train", "Faiss Flat between steps", steps * (faiss + given),
@@ -284,13 +287,14 @@ def _evaluation(config: ml_collections.ConfigDict, corpus: Corpus) -> list[Stage
 
 def settings(config: ml_collections.ConfigDict) -> str:
   """The recipe settings the hours use, in one line."""
+  from jdr.negatives import sources  # pylint: disable=g-import-not-at-top
   neg, parts = config.negatives, [f"{config.num_train_steps:,} steps", f"batch {config.batch_size}",
                                   f"{config.data.query_max_length} / {config.data.doc_max_length} tokens"]
   if neg.source != "none":
     parts.append(f"negatives {neg.source}" + (f" x {neg.per_query}" if neg.source != "retrieval" else
-                                              f" top-{neg.top_n} via {neg.retrieval_backend}"))
+                                              f" top-{neg.retrieval.top_n} via {neg.retrieval.backend}"))
   if neg.source == "ance":
-    parts.append(f"refresh every {neg.refresh_every:,}")
+    parts.append(f"refresh every {neg.ance.refresh_every:,}")
   return ", ".join(parts)
 
 

@@ -222,7 +222,7 @@ def _first_step_prepared(ctx: Context) -> dict:
   return _train_first_step(ctx, "train-again")
 
 
-BM25_NEGATIVES = ("negatives.source=bm25", "negatives.per_query=1", f"negatives.bm25_top_k={TOP_N}")
+BM25_NEGATIVES = ("negatives.source=bm25", "negatives.per_query=1", f"negatives.bm25.top_k={TOP_N}")
 
 
 def _bm25_first_step(ctx: Context, workdir_name: str = "train-bm25") -> dict:
@@ -711,7 +711,7 @@ def main(argv=None) -> None:
                       help=f"comma-separated, from {', '.join(STAGES)} (default: {', '.join(public)})")
   parser.add_argument("--stage-timeout", type=float, default=7200.0, help="seconds a stage may take (0: no limit)")
   parser.add_argument("--dense-backend", choices=("auto", "faiss", "jax"), default="auto",
-                      help="where dense_mine searches (negatives.mine_backend; auto: the devices when there is "
+                      help="where dense_mine searches (negatives.dense_static.backend; auto: the devices when there is "
                            "an accelerator, else Faiss)")
   parser.add_argument("--cache", default="",
                       help="JDR_CACHE of the stages (prepared corpora); default: a new folder in the run's work, so "

@@ -24,7 +24,7 @@ and the candidates, in one of three forms (`Negatives.candidates` names it; jdr/
     query_index           int32 [B]       row of the query in the sorted training queries
     cand_rows             int32 [B, n]    optional: retrieved top-n rows (host retrieval); absent = the step
                                           retrieves them itself (JAX back-end). The step then applies the
-                                          `negatives.missing_positive` rule (positives appended: n + P
+                                          `negatives.retrieval.missing_positive` rule (positives appended: n + P
                                           columns; or the last replaced: n) and builds labels and valid.
     cand_vectors          float32 [B, n, D]  with host retrieval: the vectors of cand_rows, and
     positive_vectors      float32 [B, P, D]  those of positive_rows (the matrix then stays on the host and

@@ -13,11 +13,12 @@ Every dataset's batches have the same shape (batch_size, negatives.per_query, le
 them all: a dataset trained without sampled negatives fills the columns of the others' with invalid ones
 (pairs.Batches' `padding_per_query`), never a second compilation.
 
-The run's keys in a mixture: data.train_split, data.source, negatives.source, negatives.in_batch and
-negatives.mined / static_run / triples_file are each dataset's defaults, which its options replace (the run's
-own must make a valid run: `jdr.negatives.sources.check` reads them); batch_size, negatives.per_query, the
-lengths and everything else are shared. data.dataset is not read (leave it `builtin`, or the first entry's).
-The evaluation is the first dataset's `data.eval_split`, with the model's own prompts, as a plain run's.
+The run's keys in a mixture: data.train_split, data.source, negatives.source, negatives.in_batch and the fixed-pool
+sources' files (negatives.mined.file, static.run, triples.file) are each dataset's defaults, which its options
+replace (the run's own must make a valid run: `jdr.negatives.sources.check` reads them); batch_size,
+negatives.per_query, the lengths and everything else are shared. data.dataset is not read (leave it `builtin`,
+or the first entry's). The evaluation is the first dataset's `data.eval_split`, with the model's own prompts, as
+a plain run's.
 Refused: pretraining, a cross-encoder, distillation, a guide model, and the negative sources that mine or
 retrieve over one corpus (dense_static, ance, retrieval).
 """
@@ -47,11 +48,15 @@ OPTIONS = {
     "prompt": "the text put before this dataset's queries ('' = the model's own query prompt)",
     "split": "the qrels split trained on (default: data.train_split)",
     "source": "files | tfds: how the directory is read (default: data.source)",
-    "mined": "negatives.mined for this dataset (source mined: a jdr.mine directory or a training file)",
-    "static_run": "negatives.static_run for this dataset (source static: a TREC run)",
-    "triples_file": "negatives.triples_file for this dataset (source triples)",
+    "mined": "negatives.mined.file for this dataset (source mined: a jdr.mine directory or a training file)",
+    "static_run": "negatives.static.run for this dataset (source static: a TREC run)",
+    "triples_file": "negatives.triples.file for this dataset (source triples)",
     "name": "the dataset's name in the logs, train/mixture/NAME (default: the directory's name)",
 }
+
+# The options naming a source's file: option -> (its source, the group and key it sets under `negatives`).
+FILE_OPTIONS = {"mined": ("mined", "mined", "file"), "static_run": ("static", "static", "run"),
+                "triples_file": ("triples", "triples", "file")}
 
 _OPTIONS_START = re.compile(r":(?=\s*[A-Za-z_]\w*\s*=)")  # the ':' before the first key=value (not gs://)
 _KEY = re.compile(r"\s*([A-Za-z_]\w*)\s*=\s*")
@@ -222,8 +227,8 @@ def plan(config: ml_collections.ConfigDict, samplers: Collection[str],
       (config.model.get("architecture", "two_tower") != "two_tower",
        "model.architecture=cross_encoder: a mixture trains two towers"),
       (bool(config.distill.teacher), "distill.teacher: the teacher scores one dataset's candidates"),
-      (config.negatives.get("guide", "") not in ("", "self"),
-       "negatives.guide: a guide model masks one dataset's batches (negatives.guide=self works)"),
+      (config.negatives.guide.model not in ("", "self"),
+       "negatives.guide.model: a guide model masks one dataset's batches (negatives.guide.model=self works)"),
       (config.data.dataset not in ("builtin", entries[0].dataset),
        f"data.dataset={config.data.dataset} would not be read: a mixture names every dataset (the first is "
        "evaluated); put it in data.mixture and leave data.dataset=builtin")):
@@ -245,14 +250,16 @@ def plan(config: ml_collections.ConfigDict, samplers: Collection[str],
         raise _error(number, entry.text, "in_batch=0 with no negatives source leaves each query nothing to score "
                                          "its positive against; set negatives=... or in_batch=1")
       entry.padding_per_query = config.negatives.per_query
-    for needs, key in (("mined", "mined"), ("static", "static_run")):
-      if source == needs and not entry.config.negatives[key]:  # else refused only once the data is read
-        raise _error(number, entry.text, f"negatives={source} needs its file: {key}=... (or negatives.{key})")
+    for option in ("mined", "static_run"):  # (triples have a default: the dataset's own file)
+      needs, group, key = FILE_OPTIONS[option]
+      if source == needs and not entry.config.negatives[group][key]:  # else refused only once the data is read
+        raise _error(number, entry.text, f"negatives={source} needs its file: {option}=... (or "
+                                         f"negatives.{group}.{key})")
     if entry.dataset != "builtin" and not paths.as_path(entry.dataset).is_dir():
       raise _error(number, entry.text, f"{entry.dataset}: directory not found ({config_files.DATASET})")
     try:
-      config_files.check_inputs(entry.config)  # its mined / triples files
-      check_negatives(entry.config)
+      config_files.check_inputs(entry.config)
+      check_negatives(entry.config)  # its own negatives, their mined / triples files too
     except ValueError as e:
       raise _error(number, entry.text, str(e)) from None
   return entries
@@ -272,11 +279,11 @@ def _entry_config(config: ml_collections.ConfigDict, entry: Entry, index: int) -
     neg.in_batch = entry.in_batch
   if neg.source == "none":
     neg.per_query = 0  # filled with invalid columns instead (`padding_per_query`)
-  if neg.source != config.negatives.source:  # the run's files are its own source's
-    neg.mined = neg.static_run = neg.triples_file = ""
-  for key in ("mined", "static_run", "triples_file"):
-    if getattr(entry, key):
-      neg[key] = getattr(entry, key)
+  for option, (_, group, key) in FILE_OPTIONS.items():
+    if neg.source != config.negatives.source:  # the run's files are its own source's
+      neg[group][key] = ""
+    if getattr(entry, option):
+      neg[group][key] = getattr(entry, option)
   return out
 
 

@@ -209,13 +209,13 @@ class Batches:
     check_pair_weighting(pair_weighting, random_weight)
     self.pair_weighting, self.random_weight = pair_weighting, random_weight
     if triples_per_query and (self.per_query != 1 or in_batch or candidates != "tokens"):
-      raise ValueError("negatives.triples_per_query > 0 (ANCE's triples) needs negatives.per_query=1 and "
+      raise ValueError("negatives.ance.triples_per_query > 0 (ANCE's triples) needs negatives.per_query=1 and "
                        "negatives.in_batch=False: each triple is scored against its own negative only")
     self.triples_per_query = triples_per_query
     # How a refresh generation becomes triples (ANCE's chunks, one positive a query, readers): the source's.
     self.triple_plan = getattr(negative_source, "triple_plan", None) or refresh_triples.TriplePlan()
     if triples_per_query and self.triple_plan.readers and batch_size % self.triple_plan.readers:
-      raise ValueError(f"batch_size={batch_size} must be a multiple of negatives.triple_readers="
+      raise ValueError(f"batch_size={batch_size} must be a multiple of negatives.ance.triple_readers="
                        f"{self.triple_plan.readers}: each reader gives a batch the same number of triples")
     self._lines: tuple[int, np.ndarray] | None = None  # (generation, its lines): refresh_triples.lines
     if data.epoch_over not in EPOCHS_OVER:

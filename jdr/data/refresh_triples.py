@@ -5,7 +5,7 @@ and `negative_sample` negatives, and its trainer (`run_ann.py`) reads the lines'
 batches (`pairs.Batches`, ANCE's triples) take a generation's lines from `lines` and each batch row's
 (line, triple) from `reader_rows` or, with the triples shuffled, a permutation the batches keep. A line is a
 row of `pairs.training_pairs`: a query and the positive it trains with. The settings, `TriplePlan`, come with the
-negative source (`negatives.triples_over`, `refresh_chunks`, `triple_readers`):
+negative source (`negatives.ance`: `triples_over`, `refresh_chunks`, `triple_readers`):
 
   over="queries"  each query of the generation's chunk once, with the last positive its qrels list (ANCE's
                   loader keeps one positive a query, each qrels line overwriting the one before); its negatives
@@ -40,11 +40,11 @@ class TriplePlan:
 
   def __post_init__(self):
     if self.over not in TRIPLES_OVER:
-      raise ValueError(f"negatives.triples_over must be one of {', '.join(TRIPLES_OVER)}, got {self.over!r}")
+      raise ValueError(f"negatives.ance.triples_over must be one of {', '.join(TRIPLES_OVER)}, got {self.over!r}")
     if self.chunks < 1:
-      raise ValueError(f"negatives.refresh_chunks must be >= 1, got {self.chunks}")
+      raise ValueError(f"negatives.ance.refresh_chunks must be >= 1, got {self.chunks}")
     if self.readers < 0:
-      raise ValueError(f"negatives.triple_readers must be >= 0, got {self.readers}")
+      raise ValueError(f"negatives.ance.triple_readers must be >= 0, got {self.readers}")
 
 
 def chunk_bounds(num_queries: int, generation: int, chunks: int) -> tuple[int, int]:
@@ -70,7 +70,7 @@ def lines(pairs: Sequence[tuple[str, str]], qrels: Mapping[str, Mapping[str, int
     out = out[:len(out) // plan.readers * plan.readers]  # ANCE keeps a multiple of its GPUs' lines
   if not len(out):
     raise ValueError(f"refresh generation {generation} has no lines: a chunk of {hi - lo} training queries "
-                     f"(negatives.refresh_chunks={plan.chunks}) for negatives.triple_readers={plan.readers}")
+                     f"(negatives.ance.refresh_chunks={plan.chunks}) for negatives.ance.triple_readers={plan.readers}")
   return out
 
 

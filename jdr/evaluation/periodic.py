@@ -31,6 +31,7 @@ from jdr.data import formats
 from jdr.retrieval import host_search
 from jdr.negatives import retrieved
 from jdr.negatives import sampled
+from jdr.negatives import sources
 
 
 CANDIDATES = ("auto", "full", "bm25", "run")
@@ -260,7 +261,7 @@ class TrainingDiagnostics:
   def __init__(self, encoder: TowerEncoder, data, negatives, config: ml_collections.ConfigDict, *,
                cache_dir=None, bm25_index: Callable | None = None):
     self.encoder, self.data, self.negatives = encoder, data, negatives
-    self.n = config.negatives.top_n or 200
+    self.n = sources.depth(config.negatives)
     train_qids = sorted(q for q, docs in data.train_qrels.items() if any(r > 0 for r in docs.values()))
     self.qids = train_qids[:config.eval.diagnostic_queries] if config.eval.diagnostic_queries else []
     self.cache_dir = cache_dir

@@ -5,7 +5,7 @@ jdr.data.triples maps the file's texts to rows once. Each training query's pool 
 triples; a batch row's negatives are drawn uniformly from it without replacement, its positives excluded (all the
 qrels judge relevant, not only the triple's), and topped up with random corpus documents when the pool runs short
 or the query has no triples, counted in `stats` so a pool that is mostly missing shows. Training pairs still come
-from the qrels, as with every other source.
+from the qrels, as with every other source. Its settings are the group `negatives.triples` (`check`, `sampler`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,11 @@ from jdr.data import msmarco
 from jdr.data import prepared
 from jdr.data import triples as triples_lib
 from jdr.negatives import sampled
+from jdr.runtime import config_files
+from jdr.runtime import paths
+
+# What the file holds, for the refusal when it is missing.
+TRIPLES = "MS MARCO's triples.train.small.tsv: query, positive and negative passage texts a line"
 
 
 class TriplesNegatives:
@@ -76,14 +81,25 @@ class TriplesNegatives:
             "fallback_queries": self.fallback_queries}
 
 
-def sampler(neg, data, cache_dir) -> TriplesNegatives:
-  """negatives.source=triples: (negatives config, data, cache dir) -> the sampler, mapping the file first if no
-  run has (beside the prepared corpus, else in `cache_dir`)."""
+def check(triples, run, chosen: bool) -> None:
+  """Refuses a triples file another source would ignore, and a missing one, before anything is read (`run`: the
+  run's `jdr.negatives.sources.Run`, whose dataset holds the default file)."""
+  if triples.file and not chosen:
+    raise config_files.ConfigError(f"negatives.triples.file={triples.file} is read by negatives.source=triples only")
+  if chosen and run.data_kind == "pairs":
+    path = triples.file or ("" if run.dataset == "builtin" else str(paths.as_path(run.dataset) / msmarco.TRIPLES))
+    if not path or not paths.as_path(path).is_file():
+      raise config_files.ConfigError(config_files.not_found("negatives.triples.file", path, TRIPLES, kind="file"))
+
+
+def sampler(triples, data, cache_dir) -> TriplesNegatives:
+  """negatives.source=triples: (its group, data, cache dir) -> the sampler, mapping the file first if no run has
+  (beside the prepared corpus, else in `cache_dir`)."""
   if data.files is None:
     raise ValueError("negatives.source=triples reads a triples file of a dataset directory (data.dataset)")
-  path = neg.triples_file or str(data.files.directory / msmarco.TRIPLES)
+  path = triples.file or str(data.files.directory / msmarco.TRIPLES)
   mapped = triples_lib.load(path, data.queries, data.train_qrels, data.corpus, cache_dir=cache_dir,
-                            skip_invalid=neg.triples_skip_invalid)
+                            skip_invalid=triples.skip_invalid)
   source = TriplesNegatives(mapped, data.corpus, data.train_qrels)
   train_qids = {q for q, docs in data.train_qrels.items() if any(r > 0 for r in docs.values())}
   without = sum(1 for q in train_qids if not source.has_triples(q))

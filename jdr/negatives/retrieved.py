@@ -4,12 +4,12 @@ LTRe Algorithm 1 / ADORE (Zhan et al. 2021, Sec. 6.2): the corpus is encoded onc
 tower; at every step the batch's queries, encoded by the query tower being trained, retrieve their top n
 from the whole corpus; the scores are inner products with the stored document vectors, and only the query
 tower learns. A query none of whose n documents is relevant still needs a positive to learn from, and
-`negatives.missing_positive` says where it comes from (`MISSING_POSITIVE`):
+`negatives.retrieval.missing_positive` says where it comes from (`MISSING_POSITIVE`):
   append        DRhard's adore/train.py, the code behind ADORE's tables: every positive of the query is
                 appended after the n retrieved, at positions n + 1, n + 2, ... of its candidate list;
   replace_last  LTRe Algorithm 1, line 4: the n-th retrieved document is replaced by the batch positive.
 
-Where the retrieval runs is a config value (`negatives.retrieval_backend`):
+Where the retrieval runs is a config value (`negatives.retrieval.backend`):
   faiss  on the host, between steps: `HostRetrieval` encodes the batch's queries with the current query
          tower (the same dropout rng the step will use, so the ranking is the one the loss sees), searches
          any Faiss index (flat, or OPQ+PQ), and hands the ids to the step as the batch field `cand_rows`;
@@ -26,7 +26,8 @@ are the index's own reconstruction of the documents (faiss sa_decode of their co
 the N x code-size codes), so the query tower learns the index it will be served with (LTRe Table 4), and no
 decoded N x D matrix is ever held.
 
-Row -1 marks "no document" (padding) everywhere.
+Row -1 marks "no document" (padding) everywhere. The source's settings are the group `negatives.retrieval`, read
+here alone (`settings`, `check`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,51 @@ import numpy as np
 
 from jdr.retrieval import host_search
 from jdr.retrieval import topk
+
+
+# ------------------------------------------------------------------------------------------------ settings
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """The group `negatives.retrieval`, read once: what the builder, the step and the sizing use of it."""
+  top_n: int  # candidates retrieved a query
+  every: int  # 1 = at every step; 0 = once before training (the static ablation)
+  missing_positive: str  # `MISSING_POSITIVE`
+  backend: str  # faiss (host, between steps) | jax (in the step)
+  recall_target: float  # < 1: jax.lax.approx_max_k in the step
+  corpus_dtype: str  # the fixed corpus on the devices (jax)
+  index_factory: str  # the Faiss index (faiss)
+  corpus_encoding: str  # a jdr.encode directory as the fixed index ("" = encoded at the start)
+
+  @property
+  def in_step(self) -> bool:
+    """Whether the jitted step retrieves: the JAX back-end, unless the candidates are fixed before training
+    (which, like Faiss, serves them from the host)."""
+    return self.backend == "jax" and self.every != 0
+
+
+def settings(retrieval) -> Settings:
+  """`negatives.retrieval` (the group) as `Settings`."""
+  return Settings(top_n=retrieval.top_n, every=retrieval.every, missing_positive=retrieval.missing_positive,
+                  backend=retrieval.backend, recall_target=retrieval.top_k_recall_target,
+                  corpus_dtype=retrieval.corpus_dtype, index_factory=retrieval.index_factory,
+                  corpus_encoding=retrieval.corpus_encoding)
+
+
+def check(retrieval, run, chosen: bool) -> None:
+  """Refuses the group's settings before anything is loaded, when source=retrieval is the run's (`run`: the
+  run's `jdr.negatives.sources.Run`, of which the towers it trains are read)."""
+  if not chosen:
+    return
+  if run.train_towers != "query":
+    raise ValueError("negatives.source='retrieval' scores against a fixed corpus index, so only the query "
+                     "tower may train: set model.train_towers=query (and model.shared=False)")
+  if retrieval.backend not in ("faiss", "jax"):
+    raise ValueError(f"negatives.retrieval.backend must be faiss or jax, got {retrieval.backend!r}")
+  if retrieval.backend == "jax" and retrieval.index_factory.strip().lower() != "flat":
+    raise ValueError(f"negatives.retrieval.index_factory={retrieval.index_factory!r} needs backend=faiss "
+                     "(the JAX back-end is exact top-k over the flat matrix)")
 
 
 # ------------------------------------------------------------------------------------------------ the corpus
@@ -131,13 +177,14 @@ def append_positives(rows: jax.Array, positive_rows: jax.Array) -> tuple[jax.Arr
           relevant.astype(jnp.float32))
 
 
-# negatives.missing_positive -> the rule
+# negatives.retrieval.missing_positive -> the rule
 MISSING_POSITIVE = {"append": append_positives, "replace_last": replace_last}
 
 
 def check_missing_positive(name: str) -> str:
   if name not in MISSING_POSITIVE:
-    raise ValueError(f"negatives.missing_positive must be one of {', '.join(MISSING_POSITIVE)}; got {name!r}")
+    raise ValueError(f"negatives.retrieval.missing_positive must be one of {', '.join(MISSING_POSITIVE)}; "
+                     f"got {name!r}")
   return name
 
 

@@ -211,7 +211,7 @@ _last_read: tuple[tuple, mining.Mined] | None = None
 
 
 def load(path, corpus, queries: Mapping[str, str], qrels) -> mining.Mined:
-  """What `negatives.mined` names: a `python -m jdr.mine` directory (checked to be of this corpus), or a file of
+  """What `negatives.mined.file` names: a `python -m jdr.mine` directory (checked to be of this corpus), or a file of
   training records with negatives (`read`, once per file, corpus and qrels)."""
   global _last_read
   if pathlib.Path(path).is_dir():

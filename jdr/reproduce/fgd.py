@@ -214,7 +214,7 @@ def train_stage(ctx: Context, name: str, row: str, seed: int, extra: list[str]) 
       "--workdir", workdir, f"--config.data.dataset={ctx.long_dir}", f"--config.seed={seed}",
       f"--config.num_train_steps={steps}", f"--config.optimizer.warmup_steps={steps // 10}",
       "--config.distill.teacher=" if warmup else f"--config.distill.teacher={ctx.teacher}",
-      "--config.eval_before_training=False", f"--config.negatives.retrieval_backend={ctx.backend}",
+      "--config.eval_before_training=False", f"--config.negatives.retrieval.backend={ctx.backend}",
       f"--config.eval.backend={ctx.backend}", *extra, *(f"--config.{o}" for o in tiny + list(ctx.plan.overrides))),
       ctx.log(name))
   record = {"run": name, "method": row, "seed": seed, "steps": steps,

@@ -6,9 +6,9 @@ outside the fixed dev split) with one setting changed, at one learning rate for 
 in-batch row's choice on dev in the table's build), seeds 0-2:
 
   inbatch      the row itself (exact duplicate texts and known positives masked, as every row)
-  guided       + negatives.guide=minilm: the starting model, frozen, masks an in-batch negative it scores above
+  guided       + negatives.guide.model=minilm: the starting model, frozen, masks an in-batch negative it scores above
                the row's positive (GISTEmbed's rule, margin 0)
-  self_guided  + negatives.guide=self with negatives.guide_margin=--self-margin: the model's own scores
+  self_guided  + negatives.guide.model=self with negatives.guide.margin=--self-margin: the model's own scores
   matryoshka   + loss.matryoshka_dims=384,256,128,64 (each weight 1)
   dim256, dim128, dim64   + loss.matryoshka_dims=D: trained at that width alone
 
@@ -77,9 +77,9 @@ def tiny_plan() -> Plan:
 def row_overrides(row: str, plan: Plan) -> dict:
   """The one setting a row changes, as config fields."""
   if row == "guided":
-    return {"negatives.guide": "minilm"}
+    return {"negatives.guide.model": "minilm"}
   if row == "self_guided":
-    return {"negatives.guide": "self", "negatives.guide_margin": plan.self_margin}
+    return {"negatives.guide.model": "self", "negatives.guide.margin": plan.self_margin}
   if row == "matryoshka":
     return {"loss.matryoshka_dims": ",".join(map(str, _widths(plan)))}
   if row.startswith("dim"):
@@ -100,10 +100,13 @@ def run_config(plan: Plan, row: str, seed: int, dataset: pathlib.Path):
   c = rows_lib.stage_config(table, "inbatch", steps=plan.steps, rate=plan.rate, seed=seed, dataset=dataset)
   c.eval_every, c.eval_before_training, c.data.eval_split = 0, False, ""
   for key, value in row_overrides(row, plan).items():
-    section, name = key.split(".")
-    c[section][name] = value
+    *sections, name = key.split(".")
+    node = c
+    for section in sections:
+      node = node[section]
+    node[name] = value
   if plan.tiny and row == "guided":
-    c.negatives.guide = "self"  # the tiny model has no published twin to guide it
+    c.negatives.guide.model = "self"  # the tiny model has no published twin to guide it
   return c
 
 
@@ -220,7 +223,7 @@ def add_arguments(parser) -> None:
                       "SciFact table's budget); fixed for an output directory")
   parser.add_argument("--rate", type=float, default=0.0, help="every row's learning rate (default 1e-4: the "
                       "in-batch row's choice on dev in the SciFact table)")
-  parser.add_argument("--self-margin", type=float, default=None, help="negatives.guide_margin of self_guided "
+  parser.add_argument("--self-margin", type=float, default=None, help="negatives.guide.margin of self_guided "
                       "(default 0)")
   parser.add_argument("--tiny", action="store_true", help="a tiny random BERT, two steps, on the built-in data: "
                       "checks the whole command, measures nothing")

@@ -170,14 +170,14 @@ def stage_config(plan: Plan, method: str, *, steps: int, rate: float, seed: int,
   if method == "adore_ranknet":
     c.loss.name = "ranknet"
   elif method == "adore_static":
-    c.negatives.retrieve_every = 0  # candidates retrieved once before training
+    c.negatives.retrieval.every = 0  # candidates retrieved once before training
   elif method == "ltre_pq":
-    c.negatives.index_factory = plan.compressed
+    c.negatives.retrieval.index_factory = plan.compressed
     c.eval.factories = f"{plan.compressed};Flat"  # dev is scored on the index the row serves from
     c.eval.backend = "faiss"
   elif method in MINED:
     # One negative a step from the mined pool, as bm25_neg draws from its BM25 top 100.
-    c.negatives.source, c.negatives.mined = "mined", str(mined_dir(pathlib.Path(dataset).parent, method))
+    c.negatives.source, c.negatives.mined.file = "mined", str(mined_dir(pathlib.Path(dataset).parent, method))
     if method == "margin_mse":  # added to the recipe's contrastive loss, teacher scores read from the pool
       c.distill.teacher, c.distill.margin_mse = "mined", True
       c.distill.document, c.distill.granularities = False, ""
@@ -200,13 +200,16 @@ def stage_config(plan: Plan, method: str, *, steps: int, rate: float, seed: int,
     c.data.doc_max_length = plan.eval_doc_length  # the fixed index is encoded at the evaluation length
   if method == "ance":
     # Three refreshes in the stage, each in force half an interval after its snapshot (runlocal: 30 of 90).
-    c.negatives.refresh_every = max(1, steps // 3)
-    c.negatives.refresh_delay = c.negatives.refresh_every // 2
+    c.negatives.ance.refresh_every = max(1, steps // 3)
+    c.negatives.ance.refresh_delay = c.negatives.ance.refresh_every // 2
   if plan.tiny:
     c.model.pooling, c.model.normalize = "mean", 1  # like MiniLM, so the recipes' temperature suits it
     c.data.doc_max_length = plan.eval_doc_length
-    c.negatives.top_n = min(c.negatives.top_n, 50)
-    c.negatives.bm25_top_k = min(c.negatives.bm25_top_k, 20)  # and the mined rows' depth: a tiny teacher's pairs
+    from jdr.negatives import sources  # pylint: disable=g-import-not-at-top  (JAX loads with the runs)
+    own = sources.section(c.negatives)  # the source's pool or retrieval depth, where it has one
+    if own is not None and "top_n" in own:
+      own.top_n = min(own.top_n, 50)
+    c.negatives.bm25.top_k = min(c.negatives.bm25.top_k, 20)  # and the mined rows' depth: a tiny teacher's pairs
     c.model.init_from, c.model.fresh = "", "tiny"
   if init_from:
     c.model.init_from = init_from

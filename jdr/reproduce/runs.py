@@ -510,7 +510,7 @@ def prepare_mined(ctx: Context) -> None:
   everything = rows_lib.mined_dir(ctx.out / "data", "margin_mse")
   filtered = rows_lib.mined_dir(ctx.out / "data", "bm25_neg_ce")
   depth = rows_lib.stage_config(ctx.plan, "bm25_neg", steps=1, rate=0.0, seed=0, dataset=ctx.dataset,
-                                configs_dir=ctx.configs_dir).negatives.bm25_top_k
+                                configs_dir=ctx.configs_dir).negatives.bm25.top_k
   ctx.progress.begin(f"mine BM25's top {depth} with the cross-encoder's scores, then filter on dev")
   start = time.perf_counter()
   with output_to(everything.parent / "mine.log"):

@@ -86,49 +86,68 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.negatives.in_batch = True  # other queries' documents in the batch are negatives too
   c.negatives.mask_duplicate_texts = True  # a negative whose text is one of the query's positives' (another id) is masked
   c.negatives.hardest_in_batch = False  # NCE Neg: keep only the highest-scored negative per query
-  # In-batch false negatives by a guide (jdr/training/guide.py, GISTEmbed): a negative the guide scores above the
-  # row's positive is masked
-  c.negatives.guide = ""  # "" = off | self (the trained model's own scores) | a bi-encoder or jdr cross-encoder
-  c.negatives.guide_margin = 0.0  # masked when guide(q, neg) > guide(q, pos) - margin (< 0: only clearly above)
-  c.negatives.bm25_top_k = 100  # BM25 pool the hard negatives are drawn from (ANCE / DPR: top 100)
-  c.negatives.static_run = ""  # TREC run of a warm-up model (static source)
-  # triples: each query's negatives from its lines of MS MARCO's triples.train.small.tsv (query, positive and
-  # negative passage texts), mapped to rows once and cached beside the prepared corpus (jdr/data/triples.py)
-  c.negatives.triples_file = ""  # triples source: the file ("" = data.dataset's triples.train.small.tsv)
-  c.negatives.triples_skip_invalid = False  # triples source: count and skip unmatched or bad lines, not stop
-  # mined: Tevatron's JSONL (v1, v2) or sentence-transformers' rows (JSONL, Parquet), jdr/negatives/training_files.py
-  c.negatives.mined = ""  # mined source: a `python -m jdr.mine` directory, or a file of training records with negatives
-  c.negatives.top_n = 200  # pool / retrieval depth of dense_static, ance and retrieval (the papers' 200)
   # How pairwise losses weigh a token batch's pairs: none (each query's mean, then the mean over queries) |
   # batch_mean (one mean over every pair of the batch: STAR's code) | alpha (STAR's Eq. 13, random_weight below)
   c.negatives.pair_weighting = "none"  # none | batch_mean (STAR's code) | alpha (STAR's Eq. 13)
   c.negatives.random_weight = 0.0  # pair_weighting=alpha: weight of the batch's other docs as random negatives
-  c.negatives.mine_extra = 0  # dense_static mines top_n + this, drops positives, keeps top_n (STAR: 10)
-  c.negatives.mine_query_length = 0  # dense_static mines with queries of this many tokens (0 = data.query_max_length)
-  c.negatives.triples_per_query = 0  # ance: each refresh turns every pair into this many triples (ANCE: 20)
+  # Each group below belongs to one unit, which alone reads it (jdr/negatives/sources.py: `SOURCES` names each
+  # source's group); the keys above are read for every source by the batches and the step.
+  # In-batch false negatives by a guide (jdr/training/guide.py, GISTEmbed): a negative the guide scores above the
+  # row's positive is masked
+  c.negatives.guide = ml_collections.ConfigDict()
+  c.negatives.guide.model = ""  # "" = off | self (the trained model's own scores) | a bi-encoder or jdr cross-encoder
+  c.negatives.guide.margin = 0.0  # masked when guide(q, neg) > guide(q, pos) - margin (< 0: only clearly above)
+  c.negatives.bm25 = ml_collections.ConfigDict()  # sources bm25 and bm25_random
+  c.negatives.bm25.top_k = 100  # BM25 pool the hard negatives are drawn from (ANCE / DPR: top 100)
+  c.negatives.static = ml_collections.ConfigDict()
+  c.negatives.static.run = ""  # TREC run of a warm-up model (static source)
+  # triples: each query's negatives from its lines of MS MARCO's triples.train.small.tsv (query, positive and
+  # negative passage texts), mapped to rows once and cached beside the prepared corpus (jdr/data/triples.py)
+  c.negatives.triples = ml_collections.ConfigDict()
+  c.negatives.triples.file = ""  # triples source: the file ("" = data.dataset's triples.train.small.tsv)
+  c.negatives.triples.skip_invalid = False  # triples source: count and skip unmatched or bad lines, not stop
+  # mined: Tevatron's JSONL (v1, v2) or sentence-transformers' rows (JSONL, Parquet), jdr/negatives/training_files.py
+  c.negatives.mined = ml_collections.ConfigDict()
+  c.negatives.mined.file = ""  # mined source: a `python -m jdr.mine` directory, or a file of training records with negatives
+  # dense_static (STAR): the starting model's own top n, mined once and cached
+  c.negatives.dense_static = ml_collections.ConfigDict()
+  c.negatives.dense_static.top_n = 200  # pool depth (the papers' 200)
+  c.negatives.dense_static.extra = 0  # mines top_n + this, drops positives, keeps top_n (STAR: 10)
+  c.negatives.dense_static.query_length = 0  # mines with queries of this many tokens (0 = data.query_max_length)
+  c.negatives.dense_static.backend = "auto"  # where it mines: auto (the JAX top-k on the devices
+  # when there is an accelerator, else Faiss on the host) | faiss | jax
+  c.negatives.dense_static.corpus_dtype = "auto"  # the corpus mined, on the devices: auto (bfloat16 on GPU/TPU,
+  # float32 on CPU) | float32 | bfloat16 | int8 (one scale per row, approximate); scores are float32 always
+  # ance: the model's own top-n, re-mined in the background every refresh_every steps
+  c.negatives.ance = ml_collections.ConfigDict()
+  c.negatives.ance.top_n = 200  # pool depth (the papers' 200)
+  c.negatives.ance.backend = "auto"  # where it mines: auto (the JAX top-k on the devices
+  # when there is an accelerator, else Faiss on the host) | faiss | jax
+  c.negatives.ance.corpus_dtype = "auto"  # the corpus mined, on the devices: auto (bfloat16 on GPU/TPU, float32
+  # on CPU) | float32 | bfloat16 | int8 (one scale per row, approximate); scores are float32 always
+  c.negatives.ance.refresh_every = 0  # m: steps between snapshots (0 = never; ance needs >= 1)
+  c.negatives.ance.refresh_delay = 0  # a snapshot's negatives come into force this many steps after it
+  c.negatives.ance.refresh_max_wait_s = -1.0  # wait for a late refresh at most this long (-1 = always: exact resume)
+  c.negatives.ance.triples_per_query = 0  # each refresh turns every pair into this many triples (ANCE: 20)
   # ance's triples (jdr/data/refresh_triples.py): queries = each query once a generation with the last positive
   # its qrels list, negatives skipping only that positive (ANCE's); pairs = every (query, positive) pair,
   # negatives skipping all of the query's positives
-  c.negatives.triples_over = "pairs"  # ance: queries (ANCE's) | pairs (see above)
-  c.negatives.refresh_chunks = 1  # ance: generation g trains on chunk g mod this of the training queries (ANCE: 5)
-  # ance: a generation's lines (a query's triples) dealt in turn to this many readers, each reading its triples
+  c.negatives.ance.triples_over = "pairs"  # queries (ANCE's) | pairs (see above)
+  c.negatives.ance.refresh_chunks = 1  # generation g trains on chunk g mod this of the training queries (ANCE: 5)
+  # A generation's lines (a query's triples) dealt in turn to this many readers, each reading its triples
   # in order, a batch the next batch_size / readers of each (ANCE's 4 GPUs); 0 = triples shuffled across queries
-  c.negatives.triple_readers = 0  # ance: readers of consecutive triples (ANCE: 4); 0 = shuffled (see above)
+  c.negatives.ance.triple_readers = 0  # readers of consecutive triples (ANCE: 4); 0 = shuffled (see above)
   # retrieval (ADORE / LTRe): a fixed corpus index, candidates retrieved by the query tower being trained
-  c.negatives.retrieve_every = 1  # 1 = at every step (ADORE / LTRe); 0 = once before training (static ablation)
-  c.negatives.missing_positive = "append"  # none of the top n relevant: append (DRhard) | replace_last (LTRe Alg. 1)
-  c.negatives.retrieval_backend = "faiss"  # faiss (host, between steps) | jax (exact top-k inside the step)
-  c.negatives.mine_backend = "auto"  # where dense_static and ance mine: auto (the JAX top-k on the devices
-  # when there is an accelerator, else Faiss on the host) | faiss | jax
-  c.negatives.top_k_recall_target = 1.0  # retrieval_backend=jax: < 1 takes jax.lax.approx_max_k (fast on TPUs)
-  c.negatives.corpus_dtype = "auto"  # the fixed corpus on the devices: auto (bfloat16 on GPU/TPU, float32 on
+  c.negatives.retrieval = ml_collections.ConfigDict()
+  c.negatives.retrieval.top_n = 200  # retrieval depth (the papers' 200)
+  c.negatives.retrieval.every = 1  # 1 = at every step (ADORE / LTRe); 0 = once before training (static ablation)
+  c.negatives.retrieval.missing_positive = "append"  # none of the top n relevant: append (DRhard) | replace_last (LTRe Alg. 1)
+  c.negatives.retrieval.backend = "faiss"  # faiss (host, between steps) | jax (exact top-k inside the step)
+  c.negatives.retrieval.top_k_recall_target = 1.0  # backend=jax: < 1 takes jax.lax.approx_max_k (fast on TPUs)
+  c.negatives.retrieval.corpus_dtype = "auto"  # the fixed corpus on the devices: auto (bfloat16 on GPU/TPU, float32 on
   # CPU) | float32 | bfloat16 | int8 (one scale per row, approximate); scores are float32 always
-  c.negatives.index_factory = "Flat"  # Faiss factory of the fixed index, e.g. "OPQ48,IVF1,PQ48" (LTRe Table 4)
-  c.negatives.corpus_encoding = ""  # a jdr.encode directory to use as the fixed index ("" = encode at start)
-  # ance: the model's own top-n, re-mined in the background every refresh_every steps
-  c.negatives.refresh_every = 0  # m: steps between snapshots (0 = never; ance needs >= 1)
-  c.negatives.refresh_delay = 0  # a snapshot's negatives come into force this many steps after it
-  c.negatives.refresh_max_wait_s = -1.0  # wait for a late refresh at most this long (-1 = always: exact resume)
+  c.negatives.retrieval.index_factory = "Flat"  # Faiss factory of the fixed index, e.g. "OPQ48,IVF1,PQ48" (LTRe Table 4)
+  c.negatives.retrieval.corpus_encoding = ""  # a jdr.encode directory to use as the fixed index ("" = encode at start)
   c.loss = ml_collections.ConfigDict()
   c.loss.name = "softmax_nll"  # softmax_nll | ranknet | lambdarank | hinge | bce
   c.loss.temperature = 1.0  # scores are divided by it (softmax_nll)
@@ -145,7 +164,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # --- gradient caching (jdr/training/gradcache.py): encode the batch in chunks of this many rows; 0 = off ---
   # --- distillation from a cross-encoder (jdr/training/distill.py): FGD and document-level KD ---
   c.distill = ml_collections.ConfigDict()
-  c.distill.teacher = ""  # a cross-encoder (jdr workdir / export, HF directory) | mined (negatives.mined's
+  c.distill.teacher = ""  # a cross-encoder (jdr workdir / export, HF directory) | mined (negatives.mined.file's
   # scores); "" = no distillation
   c.distill.document = False  # document-level KD (the "brute-force" baseline, FGD Eq. 5): listwise KL
   c.distill.margin_mse = False  # MarginMSE over each query's positive and negatives (Hofstaetter et al., 2020)
@@ -203,7 +222,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval.final = "full"  # the end of training: full (streamed, resumable; plus the periodic kind) | candidates
   c.eval.backend = "jax"  # jax (exact top-k on the mesh) | faiss
   c.eval.corpus_dtype = "float32"  # backend=jax storage: float32 keeps reported metrics exact on every platform
-  # (auto = bfloat16 on GPU/TPU, as negatives.corpus_dtype; int8 approximate)
+  # (auto = bfloat16 on GPU/TPU, as negatives.retrieval.corpus_dtype; int8 approximate)
   c.eval.max_queries = 0  # 0 = every query of the eval split
   c.eval.doc_max_length = 0  # 0 = data.doc_max_length
   c.eval.tokens_per_batch = 0  # 0 = jdr.encode's default for the device (small on CPU, large on GPU/TPU)

@@ -1,4 +1,5 @@
-"""The range of every numeric setting, checked before any work: `check(config)`.
+"""The range of every numeric setting, checked before any work: `check(config)`; and the keys that were renamed,
+refused under their old names with the new one (`RENAMED`, `check_renamed`).
 
 A range is written as `--help` prints it beside the key's meaning: ">= 1", "> 0", "[0, 1]", "(0, 1]", "[0, 1)",
 "any" (every finite value), with alternatives joined by " | " ("-1 | >= 0"). A float is always finite: NaN
@@ -29,20 +30,22 @@ RANGES = {
     "model.lora_alpha": "> 0",
     "model.lora_dropout": "[0, 1)",
     "negatives.per_query": ">= 0",
-    "negatives.guide_margin": "any",
-    "negatives.bm25_top_k": ">= 1",
-    "negatives.top_n": ">= 1",
     "negatives.random_weight": ">= 0",
-    "negatives.mine_extra": ">= 0",
-    "negatives.mine_query_length": ">= 0",
-    "negatives.triples_per_query": ">= 0",
-    "negatives.refresh_chunks": ">= 1",
-    "negatives.triple_readers": ">= 0",
-    "negatives.retrieve_every": ">= 0",
-    "negatives.top_k_recall_target": "(0, 1]",
-    "negatives.refresh_every": ">= 0",
-    "negatives.refresh_delay": ">= 0",
-    "negatives.refresh_max_wait_s": "-1 | >= 0",
+    "negatives.guide.margin": "any",
+    "negatives.bm25.top_k": ">= 1",
+    "negatives.dense_static.top_n": ">= 1",
+    "negatives.dense_static.extra": ">= 0",
+    "negatives.dense_static.query_length": ">= 0",
+    "negatives.ance.top_n": ">= 1",
+    "negatives.ance.refresh_every": ">= 0",
+    "negatives.ance.refresh_delay": ">= 0",
+    "negatives.ance.refresh_max_wait_s": "-1 | >= 0",
+    "negatives.ance.triples_per_query": ">= 0",
+    "negatives.ance.refresh_chunks": ">= 1",
+    "negatives.ance.triple_readers": ">= 0",
+    "negatives.retrieval.top_n": ">= 1",
+    "negatives.retrieval.every": ">= 0",
+    "negatives.retrieval.top_k_recall_target": "(0, 1]",
     "loss.temperature": "> 0",
     "loss.margin": "any",
     "distill.passage_tokens": ">= 1",
@@ -78,6 +81,54 @@ RANGES = {
     "eval.suite_max_queries": ">= 0",
     "mesh.cpu_devices": ">= 0",
 }
+
+# Old key -> where it lives now. Each negatives source reads a group of its own (negatives.SOURCE.key); the keys
+# two or three sources shared are each source's own now, so the old name points at every copy. An override, a
+# recipe or a config built in code that still uses an old name is refused in one line naming the new one.
+RENAMED = {
+    "negatives.guide": "negatives.guide.model",
+    "negatives.guide_margin": "negatives.guide.margin",
+    "negatives.bm25_top_k": "negatives.bm25.top_k",
+    "negatives.static_run": "negatives.static.run",
+    "negatives.triples_file": "negatives.triples.file",
+    "negatives.triples_skip_invalid": "negatives.triples.skip_invalid",
+    "negatives.mined": "negatives.mined.file",
+    "negatives.top_n": ("negatives.dense_static.top_n, negatives.ance.top_n or negatives.retrieval.top_n (the "
+                        "source's own)"),
+    "negatives.mine_extra": "negatives.dense_static.extra",
+    "negatives.mine_query_length": "negatives.dense_static.query_length",
+    "negatives.mine_backend": "negatives.dense_static.backend or negatives.ance.backend (the source's own)",
+    "negatives.corpus_dtype": ("negatives.retrieval.corpus_dtype, negatives.dense_static.corpus_dtype or "
+                               "negatives.ance.corpus_dtype (the source's own)"),
+    "negatives.triples_per_query": "negatives.ance.triples_per_query",
+    "negatives.triples_over": "negatives.ance.triples_over",
+    "negatives.refresh_chunks": "negatives.ance.refresh_chunks",
+    "negatives.triple_readers": "negatives.ance.triple_readers",
+    "negatives.refresh_every": "negatives.ance.refresh_every",
+    "negatives.refresh_delay": "negatives.ance.refresh_delay",
+    "negatives.refresh_max_wait_s": "negatives.ance.refresh_max_wait_s",
+    "negatives.retrieve_every": "negatives.retrieval.every",
+    "negatives.missing_positive": "negatives.retrieval.missing_positive",
+    "negatives.retrieval_backend": "negatives.retrieval.backend",
+    "negatives.top_k_recall_target": "negatives.retrieval.top_k_recall_target",
+    "negatives.index_factory": "negatives.retrieval.index_factory",
+    "negatives.corpus_encoding": "negatives.retrieval.corpus_encoding",
+}
+
+
+def renamed(key: str) -> str | None:
+  """The line refusing `key` when it is an old name ("negatives.bm25_top_k is now negatives.bm25.top_k"), else
+  None."""
+  return f"{key} is now {RENAMED[key]}" if key in RENAMED else None
+
+
+def check_renamed(config: ml_collections.ConfigDict) -> None:
+  """Refuses a config holding a key under its old name (set in code or by a recipe on an unlocked config): a
+  ValueError with `renamed`'s line for the first one."""
+  for key in RENAMED:
+    if _value(config, key) is not None and not isinstance(_value(config, key), ml_collections.ConfigDict):
+      raise ValueError(renamed(key))
+
 
 _BOUND = r"(-?[0-9.e+-]+)"
 _INTERVAL = re.compile(rf"([\[(])\s*{_BOUND}\s*,\s*{_BOUND}\s*([\])])")

@@ -53,7 +53,7 @@ from jdr.negatives import sources
 from jdr.negatives import training_files
 
 
-MINED = "mined"  # distill.teacher: the scores of negatives.mined
+MINED = "mined"  # distill.teacher: the scores of negatives.mined.file
 
 
 def enabled(config: ml_collections.ConfigDict) -> bool:
@@ -86,7 +86,7 @@ def check(config: ml_collections.ConfigDict) -> None:
     raise ValueError("distill.teacher is set but none of distill.document, distill.margin_mse and "
                      "distill.granularities asks for a distillation term")
   if d.teacher == MINED and (neg.source != "mined" or levels(config)):
-    raise ValueError("distill.teacher=mined reads the document-level scores of negatives.mined: set "
+    raise ValueError("distill.teacher=mined reads the document-level scores of negatives.mined.file: set "
                      "negatives.source=mined and distill.granularities=\"\" (pieces need a cross-encoder)")
   if config.model.architecture != "two_tower" or config.data.kind != "pairs":
     raise ValueError("distillation trains two towers on supervised pairs (model.architecture=two_tower, "
@@ -392,7 +392,7 @@ class Distiller:
     self.config, self.batches = config, batches
     self.per_query = config.negatives.per_query
     if config.distill.teacher == MINED:
-      mined = training_files.load(config.negatives.mined, data.corpus, data.queries, data.train_qrels)
+      mined = training_files.load(config.negatives.mined.file, data.corpus, data.queries, data.train_qrels)
       self.teacher, self.levels = MinedTeacher(mined, data.corpus), []
       return
     doc_max, query_max = config.data.doc_max_length, config.data.query_max_length

@@ -2,7 +2,7 @@
 above the row's own positive is probably relevant too, so it is masked like a positive instead of being pushed
 away.
 
-What a config turns on (`negatives.guide`, `negatives.guide_margin`):
+What a config turns on (the group `negatives.guide`, read here alone: `model`, `margin`):
 
   ""            off
   "self"        the model being trained: its own scores, in the step, under stop_gradient (no extra encoder)
@@ -11,7 +11,7 @@ What a config turns on (`negatives.guide`, `negatives.guide_margin`):
                 cross-encoder (a jdr one, a Hugging Face sequence classifier) scoring each (query, candidate)
                 of the batch; on the host, before the step
 
-A valid negative column c of row b is masked when guide(b, c) > guide(b, positive of b) - guide_margin
+A valid negative column c of row b is masked when guide(b, c) > guide(b, positive of b) - margin
 (sentence-transformers' GISTEmbedLoss, margin_strategy="absolute": margin 0 masks what the guide ranks above the
 positive; a negative margin masks only what it ranks above by more). The count masked per batch is logged as
 train/masked_by_guide. Exact duplicates and known positives are masked before any guide, by the batch layout
@@ -35,20 +35,32 @@ from jdr.data import text as text_lib
 SELF = "self"
 
 
-def enabled(config: ml_collections.ConfigDict) -> bool:
-  return bool(config.negatives.get("guide", ""))
+def enabled(guide: ml_collections.ConfigDict) -> bool:
+  """Whether `negatives.guide` (the group) turns a guide on."""
+  return bool(guide.model)
 
 
-def check(config: ml_collections.ConfigDict, candidates: str) -> None:
-  """Refuses a guide the run cannot use, before anything is read."""
-  if not enabled(config):
+def on_host(guide: ml_collections.ConfigDict) -> bool:
+  """Whether the guide is a frozen model scoring each batch on the host (`HostGuide`), not the model itself."""
+  return enabled(guide) and guide.model != SELF
+
+
+def self_margin(guide: ml_collections.ConfigDict) -> float | None:
+  """The margin the step masks by with the model's own scores (guide "self"); None for any other guide."""
+  return guide.margin if guide.model == SELF else None
+
+
+def check(guide: ml_collections.ConfigDict, candidates: str, architecture: str) -> None:
+  """Refuses a guide the run cannot use, before anything is read (`candidates`: the batches' candidate kind,
+  `architecture`: model.architecture)."""
+  if not enabled(guide):
     return
-  margin = config.negatives.guide_margin
+  margin = guide.margin
   if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not np.isfinite(margin):
-    raise ValueError(f"negatives.guide_margin={margin!r}: a finite number")
-  if candidates != "tokens" or config.model.architecture != "two_tower":
+    raise ValueError(f"negatives.guide.margin={margin!r}: a finite number")
+  if candidates != "tokens" or architecture != "two_tower":
     raise ValueError("negatives.guide masks the candidates of two towers' token batches; "
-                     f"this run's candidates are {candidates!r}: set negatives.guide=\"\"")
+                     f"this run's candidates are {candidates!r}: set negatives.guide.model=\"\"")
 
 
 def masked(scores: jax.Array, valid: jax.Array, margin: float) -> tuple[jax.Array, jax.Array]:
@@ -84,17 +96,19 @@ def _is_cross_encoder(path: str, is_jdr: bool, description) -> bool:
 
 class HostGuide:
   """A frozen guide model scoring every batch on the host: `complete(batch, layout)` masks the batch's `valid`
-  ([this process's rows, C]) from the guide's scores of the global layout (query ids, document ids, valid)."""
+  ([this process's rows, C]) from the guide's scores of the global layout (query ids, document ids, valid).
+  `guide` is the group `negatives.guide`; the texts are read at the training lengths (data.query_max_length,
+  data.doc_max_length)."""
 
-  def __init__(self, config: ml_collections.ConfigDict, data):
+  def __init__(self, guide: ml_collections.ConfigDict, data, query_length: int, doc_length: int):
     # pylint: disable=g-import-not-at-top  (model code loads with the guide)
     from jdr.models import build
     from jdr.models import cross
     from jdr.models import saved
     from jdr.retrieval import encoder_runtime
-    self.data, self.margin = data, float(config.negatives.guide_margin)
-    self.path = config.negatives.guide
-    self.query_length, self.doc_length = config.data.query_max_length, config.data.doc_max_length
+    self.data, self.margin = data, float(guide.margin)
+    self.path = guide.model
+    self.query_length, self.doc_length = query_length, doc_length
     self._masked, self._batches = 0, 0
     resolved = build.resolve_model(self.path)
     if _is_cross_encoder(resolved, build.is_jdr_model(resolved), saved.description):
@@ -110,7 +124,7 @@ class HostGuide:
       self._runtimes = {side: encoder_runtime.load_runtime(resolved, side=side, max_length=length)
                         for side, length in (("query", self.query_length), ("doc", self.doc_length))}
     kind = "cross-encoder" if self._pairs is not None else "bi-encoder"
-    print(f"negatives.guide: {self.path} ({kind}) masks in-batch negatives it scores above the positive "
+    print(f"negatives.guide.model: {self.path} ({kind}) masks in-batch negatives it scores above the positive "
           f"- {self.margin:g}", file=sys.stderr)
 
   def scores(self, qids: Sequence[str], doc_ids: Sequence[str], valid: np.ndarray) -> np.ndarray:

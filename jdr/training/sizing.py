@@ -9,7 +9,7 @@ ADORE / LTRe's corpus batches; masked-LM pretraining is not covered.
 
 ADORE / LTRe score against a fixed corpus matrix of N rows (`corpus_rows`, by default MS MARCO passage's
 8,841,823, the size their full recipes train on), which is abstract here too (jdr.retrieval.topk.abstract_corpus). With
-`negatives.retrieval_backend=jax` its row shard is an argument of the step, so the step's total per device
+`negatives.retrieval.backend=jax` its row shard is an argument of the step, so the step's total per device
 includes it; with Faiss (the recipes' default) the matrix stays memory-mapped on the host, the batch carries
 the candidates' vectors, and the report gives the host's bytes beside the devices'.
 """
@@ -34,6 +34,7 @@ from jdr.training import step as step_lib
 from jdr.data import pretrain_batches
 from jdr.models import build as build_lib
 from jdr.models import decoder
+from jdr.negatives import retrieved
 from jdr.negatives import sources
 
 
@@ -253,8 +254,7 @@ CORPUS_RETRIEVAL = ("in_step", "host", "given")
 def corpus_retrieval(config: ml_collections.ConfigDict) -> str:
   """The trainer's choice for `config` (jdr.negatives.sources: the JAX back-end retrieves in the step unless
   the candidates are fixed before training, which, like Faiss, serves them from the host)."""
-  neg = config.negatives
-  return "in_step" if neg.retrieval_backend == "jax" and neg.retrieve_every != 0 else "host"
+  return "in_step" if retrieved.settings(config.negatives.retrieval).in_step else "host"
 
 
 def compile_corpus_step(config: ml_collections.ConfigDict, devices, corpus_rows: int, retrieval: str,
@@ -270,7 +270,8 @@ def compile_corpus_step(config: ml_collections.ConfigDict, devices, corpus_rows:
   mesh = setup.mesh
   parallel.check_batch_size(config.batch_size, mesh)
   batch_sharding = parallel.batch_sharding(mesh)
-  b, length, n = config.batch_size, config.data.query_max_length, config.negatives.top_n
+  settings = retrieved.settings(config.negatives.retrieval)
+  b, length, n = config.batch_size, config.data.query_max_length, settings.top_n
   shapes = {"query_ids": ((b, length), jnp.int32), "query_mask": ((b, length), jnp.int32),
             "positive_rows": ((b, positives), jnp.int32)}
   dim = int(jax.eval_shape(step_lib.make_step_query_vectors(setup.model),
@@ -288,7 +289,7 @@ def compile_corpus_step(config: ml_collections.ConfigDict, devices, corpus_rows:
         compiler_options)
     return CompiledStep(compiled, mesh, setup.abstract, batch, corpus=None, corpus_rows=corpus_rows,
                         corpus_dim=dim, retrieval=retrieval)
-  corpus, bias = topk.abstract_corpus(corpus_rows, dim, mesh, config.negatives.corpus_dtype)
+  corpus, bias = topk.abstract_corpus(corpus_rows, dim, mesh, settings.corpus_dtype)
   rows_sharding, bias_sharding = topk.row_shardings(mesh)
   jitted = step_lib.jit(step, in_shardings=(setup.shardings, batch_sharding, rows_sharding, bias_sharding),
                         out_shardings=(setup.shardings, parallel.replicated(mesh)), donate_argnums=(0,))

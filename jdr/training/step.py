@@ -201,9 +201,9 @@ def corpus_scorer(model, config: ml_collections.ConfigDict, mesh=None, retrieve_
   """ADORE / LTRe: the query tower against rows of the fixed corpus matrix, its retrieved top n completed by
   the missing-positive rule (`retrieved.candidates`); no document tower runs. `retrieve_in_step`: the top n
   is retrieved here, else given as the batch field `cand_rows`."""
-  neg = config.negatives
-  top_n, recall_target = neg.top_n, neg.top_k_recall_target
-  missing_positive = retrieved.check_missing_positive(neg.missing_positive)
+  settings = retrieved.settings(config.negatives.retrieval)
+  top_n, recall_target = settings.top_n, settings.recall_target
+  missing_positive = retrieved.check_missing_positive(settings.missing_positive)
   objective, chunk_rows = make_objective(config), config.model.get("encode_chunk_rows", 0)
   # Matryoshka here trains the query tower's prefixes against the fixed index's prefixes.
   dims, normalize = losses.matryoshka_dims(config.loss), normalizes(model)
@@ -294,7 +294,8 @@ def tokens_objective(config: ml_collections.ConfigDict, normalize: tuple[bool, b
   terms = (distill.loss_terms(config),) if distilling else ()
   contrastive_weight = config.distill.contrastive_weight if distilling else 1.0
   dims = losses.matryoshka_dims(config.loss)
-  self_guided, margin = config.negatives.get("guide", "") == guide.SELF, config.negatives.get("guide_margin", 0.0)
+  margin = guide.self_margin(config.negatives.guide)  # None: no guide in the step
+  self_guided = margin is not None
 
   def loss(q, d, batch, spans=None):
     count = None

@@ -1,8 +1,9 @@
 """The one trainer: `train_and_evaluate(config, workdir)`, what `python -m jdr.train` runs.
 
 Which towers train, where negatives come from and which loss is used are config values (see configs/base.py),
-never a fork of this file. `train_and_evaluate` reads top to bottom: mesh, data, model, state (resume |
-init_from | fresh), negatives, the step (jdr/training/step.py, jitted once), the loop, evaluation.
+never a fork of this file. `train_and_evaluate` reads top to bottom: the checks (jdr/training/validate.py), mesh,
+data, model, state (resume | init_from | fresh), negatives, the step (jdr/training/step.py, jitted once), the loop,
+evaluation.
 """
 
 import json
@@ -21,7 +22,6 @@ import tqdm
 
 from jdr.runtime import atomic
 from jdr.runtime import checkpoint
-from jdr.runtime import config_files
 from jdr.training import distill
 from jdr.training import guide
 from jdr.retrieval import tower_encoder
@@ -32,9 +32,9 @@ from jdr.training import metric_writers
 from jdr.training import optimizers
 from jdr.runtime import parallel
 from jdr.runtime import paths
-from jdr.runtime import settings
 from jdr.training import preemption
 from jdr.training import step as step_lib
+from jdr.training import validate
 from jdr.data import mixture
 from jdr.data import pairs
 from jdr.data import pretrain_batches
@@ -45,13 +45,10 @@ from jdr.models.towers import TwoTower
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict:
   """Trains per `config`, checkpointing to and resuming from `workdir`; returns the final metrics."""
-  check_intervals(config)  # pure: an interval the loop cannot use fails before a workdir, a backend or data
-  settings.check(config)  # every numeric setting in its range, before anything is read or written
-  # data.mixture: each dataset's own run config, its entry refused here if bad; [] = data.dataset alone
-  mix = mixture.plan(config, sources.SAMPLERS, sources.check)
+  # Every refusal the config can meet, each unit checking its own section, before a workdir, a backend or data;
+  # data.mixture's plan: each dataset's own run config ([] = data.dataset alone)
+  mix = validate.validate(config)
   primary = mix[0].config if mix else config  # the run as its (first) dataset sees it: the one evaluated
-  config_files.check_inputs(config)  # a missing dataset, model or teacher: one line, before anything is read
-  suite_lib.check(config)  # and a missing eval.suite task or split
   # ---------------------------------------------------------------- hosts and mesh
   # first: both must run before anything starts a jax backend
   parallel.use_cpu_devices(config.mesh.cpu_devices)
@@ -61,14 +58,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   is_host0 = jax.process_index() == 0
   mesh = parallel.make_mesh(config.mesh.shape)
   rules = parallel.rules_for(config.mesh.rules)
-  parallel.check_batch_size(config.batch_size, mesh)
-  sources.check(config)
-  pretrain_batches.check(config)
+  parallel.check_batch_size(config.batch_size, mesh)  # the one check that needs the mesh
   pretraining = config.data.kind == "pretrain"
-  step_lib.check_grad_cache(config, sources.candidates(config))
-  distill.check(config)
-  guide.check(config, sources.candidates(config))
-  losses.make_loss(config.loss)  # an unknown loss fails here, before any data is read
 
   # ---------------------------------------------------------------- data and model
   built = build_lib.build(config.model, config.data)
@@ -139,8 +130,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
                                   prompts=prompts)
 
   host_guide = None  # a frozen guide model masks each batch's false negatives on the host ("self": in the step)
-  if guide.enabled(config) and config.negatives.guide != guide.SELF:
-    host_guide = guide.HostGuide(config, data)
+  if guide.on_host(config.negatives.guide):
+    host_guide = guide.HostGuide(config.negatives.guide, data, config.data.query_max_length,
+                                 config.data.doc_max_length)
 
   # ---------------------------------------------------------------- the step, jitted once
   train_step = step_lib.make_train_step(model, tx, config, mesh, negatives.candidates, negatives.retrieve_in_step)
@@ -251,24 +243,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   return results
 
 
-# The loop's step intervals: (key, the smallest valid value, what it means). 0 turns off the periodic
-# checkpoints and evaluations, as what is due at the end and on a signal still happens; log_every has no "off"
-# worth having (the last step is logged anyway, so a long run would show no progress), so 0 is refused.
-INTERVALS = (
-    ("log_every", 1, "steps between lines of metrics.jsonl"),
-    ("checkpoint_every", 0, "steps between checkpoints; 0 = only at the end and on SIGTERM / SIGINT"),
-    ("eval_every", 0, "steps between evaluations; 0 = only before training and at the end"),
-)
-
-
-def check_intervals(config: ml_collections.ConfigDict) -> None:
-  """Refuses a step interval the loop cannot use (a ValueError naming the key, the value and what is valid)."""
-  for key, lowest, meaning in INTERVALS:
-    value = config[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
-      raise ValueError(f"{key}={value!r}: must be an integer >= {lowest} ({meaning})")
-
-
 def initial_params(model: TwoTower, built: build_lib.Built, config: ml_collections.ConfigDict,
                    rng: jax.Array, shardings: Any) -> Any:
   """init_from's weights (a jdr model, or a pretrained encoder in every tower), else fresh ones."""
@@ -308,7 +282,7 @@ def pair_batches(config: ml_collections.ConfigDict, data: pairs.RetrievalData, n
       negative_source=negatives.sampler, negatives_per_query=neg.per_query, in_batch=neg.in_batch, seed=config.seed,
       process_index=jax.process_index(), process_count=jax.process_count(),
       candidates=negatives.candidates, pair_weighting=neg.pair_weighting, random_weight=neg.random_weight,
-      triples_per_query=neg.triples_per_query, prompts=prompts, mask_duplicate_texts=neg.mask_duplicate_texts,
+      triples_per_query=negatives.triples_per_query, prompts=prompts, mask_duplicate_texts=neg.mask_duplicate_texts,
       padding_per_query=padding_per_query)
 
 
