@@ -237,8 +237,8 @@ class BM25Negatives(_PoolNegatives):
   """
 
   def __init__(self, corpus: Mapping[str, Doc] | Sequence[str], queries: Mapping[str, str], qrels: Qrels, *,
-               top_k: int = 100, cache_dir: str | os.PathLike | None = None, k1: float = 0.9, b: float = 0.4,
-               chunk_size: int = 4096, n_threads: int = -1, show_progress: bool = True,
+               top_k: int = 100, cache_dir: str | os.PathLike | None = None, k1: float | None = None,
+               b: float | None = None, chunk_size: int = 4096, n_threads: int = -1, show_progress: bool = True,
                index: bm25.Index | None = None):
     from jdr.retrieval import bm25  # pylint: disable=g-import-not-at-top  (imported here: only BM25 users need numba)
     super().__init__(qrels, RandomNegatives(corpus, qrels), "BM25Negatives")
@@ -254,7 +254,9 @@ class BM25Negatives(_PoolNegatives):
       if not isinstance(corpus, Mapping):
         raise ValueError("BM25Negatives: a corpus given as doc ids needs index= (jdr.retrieval.bm25.index_for over its "
                          "texts in the same order)")
-      index = bm25.corpus_index(corpus, cache_dir=cache_dir, k1=k1, b=b, show_progress=show_progress)
+      # k1 and b default to jdr.retrieval.bm25's (Anserini's), kept there only.
+      index = bm25.corpus_index(corpus, cache_dir=cache_dir, k1=bm25.K1 if k1 is None else k1,
+                                b=bm25.B if b is None else b, show_progress=show_progress)
     if len(index) != len(self.corpus_ids):
       raise ValueError(f"BM25Negatives: the index holds {len(index)} documents, the corpus {len(self.corpus_ids)}")
     self.index = index
@@ -295,7 +297,7 @@ def bm25_index_of(source) -> bm25.Index | None:
 
 
 def bm25_run(corpus: Mapping[str, Doc], queries: Mapping[str, str], qids: Sequence[str], k: int, *,
-             k1: float = 0.9, b: float = 0.4, cache_dir: str | os.PathLike | None = None,
+             k1: float | None = None, b: float | None = None, cache_dir: str | os.PathLike | None = None,
              n_threads: int = -1, show_progress: bool = True) -> dict[str, dict[str, float]]:
   """BM25's top k of the corpus for each query id, as a run {qid: {doc id: score}} (Anserini's k1, b).
 
@@ -303,7 +305,8 @@ def bm25_run(corpus: Mapping[str, Doc], queries: Mapping[str, str], qids: Sequen
   `cache_dir`'s, else built once."""
   from jdr.retrieval import bm25  # pylint: disable=g-import-not-at-top
   ids = list(corpus)
-  index = bm25.corpus_index(corpus, cache_dir=cache_dir, k1=k1, b=b, show_progress=show_progress)
+  index = bm25.corpus_index(corpus, cache_dir=cache_dir, k1=bm25.K1 if k1 is None else k1, b=bm25.B if b is None else b,
+                            show_progress=show_progress)
   rows, scores = bm25.search(index, [queries[q] for q in qids], min(k, len(ids)), n_threads=n_threads)
   return {q: {ids[r]: float(s) for r, s in zip(rows[i], scores[i]) if r >= 0} for i, q in enumerate(qids)}
 
