@@ -59,6 +59,15 @@ def _distiller_inputs(tmp_path, setup):
   return config, data, tokenizer, sampler, batches
 
 
+def _distiller(config, data, tokenizer, batches, sampler, cache):
+  """The trainer's Distiller of `config`: its distill section and the settings of the run it needs."""
+  from jdr.training import distill  # pylint: disable=g-import-not-at-top
+  return distill.Distiller(config.distill, data, tokenizer, batches, sampler, cache,
+                           query_max_length=config.data.query_max_length, doc_max_length=config.data.doc_max_length,
+                           per_query=config.negatives.per_query, num_train_steps=config.num_train_steps,
+                           mined=config.negatives.mined)
+
+
 def _records(workdir):
   return [json.loads(l) for l in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()]
 
@@ -85,9 +94,9 @@ def test_teacher_pieces_are_the_students_windows_and_negatives_come_from_negativ
   from jdr.training import distill  # pylint: disable=g-import-not-at-top
   from jdr.data import granularity
   config, data, tokenizer, sampler, batches = _distiller_inputs(tmp_path, setup)
-  distiller = distill.Distiller(config, data, tokenizer, batches, sampler, tmp_path / "cache")
+  distiller = _distiller(config, data, tokenizer, batches, sampler, tmp_path / "cache")
   # Scored once: a second distiller on the same data reads the cache and gets the same scores.
-  again = distill.Distiller(config, data, tokenizer, batches, sampler, tmp_path / "cache")
+  again = _distiller(config, data, tokenizer, batches, sampler, tmp_path / "cache")
   assert again.teacher.scores.keys() == distiller.teacher.scores.keys()
   assert all(np.allclose(np.asarray(again.teacher.pieces(q, d, "sentence"), float),
                          np.asarray(distiller.teacher.pieces(q, d, "sentence"), float), equal_nan=True)
@@ -133,13 +142,15 @@ def test_pairs_outside_the_pools_are_scored_when_a_batch_needs_them(tmp_path, se
   it on demand (the GPU ablation's KeyError), exactly as the up-front pass would have, and counts it."""
   from jdr.training import distill  # pylint: disable=g-import-not-at-top
   config, data, tokenizer, sampler, batches = _distiller_inputs(tmp_path, setup)
-  scores = distill.Distiller(config, data, tokenizer, batches, sampler, tmp_path / "cache").teacher
+  scores = _distiller(config, data, tokenizer, batches, sampler, tmp_path / "cache").teacher
   q = next(iter({q for q, _ in scores.scores}))
   outside = next(d for d in data.corpus if (q, d) not in scores.scores)
   scores.ensure([(q, outside)])
   assert scores.late == 1 and (q, outside) in scores.scores
   # The same pair scored in an up-front pass of its own (a fresh cache) gets the same scores.
-  alone = distill.TeacherScores(config, data, tokenizer, {}, scores.query_tokens, [(q, outside)], tmp_path / "c2")
+  alone = distill.TeacherScores(config.distill, data, tokenizer, {}, scores.query_tokens, [(q, outside)],
+                                tmp_path / "c2", query_max_length=config.data.query_max_length,
+                                doc_max_length=config.data.doc_max_length)
   np.testing.assert_allclose(scores.doc(q, outside), alone.doc(q, outside), rtol=1e-5)
   np.testing.assert_allclose(scores.pieces(q, outside, "passage"), alone.pieces(q, outside, "passage"),
                              rtol=1e-5, equal_nan=True)
@@ -159,7 +170,7 @@ def test_a_run_shorter_than_an_epoch_has_the_teacher_score_only_the_queries_it_d
   # Seven steps (28 pairs) still fall short of the epoch; eight reach it and draw every query.
   assert batches.queries_drawn(7) == sorted({q for step in range(7) for q in batches.global_layout(step)[0]})
   assert len(batches.queries_drawn(7)) == 28 and batches.queries_drawn(8) == batches.train_qids
-  distiller = distill.Distiller(config, data, tokenizer, batches, sampler, tmp_path / "cache")
+  distiller = _distiller(config, data, tokenizer, batches, sampler, tmp_path / "cache")
   positives = {q: {d for d, r in data.train_qrels[q].items() if r > 0} for q in drawn}
   assert set(distiller.teacher.scores) == {(q, d) for q in drawn for d in positives[q] | set(sampler.pool(q))}
   for step in range(steps):
@@ -241,4 +252,6 @@ def test_a_mined_teacher_needs_mined_negatives():
   config_files.apply_overrides(config, ["distill.teacher=mined", "distill.margin_mse=True", "negatives.source=bm25",
                                         "negatives.per_query=1", "distill.granularities="])
   with pytest.raises(ValueError, match="negatives.source=mined"):
-    distill.check(config)
+    distill.check(config.distill, source=config.negatives.source, per_query=config.negatives.per_query,
+                  architecture=config.model.architecture, data_kind=config.data.kind,
+                  model_pooling=config.model.pooling, grad_cache_chunk_size=config.grad_cache.chunk_size)

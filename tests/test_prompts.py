@@ -158,7 +158,8 @@ def test_the_teacher_takes_the_students_ids_without_its_prompts(tmp_path, minilm
   class Data:
     name, corpus, queries = "tiny", {}, {"q": query_text}
 
-  Recorded(config, Data(), minilm_tokenizer, {"d": doc_ids}, {"q": query_ids}, [("q", "d")], tmp_path / "c",
+  Recorded(config.distill, Data(), minilm_tokenizer, {"d": doc_ids}, {"q": query_ids}, [("q", "d")], tmp_path / "c",
+           query_max_length=config.data.query_max_length, doc_max_length=config.data.doc_max_length,
            prompts=prompts)
   plain_query = minilm_tokenizer(query_text, add_special_tokens=False)["input_ids"]
   content = doc_ids[1:-1].tolist()

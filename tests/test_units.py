@@ -52,7 +52,6 @@ EXPECTED = {
     "loss": {"training/losses.py",
              "training/step.py",  # the logQ correction of a sampled softmax, applied to the step's scores
              "data/pretrain_batches.py",  # the batches carry log Q(doc) when it is on
-             "training/distill.py",  # the student's scores divided by loss.temperature, as the loss divides them
              "models/towers.py", "retrieval/flags.py"},  # --dim names loss.matryoshka_dims, the widths trained
     "distill": {"training/distill.py",
                 "training/step.py",  # the student's piece pooling and the contrastive term's weight

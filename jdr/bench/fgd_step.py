@@ -47,7 +47,7 @@ def _batch(args, config) -> dict:
   batch = {"query_ids": rng.integers(1000, 30000, (b, 32)).astype(np.int32), "query_mask": np.ones((b, 32), np.int32),
            "doc_ids": rng.integers(1000, 30000, (c, length)).astype(np.int32), "doc_mask": np.ones((c, length), np.int32),
            "valid": np.ones((b, c), bool), "teacher_doc": rng.normal(size=(b, 1 + n)).astype(np.float32)}
-  for name, size in distill.levels(config) if distill.enabled(config) else []:
+  for name, size in distill.levels(config.distill) if distill.enabled(config.distill) else []:
     k = -(-(length - 1) // size)
     batch[f"teacher_{name}_pos"] = rng.normal(size=(b, k)).astype(np.float32)
     batch[f"teacher_{name}_neg"] = rng.normal(size=(b, n, k)).astype(np.float32)

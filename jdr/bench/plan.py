@@ -215,9 +215,10 @@ def stages(config: ml_collections.ConfigDict) -> list[Stage]:
     passes = 1 + (config.num_train_steps - 1) // own.refresh_every
     out.append(Stage("mine", f"{passes} x top-{own.top_n} (the start, then every {own.refresh_every:,} steps)",
                      passes * s, f"{passes} x ({f}) = {passes} x {_f(s)} s", "device"))
-  if distill.enabled(config):
+  if distill.enabled(config.distill):
     pieces = sum(k * (config.data.query_max_length + size) for (_, size), k in
-                 zip(distill.levels(config), distill.piece_counts(config).values()))
+                 zip(distill.levels(config.distill),
+                     distill.piece_counts(config.distill, config.data.doc_max_length).values()))
     pair = min(config.data.query_max_length + config.data.doc_max_length, 512) + pieces
     rate = FIGURES["encode_docs_per_s"].value * FIGURES["encode_tokens_per_doc"].value
     out.append(Stage("mine", "teacher scores", corpus.train_queries * (1 + depth) * pair / rate,
@@ -237,7 +238,7 @@ def stages(config: ml_collections.ConfigDict) -> list[Stage]:
     tokens = step_tokens(config)
     t = FIGURES["train_step_s"].value * tokens / FIGURES["train_step_tokens"].value
     extra = ""
-    if distill.enabled(config):
+    if distill.enabled(config.distill):
       t *= FIGURES["fgd_step_factor"].value
       extra = f" x {FIGURES['fgd_step_factor'].value:.3f} (f)"
     out.append(Stage("train", f"{tokens:,} tokens a step", steps * t,

@@ -26,6 +26,9 @@ its queries and documents after them; the teacher takes none: its query, documen
 student's token ids with the prompt's tokens left out (a piece keeps its place among the student's windows).
 They are cached in the workdir (keyed by teacher, data and settings), so a resumed run reads them back.
 `complete(batch, step)` adds the teacher fields of the step's rows.
+
+Each function here takes the `distill` section alone and, by name, the few settings of other sections it depends
+on (the lengths, the negatives, the model): what distillation needs of a run's config is in its signatures.
 """
 
 from __future__ import annotations
@@ -56,54 +59,56 @@ from jdr.negatives import training_files
 MINED = "mined"  # distill.teacher: the scores of negatives.mined.file
 
 
-def enabled(config: ml_collections.ConfigDict) -> bool:
-  return bool(config.distill.teacher)
+def enabled(distill: ml_collections.ConfigDict) -> bool:
+  return bool(distill.teacher)
 
 
-def levels(config: ml_collections.ConfigDict) -> list[tuple[str, int]]:
-  """(name, window tokens) of the FGD granularities the config asks for, in order."""
-  sizes = {"passage": config.distill.passage_tokens, "sentence": config.distill.sentence_tokens}
-  names = [g.strip() for g in config.distill.granularities.split(",") if g.strip()]
+def levels(distill: ml_collections.ConfigDict) -> list[tuple[str, int]]:
+  """(name, window tokens) of the FGD granularities the section asks for, in order."""
+  sizes = {"passage": distill.passage_tokens, "sentence": distill.sentence_tokens}
+  names = [g.strip() for g in distill.granularities.split(",") if g.strip()]
   unknown = [g for g in names if g not in sizes]
   if unknown:
     raise ValueError(f"distill.granularities: unknown {unknown}; choose from passage, sentence")
   return [(g, int(sizes[g])) for g in names]
 
 
-def piece_counts(config: ml_collections.ConfigDict) -> dict[str, int]:
-  """K per level: the pieces of a document of data.doc_max_length tokens (the [CLS] left out), the width of
-  the batch's teacher_<level>_pos / _neg fields."""
-  return {name: max(1, -(-(config.data.doc_max_length - 1) // size)) for name, size in levels(config)}
+def piece_counts(distill: ml_collections.ConfigDict, doc_max_length: int) -> dict[str, int]:
+  """K per level: the pieces of a document of `doc_max_length` tokens (data.doc_max_length; the [CLS] left
+  out), the width of the batch's teacher_<level>_pos / _neg fields."""
+  return {name: max(1, -(-(doc_max_length - 1) // size)) for name, size in levels(distill)}
 
 
-def check(config: ml_collections.ConfigDict) -> None:
-  """Refuses distillation settings the trainer cannot run, before anything is loaded."""
-  if not enabled(config):
+def check(distill: ml_collections.ConfigDict, *, source: str, per_query: int, architecture: str, data_kind: str,
+          model_pooling: str, grad_cache_chunk_size: int) -> None:
+  """Refuses distillation settings the trainer cannot run, before anything is loaded. Beside the section, what
+  it must agree with: negatives.source and negatives.per_query (the teacher scores each query's own fixed
+  pool), model.architecture, data.kind, model.pooling and grad_cache.chunk_size."""
+  if not enabled(distill):
     return
-  d, neg = config.distill, config.negatives
-  levels(config)
-  if not d.document and not d.margin_mse and not levels(config):
+  levels(distill)
+  if not distill.document and not distill.margin_mse and not levels(distill):
     raise ValueError("distill.teacher is set but none of distill.document, distill.margin_mse and "
                      "distill.granularities asks for a distillation term")
-  if d.teacher == MINED and (neg.source != "mined" or levels(config)):
+  if distill.teacher == MINED and (source != "mined" or levels(distill)):
     raise ValueError("distill.teacher=mined reads the document-level scores of negatives.mined.file: set "
                      "negatives.source=mined and distill.granularities=\"\" (pieces need a cross-encoder)")
-  if config.model.architecture != "two_tower" or config.data.kind != "pairs":
+  if architecture != "two_tower" or data_kind != "pairs":
     raise ValueError("distillation trains two towers on supervised pairs (model.architecture=two_tower, "
                      "data.kind=pairs)")
   pools = sources.named(lambda s: s.fixed_pool)
-  if neg.source not in pools or neg.per_query < 1:
+  if source not in pools or per_query < 1:
     raise ValueError("distillation scores each query's own negatives with the teacher once per stage: use a "
                      f"fixed pool (negatives.source = {' | '.join(pools)}) and negatives.per_query >= 1")
-  if d.pooling not in ("attention", "mean"):
-    raise ValueError(f"distill.pooling must be 'attention' or 'mean', got {d.pooling!r}")
-  if d.pooling == "attention" and levels(config) and config.model.pooling not in ("", "cls"):
+  if distill.pooling not in ("attention", "mean"):
+    raise ValueError(f"distill.pooling must be 'attention' or 'mean', got {distill.pooling!r}")
+  if distill.pooling == "attention" and levels(distill) and model_pooling not in ("", "cls"):
     raise ValueError("distill.pooling=attention (Eq. 7) needs [CLS] pooling: set model.pooling=cls")
-  sizes = [size for _, size in levels(config)]
-  if d.negative_pieces and any(a % b for a, b in zip(sizes, sizes[1:])):
+  sizes = [size for _, size in levels(distill)]
+  if distill.negative_pieces and any(a % b for a, b in zip(sizes, sizes[1:])):
     raise ValueError(f"distill.negative_pieces (hierarchical negatives) needs the levels coarse to fine, each "
-                     f"window dividing the one before; got {levels(config)}")
-  if config.grad_cache.chunk_size:
+                     f"window dividing the one before; got {levels(distill)}")
+  if grad_cache_chunk_size:
     raise ValueError("distillation and gradient caching do not combine yet: set grad_cache.chunk_size=0")
 
 
@@ -135,16 +140,16 @@ def hierarchical_negatives(scores: Sequence, valid: Sequence, sizes: Sequence[in
   return out
 
 
-def loss_terms(config: ml_collections.ConfigDict):
+def loss_terms(distill: ml_collections.ConfigDict, student_temperature: float):
   """The step's distillation terms (jdr/training/step.py adds them to the contrastive loss):
   (q [B, D], spans [C, sum K, D], scores [B, C], valid [B, C], batch) -> {"kd_document": .., "kd_margin_mse": ..,
   "fgd_<level>": ..}, document-level KD, MarginMSE and FGD's per-level KD over each query's own candidates (its positive, then its own
-  negatives: batch columns B + b * n ...)."""
-  doc_level, level_sizes, keep = config.distill.document, levels(config), config.distill.negative_pieces
-  margin = config.distill.margin_mse
+  negatives: batch columns B + b * n ...). `student_temperature`: loss.temperature."""
+  doc_level, level_sizes, keep = distill.document, levels(distill), distill.negative_pieces
+  margin = distill.margin_mse
   # The student's scores on the scale its contrastive loss uses (loss.temperature: cosine towers need
   # ~0.05), the teacher's logits at distill.temperature (the paper's 1).
-  s_scale, t_scale = config.loss.temperature, config.distill.temperature
+  s_scale, t_scale = student_temperature, distill.temperature
 
   def terms(q, spans, scores, valid, batch):
     num_q, num_d = scores.shape
@@ -237,23 +242,25 @@ class TeacherScores:
   asked for, counted in `late`, and kept for the rest of the run.
 
   `doc_tokens` / `query_tokens` are the student's ids; `prompts` ({"query", "doc"}) the student's prompts,
-  whose tokens they start with and the teacher does not see (`prompt_length`).
+  whose tokens they start with and the teacher does not see (`prompt_length`); `query_max_length` /
+  `doc_max_length` the student's (data.*), the longest inputs the teacher's pairs are built from.
   """
 
-  def __init__(self, config: ml_collections.ConfigDict, data, tokenizer, doc_tokens: dict[str, np.ndarray],
-               query_tokens: dict[str, np.ndarray], pairs: Sequence[tuple[str, str]], cache: pathlib.Path,
-               prompts: dict | None = None):
-    self.config, self.data, self.tokenizer = config, data, tokenizer
+  def __init__(self, distill: ml_collections.ConfigDict, data, tokenizer, doc_tokens: dict[str, np.ndarray],
+               query_tokens: dict[str, np.ndarray], pairs: Sequence[tuple[str, str]], cache: pathlib.Path, *,
+               query_max_length: int, doc_max_length: int, prompts: dict | None = None):
+    self.distill, self.data, self.tokenizer = distill, data, tokenizer
+    self.query_max_length, self.doc_max_length = query_max_length, doc_max_length
     self.doc_tokens, self.query_tokens = dict(doc_tokens), dict(query_tokens)
     prompts = {side: text for side, text in (prompts or {}).items() if text}
     self.doc_tokenizer = text_lib.prompted(tokenizer, prompts.get("doc"))  # the student's documents
     self.skip = {side: prompt_length(text_lib.prompted(tokenizer, prompts.get(side))) for side in ("query", "doc")}
-    self.levels = levels(config)
-    self.counts = piece_counts(config)
+    self.levels = levels(distill)
+    self.counts = piece_counts(distill, doc_max_length)
     self._score_fn = None
     self.late = 0
-    what = [str(paths.absolute(config.distill.teacher)), data.name, config.data.query_max_length,
-            config.data.doc_max_length, self.levels, sorted(pairs)]
+    what = [str(paths.absolute(distill.teacher)), data.name, query_max_length, doc_max_length, self.levels,
+            sorted(pairs)]
     if prompts:  # only then: an unprompted run's cache keeps its name
       what.append({"prompts": prompts})
     key = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:16]
@@ -268,7 +275,7 @@ class TeacherScores:
 
   def _scorer(self):
     if self._score_fn is None:
-      teacher = self.config.distill.teacher
+      teacher = self.distill.teacher
       try:
         model, params, teacher_tokenizer = cross.load_cross_encoder(teacher)
       except ValueError as e:
@@ -276,11 +283,10 @@ class TeacherScores:
       if teacher_tokenizer.get_vocab() != self.tokenizer.get_vocab():
         raise ValueError(f"distill.teacher={teacher}: its tokenizer differs from the student's; pieces are token "
                          "windows of the student's documents, so both must share one vocabulary")
-      data_cfg = self.config.data
-      self.longest = min(data_cfg.query_max_length + data_cfg.doc_max_length + 2, model.config.max_length)
+      self.longest = min(self.query_max_length + self.doc_max_length + 2, model.config.max_length)
       self._score_fn = reranking.make_token_scorer(model, params, self.tokenizer.pad_token_id or 0,
                                                    max_length=self.longest,
-                                                   batch_size=self.config.distill.teacher_batch_size)
+                                                   batch_size=self.distill.teacher_batch_size)
     return self._score_fn
 
   def _score(self, pairs: Sequence[tuple[str, str]], progress: bool = False) -> None:
@@ -288,8 +294,7 @@ class TeacherScores:
     specials = tokenizer.num_special_tokens_to_add(pair=True)
     missing_docs = sorted({d for _, d in pairs if d not in self.doc_tokens})
     texts = [text_lib.doc_text(self.data.corpus[d]) for d in missing_docs]
-    self.doc_tokens.update(zip(missing_docs, text_lib.tokenize(self.doc_tokenizer, texts,
-                                                               self.config.data.doc_max_length)))
+    self.doc_tokens.update(zip(missing_docs, text_lib.tokenize(self.doc_tokenizer, texts, self.doc_max_length)))
     skip_query, skip_doc = self.skip["query"], self.skip["doc"]
     jobs, where = [], []
     for q, d in pairs:
@@ -386,19 +391,22 @@ class Distiller:
   (its positive, then its n negatives) and, per level, `teacher_<level>_pos` [B, K] (the positive's
   pieces) and `teacher_<level>_neg` [B, n, K] (the negatives' pieces); NaN marks a piece that does not exist."""
 
-  def __init__(self, config, data, tokenizer, batches, sampler, cache: pathlib.Path, prompts: dict | None = None):
-    """`prompts`: the student's {"query", "doc"} prompts (its description's), which its token ids start with
-    and the teacher's inputs leave out."""
-    self.config, self.batches = config, batches
-    self.per_query = config.negatives.per_query
-    if config.distill.teacher == MINED:
-      mined = training_files.load(config.negatives.mined.file, data.corpus, data.queries, data.train_qrels)
-      self.teacher, self.levels = MinedTeacher(mined, data.corpus), []
+  def __init__(self, distill: ml_collections.ConfigDict, data, tokenizer, batches, sampler, cache: pathlib.Path, *,
+               query_max_length: int, doc_max_length: int, per_query: int, num_train_steps: int,
+               mined: ml_collections.ConfigDict | None = None, prompts: dict | None = None):
+    """`query_max_length` / `doc_max_length` (data.*), `per_query` (negatives.per_query) and `num_train_steps`:
+    the run's batches, whose queries the teacher scores; `mined`: the negatives.mined group, whose file holds
+    the scores of distill.teacher=mined; `prompts`: the student's {"query", "doc"} prompts (its description's),
+    which its token ids start with and the teacher's inputs leave out."""
+    self.batches = batches
+    self.per_query = per_query
+    if distill.teacher == MINED:
+      scored = training_files.load(mined.file, data.corpus, data.queries, data.train_qrels)
+      self.teacher, self.levels = MinedTeacher(scored, data.corpus), []
       return
-    doc_max, query_max = config.data.doc_max_length, config.data.query_max_length
     # Only the queries the run's steps draw: a run shorter than an epoch (2,000 steps of 64 on MS MARCO's
     # 503k queries) would otherwise score every pool. Steps from 0, resumed or not, so the cache key holds.
-    qids = batches.queries_drawn(config.num_train_steps)
+    qids = batches.queries_drawn(num_train_steps)
     docs_of = {q: sorted({d for d, r in data.train_qrels[q].items() if r > 0} | set(sampler.pool(q))) for q in qids}
     pairs = [(q, d) for q in qids for d in docs_of[q]]
     needed = sorted({d for _, d in pairs})
@@ -406,10 +414,12 @@ class Distiller:
     prompts = prompts or {}
     doc_tokenizer = text_lib.prompted(tokenizer, prompts.get("doc"))
     query_tokenizer = text_lib.prompted(tokenizer, prompts.get("query"))
-    doc_tokens = dict(zip(needed, text_lib.tokenize(doc_tokenizer, [text_lib.doc_text(data.corpus[d]) for d in needed],
-                                                    doc_max)))
-    query_tokens = dict(zip(qids, text_lib.tokenize(query_tokenizer, [data.queries[q] for q in qids], query_max)))
-    self.teacher = TeacherScores(config, data, tokenizer, doc_tokens, query_tokens, pairs, cache, prompts=prompts)
+    doc_texts = [text_lib.doc_text(data.corpus[d]) for d in needed]
+    doc_tokens = dict(zip(needed, text_lib.tokenize(doc_tokenizer, doc_texts, doc_max_length)))
+    query_tokens = dict(zip(qids, text_lib.tokenize(query_tokenizer, [data.queries[q] for q in qids],
+                                                    query_max_length)))
+    self.teacher = TeacherScores(distill, data, tokenizer, doc_tokens, query_tokens, pairs, cache,
+                                 query_max_length=query_max_length, doc_max_length=doc_max_length, prompts=prompts)
     self.levels = self.teacher.levels
 
   def complete(self, batch: dict, step: int) -> dict:

@@ -68,10 +68,10 @@ def abstract_batch(config: ml_collections.ConfigDict, sharding) -> dict:
     c = b * (1 + config.negatives.per_query) if config.data.kind != "pretrain" else b
     shapes = {"query_ids": ((b, lq), jnp.int32), "query_mask": ((b, lq), jnp.int32),
               "doc_ids": ((c, ld), jnp.int32), "doc_mask": ((c, ld), jnp.int32), "valid": ((b, c), jnp.bool_)}
-    if distill.enabled(config):  # the teacher's scores of each query's own candidates (distill.Distiller)
+    if distill.enabled(config.distill):  # the teacher's scores of each query's own candidates (distill.Distiller)
       n = config.negatives.per_query
       shapes["teacher_doc"] = ((b, 1 + n), jnp.float32)
-      for name, k in distill.piece_counts(config).items():
+      for name, k in distill.piece_counts(config.distill, ld).items():
         shapes[f"teacher_{name}_pos"] = ((b, k), jnp.float32)
         shapes[f"teacher_{name}_neg"] = ((b, n, k), jnp.float32)
   return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for k, (shape, dtype) in shapes.items()}

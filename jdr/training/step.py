@@ -240,7 +240,7 @@ def tokens_scorer(model, config: ml_collections.ConfigDict, mesh=None, retrieve_
   # A frozen document tower runs forward only, without dropout: nothing of it is trained.
   frozen = optimizers.query_only(config.model)
   chunk_rows = config.model.get("encode_chunk_rows", 0)
-  span_levels = tuple(distill.levels(config)) if distill.enabled(config) else ()
+  span_levels = tuple(distill.levels(config.distill)) if distill.enabled(config.distill) else ()
   doc_and_spans = span_embeddings.two_tower_document_spans(config.distill.pooling)
   objective = tokens_objective(config, normalizes(model))
 
@@ -290,8 +290,8 @@ def tokens_objective(config: ml_collections.ConfigDict, normalize: tuple[bool, b
   (`losses.matryoshka_sum`; `normalize`: the (query, document) towers' L2 normalization, applied again to a
   prefix)."""
   objective, logq, hardest = make_objective(config), config.loss.logq_correction, config.negatives.hardest_in_batch
-  distilling = distill.enabled(config)
-  terms = (distill.loss_terms(config),) if distilling else ()
+  distilling = distill.enabled(config.distill)
+  terms = (distill.loss_terms(config.distill, config.loss.temperature),) if distilling else ()
   contrastive_weight = config.distill.contrastive_weight if distilling else 1.0
   dims = losses.matryoshka_dims(config.loss)
   margin = guide.self_margin(config.negatives.guide)  # None: no guide in the step

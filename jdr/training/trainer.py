@@ -125,9 +125,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     if is_host0:
       batches.describe(config.num_train_steps)
   distiller = None
-  if distill.enabled(config):  # the teacher scores every (query, document) the run can meet, once, cached
-    distiller = distill.Distiller(config, data, built.tokenizer, batches, negatives.sampler, workdir / "cache",
-                                  prompts=prompts)
+  if distill.enabled(config.distill):  # the teacher scores every (query, document) the run can meet, once, cached
+    distiller = distill.Distiller(
+        config.distill, data, built.tokenizer, batches, negatives.sampler, workdir / "cache",
+        query_max_length=config.data.query_max_length, doc_max_length=config.data.doc_max_length,
+        per_query=config.negatives.per_query, num_train_steps=config.num_train_steps, mined=config.negatives.mined,
+        prompts=prompts)
 
   host_guide = None  # a frozen guide model masks each batch's false negatives on the host ("self": in the step)
   if guide.on_host(config.negatives.guide):

@@ -36,7 +36,9 @@ def validate(config: ml_collections.ConfigDict) -> list[mixture.Entry]:
   pretrain_batches.check(config)
   candidates = sources.candidates(config)
   step_lib.check_grad_cache(config, candidates)
-  distill.check(config)
+  distill.check(config.distill, source=config.negatives.source, per_query=config.negatives.per_query,
+                architecture=config.model.architecture, data_kind=config.data.kind,
+                model_pooling=config.model.pooling, grad_cache_chunk_size=config.grad_cache.chunk_size)
   guide.check(config.negatives.guide, candidates, config.model.architecture)
   losses.make_loss(config.loss)  # an unknown loss fails here, before any data is read
   return mix
