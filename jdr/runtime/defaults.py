@@ -239,8 +239,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # or dev); any other entry is a BEIR directory's path
   c.eval.suite = ""  # comma-separated suite tasks: scifact, trec-dl-sample, reqa-squad or BEIR dirs ("" = off)
   # 2,000 and 50: NanoBEIR's tasks are 50 queries over 2-5k documents, and fewer documents would leave TREC DL's
-  # sample (~95 judged passages a query) a handful of queries. The three named tasks then cost MiniLM 153 s an
-  # evaluation on a 2-core CPU, 93 s of it SciFact's 2,000 abstracts (`python -m jdr.bench suite`)
+  # sample (~95 judged passages a query) a handful of queries. What an evaluation of them costs: docs/performance.md,
+  # `suite` (`python -m jdr.bench suite`)
   c.eval.suite_max_docs = 2000  # documents a suite task keeps: its queries' judged ones + a fixed sample (0 = all)
   c.eval.suite_max_queries = 50  # queries a suite task scores, a fixed sample (0 = as many as the document cap fits)
 
