@@ -194,3 +194,16 @@ def test_a_second_bm25_negative_run_builds_and_mines_nothing(root):
   assert first["status"] == again["status"] == "ok"
   assert first["bm25_build_s"] > 0 and first["bm25_search_s"] > 0
   assert again["bm25_build_s"] == 0 and again["bm25_search_s"] == 0  # never called: read back
+
+
+@pytest.mark.slow
+def test_the_adore_index_stage_searches_random_vectors(root):
+  """adore_index over seeded random vectors: the fixed index built and searched through the library's host
+  search, each batch's candidates' vectors gathered (a stage whose imports no other test reaches)."""
+  proc = subprocess.run([sys.executable, "-m", "jdr.bench", "scale", "--passages", str(PASSAGES), "--stages",
+                         "adore_index", "--vectors", "random", "--out", str(root)], capture_output=True, text=True,
+                        timeout=600, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  stage = json.loads(proc.stdout.strip().splitlines()[-1])["stages"]["adore_index"]
+  assert stage["status"] == "ok", stage
+  assert stage["index_s"] > 0 and stage["step_s"] > 0

@@ -161,7 +161,6 @@ def test_pairs_outside_the_pools_are_scored_when_a_batch_needs_them(tmp_path, se
 def test_a_run_shorter_than_an_epoch_has_the_teacher_score_only_the_queries_it_draws(tmp_path, setup):
   """Up front the teacher scores the pools of the queries the run's steps draw (8 of the 30 here, two steps of
   4), not every training query's; and nothing a step needs is missing from them."""
-  from jdr.training import distill  # pylint: disable=g-import-not-at-top
   config, data, tokenizer, sampler, batches = _distiller_inputs(tmp_path, setup)
   steps = config.num_train_steps
   drawn = {q for step in range(steps) for q in batches.global_layout(step)[0]}

@@ -33,7 +33,6 @@ def _config(recipe: str, data, *overrides):
 
 def test_replace_last_rule():
   """LTRe Algorithm 1 line 4: only a list without any relevant document gets its last entry replaced."""
-  from jdr.retrieval import host_search  # pylint: disable=g-import-not-at-top
   from jdr.negatives import retrieved  # pylint: disable=g-import-not-at-top
   rows = jnp.array([[5, 6, 7, 8], [1, 2, 3, 4], [9, 3, 10, 11]])
   positives = jnp.array([[2, 7, -1], [4, -1, -1], [12, 13, 3]])  # column 0 = the batch positive

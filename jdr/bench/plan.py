@@ -288,7 +288,6 @@ def _evaluation(config: ml_collections.ConfigDict, corpus: Corpus) -> list[Stage
 
 def settings(config: ml_collections.ConfigDict) -> str:
   """The recipe settings the hours use, in one line."""
-  from jdr.negatives import sources  # pylint: disable=g-import-not-at-top
   neg, parts = config.negatives, [f"{config.num_train_steps:,} steps", f"batch {config.batch_size}",
                                   f"{config.data.query_max_length} / {config.data.doc_max_length} tokens"]
   if neg.source != "none":

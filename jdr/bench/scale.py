@@ -330,7 +330,6 @@ def _dense_mine(ctx: Context) -> dict:
   from jdr.data import formats  # pylint: disable=g-import-not-at-top
   from jdr.data import msmarco  # pylint: disable=g-import-not-at-top
   from jdr.retrieval import host_search  # pylint: disable=g-import-not-at-top
-  from jdr.negatives import retrieved  # pylint: disable=g-import-not-at-top
   where = msmarco.files(ctx.data, "train")
   start = time.perf_counter()
   doc_emb, _, _ = encodings.load_embeddings(ctx.path("encoding"))
@@ -362,6 +361,7 @@ def _adore_index(ctx: Context) -> dict:
   `matrix_copies` is the peak memory this adds over the process before loading, in float32 matrices."""
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jdr.retrieval import encodings  # pylint: disable=g-import-not-at-top
+  from jdr.retrieval import host_search  # pylint: disable=g-import-not-at-top
   from jdr.negatives import retrieved  # pylint: disable=g-import-not-at-top
   before, anon_before = peak_rss_bytes(), anonymous_rss_bytes()
   anon_peak = anon_before

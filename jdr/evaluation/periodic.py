@@ -29,6 +29,7 @@ from jdr.evaluation import reranking
 from jdr.retrieval import topk
 from jdr.data import formats
 from jdr.retrieval import host_search
+from jdr.retrieval import tower_encoder
 from jdr.negatives import retrieved
 from jdr.negatives import sampled
 from jdr.negatives import sources
@@ -90,7 +91,7 @@ class Evaluator:
   With a frozen document tower the corpus, or the candidates, is encoded once (or taken from `fixed_doc_emb`).
   """
 
-  def __init__(self, encoder: TowerEncoder, config: ml_collections.ConfigDict, mesh, *,
+  def __init__(self, encoder: tower_encoder.TowerEncoder, config: ml_collections.ConfigDict, mesh, *,
                doc_tower_frozen: bool = False, diagnostics=None, fixed_doc_emb: np.ndarray | None = None,
                cache_dir: str | os.PathLike | None = None, bm25_index: Callable | None = None,
                fixed_corpus: retrieved.CorpusMatrix | None = None, matryoshka_dims: Sequence[int] = ()):
@@ -258,7 +259,7 @@ class TrainingDiagnostics:
   candidates): the index the BM25 negatives already hold, else this process's or `cache_dir`'s index of the
   corpus (`jdr.retrieval.bm25`), built only when there is none."""
 
-  def __init__(self, encoder: TowerEncoder, data, negatives, config: ml_collections.ConfigDict, *,
+  def __init__(self, encoder: tower_encoder.TowerEncoder, data, negatives, config: ml_collections.ConfigDict, *,
                cache_dir=None, bm25_index: Callable | None = None):
     self.encoder, self.data, self.negatives = encoder, data, negatives
     self.n = sources.depth(config.negatives)
