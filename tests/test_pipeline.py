@@ -63,6 +63,34 @@ def _direct_embeddings(model_dir, texts, max_length, pooling=None, normalize=Non
   return np.asarray(tower.apply({"params": params}, enc["input_ids"], enc["attention_mask"]))
 
 
+def test_batches_encoded_at_once_match_one_at_a_time_and_the_direct_batch(tiny_model, monkeypatch):
+  """On a CPU several batches run at once, each from its own thread: the vectors are those of one batch at a
+  time, bitwise, in the texts' order, and the direct single batch's (the oracle) to float tolerance."""
+  texts = [f"document {i} " + "word " * (i % 13) for i in range(37)]
+  runtime = encoder_runtime.load_runtime(str(tiny_model), max_length=24, pooling="mean", normalize=True)
+  monkeypatch.setattr(encoder_runtime, "batches_at_once", lambda: 1)
+  one = encoder_runtime.encode_texts(runtime, texts, tokens_per_batch=48)
+  calls = []
+  apply_fn = runtime.apply_fn
+  concurrent_runtime = dataclasses.replace(runtime, apply_fn=lambda *a: calls.append(1) or apply_fn(*a))
+  monkeypatch.setattr(encoder_runtime, "batches_at_once", lambda: 3)
+  several = encoder_runtime.encode_texts(concurrent_runtime, texts, tokens_per_batch=48)
+  assert len(calls) > 3  # more batches than run at once, so the queue turned over
+  np.testing.assert_array_equal(several, one)
+  np.testing.assert_allclose(several, _direct_embeddings(tiny_model, texts, 24, "mean", True), atol=1e-5)
+  ids = text_lib.tokenize(runtime.tokenizer, texts, 24)
+  np.testing.assert_array_equal(encoder_runtime.encode_tokens(concurrent_runtime, ids, tokens_per_batch=48), one)
+
+
+def test_batches_at_once_is_one_per_usable_core_up_to_the_cap(monkeypatch):
+  monkeypatch.setattr(encoder_runtime.os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+  assert encoder_runtime.batches_at_once() == 3
+  monkeypatch.setattr(encoder_runtime.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+  assert encoder_runtime.batches_at_once() == encoder_runtime.MAX_CPU_BATCHES_AT_ONCE
+  monkeypatch.setattr(encoder_runtime.jax, "default_backend", lambda: "gpu")
+  assert encoder_runtime.batches_at_once() == 1
+
+
 @pytest.mark.slow
 def test_encode_matches_direct_and_resumes(tmp_path, tiny_model, capsys):
   data = write_tiny_beir(tmp_path / "data", num_docs=23)
