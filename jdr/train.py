@@ -66,12 +66,12 @@ def main(argv=None) -> None:
   # user's to fix: one line naming the file, the line and the reason, status 2, no traceback.
   with cli.reporting_errors():
     if args.compile_only:
-      parallel.use_cpu_devices(config.mesh.cpu_devices)
+      parallel.use_cpu_devices(trainer.cpu_devices(config))
       parallel.initialize_distributed()
       sizing.report(sizing.size_step(config, topology=args.topology))
       return
     created = not paths.as_path(args.workdir).exists()
-    parallel.use_cpu_devices(config.mesh.cpu_devices)  # before jax starts: the lock asks for the process index
+    parallel.use_cpu_devices(trainer.cpu_devices(config))  # before jax starts: the lock asks for the process index
     parallel.initialize_distributed()
     try:
       # One run per workdir: a second launch on it refuses before anything is written.

@@ -43,6 +43,14 @@ if "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
   if _probe.returncode == 0:
     os.environ["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} {_LEGACY_EMITTERS}"
 
+# One XLA CPU device in every test process and subprocess unless a test asks for more (`cpu_devices_env`
+# replaces the count): the trainer's default splits a CPU into one device per core (mesh.cpu_devices=-1, which
+# leaves a count set here alone), and pytest-xdist's workers already share the cores. The tests of that default
+# set their own XLA_FLAGS.
+_ONE_DEVICE = "--xla_force_host_platform_device_count=1"
+if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
+  os.environ["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} {_ONE_DEVICE}"
+
 # OpenMP threads (Faiss's, torch's) that wait passively instead of spinning: with two test workers and their
 # subprocesses on two cores, spinning threads take the cores from the threads they wait for (OPQ training in
 # tests/test_index.py took 113 s spinning, 6 s passive). What is computed is the same. Read when the OpenMP

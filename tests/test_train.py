@@ -276,6 +276,66 @@ def test_cpu_devices_split_the_host_and_are_refused_once_jax_runs(tmp_path):
     parallel.use_cpu_devices(have + 1)
 
 
+def test_auto_cpu_devices_take_one_per_core_that_splits_the_batch_and_fits_memory(monkeypatch):
+  from jdr.runtime import parallel  # pylint: disable=g-import-not-at-top
+  from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)  # as in a fresh process
+  monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
+  monkeypatch.setattr(parallel.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+  assert parallel.auto_cpu_devices(32, 0, 1) == parallel.MAX_AUTO_CPU_DEVICES == 8
+  assert parallel.auto_cpu_devices(12, 0, 1) == 6  # the most that split the batch
+  assert parallel.auto_cpu_devices(12, 4, 1) == 4  # and each gradient-caching chunk
+  assert parallel.auto_cpu_devices(11, 0, 1) == 0  # a prime batch above 8: one device
+  assert parallel.auto_cpu_devices(32, 0, None) == 0  # the state's size not known
+  memory = parallel.os.sysconf("SC_PAGE_SIZE") * parallel.os.sysconf("SC_PHYS_PAGES")
+  assert parallel.auto_cpu_devices(32, 0, memory // 4) == 2  # a quarter of the memory holds one more copy
+  assert parallel.auto_cpu_devices(32, 0, memory) == 0
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=3")  # the launcher's count stands
+  assert parallel.auto_cpu_devices(32, 0, 1) == 0
+  monkeypatch.undo()
+  jax.devices()
+  assert parallel.auto_cpu_devices(32, 0, 1) == 0  # this process's backend runs
+
+
+def test_weight_bytes_come_from_the_shape_or_the_files(tmp_path):
+  from jdr.models import build  # pylint: disable=g-import-not-at-top
+  from jdr.runtime import defaults  # pylint: disable=g-import-not-at-top
+  c = defaults.get_config().model
+  minilm = build.weight_bytes(c)  # the bundled MiniLM: 22.7M float32 parameters in its weight file
+  assert 85e6 < minilm < 95e6
+  c.shared = False
+  assert build.weight_bytes(c) == 2 * minilm
+  c.shared, c.init_from, c.fresh = True, "", "base"
+  assert 0.4e9 < build.weight_bytes(c) < 0.45e9  # BERT-base: 110M parameters
+  c.init_from = str(tmp_path)  # a directory with no weight files: not known
+  assert build.weight_bytes(c) is None
+
+
+@pytest.mark.skipif(len(getattr(os, "sched_getaffinity", lambda pid: ())(0)) < 2, reason="needs 2 cores")
+def test_a_training_process_on_two_cores_trains_as_two_devices(tmp_path):
+  """The default (mesh.cpu_devices=-1) in a fresh process limited to two cores: two devices, said on stderr,
+  and a batch that does not split over them runs on one."""
+  data = write_tiny_beir(tmp_path / "data")
+  env = {**_env(), "XLA_FLAGS": "--xla_backend_optimization_level=0"}
+  two_cores = lambda: os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:2])
+  runs = {}
+  for batch in (8, 7):
+    proc = subprocess.run(_train_cmd(tmp_path / f"w{batch}", data, f"--config.batch_size={batch}",
+                                     "--config.num_train_steps=2", "--config.eval_every=0",
+                                     "--config.eval_before_training=False"),
+                          env=env, capture_output=True, text=True, timeout=600, preexec_fn=two_cores)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    runs[batch] = proc.stderr
+  assert "this CPU trains as 2 XLA devices, one per core" in runs[8]
+  assert "XLA devices" not in runs[7]
+  # The two-device checkpoint reads in this one-device process as the one-device run's does: same tree.
+  from jdr.runtime import checkpoint  # pylint: disable=g-import-not-at-top
+  two, one = (checkpoint.latest_params(tmp_path / f"w{b}") for b in (8, 7))
+  assert jax.tree.structure(two) == jax.tree.structure(one)
+  assert [x.shape for x in jax.tree.leaves(two)] == [x.shape for x in jax.tree.leaves(one)]
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(two))
+
+
 @pytest.mark.slow
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
   data = write_tiny_beir(tmp_path / "data")

@@ -12,6 +12,11 @@ small batch), then timed on the whole set. Tokenizing alone is timed too: `jdr.d
 tokenizer's own call, whose ids it must equal. Model FLOP/s count only real (unpadded) tokens, so they are
 comparable across implementations, and are reported as a fraction of the host's float32 matmul peak,
 measured in the same run. The embeddings of the two are compared as a correctness check.
+
+`--dtype bfloat16`: jdr computes in bfloat16 (float32 parameters, bfloat16 matmul operands); the reference on
+a CPU runs under `torch.autocast("cpu", dtype=torch.bfloat16)`, elsewhere cast to bfloat16. Each side's
+vectors are then compared with its own float32 ones (cosine, mean and lowest), and `--scifact-test` adds
+nDCG@10 on SciFact test (all documents, exact search) for both sides in both precisions.
 """
 
 import argparse
@@ -127,6 +132,9 @@ def main(argv=None) -> None:
   parser.add_argument("--model", default="minilm", help="minilm or a published model directory")
   parser.add_argument("--shape", choices=sorted(SHAPES), default=None,
                       help="a random-weight model of this architecture's base size instead of --model")
+  parser.add_argument("--scifact-test", action="store_true",
+                      help="with --dtype bfloat16: also nDCG@10 on SciFact test (all documents) of both sides in "
+                           "float32 and bfloat16")
   parser.add_argument("--reference-batch-size", type=int, default=32,
                       help="sentence-transformers' encode batch size (its default is 32)")
   args = parser.parse_args(argv)
@@ -155,20 +163,17 @@ def main(argv=None) -> None:
   jdr_emb = encoder_runtime.encode_texts(runtime, texts, tokens_per_batch=tokens_per_batch)
   jdr_s = time.perf_counter() - start
 
-  import torch  # pylint: disable=g-import-not-at-top
   # The reference runs where jdr runs (the GPU on a GPU host), in the same dtype.
   device = peak_lib.torch_device()
   reference = reference_model(model, runtime.info, device)
-  if args.dtype == "bfloat16":
-    reference = reference.to(torch.bfloat16)
   reference.max_seq_length = args.max_length
-  with torch.inference_mode():
-    reference.encode(texts[:args.reference_batch_size], batch_size=args.reference_batch_size)
-    peak_lib.torch_sync(device)
-    start = time.perf_counter()
-    ref_emb = reference.encode(texts, batch_size=args.reference_batch_size, convert_to_numpy=True)
-    peak_lib.torch_sync(device)
-    ref_s = time.perf_counter() - start
+  ref_encode = reference_encoder(reference, args.dtype, device, args.reference_batch_size)
+  ref_encode(texts[:args.reference_batch_size])
+  peak_lib.torch_sync(device)
+  start = time.perf_counter()
+  ref_emb = ref_encode(texts)
+  peak_lib.torch_sync(device)
+  ref_s = time.perf_counter() - start
 
   jdr_rate, ref_rate = len(texts) / jdr_s, len(texts) / ref_s
   result = {
@@ -187,7 +192,72 @@ def main(argv=None) -> None:
   }
   print(f"jdr {jdr_rate:.1f} docs/s, sentence-transformers {ref_rate:.1f} docs/s: "
         f"ratio {result['ratio']:.2f}", file=sys.stderr)
+  if args.dtype != "float32":
+    # What the precision changes: each side's vectors against its own float32 ones (untimed).
+    full = encoder_runtime.load_runtime(model, max_length=args.max_length, dtype="float32")
+    references = {"jdr": encoder_runtime.encode_texts(full, texts, tokens_per_batch=tokens_per_batch),
+                  "reference": reference_encoder(reference, "float32", device, args.reference_batch_size)(texts)}
+    for side, emb in (("jdr", jdr_emb), ("reference", ref_emb)):
+      cos = _cosines(emb, references[side])
+      result[f"{side}_cosine_to_float32"] = {"mean": round(float(cos.mean()), 6), "min": round(float(cos.min()), 6)}
+    low = peak_lib.matmul_peak_flops(dtype=args.dtype)
+    result[f"{args.dtype}_peak_gflops"] = round(low["peak"] / 1e9, 1)
+    result[f"jdr_{args.dtype}_peak_fraction"] = round(flops / jdr_s / low["peak"], 3)
+    result[f"reference_{args.dtype}_peak_fraction"] = round(flops / ref_s / low["peak"], 3)
+    print(f"{args.dtype} matmul peak: {low['peak'] / 1e9:.1f} GFLOP/s "
+          f"({', '.join(f'{k} {v / 1e9:.1f}' for k, v in low.items() if k != 'peak')})", file=sys.stderr)
+    if args.scifact_test:
+      result["scifact_test_ndcg@10"] = scifact_test_ndcg(model, args, tokens_per_batch, reference, device)
+    print(f"cosine to float32: jdr {result['jdr_cosine_to_float32']}, "
+          f"sentence-transformers {result['reference_cosine_to_float32']}", file=sys.stderr)
   print(json.dumps(result))
+
+
+def reference_encoder(reference, dtype: str, device: str, batch_size: int):
+  """texts -> sentence-transformers' float32 numpy vectors in `dtype`: bfloat16 on a CPU under
+  torch.autocast (float32 weights, bfloat16 matmuls: PyTorch's own mixed precision there), elsewhere the
+  model cast to bfloat16."""
+  import contextlib  # pylint: disable=g-import-not-at-top
+  import torch  # pylint: disable=g-import-not-at-top
+  cast = dtype == "bfloat16" and device != "cpu"
+  model = reference.to(torch.bfloat16) if cast else reference.to(torch.float32)
+
+  def encode(texts):
+    autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bfloat16" and device == "cpu"
+                else contextlib.nullcontext())
+    with torch.inference_mode(), autocast:
+      return np.asarray(model.encode(texts, batch_size=batch_size, convert_to_numpy=True), np.float32)
+  return encode
+
+
+def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+  return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+def scifact_test_ndcg(model: str, args, tokens_per_batch: int, reference, device: str) -> dict:
+  """nDCG@10 on SciFact test (its 300 queries over all 5,183 documents, exact search) of each side in float32
+  and in args.dtype."""
+  from jdr.evaluation import metrics  # pylint: disable=g-import-not-at-top
+  path = shared.shared_dataset("scifact")
+  corpus = formats.read_corpus(path / "corpus.jsonl")
+  qrels = formats.read_qrels(path / "qrels" / "test.tsv")
+  queries = formats.read_queries(path / "queries.jsonl", only=set(qrels))
+  doc_ids, qids = list(corpus), [q for q in qrels if q in queries]
+  docs = [text_lib.doc_text(corpus[d]) for d in doc_ids]
+  out = {}
+  for dtype in ("float32", args.dtype):
+    doc_rt = encoder_runtime.load_runtime(model, max_length=args.max_length, dtype=dtype)
+    query_rt = encoder_runtime.load_runtime(model, max_length=args.max_length, dtype=dtype, side="query")
+    sides = {"jdr": (lambda t, rt: encoder_runtime.encode_texts(rt, t, tokens_per_batch=tokens_per_batch)),
+             "reference": (lambda t, rt, e=reference_encoder(reference, dtype, device, args.reference_batch_size): e(t))}
+    for side, encode in sides.items():
+      d, q = encode(docs, doc_rt), encode([queries[i] for i in qids], query_rt)
+      scores = q @ d.T
+      top = np.argsort(-scores, axis=1)[:, :100]
+      run = {qid: {doc_ids[j]: float(scores[i, j]) for j in top[i]} for i, qid in enumerate(qids)}
+      out[f"{side}_{dtype}"] = round(metrics.evaluate(qrels, run, ["ndcg@10"])["ndcg@10"], 4)
+      print(f"SciFact test nDCG@10, {side} {dtype}: {out[f'{side}_{dtype}']}", file=sys.stderr)
+  return out
 
 
 if __name__ == "__main__":

@@ -16,20 +16,22 @@ def _best_rate(matmul, a, b, repeats: int) -> float:
   return 2 * n**3 / best
 
 
-def matmul_peak_flops(n: int = 2048, repeats: int = 5) -> dict[str, float]:
-  """Best float32 GEMM FLOP/s of each library present (jax, torch, numpy), and their max as `peak`."""
+def matmul_peak_flops(n: int = 2048, repeats: int = 5, dtype: str = "float32") -> dict[str, float]:
+  """Best GEMM FLOP/s of each library present (jax, torch, numpy), and their max as `peak`. `dtype`
+  "bfloat16": bfloat16 operands with float32 accumulation (jax asked for a float32 result, torch's bfloat16
+  mm); numpy has none."""
   rng = np.random.default_rng(0)
   a = rng.standard_normal((n, n), dtype=np.float32)
   b = rng.standard_normal((n, n), dtype=np.float32)
-  rates = {"numpy": _best_rate(np.matmul, a, b, repeats)}
+  rates = {"numpy": _best_rate(np.matmul, a, b, repeats)} if dtype == "float32" else {}
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  ja, jb = jnp.asarray(a), jnp.asarray(b)
-  jit_mm = jax.jit(jnp.matmul)
+  ja, jb = jnp.asarray(a, dtype), jnp.asarray(b, dtype)
+  jit_mm = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=jnp.float32))
   rates["jax"] = _best_rate(lambda x, y: jit_mm(x, y).block_until_ready(), ja, jb, repeats)
   try:
     import torch  # pylint: disable=g-import-not-at-top
-    ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+    ta, tb = (torch.from_numpy(x).to(getattr(torch, dtype)) for x in (a, b))
     with torch.inference_mode():
       rates["torch"] = _best_rate(torch.mm, ta, tb, repeats)
   except ImportError:

@@ -76,17 +76,24 @@ def largest_batches(model, budget_bytes: int, chunk_size: int, max_batch: int) -
   return out
 
 
-def jdr_seconds(built, config, batches, steps: int) -> float:
+def jdr_seconds(built, config, batches, steps: int, devices: int = 1) -> float:
+  """Median seconds of jdr's step on these batches: on one device, or data-parallel over `devices` CPU
+  devices (the trainer's mesh.cpu_devices)."""
   from jdr.training import trainer  # pylint: disable=g-import-not-at-top
   from jdr.training import optimizers
+  from jdr.bench import train_step  # pylint: disable=g-import-not-at-top
   tx = optimizers.make_optimizer(config.optimizer, config.num_train_steps)
   params = trainer.initial_params(built.model, built, config, jax.random.PRNGKey(config.seed), None)
-  state = {"s": step_lib.TrainState(step=jax.numpy.int32(0), params=params, opt_state=tx.init(params),
-                                 rng=jax.random.PRNGKey(1))}
-  step_fn = step_lib.jit(step_lib.make_train_step(built.model, tx, config), donate_argnums=(0,))
+  state = step_lib.TrainState(step=jax.numpy.int32(0), params=params, opt_state=tx.init(params),
+                              rng=jax.random.PRNGKey(1))
+  step_fn, state, first = train_step.compiled_on_devices(step_lib.make_train_step(built.model, tx, config), state,
+                                                         batches[0], devices)
+  placed = [first] + ([jax.device_put(b, {k: v.sharding for k, v in first.items()}) for b in batches[1:]]
+                      if devices > 1 else list(batches[1:]))
+  holder = {"s": state}
 
   def run_step(s):
-    state["s"], metrics = step_fn(state["s"], batches[s])
+    holder["s"], metrics = step_fn(holder["s"], placed[s])
     jax.block_until_ready(metrics["loss"])
 
   return _median_seconds(run_step, steps)
@@ -146,7 +153,17 @@ def main(argv=None) -> None:
   parser.add_argument("--steps", type=int, default=3, help="timed steps per system, after one warm-up")
   parser.add_argument("--batch-size", type=int, default=0, help="0 = the largest un-cached batch in budget")
   parser.add_argument("--max-batch", type=int, default=1 << 16, help="search cap for the cached batch")
+  parser.add_argument("--cpu-devices", type=int, default=None,
+                      help="on a CPU host, also time jdr's steps data-parallel over this many XLA CPU devices (the "
+                           "trainer's mesh.cpu_devices; default: one per core, at most 8, dividing the batch and "
+                           "its chunks); 1: one device only")
   args = parser.parse_args(argv)
+  from jdr.runtime import parallel  # pylint: disable=g-import-not-at-top
+  if args.cpu_devices is None:
+    args.cpu_devices = min(os.cpu_count() or 1, 8)
+  parallel.use_cpu_devices(args.cpu_devices if args.cpu_devices > 1 else 0)
+  if jax.default_backend() != "cpu":
+    args.cpu_devices = 1  # an accelerator host: the steps run on the accelerator, as the trainer's would
   import torch  # pylint: disable=g-import-not-at-top
   torch.set_num_threads(os.cpu_count() or 1)
   from jdr.data import pretrain_batches  # pylint: disable=g-import-not-at-top
@@ -171,9 +188,23 @@ def main(argv=None) -> None:
   result = {"benchmark": "pretrain", "units": "pairs/s", "batch_size": batch_size,
             "chunk_size": args.chunk_size, "budget_mib": args.budget_mib, "largest_batch": largest,
             "device": jax.devices()[0].device_kind, "source": config.data.pretrain_source}
-  seconds = {"jdr_uncached": jdr_seconds(built, config, batches, args.steps)}
   cached = _config(batch_size, args.chunk_size)
+  # Devices must split the batch and each cached chunk: the most that do, up to --cpu-devices.
+  devices = max(n for n in range(1, args.cpu_devices + 1) if not batch_size % n and not args.chunk_size % n)
+  seconds = {"jdr_uncached": jdr_seconds(built, config, batches, args.steps)}
   seconds["jdr_cached"] = jdr_seconds(built, cached, batches, args.steps)
+  if devices > 1:
+    split = {"uncached": jdr_seconds(built, config, batches, args.steps, devices),
+             "cached": jdr_seconds(built, cached, batches, args.steps, devices)}
+    result["cpu_devices"] = devices
+    for name, s in split.items():  # jdr's figure is the faster setting, each named
+      result[f"jdr_{name}_one_device"] = round(batch_size / seconds[f"jdr_{name}"], 2)
+      result[f"jdr_{name}_cpu_devices"] = round(batch_size / s, 2)
+      print(f"jdr_{name} on {devices} CPU devices: {s:.2f} s/step, one device {seconds[f'jdr_{name}']:.2f} s/step",
+            file=sys.stderr)
+      result[f"jdr_{name}_setting"] = (f"{devices} CPU devices (mesh.cpu_devices={devices})"
+                                       if s < seconds[f"jdr_{name}"] else "one device")
+      seconds[f"jdr_{name}"] = min(s, seconds[f"jdr_{name}"])
   with tempfile.TemporaryDirectory() as hf_dir:
     hf.export_hf(built.model.query.encoder, params["tower"]["encoder"], hf_dir, tokenizer=built.tokenizer)
     seconds["st_uncached"] = sentence_transformers_seconds(hf_dir, params, batches, args.steps, None)

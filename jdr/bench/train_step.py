@@ -84,13 +84,30 @@ def _time_steps(run_step, steps: int) -> float:
   return float(np.median(times))
 
 
+def compiled_on_devices(step, state, batch: dict, devices: int):
+  """(step_fn, state, batch) for `step` jitted on one device, or for `devices` > 1 data-parallel over that
+  many: a (devices, 1, 1) mesh, parameters replicated, each batch array's rows split (the trainer's
+  mesh.rules=dp with mesh.cpu_devices on a CPU host); state and batch are put where the step reads them."""
+  from jdr.runtime import parallel  # pylint: disable=g-import-not-at-top
+  if devices == 1:
+    return step_lib.jit(step, donate_argnums=(0,)), state, batch
+  mesh = parallel.make_mesh((devices, 1, 1), jax.devices()[:devices])
+  rows, whole = parallel.batch_sharding(mesh), parallel.replicated(mesh)
+  batch_shardings = {k: whole if k == "valid" else rows for k in batch}
+  state = jax.device_put(state, whole)
+  batch = {k: jax.device_put(v, batch_shardings[k]) for k, v in batch.items()}
+  with parallel.activations_on(mesh):
+    step_fn = step_lib.jit(step, donate_argnums=(0,), in_shardings=(whole, batch_shardings),
+                           out_shardings=(whole, whole)).lower(state, batch).compile()
+  return step_fn, state, batch
+
+
 def jdr_step_seconds(args, batch, dropout: float | None = None, devices: int = 1) -> float:
   """Median seconds of jdr's jitted step; `dropout` overrides the model's rates (0.0: the step without masks);
   `devices` > 1 splits the batch over that many devices (a (devices, 1, 1) mesh, parameters replicated: the
   trainer's mesh.rules=dp), as the trainer does with mesh.cpu_devices on a CPU host."""
   from jdr.training import trainer  # pylint: disable=g-import-not-at-top
   from jdr.training import optimizers
-  from jdr.runtime import parallel
   from jdr.models import build as build_lib  # pylint: disable=g-import-not-at-top
   config = bench_config(args)
   if dropout is not None:
@@ -100,18 +117,8 @@ def jdr_step_seconds(args, batch, dropout: float | None = None, devices: int = 1
   params = trainer.initial_params(built.model, built, config, jax.random.PRNGKey(0), None)
   state = step_lib.TrainState(step=jax.numpy.int32(0), params=params, opt_state=tx.init(params),
                            rng=jax.random.PRNGKey(1))
-  step = step_lib.make_train_step(built.model, tx, config)
-  if devices == 1:
-    step_fn = step_lib.jit(step, donate_argnums=(0,))
-  else:
-    mesh = parallel.make_mesh((devices, 1, 1), jax.devices()[:devices])
-    rows, whole = parallel.batch_sharding(mesh), parallel.replicated(mesh)
-    batch_shardings = {k: whole if k == "valid" else rows for k in batch}
-    state = jax.device_put(state, whole)
-    batch = {k: jax.device_put(v, batch_shardings[k]) for k, v in batch.items()}
-    with parallel.activations_on(mesh):
-      step_fn = step_lib.jit(step, donate_argnums=(0,), in_shardings=(whole, batch_shardings),
-                             out_shardings=(whole, whole)).lower(state, batch).compile()
+  step_fn, state, batch = compiled_on_devices(step_lib.make_train_step(built.model, tx, config), state, batch,
+                                              devices)
   holder = {"state": state}
 
   def run_step():

@@ -220,8 +220,17 @@ class Dense(nn.Module):
                       jnp.float32)
     x, kernel = nn.dtypes.promote_dtype(x, kernel, dtype=self.config.compute_dtype)
     flat = x.reshape(*x.shape[:-self.contracted], -1)
-    y = add_bias(jnp.dot(flat, kernel.reshape(-1, width)), bias.reshape(width))
+    y = jnp.dot(flat, kernel.reshape(-1, width), preferred_element_type=_dot_result_dtype(flat.dtype))
+    y = add_bias(y.astype(flat.dtype), bias.reshape(width))
     return y.reshape(*y.shape[:-1], *features)
+
+
+def _dot_result_dtype(dtype):
+  """The result type a matmul of `dtype` operands asks XLA for: on a CPU, bfloat16 products are asked for in
+  float32 (then rounded), the only form XLA's CPU dots run on the bfloat16 instructions (AVX512-BF16, AMX);
+  a bfloat16 result took the float32 path at half the rate (docs/performance.md, `encode`). Elsewhere the
+  operands' own."""
+  return jnp.float32 if dtype == jnp.bfloat16 and parallel.platform() == "cpu" else None
 
 
 def heads_projection(cfg: EncoderConfig, name: str | None = None) -> Dense:

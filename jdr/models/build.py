@@ -191,6 +191,36 @@ def _published(name: str, model_cfg: ml_collections.ConfigDict, overrides: dict)
   return pub
 
 
+# Files that hold a model's weights, for `weight_bytes`.
+_WEIGHT_FILES = ("*.safetensors", "*.bin", "*.msgpack", "*.pt", "*.pth", "*.h5", "*.npy", "*.npz")
+
+
+def weight_bytes(model_cfg: ml_collections.ConfigDict) -> int | None:
+  """float32 bytes of the run's starting parameters, told before anything is loaded (so before JAX starts):
+  a fresh architecture's from its shape, a directory's from its weight files (a jdr workdir's checkpoints
+  included, an over-count), both towers' when the document tower has weights of its own. None where they
+  cannot be told (a hub id not downloaded yet, a directory on object storage)."""
+  def of(name: str) -> int | None:
+    if not name:
+      shape = {**FRESH, **FRESH_DECODERS}.get(model_cfg.fresh)
+      if shape is None:
+        return None
+      h, f = shape["hidden_size"], shape["intermediate_size"]
+      per_layer = 4 * h * h + (3 if shape.get("model_type") else 2) * h * f
+      return 4 * (shape.get("vocab_size", 30522) * h + shape["num_layers"] * per_layer)
+    path = pathlib.Path(hf.minilm_path() if name == "minilm" else name)
+    if not path.is_dir():
+      return None
+    patterns = ("*",) if saved.is_jdr_model(str(path)) else _WEIGHT_FILES  # a workdir's checkpoints: every file
+    return sum(f.stat().st_size for pattern in patterns for f in path.rglob(pattern) if f.is_file()) or None
+  sizes = [of(model_cfg.init_from)]
+  if model_cfg.get("doc_init_from", ""):
+    sizes.append(of(model_cfg.doc_init_from))
+  elif not model_cfg.shared:
+    sizes.append(sizes[0])
+  return None if None in sizes else sum(sizes)
+
+
 def resolve_model(name: str) -> str:
   """A model name as a user types it (a path, or a Hugging Face hub id) -> a path to read."""
   return str(hub.resolve(str(name)))

@@ -18,9 +18,14 @@ from jdr.runtime import atomic
 from jdr.training import metric_writers
 
 
+# The experiments' tables were trained on one device: pinned, they rebuild bitwise on any CPU (the default
+# splits a CPU into one device per core, which changes a float's last bits).
+ONE_DEVICE = "--config.mesh.cpu_devices=0"
+
+
 def command(module: str, *args: object) -> list[str]:
-  """`python -m MODULE ARGS...` with this interpreter."""
-  return [sys.executable, "-m", module, *(str(a) for a in args)]
+  """`python -m MODULE ARGS...` with this interpreter; jdr.train's on one device (ONE_DEVICE)."""
+  return [sys.executable, "-m", module, *(str(a) for a in args), *([ONE_DEVICE] if module == "jdr.train" else [])]
 
 
 def run_command(cmd: list[str], log: pathlib.Path) -> str:

@@ -184,6 +184,7 @@ def stage_config(plan: Plan, method: str, *, steps: int, rate: float, seed: int,
   c.data.dataset = str(dataset)
   c.data.train_split, c.data.eval_split = "train", "dev"
   c.seed = seed
+  c.mesh.cpu_devices = 0  # one device, as the tables were trained (commands.ONE_DEVICE)
   c.batch_size = plan.batch_size
   c.num_train_steps = steps
   c.optimizer.learning_rate = rate
@@ -224,6 +225,7 @@ def teacher_config(plan: Plan, dataset: pathlib.Path, configs_dir: pathlib.Path 
   c.data.dataset = str(dataset)
   c.data.train_split, c.data.eval_split = "train", "dev"
   c.seed = 0
+  c.mesh.cpu_devices = 0  # one device, as the tables were trained (commands.ONE_DEVICE)
   c.num_train_steps = plan.teacher_steps
   c.optimizer.warmup_steps = max(1, plan.teacher_steps // 10)
   c.eval_every = c.checkpoint_every = plan.teacher_steps

@@ -267,8 +267,25 @@ def load_params(path: paths.PathLike) -> tuple[Any, dict]:
   if not (path / "jdr_model.json").exists():
     raise FileNotFoundError(f"{path}: not a jdr params checkpoint (no jdr_model.json)")
   with ocp.StandardCheckpointer() as ckptr:
-    params = ckptr.restore(path / "params")
+    params = ckptr.restore(path / "params", on_this_host(path / "params"))
   return params, json.loads((path / "jdr_model.json").read_text())
+
+
+def on_this_host(item: paths.PathLike) -> Any:
+  """A restore target for the saved tree at `item` (a checkpoint's state, a params checkpoint) that puts every
+  array on one CPU device of this process: a checkpoint saved over several devices (a CPU split into one
+  device per core, a GPU host) reads anywhere, where orbax refuses another topology without a target."""
+  device = jax.local_devices(backend="cpu")[0]
+  absl = logging.getLogger("absl")
+  level = absl.level
+  absl.setLevel(logging.ERROR)  # orbax warns that an item folder has no step metadata: only steps have it
+  try:
+    with ocp.StandardCheckpointer() as ckptr:
+      tree = ckptr.metadata(paths.absolute(item)).item_metadata
+  finally:
+    absl.setLevel(level)
+  return jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype,
+                                                     sharding=jax.sharding.SingleDeviceSharding(device)), tree)
 
 
 def latest_params(workdir: paths.PathLike) -> Any:
@@ -283,7 +300,9 @@ def latest_params(workdir: paths.PathLike) -> Any:
     problem = verify(path)
     if problem is None:
       try:
-        params = mngr.restore(step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore()}))[STATE]["params"]
+        target = on_this_host(path / STATE)
+        params = mngr.restore(step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(target)}))[STATE]
+        params = params["params"]
         if all_finite(params):
           if failed:
             print(f"reading step {step}, the newest checkpoint that verifies", file=sys.stderr)

@@ -248,7 +248,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.mesh = ml_collections.ConfigDict()
   c.mesh.shape = (-1, 1, 1)  # (data, fsdp, model); -1 takes the remaining devices
   c.mesh.rules = "dp"  # dp | fsdp | tp | fsdp_tp (see jdr/runtime/parallel.py)
-  # A host without accelerators as this many XLA CPU devices (0: JAX's one); 2 on a 2-core CPU keep both cores
-  # busy (parallel.use_cpu_devices; docs/performance.md, "Two CPU devices"). The batch must split over them.
-  c.mesh.cpu_devices = 0  # split a CPU-only host into this many XLA devices (0 = one; see above)
+  # A host without accelerators as this many XLA CPU devices: two on a 2-core CPU keep both cores busy
+  # (parallel.use_cpu_devices; docs/performance.md, "Two CPU devices"). The batch must split over them. -1
+  # chooses from the host: one per core where the batch splits and memory holds each device's copy of the
+  # training state (parallel.auto_cpu_devices); 0 keeps JAX's one device.
+  c.mesh.cpu_devices = -1  # split a CPU-only host into this many XLA devices (-1 = one per core; 0 = one)
   return c

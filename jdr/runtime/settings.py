@@ -79,7 +79,7 @@ RANGES = {
     "eval.diagnostic_queries": ">= 0",
     "eval.suite_max_docs": ">= 0",
     "eval.suite_max_queries": ">= 0",
-    "mesh.cpu_devices": ">= 0",
+    "mesh.cpu_devices": ">= -1",
 }
 
 # Old key -> where it lives now. Each negatives source reads a group of its own (negatives.SOURCE.key); the keys

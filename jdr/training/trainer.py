@@ -43,6 +43,21 @@ from jdr.models import build as build_lib
 from jdr.models.towers import TwoTower
 
 
+def cpu_devices(config: ml_collections.ConfigDict) -> int:
+  """mesh.cpu_devices as `parallel.use_cpu_devices` takes it: -1 resolved for this host and run
+  (`parallel.auto_cpu_devices`: one device per core where the batch splits and memory holds the copies)."""
+  if config.mesh.cpu_devices != -1:
+    return config.mesh.cpu_devices
+  weights = build_lib.weight_bytes(config.model)
+  # A device's copy of the training state: the parameters, their gradients and two optimizer moments.
+  count = parallel.auto_cpu_devices(config.batch_size, config.grad_cache.chunk_size,
+                                    None if weights is None else 4 * weights)
+  if count:
+    print(f"this CPU trains as {count} XLA devices, one per core (mesh.cpu_devices=-1; 0 keeps one)",
+          file=sys.stderr)
+  return count
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict:
   """Trains per `config`, checkpointing to and resuming from `workdir`; returns the final metrics."""
   # Every refusal the config can meet, each unit checking its own section, before a workdir, a backend or data;
@@ -51,7 +66,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   primary = mix[0].config if mix else config  # the run as its (first) dataset sees it: the one evaluated
   # ---------------------------------------------------------------- hosts and mesh
   # first: both must run before anything starts a jax backend
-  parallel.use_cpu_devices(config.mesh.cpu_devices)
+  parallel.use_cpu_devices(cpu_devices(config))
   parallel.initialize_distributed()
   workdir = paths.absolute(workdir)  # local, or gs://... (etils.epath)
   workdir.mkdir(parents=True, exist_ok=True)
