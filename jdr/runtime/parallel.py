@@ -130,8 +130,8 @@ def auto_cpu_devices(batch_size: int, chunk_size: int = 0, replica_bytes: int | 
   where that is one, and where the count is fixed already: XLA_FLAGS' --xla_force_host_platform_device_count
   (the local launcher's), an earlier jax_num_cpu_devices, or a backend that has started.
 
-  Why one per core: a 2-core CPU trained MiniLM's step 13% faster and the pretraining step 25% faster on two
-  devices than on one (docs/performance.md, `train-step` and `pretrain`). On an accelerator host the mesh takes
+  Why one per core: on 2-core CPUs MiniLM's step ran 10-13% faster and the un-cached pretraining step 1.3-1.6x
+  as fast on two devices as on one (docs/performance.md, `train-step` and `pretrain`). On an accelerator host the mesh takes
   the accelerators, and the CPU devices go unused."""
   from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
   if ("xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
