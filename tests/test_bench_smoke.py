@@ -158,3 +158,20 @@ def test_eval_candidates_bench_small(tmp_path, capsys):
   assert result["candidates"].keys() == result["full"].keys() == {"ndcg@10", "mrr@10", "recall@100"}
   assert 0 < result["candidate_documents"] <= result["queries"] * 20
   assert result["jdr"] > 0 and result["reference"] > 0
+
+
+@pytest.mark.slow
+def test_encode_bench_in_bfloat16_compares_each_side_with_its_own_float32(capsys):
+  """`encode --dtype bfloat16`: jdr in bfloat16 against sentence-transformers under torch.autocast, each side's
+  vectors then compared with its own float32 ones, and the bfloat16 matmul peak measured."""
+  from jdr.bench import encode_speed  # pylint: disable=g-import-not-at-top
+  from jdr.data import shared  # pylint: disable=g-import-not-at-top
+  if shared.shared_dataset("scifact") is None:
+    pytest.skip(f"needs SciFact in {shared.shared_data_dir()}")
+  encode_speed.main(["--num-docs", "6", "--dtype", "bfloat16", "--reference-batch-size", "3"])
+  out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert out["dtype"] == "bfloat16" and out["jdr"] > 0 and out["reference"] > 0
+  for side in ("jdr", "reference"):
+    cosine = out[f"{side}_cosine_to_float32"]
+    assert 0.999 < cosine["min"] <= cosine["mean"] < 1.0  # rounded, yet the same vectors
+  assert out["bfloat16_peak_gflops"] > 0 and out["max_abs_diff_vs_reference"] < 0.01
