@@ -4,6 +4,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import pathlib
 import subprocess
 import sys
@@ -83,9 +84,9 @@ def test_batches_encoded_at_once_match_one_at_a_time_and_the_direct_batch(tiny_m
 
 
 def test_batches_at_once_is_one_per_usable_core_up_to_the_cap(monkeypatch):
-  monkeypatch.setattr(encoder_runtime.os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+  monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
   assert encoder_runtime.batches_at_once() == 3
-  monkeypatch.setattr(encoder_runtime.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+  monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
   assert encoder_runtime.batches_at_once() == encoder_runtime.MAX_CPU_BATCHES_AT_ONCE
   monkeypatch.setattr(encoder_runtime.jax, "default_backend", lambda: "gpu")
   assert encoder_runtime.batches_at_once() == 1

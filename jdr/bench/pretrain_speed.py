@@ -160,7 +160,7 @@ def main(argv=None) -> None:
   args = parser.parse_args(argv)
   from jdr.runtime import parallel  # pylint: disable=g-import-not-at-top
   if args.cpu_devices is None:
-    args.cpu_devices = min(os.cpu_count() or 1, 8)
+    args.cpu_devices = min(parallel.usable_cores(), parallel.MAX_AUTO_CPU_DEVICES)
   parallel.use_cpu_devices(args.cpu_devices if args.cpu_devices > 1 else 0)
   if jax.default_backend() != "cpu":
     args.cpu_devices = 1  # an accelerator host: the steps run on the accelerator, as the trainer's would

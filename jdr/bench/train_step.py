@@ -27,7 +27,6 @@ task_type=FEATURE_EXTRACTION)) with torch.optim.AdamW on the trainable params on
 
 import argparse
 import json
-import os
 import sys
 import time
 
@@ -296,12 +295,12 @@ def main(argv=None) -> None:
   parser.add_argument("--shape", choices=sorted(LORA_SHAPES), default="small",
                       help="--model llama-lora's decoder: small (4 layers x 256) or tiny (model.fresh=llama-tiny)")
   args = parser.parse_args(argv)
+  from jdr.runtime import parallel  # pylint: disable=g-import-not-at-top
   if args.cpu_devices is None:
-    cores = min(os.cpu_count() or 1, 8)
+    cores = min(parallel.usable_cores(), parallel.MAX_AUTO_CPU_DEVICES)
     args.cpu_devices = max(n for n in range(1, cores + 1) if args.batch_size % n == 0)
   elif args.batch_size % args.cpu_devices:
     parser.error(f"--batch-size {args.batch_size} does not split over --cpu-devices {args.cpu_devices}")
-  from jdr.runtime import parallel  # pylint: disable=g-import-not-at-top
   parallel.use_cpu_devices(args.cpu_devices if args.cpu_devices > 1 else 0)
   if jax.default_backend() != "cpu":
     args.cpu_devices = 1  # an accelerator host: the step runs on the accelerator, as the trainer's would

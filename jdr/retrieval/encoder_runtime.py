@@ -13,7 +13,6 @@ import collections
 import concurrent.futures
 import dataclasses
 import itertools
-import os
 from typing import Callable, Sequence
 
 import jax
@@ -51,8 +50,7 @@ def batches_at_once() -> int:
   devices. An accelerator runs one program at a time anyway."""
   if jax.default_backend() != "cpu":
     return 1
-  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-  return max(1, min(cores, MAX_CPU_BATCHES_AT_ONCE))
+  return max(1, min(parallel.usable_cores(), MAX_CPU_BATCHES_AT_ONCE))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -118,6 +118,11 @@ def initialize_distributed() -> None:
   initialize_distributed._done = True  # pytype: disable=attribute-error
 
 
+def usable_cores() -> int:
+  """The CPU cores this process may run on (its affinity mask, where the platform has one)."""
+  return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 # mesh.cpu_devices=-1 splits a CPU host into at most this many devices, one per core.
 MAX_AUTO_CPU_DEVICES = 8
 
@@ -137,8 +142,7 @@ def auto_cpu_devices(batch_size: int, chunk_size: int = 0, replica_bytes: int | 
   if ("xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
       or jax.config.jax_num_cpu_devices > 0 or xla_bridge.backends_are_initialized()):
     return 0
-  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-  limit = min(cores, MAX_AUTO_CPU_DEVICES) if replica_bytes is not None else 1
+  limit = min(usable_cores(), MAX_AUTO_CPU_DEVICES) if replica_bytes is not None else 1
   memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
   while limit > 1 and (limit - 1) * replica_bytes > memory // 4:
     limit -= 1
