@@ -336,8 +336,7 @@ def test_fused_attention_equals_the_einsum_attention(model_type):
 def test_exact_gelu_in_half_precision_is_the_rounded_float64_gelu():
   """bfloat16 GELU (erf in float32, rounded once): within one bfloat16 step of the float64 GELU (plus 1e-6 in
   the far negative tail, where 1 + erf cancels in float32, as in PyTorch), equal to PyTorch's bfloat16 GELU
-  above -3 (below, float32 erfs a ulp apart can round to neighbouring bfloat16 values), and the float32 path is
-  jax's own exact GELU."""
+  above -3 (below, float32 erfs a ulp apart can round to neighbouring bfloat16 values)."""
   import math  # pylint: disable=g-import-not-at-top
   import torch  # pylint: disable=g-import-not-at-top
   from jdr.models.bert import exact_gelu  # pylint: disable=g-import-not-at-top
@@ -351,8 +350,30 @@ def test_exact_gelu_in_half_precision_is_the_rounded_float64_gelu():
   theirs = torch.nn.functional.gelu(torch.tensor(xs, dtype=torch.bfloat16)).float().numpy()
   body = xs > -3
   np.testing.assert_array_equal(ours[body], theirs[body])
-  x32 = jnp.asarray(x, jnp.float32)
-  np.testing.assert_array_equal(np.asarray(exact_gelu(x32)), np.asarray(jax.nn.gelu(x32, approximate=False)))
+
+
+def test_exact_gelu_and_its_gradient_in_float32_are_the_float64_gelu():
+  """float32 GELU and its written-out derivative against float64 transcriptions of 0.5 x erfc(-x / sqrt 2) and
+  Phi(x) + x phi(x): within float32 rounding of the value (plus 1.5e-6 in the far negative tail, where 1 + erf
+  cancels, as in PyTorch's float32 GELU), and within PyTorch's own float32 error of the gradient."""
+  import math  # pylint: disable=g-import-not-at-top
+  import torch  # pylint: disable=g-import-not-at-top
+  from jdr.models.bert import exact_gelu  # pylint: disable=g-import-not-at-top
+  x = np.concatenate([np.linspace(-12, 12, 20001), np.random.default_rng(1).normal(0, 3, 20000)]).astype(np.float32)
+  xs = x.astype(np.float64)
+  value = np.array([0.5 * v * math.erfc(-v / math.sqrt(2)) for v in xs])
+  slope = np.array([0.5 * math.erfc(-v / math.sqrt(2)) + v * math.exp(-0.5 * v * v) / math.sqrt(2 * math.pi)
+                    for v in xs])
+  ours = np.asarray(exact_gelu(jnp.asarray(x)), np.float64)
+  ours_slope = np.asarray(jax.grad(lambda t: jnp.sum(exact_gelu(t)))(jnp.asarray(x)), np.float64)
+  tx = torch.tensor(x, requires_grad=True)
+  torch.nn.functional.gelu(tx).sum().backward()
+  theirs_slope = tx.grad.double().numpy()
+  assert np.all(np.abs(ours - value) <= 2.0 ** -23 * np.abs(value) * 4 + 1.5e-6)
+  slope_error = np.abs(ours_slope - slope)
+  assert np.all(slope_error <= 2.0 ** -23 * np.abs(slope) * 8 + 1.5e-6), np.max(slope_error)
+  # No worse than PyTorch's float32 derivative: the same formula in float32.
+  assert np.max(slope_error) <= 2 * np.max(np.abs(theirs_slope - slope)) + 1e-7
 
 
 def _dense_general(cfg, features, names, axis=-1):

@@ -13,7 +13,8 @@ the next two), dropout masks (the step with dropout less the step without), loss
 its gradient on [B, 384] vectors) and update (AdamW with clipping on the parameters), each jitted and timed
 alone. jdr's step is also timed data-parallel over --cpu-devices XLA CPU devices (default one per core: the
 trainer's mesh.cpu_devices, parameters replicated, the batch split); "jdr" is the faster of the two, named in
-"jdr_setting", and both are printed. The PyTorch step uses all cores through its own intra-op threads.
+"jdr_setting", and both are printed. The PyTorch step uses all cores through its own intra-op threads. jdr's
+steps and PyTorch's are timed in turns of several steps each, so both see the same minutes of the host.
 
 --model llama-lora: a random Llama decoder (--shape small: 4 layers x 256 hidden, 8 heads, 4 KV heads, 688
 intermediate; tiny: model.fresh=llama-tiny, 2 x 64) over the MiniLM tokenizer's vocabulary, trained through LoRA
@@ -73,14 +74,31 @@ def bench_config(args) -> ml_collections.ConfigDict:
 
 
 def _time_steps(run_step, steps: int) -> float:
-  run_step()  # warm-up (and, for jax, compilation)
-  run_step()
-  times = []
-  for _ in range(steps):
-    start = time.perf_counter()
-    run_step()
-    times.append(time.perf_counter() - start)
-  return float(np.median(times))
+  return _time_interleaved({"step": run_step}, steps, rounds=1)["step"]
+
+
+def _time_interleaved(runners: dict, steps: int, rounds: int = 3) -> dict[str, float]:
+  """Median seconds of each runner's step over `steps` timed steps, taken in `rounds` turns: each turn runs
+  every runner in order, a step untimed then its share of the timed ones.
+
+  Run one after the other, jdr's steps and PyTorch's saw different minutes of a shared host: on a virtual
+  2-core EPYC, PyTorch's step alone took 2.6 s one day and 3.0-3.5 s the next, so the ratio moved with
+  the host rather than the code. In turns, both sides see the same minutes. A turn is several steps, not
+  one: alternating every step, jdr's one-device step took 4.75 s instead of 2.6, slowed by the other side's
+  threads still waking, which no user's run has. The untimed step opening each turn absorbs that.
+  """
+  for run_step in runners.values():
+    run_step()  # warm-up (and, for jax, compilation)
+  times = {name: [] for name in runners}
+  for turn in range(rounds):
+    share = steps // rounds + (turn < steps % rounds)
+    for name, run_step in runners.items():
+      run_step()
+      for _ in range(share):
+        start = time.perf_counter()
+        run_step()
+        times[name].append(time.perf_counter() - start)
+  return {name: float(np.median(t)) for name, t in times.items()}
 
 
 def compiled_on_devices(step, state, batch: dict, devices: int):
@@ -101,8 +119,8 @@ def compiled_on_devices(step, state, batch: dict, devices: int):
   return step_fn, state, batch
 
 
-def jdr_step_seconds(args, batch, dropout: float | None = None, devices: int = 1) -> float:
-  """Median seconds of jdr's jitted step; `dropout` overrides the model's rates (0.0: the step without masks);
+def jdr_step_runner(args, batch, dropout: float | None = None, devices: int = 1):
+  """A function that runs one of jdr's jitted steps and returns when it is done; `dropout` overrides the model's rates (0.0: the step without masks);
   `devices` > 1 splits the batch over that many devices (a (devices, 1, 1) mesh, parameters replicated: the
   trainer's mesh.rules=dp), as the trainer does with mesh.cpu_devices on a CPU host."""
   from jdr.training import trainer  # pylint: disable=g-import-not-at-top
@@ -124,7 +142,7 @@ def jdr_step_seconds(args, batch, dropout: float | None = None, devices: int = 1
     holder["state"], metrics = step_fn(holder["state"], batch)
     jax.block_until_ready(metrics["loss"])
 
-  return _time_steps(run_step, args.steps)
+  return run_step
 
 
 def jdr_part_seconds(args, batch) -> dict[str, float]:
@@ -168,7 +186,8 @@ def jdr_part_seconds(args, batch) -> dict[str, float]:
   return {"update": _time_steps(run_update, args.steps), "loss": _time_steps(run_loss, args.steps)}
 
 
-def torch_step_seconds(args, batch) -> float:
+def torch_step_runner(args, batch):
+  """A function that runs one step of the PyTorch reference (transformers' BertModel + torch AdamW)."""
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
   # The reference runs where jdr runs (the GPU on a GPU host).
@@ -197,7 +216,7 @@ def torch_step_seconds(args, batch) -> float:
     optimizer.step()
     peak_lib.torch_sync(device)
 
-  return _time_steps(run_step, args.steps)
+  return run_step
 
 
 def lora_encoder_config(args):
@@ -207,8 +226,8 @@ def lora_encoder_config(args):
   return build_lib.build(config.model, config.data).model.query.encoder
 
 
-def torch_lora_step_seconds(args, batch) -> float:
-  """transformers' LlamaModel under PEFT LoRA, the same shape, pooling, loss and optimizer as jdr's step."""
+def torch_lora_step_runner(args, batch):
+  """One step of transformers' LlamaModel under PEFT LoRA, the same shape, pooling, loss and optimizer as jdr's step."""
   import peft  # pylint: disable=g-import-not-at-top
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
@@ -241,16 +260,25 @@ def torch_lora_step_seconds(args, batch) -> float:
     optimizer.step()
     peak_lib.torch_sync(device)
 
-  return _time_steps(run_step, args.steps)
+  return run_step
+
+
+def timed_steps(args, batch, reference) -> tuple[float, float | None, float]:
+  """(jdr's step on one device, on --cpu-devices devices or None, the reference's step), median seconds, the
+  three timed in turns (`_time_interleaved`)."""
+  runners = {"one": jdr_step_runner(args, batch)}
+  if args.cpu_devices > 1:
+    runners["split"] = jdr_step_runner(args, batch, devices=args.cpu_devices)
+  runners["reference"] = reference(args, batch)
+  seconds = _time_interleaved(runners, args.steps)
+  return seconds["one"], seconds.get("split"), seconds["reference"]
 
 
 def lora_main(args, batch) -> None:
   b = args.batch_size
   enc = lora_encoder_config(args)
-  one_device_s = jdr_step_seconds(args, batch)
-  split_s = jdr_step_seconds(args, batch, devices=args.cpu_devices) if args.cpu_devices > 1 else None
+  one_device_s, split_s, torch_s = timed_steps(args, batch, torch_lora_step_runner)
   jdr_s = min(one_device_s, split_s or one_device_s)
-  torch_s = torch_lora_step_seconds(args, batch)
   result = {
       "benchmark": "train-step", "model": "llama-lora", "shape": args.shape,
       "units": "seconds/step (ratio = reference / jdr)",
@@ -295,6 +323,8 @@ def main(argv=None) -> None:
   parser.add_argument("--shape", choices=sorted(LORA_SHAPES), default="small",
                       help="--model llama-lora's decoder: small (4 layers x 256) or tiny (model.fresh=llama-tiny)")
   args = parser.parse_args(argv)
+  if args.steps < 1:
+    parser.error(f"--steps {args.steps}: at least one step is timed")
   from jdr.runtime import parallel  # pylint: disable=g-import-not-at-top
   if args.cpu_devices is None:
     cores = min(parallel.usable_cores(), parallel.MAX_AUTO_CPU_DEVICES)
@@ -325,13 +355,11 @@ def main(argv=None) -> None:
   peak = peak_lib.matmul_peak_flops()
   flops = 3 * (peak_lib.encoder_flops([args.query_length] * b, layers=6, hidden=384, intermediate=1536)
                + peak_lib.encoder_flops([args.doc_length] * b, layers=6, hidden=384, intermediate=1536))
-  one_device_s = jdr_step_seconds(args, batch)
-  split_s = jdr_step_seconds(args, batch, devices=args.cpu_devices) if args.cpu_devices > 1 else None
+  one_device_s, split_s, torch_s = timed_steps(args, batch, torch_step_runner)
   jdr_s = min(one_device_s, split_s or one_device_s)
-  no_dropout_s = jdr_step_seconds(args, batch, dropout=0.0)
+  no_dropout_s = _time_steps(jdr_step_runner(args, batch, dropout=0.0), args.steps)
   parts = jdr_part_seconds(args, batch)
   parts = {"towers": no_dropout_s - parts["update"] - parts["loss"], "dropout": one_device_s - no_dropout_s, **parts}
-  torch_s = torch_step_seconds(args, batch)
   result = {
       "benchmark": "train-step", "units": "seconds/step (ratio = reference / jdr)",
       "jdr": round(jdr_s, 4), "reference": round(torch_s, 4), "ratio": round(torch_s / jdr_s, 3),

@@ -286,18 +286,38 @@ def _layer_norm(cfg: EncoderConfig, name: str | None, deterministic: bool, **mod
 
 
 def exact_gelu(x: jax.Array) -> jax.Array:
-  """GELU with the Gaussian CDF from erf; half-precision inputs are computed in float32 and rounded once.
+  """GELU with the Gaussian CDF from erf, computed in float32 (half-precision inputs rounded once), with its
+  derivative written out.
 
   jax.nn.gelu's exact form goes through erfc, whose float32 kernel computes two branches and an exp: on an
   NVIDIA H200 its fusion over BERT-base's [tokens, 3072] MLP activations ran at several times the time of
   reading and writing them, the largest non-matmul kernel of the forward (docs/performance-history.md, "The
-  H200 runs, run to run"). The erf form is what PyTorch computes (in float32
-  for bfloat16 tensors), so Hugging Face parity holds as before. float32 inputs keep jax's form, bit for bit.
+  H200 runs, run to run"), and on a CPU its two largest fusions were the largest non-matmul kernels of MiniLM's
+  training step (docs/performance-history.md, "The training step's GELU on a CPU"). The erf form is what PyTorch computes (in float32 for bfloat16
+  tensors), so Hugging Face parity holds as before. The backward, Phi(x) + x phi(x), reads only x.
   """
-  if x.dtype == jnp.float32:
-    return jax.nn.gelu(x, approximate=False)
-  x32 = x.astype(jnp.float32)
-  return (0.5 * x32 * (1.0 + jax.lax.erf(x32 * 0.7071067811865476))).astype(x.dtype)  # 1 / sqrt(2)
+  return _erf_gelu(x.astype(jnp.float32)).astype(x.dtype)
+
+
+_SQRT_HALF = 0.7071067811865476  # 1 / sqrt(2)
+_INV_SQRT_2PI = 0.3989422804014327  # 1 / sqrt(2 pi)
+
+
+@jax.custom_vjp
+def _erf_gelu(x: jax.Array) -> jax.Array:
+  return 0.5 * x * (1.0 + jax.lax.erf(x * _SQRT_HALF))
+
+
+def _erf_gelu_fwd(x):
+  return _erf_gelu(x), x
+
+
+def _erf_gelu_bwd(x, grad):
+  cdf = 0.5 * (1.0 + jax.lax.erf(x * _SQRT_HALF))
+  return (grad * (cdf + x * jnp.exp(-0.5 * x * x) * _INV_SQRT_2PI),)
+
+
+_erf_gelu.defvjp(_erf_gelu_fwd, _erf_gelu_bwd)
 
 
 def _activation(name: str):
