@@ -3,6 +3,8 @@
 import pathlib
 import time
 
+import pytest
+
 from jdr.runtime import timings
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -40,3 +42,27 @@ def test_the_parts_the_scale_bench_reads_are_timed_where_they_are_defined():
 def test_no_benchmark_replaces_a_library_attribute():
   for path in sorted((ROOT / "jdr" / "bench").glob("*.py")):
     assert "setattr(" not in path.read_text(), path.name
+
+
+def test_benchmark_turns_run_each_side_in_turns_and_time_only_the_numbered_steps(monkeypatch):
+  """`jdr.bench.turns`: one warm-up each, then per turn every runner's untimed opening step and its share of
+  the numbered steps; the medians are of the timed steps alone, read from a clock the runners advance."""
+  from jdr.bench import turns  # pylint: disable=g-import-not-at-top
+  clock = {"now": 0.0}
+  monkeypatch.setattr(turns.time, "perf_counter", lambda: clock["now"])
+  calls = []
+
+  def runner(name, seconds):
+    def run(s):
+      calls.append((name, s))
+      clock["now"] += 100.0 if s == 0 else seconds[s - 1]
+    return run
+
+  got = turns.median_seconds({"a": runner("a", [1, 2, 9, 4, 5]), "b": runner("b", [3, 3, 3, 7, 7])}, 5, turns=3)
+  assert got == {"a": 4.0, "b": 3.0}
+  assert calls == [("a", 0), ("b", 0),
+                   ("a", 0), ("a", 1), ("a", 2), ("b", 0), ("b", 1), ("b", 2),
+                   ("a", 0), ("a", 3), ("a", 4), ("b", 0), ("b", 3), ("b", 4),
+                   ("a", 0), ("a", 5), ("b", 0), ("b", 5)]
+  with pytest.raises(ValueError, match="at least one step"):
+    turns.median_seconds({"a": runner("a", [])}, 0)

@@ -1,6 +1,6 @@
 """Pretraining throughput with and without gradient caching, against sentence-transformers' GradCache.
 
-  python -m jdr.bench pretrain [--budget-mib 2048] [--chunk-size 32] [--steps 3] [--batch-size 0]
+  python -m jdr.bench pretrain [--budget-mib 2048] [--chunk-size 32] [--steps 6] [--batch-size 0]
 
 The model and data are those of configs/pretrain_ict_bfs_wlp.py:runlocal: a 4-layer, 256-wide BERT from
 random weights with the MiniLM vocabulary, [CLS] pooling, Dense(512) + LayerNorm, one shared tower; ICT + BFS
@@ -18,7 +18,8 @@ clipping at 1.0.
    + LayerNorm modules, MultipleNegativesRankingLoss (no caching) and CachedMultipleNegativesRankingLoss
    (mini_batch_size = `--chunk-size`) with scale 1 and dot-product similarity, torch AdamW.
 
-Pairs/s are B over the median step time of `--steps` steps after one warm-up (compilation) step. The last
+Pairs/s are B over the median step time of `--steps` steps after one warm-up (compilation) step, every
+system's steps timed in three turns so all see the same minutes of the host (`jdr.bench.turns`). The last
 line is JSON; its `ratio` is jdr cached over sentence-transformers cached (goal >= 1).
 """
 
@@ -29,7 +30,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 
 import jax
 import ml_collections
@@ -38,6 +38,7 @@ import numpy as np
 from jdr.runtime import defaults
 from jdr.training import step as step_lib
 from jdr.bench import peak as peak_lib
+from jdr.bench import turns
 
 
 def _config(batch_size: int, chunk_size: int) -> ml_collections.ConfigDict:
@@ -55,16 +56,6 @@ def _config(batch_size: int, chunk_size: int) -> ml_collections.ConfigDict:
   return c
 
 
-def _median_seconds(run_step, steps: int) -> float:
-  run_step(0)  # warm-up: compilation for jax, allocator warm-up for torch
-  times = []
-  for s in range(1, steps + 1):
-    start = time.perf_counter()
-    run_step(s)
-    times.append(time.perf_counter() - start)
-  return float(np.median(times))
-
-
 def largest_batches(model, budget_bytes: int, chunk_size: int, max_batch: int) -> dict:
   from jdr.training import gradcache  # pylint: disable=g-import-not-at-top
   out = {}
@@ -76,9 +67,9 @@ def largest_batches(model, budget_bytes: int, chunk_size: int, max_batch: int) -
   return out
 
 
-def jdr_seconds(built, config, batches, steps: int, devices: int = 1) -> float:
-  """Median seconds of jdr's step on these batches: on one device, or data-parallel over `devices` CPU
-  devices (the trainer's mesh.cpu_devices)."""
+def jdr_runner(built, config, batches, devices: int = 1):
+  """A function that runs jdr's step on batches[s] and returns when it is done: on one device, or
+  data-parallel over `devices` CPU devices (the trainer's mesh.cpu_devices)."""
   from jdr.training import trainer  # pylint: disable=g-import-not-at-top
   from jdr.training import optimizers
   from jdr.bench import train_step  # pylint: disable=g-import-not-at-top
@@ -96,10 +87,11 @@ def jdr_seconds(built, config, batches, steps: int, devices: int = 1) -> float:
     holder["s"], metrics = step_fn(holder["s"], placed[s])
     jax.block_until_ready(metrics["loss"])
 
-  return _median_seconds(run_step, steps)
+  return run_step
 
 
-def sentence_transformers_seconds(hf_dir: str, params, batches, steps: int, chunk_size: int | None) -> float:
+def sentence_transformers_runner(hf_dir: str, params, batches, chunk_size: int | None):
+  """A function that runs sentence-transformers' step on batches[s]: MNRL, or CachedMNRL with `chunk_size`."""
   import torch  # pylint: disable=g-import-not-at-top
   from sentence_transformers import SentenceTransformer  # pylint: disable=g-import-not-at-top
   from sentence_transformers.sentence_transformer import losses  # pylint: disable=g-import-not-at-top
@@ -141,7 +133,7 @@ def sentence_transformers_seconds(hf_dir: str, params, batches, steps: int, chun
     optimizer.step()
     peak_lib.torch_sync(device)
 
-  return _median_seconds(run_step, steps)
+  return run_step
 
 
 def main(argv=None) -> None:
@@ -150,7 +142,8 @@ def main(argv=None) -> None:
   parser.add_argument("--budget-mib", type=float, default=2048.0,
                       help="compiled-memory budget that sets the batch (XLA's memory analysis)")
   parser.add_argument("--chunk-size", type=int, default=32, help="rows encoded at once when caching")
-  parser.add_argument("--steps", type=int, default=3, help="timed steps per system, after one warm-up")
+  parser.add_argument("--steps", type=int, default=6,
+                      help="timed steps per system, after one warm-up, in three turns (jdr.bench.turns)")
   parser.add_argument("--batch-size", type=int, default=0, help="0 = the largest un-cached batch in budget")
   parser.add_argument("--max-batch", type=int, default=1 << 16, help="search cap for the cached batch")
   parser.add_argument("--cpu-devices", type=int, default=None,
@@ -191,13 +184,19 @@ def main(argv=None) -> None:
   cached = _config(batch_size, args.chunk_size)
   # Devices must split the batch and each cached chunk: the most that do, up to --cpu-devices.
   devices = max(n for n in range(1, args.cpu_devices + 1) if not batch_size % n and not args.chunk_size % n)
-  seconds = {"jdr_uncached": jdr_seconds(built, config, batches, args.steps)}
-  seconds["jdr_cached"] = jdr_seconds(built, cached, batches, args.steps)
+  runners = {"jdr_uncached": jdr_runner(built, config, batches), "jdr_cached": jdr_runner(built, cached, batches)}
   if devices > 1:
-    split = {"uncached": jdr_seconds(built, config, batches, args.steps, devices),
-             "cached": jdr_seconds(built, cached, batches, args.steps, devices)}
+    runners["jdr_uncached_split"] = jdr_runner(built, config, batches, devices)
+    runners["jdr_cached_split"] = jdr_runner(built, cached, batches, devices)
+  with tempfile.TemporaryDirectory() as hf_dir:
+    hf.export_hf(built.model.query.encoder, params["tower"]["encoder"], hf_dir, tokenizer=built.tokenizer)
+    runners["st_uncached"] = sentence_transformers_runner(hf_dir, params, batches, None)
+    runners["st_cached"] = sentence_transformers_runner(hf_dir, params, batches, args.chunk_size)
+    seconds = turns.median_seconds(runners, args.steps)
+  if devices > 1:
     result["cpu_devices"] = devices
-    for name, s in split.items():  # jdr's figure is the faster setting, each named
+    for name in ("uncached", "cached"):  # jdr's figure is the faster setting, each named
+      s = seconds.pop(f"jdr_{name}_split")
       result[f"jdr_{name}_one_device"] = round(batch_size / seconds[f"jdr_{name}"], 2)
       result[f"jdr_{name}_cpu_devices"] = round(batch_size / s, 2)
       print(f"jdr_{name} on {devices} CPU devices: {s:.2f} s/step, one device {seconds[f'jdr_{name}']:.2f} s/step",
@@ -205,10 +204,6 @@ def main(argv=None) -> None:
       result[f"jdr_{name}_setting"] = (f"{devices} CPU devices (mesh.cpu_devices={devices})"
                                        if s < seconds[f"jdr_{name}"] else "one device")
       seconds[f"jdr_{name}"] = min(s, seconds[f"jdr_{name}"])
-  with tempfile.TemporaryDirectory() as hf_dir:
-    hf.export_hf(built.model.query.encoder, params["tower"]["encoder"], hf_dir, tokenizer=built.tokenizer)
-    seconds["st_uncached"] = sentence_transformers_seconds(hf_dir, params, batches, args.steps, None)
-    seconds["st_cached"] = sentence_transformers_seconds(hf_dir, params, batches, args.steps, args.chunk_size)
   for name, s in seconds.items():
     result[name] = round(batch_size / s, 2)
     print(f"{name:13s} {s:8.2f} s/step  {batch_size / s:8.2f} pairs/s", file=sys.stderr)

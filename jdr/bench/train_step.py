@@ -29,7 +29,6 @@ task_type=FEATURE_EXTRACTION)) with torch.optim.AdamW on the trainable params on
 import argparse
 import json
 import sys
-import time
 
 import jax
 import ml_collections
@@ -38,6 +37,7 @@ import numpy as np
 from jdr.runtime import defaults
 from jdr.training import step as step_lib
 from jdr.bench import peak as peak_lib
+from jdr.bench import turns
 from jdr.models import hf
 
 
@@ -74,31 +74,7 @@ def bench_config(args) -> ml_collections.ConfigDict:
 
 
 def _time_steps(run_step, steps: int) -> float:
-  return _time_interleaved({"step": run_step}, steps, rounds=1)["step"]
-
-
-def _time_interleaved(runners: dict, steps: int, rounds: int = 3) -> dict[str, float]:
-  """Median seconds of each runner's step over `steps` timed steps, taken in `rounds` turns: each turn runs
-  every runner in order, a step untimed then its share of the timed ones.
-
-  Run one after the other, jdr's steps and PyTorch's saw different minutes of a shared host: on a virtual
-  2-core EPYC, PyTorch's step alone took 2.6 s one day and 3.0-3.5 s the next, so the ratio moved with
-  the host rather than the code. In turns, both sides see the same minutes. A turn is several steps, not
-  one: alternating every step, jdr's one-device step took 4.75 s instead of 2.6, slowed by the other side's
-  threads still waking, which no user's run has. The untimed step opening each turn absorbs that.
-  """
-  for run_step in runners.values():
-    run_step()  # warm-up (and, for jax, compilation)
-  times = {name: [] for name in runners}
-  for turn in range(rounds):
-    share = steps // rounds + (turn < steps % rounds)
-    for name, run_step in runners.items():
-      run_step()
-      for _ in range(share):
-        start = time.perf_counter()
-        run_step()
-        times[name].append(time.perf_counter() - start)
-  return {name: float(np.median(t)) for name, t in times.items()}
+  return turns.median_seconds({"step": run_step}, steps, turns=1)["step"]
 
 
 def compiled_on_devices(step, state, batch: dict, devices: int):
@@ -138,7 +114,7 @@ def jdr_step_runner(args, batch, dropout: float | None = None, devices: int = 1)
                                               devices)
   holder = {"state": state}
 
-  def run_step():
+  def run_step(_=0):
     holder["state"], metrics = step_fn(holder["state"], batch)
     jax.block_until_ready(metrics["loss"])
 
@@ -165,7 +141,7 @@ def jdr_part_seconds(args, batch) -> dict[str, float]:
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
-  def run_update():
+  def run_update(_=0):
     holder["params"], holder["opt"] = update(holder["params"], holder["opt"], grads)
     jax.block_until_ready(holder["params"])
 
@@ -180,7 +156,7 @@ def jdr_part_seconds(args, batch) -> dict[str, float]:
       return jax.numpy.mean(losses.softmax_nll(q @ d.T, valid, temperature=config.loss.temperature))
     return jax.value_and_grad(loss, argnums=(0, 1))(q, d)
 
-  def run_loss():
+  def run_loss(_=0):
     jax.block_until_ready(loss_and_grads(q, d))
 
   return {"update": _time_steps(run_update, args.steps), "loss": _time_steps(run_loss, args.steps)}
@@ -206,7 +182,7 @@ def torch_step_runner(args, batch):
     pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
     return torch.nn.functional.normalize(pooled, dim=-1)
 
-  def run_step():
+  def run_step(_=0):
     optimizer.zero_grad(set_to_none=True)
     q = embed(t["query_ids"], t["query_mask"])
     d = embed(t["doc_ids"], t["doc_mask"])
@@ -250,7 +226,7 @@ def torch_lora_step_runner(args, batch):
     pooled = hidden[torch.arange(hidden.shape[0], device=device), last]
     return torch.nn.functional.normalize(pooled, dim=-1)
 
-  def run_step():
+  def run_step(_=0):
     optimizer.zero_grad(set_to_none=True)
     q = embed(t["query_ids"], t["query_mask"])
     d = embed(t["doc_ids"], t["doc_mask"])  # B positives, then B hard negatives
@@ -265,12 +241,12 @@ def torch_lora_step_runner(args, batch):
 
 def timed_steps(args, batch, reference) -> tuple[float, float | None, float]:
   """(jdr's step on one device, on --cpu-devices devices or None, the reference's step), median seconds, the
-  three timed in turns (`_time_interleaved`)."""
+  three timed in turns (`jdr.bench.turns`)."""
   runners = {"one": jdr_step_runner(args, batch)}
   if args.cpu_devices > 1:
     runners["split"] = jdr_step_runner(args, batch, devices=args.cpu_devices)
   runners["reference"] = reference(args, batch)
-  seconds = _time_interleaved(runners, args.steps)
+  seconds = turns.median_seconds(runners, args.steps)
   return seconds["one"], seconds.get("split"), seconds["reference"]
 
 
@@ -323,8 +299,6 @@ def main(argv=None) -> None:
   parser.add_argument("--shape", choices=sorted(LORA_SHAPES), default="small",
                       help="--model llama-lora's decoder: small (4 layers x 256) or tiny (model.fresh=llama-tiny)")
   args = parser.parse_args(argv)
-  if args.steps < 1:
-    parser.error(f"--steps {args.steps}: at least one step is timed")
   from jdr.runtime import parallel  # pylint: disable=g-import-not-at-top
   if args.cpu_devices is None:
     cores = min(parallel.usable_cores(), parallel.MAX_AUTO_CPU_DEVICES)
