@@ -175,3 +175,6 @@ def test_encode_bench_in_bfloat16_compares_each_side_with_its_own_float32(capsys
     cosine = out[f"{side}_cosine_to_float32"]
     assert 0.999 < cosine["min"] <= cosine["mean"] < 1.0  # rounded, yet the same vectors
   assert out["bfloat16_peak_gflops"] > 0 and out["max_abs_diff_vs_reference"] < 0.01
+  # Two rounds in turns; each side's rate is over its mean time.
+  assert len(out["jdr_seconds"]) == len(out["reference_seconds"]) == out["rounds"] == 2
+  assert out["jdr"] == pytest.approx(12 / sum(out["jdr_seconds"]), rel=0.02)

@@ -536,3 +536,47 @@ def test_attention_logits_round_their_cotangent_in_half_precision():
   # float32: the same backward as the plain einsum's
   for got, want in zip(jax.vjp(bert.attention_logits, q32, k32)[1](g), jax.vjp(plain, q32, k32)[1](g)):
     np.testing.assert_array_equal(got, want)
+
+
+def test_softmax_weighted_values_normalized_after_the_product_are_the_float64_attention():
+  """The CPU's attention core (`softmax_weighted_values`: exp(logits - max) times the values, divided by the
+  row sums after the product) against float64 softmax(logits) @ values, with masked keys at float32's min, a
+  row with every key masked (uniform, as the softmax gives), a fixed per-element dropout applied to the
+  probabilities, and the gradients of the logits and values against float64 central differences of the
+  transcription."""
+  from jdr.models.bert import softmax_weighted_values  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  logits = rng.normal(0, 3, (2, 3, 5, 7))
+  logits[0, 0, :, 4:] = np.finfo(np.float32).min
+  logits[1, 2, 3, :] = np.finfo(np.float32).min
+  values = rng.normal(0, 1, (2, 3, 7, 4))
+  keep = rng.random(logits.shape) > 0.3
+  dropout64 = lambda w: np.where(keep, w / 0.7, 0.0)
+
+  def oracle(logits, values):
+    shifted = np.exp(logits - logits.max(-1, keepdims=True))
+    return dropout64(shifted / shifted.sum(-1, keepdims=True)) @ values
+
+  dropout = lambda w: jnp.where(keep, w / jnp.float32(0.7), 0.0)
+  ours = softmax_weighted_values(jnp.asarray(logits, jnp.float32), jnp.asarray(values, jnp.float32), dropout)
+  np.testing.assert_allclose(np.asarray(ours, np.float64), oracle(logits, values), rtol=1e-5, atol=1e-6)
+  # Gradients of sum(out * w) against float64 central differences.
+  w = rng.normal(0, 1, (2, 3, 5, 4))
+  f = lambda l, v: jnp.sum(softmax_weighted_values(l, v, dropout) * w)
+  gl, gv = jax.grad(f, argnums=(0, 1))(jnp.asarray(logits, jnp.float32), jnp.asarray(values, jnp.float32))
+  exp_v = np.zeros_like(values)
+  for index in [(0, 1, 2, 3), (1, 2, 6, 0), (0, 0, 3, 1)]:
+    e = np.zeros_like(values)
+    e[index] = 1e-6
+    exp_v[index] = (np.sum(oracle(logits, values + e) * w) - np.sum(oracle(logits, values - e) * w)) / 2e-6
+    assert abs(float(gv[index]) - exp_v[index]) < 1e-4
+  for index in [(0, 1, 2, 3), (1, 0, 4, 6), (0, 0, 1, 2)]:
+    e = np.zeros_like(logits)
+    e[index] = 1e-6
+    expected = (np.sum(oracle(logits + e, values) * w) - np.sum(oracle(logits - e, values) * w)) / 2e-6
+    assert abs(float(gl[index]) - expected) < 1e-4
+  assert np.all(np.asarray(gl)[0, 0, :, 4:] == 0)  # masked keys get no gradient
+  # bfloat16 values: the product accumulates in float32 and is rounded once, in the values' dtype.
+  half = softmax_weighted_values(jnp.asarray(logits, jnp.float32), jnp.asarray(values, jnp.bfloat16), dropout)
+  assert half.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(half, np.float64), oracle(logits, values), rtol=2e-2, atol=2e-2)

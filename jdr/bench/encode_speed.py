@@ -1,6 +1,6 @@
 """Corpus encoding speed: jdr vs sentence-transformers' `encode`, same model, same documents, one process.
 
-  python -m jdr.bench encode [--num-docs 2000] [--max-length 256] [--dtype float32]
+  python -m jdr.bench encode [--num-docs 2000] [--max-length 256] [--dtype float32] [--rounds 2]
                              [--model DIR | --shape distilbert-base | modernbert-base]
 
 Both encode the first N SciFact documents (title + " " + text) with the same model at the same maximum length:
@@ -8,7 +8,8 @@ the bundled all-MiniLM-L6-v2 by default, `--model` a published directory (senten
 is, or as Transformer + Pooling + Normalize as jdr reads it), or `--shape` a random-weight model of that
 architecture's base size written by transformers (over MiniLM's vocabulary, which only sizes the embedding
 table), for architectures whose real weights this machine cannot download. Each side is warmed up first (jdr compiles its length buckets; sentence-transformers runs a
-small batch), then timed on the whole set. Tokenizing alone is timed too: `jdr.data.text.tokenize` against the
+small batch), then timed on the whole set, `--rounds` times each, in turns (jdr, reference, reference, jdr),
+so a host whose speed drifts slows both alike; the rate is over the mean time. Tokenizing alone is timed too: `jdr.data.text.tokenize` against the
 tokenizer's own call, whose ids it must equal. Model FLOP/s count only real (unpadded) tokens, so they are
 comparable across implementations, and are reported as a fraction of the host's float32 matmul peak,
 measured in the same run. The embeddings of the two are compared as a correctness check.
@@ -135,9 +136,14 @@ def main(argv=None) -> None:
   parser.add_argument("--scifact-test", action="store_true",
                       help="with --dtype bfloat16: also nDCG@10 on SciFact test (all documents) of both sides in "
                            "float32 and bfloat16")
+  parser.add_argument("--rounds", type=int, default=2,
+                      help="each side encodes the whole set this many times, in turns (jdr, reference, reference, "
+                           "jdr, ...); the rate is over the mean time")
   parser.add_argument("--reference-batch-size", type=int, default=32,
                       help="sentence-transformers' encode batch size (its default is 32)")
   args = parser.parse_args(argv)
+  if args.rounds < 1:
+    parser.error(f"--rounds {args.rounds}: each side encodes at least once")
 
   texts = _texts(args.num_docs)
   peak = peak_lib.matmul_peak_flops()
@@ -159,21 +165,37 @@ def main(argv=None) -> None:
 
   tokens_per_batch = args.tokens_per_batch or encoder_runtime.default_tokens_per_batch()
   compile_s = warm_up(runtime, lengths, tokens_per_batch)
-  start = time.perf_counter()
-  jdr_emb = encoder_runtime.encode_texts(runtime, texts, tokens_per_batch=tokens_per_batch)
-  jdr_s = time.perf_counter() - start
 
   # The reference runs where jdr runs (the GPU on a GPU host), in the same dtype.
   device = peak_lib.torch_device()
   reference = reference_model(model, runtime.info, device)
   reference.max_seq_length = args.max_length
   ref_encode = reference_encoder(reference, args.dtype, device, args.reference_batch_size)
-  ref_encode(texts[:args.reference_batch_size])
-  peak_lib.torch_sync(device)
-  start = time.perf_counter()
-  ref_emb = ref_encode(texts)
-  peak_lib.torch_sync(device)
-  ref_s = time.perf_counter() - start
+
+  def run_jdr():
+    return encoder_runtime.encode_texts(runtime, texts, tokens_per_batch=tokens_per_batch)
+
+  def run_reference():
+    emb = ref_encode(texts)
+    peak_lib.torch_sync(device)
+    return emb
+
+  # Each side encodes the whole set once a round, in the order jdr, reference, then reference, jdr (and so
+  # on): a host whose speed drifts during the run slows both sides alike (see jdr.bench.turns). Each round's
+  # encode opens with an untimed small batch, so neither side starts right behind the other's threads.
+  runs = {"jdr": run_jdr, "reference": run_reference}
+  openers = {"jdr": lambda: encoder_runtime.encode_texts(runtime, texts[:64], tokens_per_batch=tokens_per_batch),
+             "reference": lambda: ref_encode(texts[:args.reference_batch_size])}
+  seconds = {"jdr": [], "reference": []}
+  embeddings = {}
+  for r in range(args.rounds):
+    for side in (("jdr", "reference") if r % 2 == 0 else ("reference", "jdr")):
+      openers[side]()
+      peak_lib.torch_sync(device)
+      side_s, embeddings[side] = _seconds(runs[side])
+      seconds[side].append(side_s)
+  jdr_s, ref_s = float(np.mean(seconds["jdr"])), float(np.mean(seconds["reference"]))
+  jdr_emb, ref_emb = embeddings["jdr"], embeddings["reference"]
 
   jdr_rate, ref_rate = len(texts) / jdr_s, len(texts) / ref_s
   result = {
@@ -189,6 +211,8 @@ def main(argv=None) -> None:
       "jdr_tokenize_seconds": round(tokenize_s, 3), "tokenizer_call_seconds": round(call_s, 3),
       "jdr_tokens_per_batch": tokens_per_batch,
       "max_abs_diff_vs_reference": float(np.max(np.abs(jdr_emb - ref_emb))),
+      "rounds": args.rounds, "jdr_seconds": [round(x, 4) for x in seconds["jdr"]],
+      "reference_seconds": [round(x, 4) for x in seconds["reference"]],
   }
   print(f"jdr {jdr_rate:.1f} docs/s, sentence-transformers {ref_rate:.1f} docs/s: "
         f"ratio {result['ratio']:.2f}", file=sys.stderr)

@@ -552,8 +552,11 @@ class DecoderLayer(nn.Module):
     kt, vt = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
     logits = bert.attention_logits(qg, kt).reshape(b, cfg.num_kv_heads, groups, length, length) * scale
     logits = jnp.where(allowed[:, None, None], logits, jnp.finfo(jnp.float32).min)
-    probs = self.attention_dropout(jax.nn.softmax(logits, axis=-1), deterministic)
-    ctx = jnp.einsum("bkgqs,bksd->bqkgd", probs.astype(cfg.compute_dtype), vt)
+    # [B, K, G*L, L] weights against each key/value head's [B, K, L, D] values, then [B, L, K, G, D].
+    ctx = bert.softmax_weighted_values(logits.reshape(b, cfg.num_kv_heads, groups * length, length),
+                                       vt.astype(cfg.compute_dtype),
+                                       lambda w: self.attention_dropout(w, deterministic))
+    ctx = ctx.reshape(b, cfg.num_kv_heads, groups, length, d).transpose(0, 3, 1, 2, 4)
     return ctx.reshape(b, length, n, d)
 
 

@@ -283,9 +283,10 @@ class Layer(nn.Module):
       positions = np.arange(length)
       allowed = allowed & (np.abs(positions[:, None] - positions[None, :]) <= cfg.local_attention // 2)
     # A boolean mask (not an additive bias) keeps masked keys at exactly zero weight.
-    probs = jax.nn.softmax(jnp.where(allowed, logits, jnp.finfo(jnp.float32).min), axis=-1)
-    probs = Dropout(cfg.attention_dropout)(probs, deterministic)
-    ctx = jnp.swapaxes(jnp.einsum("bnqk,bnkd->bnqd", probs.astype(cfg.compute_dtype), v), 1, 2)
+    dropout = Dropout(cfg.attention_dropout)
+    ctx = bert.softmax_weighted_values(jnp.where(allowed, logits, jnp.finfo(jnp.float32).min),
+                                       v.astype(cfg.compute_dtype), lambda w: dropout(w, deterministic))
+    ctx = jnp.swapaxes(ctx, 1, 2)
     attn = _Linear(cfg, (cfg.hidden_size,), ("heads", "kv", "embed"), cfg.attention_bias, contracted=2,
                    name="Wo")(ctx)
     x = x + Dropout(cfg.attention_dropout)(attn, deterministic)  # transformers' out_drop
