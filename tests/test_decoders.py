@@ -156,7 +156,9 @@ def test_fused_attention_and_remat_compute_the_same(tiny):
       out = encode(cfg.replace(**changes), params, ids, mask)
       # Padding positions too: a NaN there would reach real tokens through their zero attention weights.
       assert np.isfinite(out).all(), changes
-      assert token_diff(out, ref, mask) < 1e-6, changes
+      # Float32 rounding apart (a few ulps of outputs near 3): on a CPU the einsum attention normalizes its
+      # weights after their product with the values, the fused one before.
+      assert token_diff(out, ref, mask) < 2e-6, changes
 
 
 def test_the_cases_exercise_what_they_claim(tiny):

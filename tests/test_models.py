@@ -576,6 +576,13 @@ def test_softmax_weighted_values_normalized_after_the_product_are_the_float64_at
     expected = (np.sum(oracle(logits + e, values) * w) - np.sum(oracle(logits - e, values) * w)) / 2e-6
     assert abs(float(gl[index]) - expected) < 1e-4
   assert np.all(np.asarray(gl)[0, 0, :, 4:] == 0)  # masked keys get no gradient
+  # The first query's probabilities come from the same computation, which they leave unchanged.
+  both, first = softmax_weighted_values(jnp.asarray(logits, jnp.float32), jnp.asarray(values, jnp.float32),
+                                        dropout, first_row=True)
+  np.testing.assert_array_equal(np.asarray(both), np.asarray(ours))
+  shifted = np.exp(logits - logits.max(-1, keepdims=True))
+  np.testing.assert_allclose(np.asarray(first, np.float64),
+                             dropout64(shifted / shifted.sum(-1, keepdims=True))[..., 0, :], rtol=1e-5, atol=1e-7)
   # bfloat16 values: the product accumulates in float32 and is rounded once, in the values' dtype.
   half = softmax_weighted_values(jnp.asarray(logits, jnp.float32), jnp.asarray(values, jnp.bfloat16), dropout)
   assert half.dtype == jnp.bfloat16

@@ -271,9 +271,10 @@ def _half_precision_logits_bwd(residuals, grad):
 _half_precision_logits.defvjp(_half_precision_logits_fwd, _half_precision_logits_bwd)
 
 
-def softmax_weighted_values(logits: jax.Array, values: jax.Array, dropout=lambda w: w) -> jax.Array:
+def softmax_weighted_values(logits: jax.Array, values: jax.Array, dropout=lambda w: w, first_row: bool = False):
   """softmax(logits) over the last axis, through `dropout`, times `values` ([..., Lq, Lk] float32 logits,
-  [..., Lk, D] values -> [..., Lq, D] in the values' dtype).
+  [..., Lk, D] values -> [..., Lq, D] in the values' dtype); `first_row=True` returns (that, the first query's
+  probabilities [..., Lk] after dropout), from the same computation, so asking for them changes nothing.
 
   On a CPU the product is normalized after it: exp(logits - row max) multiplies the values and the [Lq, D]
   product is divided by the row sums, instead of dividing the [Lq, Lk] weights, one pass over the weights
@@ -285,13 +286,16 @@ def softmax_weighted_values(logits: jax.Array, values: jax.Array, dropout=lambda
   """
   if parallel.platform() != "cpu":
     probs = dropout(jax.nn.softmax(logits, axis=-1))
-    return jnp.einsum("...qk,...kd->...qd", probs.astype(values.dtype), values)
+    out = jnp.einsum("...qk,...kd->...qd", probs.astype(values.dtype), values)
+    return (out, probs[..., 0, :]) if first_row else out
   peak = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
   weights = jnp.exp(logits - peak)
   total = jnp.sum(weights, axis=-1, keepdims=True)
-  weighted = jnp.einsum("...qk,...kd->...qd", dropout(weights).astype(values.dtype), values,
+  weights = dropout(weights)
+  weighted = jnp.einsum("...qk,...kd->...qd", weights.astype(values.dtype), values,
                         preferred_element_type=jnp.float32)
-  return (weighted / total).astype(values.dtype)
+  out = (weighted / total).astype(values.dtype)
+  return (out, weights[..., 0, :] / total[..., 0, :]) if first_row else out
 
 
 def _layer_norm(cfg: EncoderConfig, name: str | None, deterministic: bool, **module_args) -> nn.LayerNorm:
@@ -502,17 +506,15 @@ class Layer(nn.Module):
       logits = attention_logits(q, k)
       # Boolean mask + where (not an additive bias) keeps padded keys at exactly zero weight.
       logits = jnp.where(key_mask[:, None, None, :], logits, jnp.finfo(jnp.float32).min)
+      ctx = softmax_weighted_values(logits, v, lambda w: self.attention_dropout(w, deterministic),
+                                    first_row=first_token_attention)
       if first_token_attention:
-        probs = jax.nn.softmax(logits, axis=-1)
-        probs = self.attention_dropout(probs, deterministic)
-        ctx = jnp.einsum("bnqk,bnkd->bnqd", probs.astype(cfg.compute_dtype), v)
-      else:
-        ctx = softmax_weighted_values(logits, v, lambda w: self.attention_dropout(w, deterministic))
+        ctx, first_probs = ctx
       ctx = jnp.swapaxes(ctx, 1, 2)
     out = self.tail(ctx, x, deterministic)
     if not first_token_attention:
       return out
-    return out, FirstTokenAttention(probs[:, :, 0, :], v, x[:, 0, :])
+    return out, FirstTokenAttention(first_probs, v, x[:, 0, :])
 
   def tail(self, context, residual, deterministic: bool):
     """The block after attention, on heads' outputs `context` [..., N, D] with their block inputs `residual`
