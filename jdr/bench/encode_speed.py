@@ -9,8 +9,8 @@ is, or as Transformer + Pooling + Normalize as jdr reads it), or `--shape` a ran
 architecture's base size written by transformers (over MiniLM's vocabulary, which only sizes the embedding
 table), for architectures whose real weights this machine cannot download. Each side is warmed up first (jdr compiles its length buckets; sentence-transformers runs a
 small batch), then timed on the whole set, `--rounds` times each, in turns (jdr, reference, reference, jdr),
-so a host whose speed drifts slows both alike; the rate is over the mean time. Tokenizing alone is timed too: `jdr.data.text.tokenize` against the
-tokenizer's own call, whose ids it must equal. Model FLOP/s count only real (unpadded) tokens, so they are
+so a host whose speed drifts slows both alike; the rate is over the mean time. Tokenizing alone is timed too:
+`jdr.data.text.tokenize` against the tokenizer's own call, whose ids it must equal. Model FLOP/s count only real (unpadded) tokens, so they are
 comparable across implementations, and are reported as a fraction of the host's float32 matmul peak,
 measured in the same run. The embeddings of the two are compared as a correctness check.
 

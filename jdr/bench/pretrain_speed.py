@@ -183,7 +183,7 @@ def main(argv=None) -> None:
             "device": jax.devices()[0].device_kind, "source": config.data.pretrain_source}
   cached = _config(batch_size, args.chunk_size)
   # Devices must split the batch and each cached chunk: the most that do, up to --cpu-devices.
-  devices = max(n for n in range(1, args.cpu_devices + 1) if not batch_size % n and not args.chunk_size % n)
+  devices = parallel.devices_that_split(args.cpu_devices, batch_size, args.chunk_size)
   runners = {"jdr_uncached": jdr_runner(built, config, batches), "jdr_cached": jdr_runner(built, cached, batches)}
   if devices > 1:
     runners["jdr_uncached_split"] = jdr_runner(built, config, batches, devices)

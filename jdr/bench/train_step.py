@@ -96,7 +96,8 @@ def compiled_on_devices(step, state, batch: dict, devices: int):
 
 
 def jdr_step_runner(args, batch, dropout: float | None = None, devices: int = 1):
-  """A function that runs one of jdr's jitted steps and returns when it is done; `dropout` overrides the model's rates (0.0: the step without masks);
+  """A function that runs one of jdr's jitted steps and returns when it is done; `dropout` overrides the
+  model's rates (0.0: the step without masks);
   `devices` > 1 splits the batch over that many devices (a (devices, 1, 1) mesh, parameters replicated: the
   trainer's mesh.rules=dp), as the trainer does with mesh.cpu_devices on a CPU host."""
   from jdr.training import trainer  # pylint: disable=g-import-not-at-top
@@ -302,7 +303,7 @@ def main(argv=None) -> None:
   from jdr.runtime import parallel  # pylint: disable=g-import-not-at-top
   if args.cpu_devices is None:
     cores = min(parallel.usable_cores(), parallel.MAX_AUTO_CPU_DEVICES)
-    args.cpu_devices = max(n for n in range(1, cores + 1) if args.batch_size % n == 0)
+    args.cpu_devices = parallel.devices_that_split(cores, args.batch_size)
   elif args.batch_size % args.cpu_devices:
     parser.error(f"--batch-size {args.batch_size} does not split over --cpu-devices {args.cpu_devices}")
   parallel.use_cpu_devices(args.cpu_devices if args.cpu_devices > 1 else 0)

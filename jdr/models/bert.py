@@ -320,8 +320,9 @@ def exact_gelu(x: jax.Array) -> jax.Array:
   NVIDIA H200 its fusion over BERT-base's [tokens, 3072] MLP activations ran at several times the time of
   reading and writing them, the largest non-matmul kernel of the forward (docs/performance-history.md, "The
   H200 runs, run to run"), and on a CPU its two largest fusions were the largest non-matmul kernels of MiniLM's
-  training step (docs/performance-history.md, "The training step's GELU on a CPU"). The erf form is what PyTorch computes (in float32 for bfloat16
-  tensors), so Hugging Face parity holds as before. The backward, Phi(x) + x phi(x), reads only x.
+  training step (docs/performance-history.md, "The training step on an AVX-512 CPU"). The erf form is what
+  PyTorch computes (in float32 for bfloat16 tensors), so Hugging Face parity holds as before. The backward,
+  Phi(x) + x phi(x), reads only x.
   """
   return _erf_gelu(x.astype(jnp.float32)).astype(x.dtype)
 

@@ -136,8 +136,8 @@ def auto_cpu_devices(batch_size: int, chunk_size: int = 0, replica_bytes: int | 
   (the local launcher's), an earlier jax_num_cpu_devices, or a backend that has started.
 
   Why one per core: on 2-core CPUs MiniLM's step ran 10-13% faster and the un-cached pretraining step 1.3-1.6x
-  as fast on two devices as on one (docs/performance.md, `train-step` and `pretrain`). On an accelerator host the mesh takes
-  the accelerators, and the CPU devices go unused."""
+  as fast on two devices as on one (docs/performance.md, `train-step` and `pretrain`). On an accelerator host
+  the mesh takes the accelerators, and the CPU devices go unused."""
   from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
   if ("xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
       or jax.config.jax_num_cpu_devices > 0 or xla_bridge.backends_are_initialized()):
@@ -146,8 +146,13 @@ def auto_cpu_devices(batch_size: int, chunk_size: int = 0, replica_bytes: int | 
   memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
   while limit > 1 and (limit - 1) * replica_bytes > memory // 4:
     limit -= 1
-  count = max(n for n in range(1, limit + 1) if not batch_size % n and not (chunk_size or 0) % n)
+  count = devices_that_split(limit, batch_size, chunk_size)
   return count if count > 1 else 0
+
+
+def devices_that_split(limit: int, batch_size: int, chunk_size: int = 0) -> int:
+  """The most devices, up to `limit`, that split the batch and each gradient-caching chunk evenly (at least 1)."""
+  return max(n for n in range(1, max(1, limit) + 1) if not batch_size % n and not (chunk_size or 0) % n)
 
 
 def use_cpu_devices(count: int) -> None:
