@@ -587,3 +587,49 @@ def test_softmax_weighted_values_normalized_after_the_product_are_the_float64_at
   half = softmax_weighted_values(jnp.asarray(logits, jnp.float32), jnp.asarray(values, jnp.bfloat16), dropout)
   assert half.dtype == jnp.bfloat16
   np.testing.assert_allclose(np.asarray(half, np.float64), oracle(logits, values), rtol=2e-2, atol=2e-2)
+
+
+def test_cpu_attention_a_few_heads_at_a_time_is_the_float64_attention(monkeypatch):
+  """`einsum_attention` on a CPU splits rows of 314 keys and more into groups of heads (a loop over rows and
+  groups): against float64 softmax(scaled q k^T, masked) @ v for a key mask and a per-row [L, L] mask, with the
+  first query's probabilities; its outputs and gradients against the same call computed with all heads at once;
+  with dropout it keeps every head at once."""
+  from jdr.models import bert  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  b, h, length, d = 2, 6, 320, 8
+  q, k, v = (rng.normal(0, 1, (b, h, length, d)) for _ in range(3))
+  key_mask = np.arange(length)[None, :] < np.array([length, 250])[:, None]
+  local = key_mask[:, None, :] & (np.abs(np.arange(length)[:, None] - np.arange(length)[None, :]) <= 16)
+  assert bert.cpu_heads_at_once(h, length, length) == 2  # 2 x 400 KiB of logits, three groups a row
+  assert bert.cpu_heads_at_once(h, 512, 512) == 1 and bert.cpu_heads_at_once(h, 256, 256) is None
+
+  def oracle(allowed):
+    # A row with every key masked is uniform, as float32 min in the softmax gives.
+    logits = np.where(allowed, np.einsum("bnqd,bnkd->bnqk", q, k) * 0.5, np.finfo(np.float32).min)
+    weights = np.exp(logits - logits.max(-1, keepdims=True))
+    probs = weights / weights.sum(-1, keepdims=True)
+    return probs @ v, probs[:, :, 0, :]
+
+  f32 = lambda t: jnp.asarray(t, jnp.float32)
+  for allowed in (key_mask[:, None, None, :], local[:, None]):
+    # A fresh function for each trace: jax caches a traced function's program.
+    run = lambda: lambda *qkv: bert.einsum_attention(*qkv, jnp.asarray(allowed), first_row=True, logit_scale=0.5)
+    w = f32(rng.normal(0, 1, (b, h, length, d)))
+    grad = lambda: jax.grad(lambda *qkv: jnp.sum(run()(*qkv)[0] * w), argnums=(0, 1, 2))(f32(q), f32(k), f32(v))
+    assert "scan" in str(jax.make_jaxpr(run())(f32(q), f32(k), f32(v)))
+    out, first = run()(f32(q), f32(k), f32(v))
+    want_out, want_first = oracle(allowed)
+    np.testing.assert_allclose(np.asarray(out, np.float64), want_out, rtol=1e-5, atol=2e-6)
+    np.testing.assert_allclose(np.asarray(first, np.float64), want_first, rtol=1e-5, atol=1e-7)
+    grads = grad()
+    with monkeypatch.context() as m:
+      m.setattr(bert, "CPU_HEAD_LOGITS_TO_SPLIT", 1 << 40)
+      assert "scan" not in str(jax.make_jaxpr(run())(f32(q), f32(k), f32(v)))
+      whole_out, whole_first = run()(f32(q), f32(k), f32(v))
+      whole_grads = grad()
+    np.testing.assert_allclose(np.asarray(out), np.asarray(whole_out), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(first), np.asarray(whole_first), rtol=1e-6, atol=1e-9)
+    for got, want in zip(grads, whole_grads):
+      np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+  dropped = lambda *qkv: bert.einsum_attention(*qkv, jnp.asarray(key_mask[:, None, None, :]), lambda w: w * 0.5)
+  assert "scan" not in str(jax.make_jaxpr(dropped)(f32(q), f32(k), f32(v)))

@@ -298,6 +298,60 @@ def softmax_weighted_values(logits: jax.Array, values: jax.Array, dropout=lambda
   return (out, weights[..., 0, :] / total[..., 0, :]) if first_row else out
 
 
+# On a CPU, attention whose per-head logits reach this size runs a few heads at a time (`einsum_attention`).
+CPU_HEAD_LOGITS_TO_SPLIT = 384 * 1024  # bytes of one head's float32 [Lq, Lk] logits: L = 314 and longer
+CPU_LOGITS_AT_ONCE = 1024 * 1024  # bytes of float32 logits a group of heads may hold
+
+
+def cpu_heads_at_once(heads: int, lq: int, lk: int) -> int | None:
+  """How many heads of one row `einsum_attention` computes at a time on a CPU: the most (a divisor of `heads`)
+  whose float32 logits fit CPU_LOGITS_AT_ONCE, one at least; None (all at once) below CPU_HEAD_LOGITS_TO_SPLIT."""
+  head_bytes = lq * lk * 4
+  if head_bytes < CPU_HEAD_LOGITS_TO_SPLIT:
+    return None
+  return max(c for c in range(1, heads + 1) if heads % c == 0 and (c == 1 or c * head_bytes <= CPU_LOGITS_AT_ONCE))
+
+
+def einsum_attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, dropout=None,
+                     first_row: bool = False, logit_scale: float | None = None):
+  """Attention of q [B, H, Lq, D] over k, v [B, H, Lk, D] where `allowed` (boolean, broadcastable to [B, 1, Lq,
+  Lk]) is True: [B, H, Lq, D] in v's dtype, or (that, the first query's probabilities [B, H, Lk]) with
+  `first_row`. `dropout` (a function of the weights) is applied to the attention weights; None draws none.
+  The logits are float32 (`attention_logits`), times `logit_scale` where given; masked keys get exactly zero
+  weight (a boolean mask, not an additive bias).
+
+  On a CPU, without dropout, long rows run a few heads at a time (`cpu_heads_at_once`): the [B, H, L, L]
+  logits of all heads at once go through memory between the products and the exp, where a group of heads'
+  stay in cache. MiniLM's forward on a 2-core AVX-512 CPU (two batches at once, one per core, as encoding
+  runs) took 148 ms a batch instead of 160 over 2 x 512 tokens and 158 instead of 168 over 3 x 384; over
+  4 x 256 it was the same either way, so rows that short keep all heads at once. Each head computes what it
+  computed with all of them (docs/performance-history.md, "Encoding on an AVX-512 CPU"). Dropout draws its
+  mask from a Flax module, which a loop cannot call.
+  """
+  def core(q, k, v, allowed):
+    logits = attention_logits(q, k)
+    if logit_scale is not None:
+      logits = logits * logit_scale
+    logits = jnp.where(allowed, logits, jnp.finfo(jnp.float32).min)
+    return softmax_weighted_values(logits, v, dropout or (lambda w: w), first_row=first_row)
+
+  b, h, lq, d = q.shape
+  group = cpu_heads_at_once(h, lq, k.shape[2]) if dropout is None and parallel.platform() == "cpu" else None
+  if group is None or group == h and b == 1:
+    return core(q, k, v, allowed)
+  allowed = jnp.broadcast_to(allowed, (b, 1) + allowed.shape[2:])
+
+  def one_row(row):
+    # Each step: [1, group, L, D] heads of this row and its [1, 1, Lq or 1, Lk] mask.
+    qr, kr, vr, ar = row
+    split = lambda t: t.reshape((h // group, 1, group) + t.shape[1:])
+    return jax.lax.map(lambda heads: core(*heads, ar[None]), (split(qr), split(kr), split(vr)))
+
+  out = jax.lax.map(one_row, (q, k, v, allowed))  # [B, H / group, 1, group, ...]
+  merge = lambda t: t.reshape((b, h) + t.shape[4:])
+  return (merge(out[0]), merge(out[1])) if first_row else merge(out)
+
+
 def _layer_norm(cfg: EncoderConfig, name: str | None, deterministic: bool, **module_args) -> nn.LayerNorm:
   # Flax computes the statistics in float32 even for bfloat16 inputs; `dtype` is only the output dtype.
   # The variance: a forward that trains keeps Flax's one-pass E[x^2] - E[x]^2, whose backward needs only x;
@@ -504,11 +558,10 @@ class Layer(nn.Module):
       # Heads ahead of positions ([B, N, L, D]) before both contractions: XLA's CPU dots then see plain
       # batched [L, D] x [D, L] products instead of strided ones.
       q, k, v = (jnp.swapaxes(t, 1, 2) for t in (q, k, v))
-      logits = attention_logits(q, k)
-      # Boolean mask + where (not an additive bias) keeps padded keys at exactly zero weight.
-      logits = jnp.where(key_mask[:, None, None, :], logits, jnp.finfo(jnp.float32).min)
-      ctx = softmax_weighted_values(logits, v, lambda w: self.attention_dropout(w, deterministic),
-                                    first_row=first_token_attention)
+      drop = not deterministic and cfg.attention_dropout > 0.0
+      ctx = einsum_attention(q, k, v, key_mask[:, None, None, :],
+                             (lambda w: self.attention_dropout(w, deterministic)) if drop else None,
+                             first_row=first_token_attention)
       if first_token_attention:
         ctx, first_probs = ctx
       ctx = jnp.swapaxes(ctx, 1, 2)

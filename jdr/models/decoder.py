@@ -550,12 +550,11 @@ class DecoderLayer(nn.Module):
     qg = q.reshape(b, length, cfg.num_kv_heads, groups, d).transpose(0, 2, 3, 1, 4)
     qg = qg.reshape(b, cfg.num_kv_heads, groups * length, d)
     kt, vt = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
-    logits = bert.attention_logits(qg, kt).reshape(b, cfg.num_kv_heads, groups, length, length) * scale
-    logits = jnp.where(allowed[:, None, None], logits, jnp.finfo(jnp.float32).min)
-    # [B, K, G*L, L] weights against each key/value head's [B, K, L, D] values, then [B, L, K, G, D].
-    ctx = bert.softmax_weighted_values(logits.reshape(b, cfg.num_kv_heads, groups * length, length),
-                                       vt.astype(cfg.compute_dtype),
-                                       lambda w: self.attention_dropout(w, deterministic))
+    # [B, K, G*L, L] weights against each key/value head's [B, K, L, D] values, then [B, L, K, G, D]; query row
+    # g * L + i is position i's.
+    ctx = bert.einsum_attention(qg, kt, vt.astype(cfg.compute_dtype), jnp.tile(allowed, (1, groups, 1))[:, None],
+                                (lambda w: self.attention_dropout(w, deterministic)) if drop else None,
+                                logit_scale=scale)
     ctx = ctx.reshape(b, cfg.num_kv_heads, groups, length, d).transpose(0, 3, 1, 2, 4)
     return ctx.reshape(b, length, n, d)
 

@@ -277,15 +277,14 @@ class Layer(nn.Module):
     q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
     q = q * jnp.asarray(d ** -0.5, q.dtype)  # cheaper on [B, L, N, D] than on the [B, N, L, L] logits
     q, k, v = (jnp.swapaxes(t, 1, 2) for t in (q, k, v))  # [B, N, L, D], plain batched products
-    logits = bert.attention_logits(q, k)
     allowed = key_mask[:, None, None, :]
     if local:
       positions = np.arange(length)
       allowed = allowed & (np.abs(positions[:, None] - positions[None, :]) <= cfg.local_attention // 2)
-    # A boolean mask (not an additive bias) keeps masked keys at exactly zero weight.
     dropout = Dropout(cfg.attention_dropout)
-    ctx = bert.softmax_weighted_values(jnp.where(allowed, logits, jnp.finfo(jnp.float32).min),
-                                       v.astype(cfg.compute_dtype), lambda w: dropout(w, deterministic))
+    drop = not deterministic and cfg.attention_dropout > 0.0
+    ctx = bert.einsum_attention(q, k, v.astype(cfg.compute_dtype), allowed,
+                                (lambda w: dropout(w, deterministic)) if drop else None)
     ctx = jnp.swapaxes(ctx, 1, 2)
     attn = _Linear(cfg, (cfg.hidden_size,), ("heads", "kv", "embed"), cfg.attention_bias, contracted=2,
                    name="Wo")(ctx)
