@@ -316,7 +316,10 @@ def test_a_training_process_on_two_cores_trains_as_two_devices(tmp_path):
   """The default (mesh.cpu_devices=-1) in a fresh process limited to two cores: two devices, said on stderr,
   and a batch that does not split over them runs on one."""
   data = write_tiny_beir(tmp_path / "data")
-  env = {**_env(), "XLA_FLAGS": "--xla_backend_optimization_level=0"}
+  # The suite's compile flags, less its one-device count, so the trainer's default decides.
+  from jdr.launch.local import DEVICE_COUNT_FLAG  # pylint: disable=g-import-not-at-top
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT_FLAG + "=")]
+  env = {**_env(), "XLA_FLAGS": " ".join(flags)}
   two_cores = lambda: os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:2])
   runs = {}
   for batch in (8, 7):
