@@ -589,19 +589,19 @@ def test_softmax_weighted_values_normalized_after_the_product_are_the_float64_at
   np.testing.assert_allclose(np.asarray(half, np.float64), oracle(logits, values), rtol=2e-2, atol=2e-2)
 
 
-def test_cpu_attention_a_few_heads_at_a_time_is_the_float64_attention(monkeypatch):
-  """`einsum_attention` on a CPU splits rows of 314 keys and more into groups of heads (a loop over rows and
-  groups): against float64 softmax(scaled q k^T, masked) @ v for a key mask and a per-row [L, L] mask, with the
-  first query's probabilities; its outputs and gradients against the same call computed with all heads at once;
-  with dropout it keeps every head at once."""
+def test_cpu_attention_a_query_block_at_a_time_is_the_float64_attention(monkeypatch):
+  """`einsum_attention` on a CPU runs rows of 314 keys and more 32 queries at a time (a loop over blocks, the
+  last padded): against float64 softmax(scaled q k^T, masked) @ v for a key mask and a per-query [L, L] mask,
+  with the first query's probabilities; its outputs and gradients against the same call computed with all
+  queries at once; with dropout it keeps them all at once."""
   from jdr.models import bert  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(0)
-  b, h, length, d = 2, 6, 320, 8
+  b, h, length, d = 2, 3, 330, 8
   q, k, v = (rng.normal(0, 1, (b, h, length, d)) for _ in range(3))
   key_mask = np.arange(length)[None, :] < np.array([length, 250])[:, None]
   local = key_mask[:, None, :] & (np.abs(np.arange(length)[:, None] - np.arange(length)[None, :]) <= 16)
-  assert bert.cpu_heads_at_once(h, length, length) == 2  # 2 x 400 KiB of logits, three groups a row
-  assert bert.cpu_heads_at_once(h, 512, 512) == 1 and bert.cpu_heads_at_once(h, 256, 256) is None
+  assert bert.cpu_query_blocks(length, length) == 11  # the last block: 10 queries and 22 of padding
+  assert bert.cpu_query_blocks(256, 256) is None
 
   def oracle(allowed):
     # A row with every key masked is uniform, as float32 min in the softmax gives.
@@ -618,6 +618,7 @@ def test_cpu_attention_a_few_heads_at_a_time_is_the_float64_attention(monkeypatc
     grad = lambda: jax.grad(lambda *qkv: jnp.sum(run()(*qkv)[0] * w), argnums=(0, 1, 2))(f32(q), f32(k), f32(v))
     assert "scan" in str(jax.make_jaxpr(run())(f32(q), f32(k), f32(v)))
     out, first = run()(f32(q), f32(k), f32(v))
+    assert out.shape == (b, h, length, d) and first.shape == (b, h, length)
     want_out, want_first = oracle(allowed)
     np.testing.assert_allclose(np.asarray(out, np.float64), want_out, rtol=1e-5, atol=2e-6)
     np.testing.assert_allclose(np.asarray(first, np.float64), want_first, rtol=1e-5, atol=1e-7)
@@ -633,3 +634,23 @@ def test_cpu_attention_a_few_heads_at_a_time_is_the_float64_attention(monkeypatc
       np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
   dropped = lambda *qkv: bert.einsum_attention(*qkv, jnp.asarray(key_mask[:, None, None, :]), lambda w: w * 0.5)
   assert "scan" not in str(jax.make_jaxpr(dropped)(f32(q), f32(k), f32(v)))
+
+
+@pytest.mark.slow
+def test_cpu_attention_blocks_leave_a_split_batch_and_split_heads_split():
+  """On a mesh of CPU devices the query blocks' loop runs on each device's own rows and heads: the compiled
+  program gathers nothing, where a loop over rows or heads would."""
+  from conftest import run_on_cpu_devices  # pylint: disable=g-import-not-at-top
+  run_on_cpu_devices("""
+import numpy as np, jax, jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jdr.models import bert
+mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("rows", "heads"))
+q = jax.ShapeDtypeStruct((4, 4, 512, 8), jnp.float32, sharding=NamedSharding(mesh, P("rows", "heads")))
+m = jax.ShapeDtypeStruct((4, 1, 1, 512), jnp.bool_, sharding=NamedSharding(mesh, P("rows")))
+f = jax.jit(lambda q, m: bert.einsum_attention(q, q, q, m), out_shardings=NamedSharding(mesh, P("rows", "heads")))
+assert "scan" in str(jax.make_jaxpr(lambda q, m: bert.einsum_attention(q, q, q, m))(q, m))
+text = f.lower(q, m).compile().as_text()
+assert not any(c in text for c in ("all-gather", "all-to-all", "collective-permute", "all-reduce")), text
+print("OK")
+""", devices=4)

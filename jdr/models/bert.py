@@ -298,18 +298,18 @@ def softmax_weighted_values(logits: jax.Array, values: jax.Array, dropout=lambda
   return (out, weights[..., 0, :] / total[..., 0, :]) if first_row else out
 
 
-# On a CPU, attention whose per-head logits reach this size runs a few heads at a time (`einsum_attention`).
+# On a CPU, attention whose per-head logits reach this size runs its queries a block at a time
+# (`einsum_attention`).
 CPU_HEAD_LOGITS_TO_SPLIT = 384 * 1024  # bytes of one head's float32 [Lq, Lk] logits: L = 314 and longer
-CPU_LOGITS_AT_ONCE = 1024 * 1024  # bytes of float32 logits a group of heads may hold
+CPU_QUERY_BLOCK = 32  # query rows a block
 
 
-def cpu_heads_at_once(heads: int, lq: int, lk: int) -> int | None:
-  """How many heads of one row `einsum_attention` computes at a time on a CPU: the most (a divisor of `heads`)
-  whose float32 logits fit CPU_LOGITS_AT_ONCE, one at least; None (all at once) below CPU_HEAD_LOGITS_TO_SPLIT."""
-  head_bytes = lq * lk * 4
-  if head_bytes < CPU_HEAD_LOGITS_TO_SPLIT:
+def cpu_query_blocks(lq: int, lk: int) -> int | None:
+  """How many blocks of CPU_QUERY_BLOCK queries `einsum_attention` runs one after another on a CPU (the last
+  one padded); None (all queries at once) where one head's float32 logits stay under CPU_HEAD_LOGITS_TO_SPLIT."""
+  if lq * lk * 4 < CPU_HEAD_LOGITS_TO_SPLIT:
     return None
-  return max(c for c in range(1, heads + 1) if heads % c == 0 and (c == 1 or c * head_bytes <= CPU_LOGITS_AT_ONCE))
+  return -(-lq // CPU_QUERY_BLOCK)
 
 
 def einsum_attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, dropout=None,
@@ -320,15 +320,17 @@ def einsum_attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Arra
   The logits are float32 (`attention_logits`), times `logit_scale` where given; masked keys get exactly zero
   weight (a boolean mask, not an additive bias).
 
-  On a CPU, without dropout, long rows run a few heads at a time (`cpu_heads_at_once`): the [B, H, L, L]
-  logits of all heads at once go through memory between the products and the exp, where a group of heads'
-  stay in cache. MiniLM's forward on a 2-core AVX-512 CPU (two batches at once, one per core, as encoding
-  runs) took 148 ms a batch instead of 160 over 2 x 512 tokens and 158 instead of 168 over 3 x 384; over
-  4 x 256 it was the same either way, so rows that short keep all heads at once. Each head computes what it
-  computed with all of them (docs/performance-history.md, "Encoding on an AVX-512 CPU"). Dropout draws its
-  mask from a Flax module, which a loop cannot call.
+  On a CPU, without dropout, long rows run their queries 32 at a time (`cpu_query_blocks`), every row and
+  head in each block: the [B, H, L, L] logits of all queries at once go through memory between the products
+  and the exp, where a block's stay in cache. MiniLM's attention alone (two calls at once, one per core of a
+  2-core AVX-512 CPU, as encoding runs) took 8.9 ms instead of 13.2 over 2 x 512 tokens and 19.9 instead of
+  64.9 over 1 x 1024; over 4 x 256 4.7 against 5.0, where the whole model ran the same either way, so rows
+  that short keep all queries at once (docs/performance-history.md, "Encoding on an AVX-512 CPU"). Blocks of
+  queries, not of rows or heads: a mesh splits rows and heads, and a loop over a split axis would gather it
+  on every device. Each query computes what it computed with all of them. Dropout draws its mask from a Flax
+  module, which a loop cannot call.
   """
-  def core(q, k, v, allowed):
+  def core(q, allowed):
     logits = attention_logits(q, k)
     if logit_scale is not None:
       logits = logits * logit_scale
@@ -336,20 +338,19 @@ def einsum_attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Arra
     return softmax_weighted_values(logits, v, dropout or (lambda w: w), first_row=first_row)
 
   b, h, lq, d = q.shape
-  group = cpu_heads_at_once(h, lq, k.shape[2]) if dropout is None and parallel.platform() == "cpu" else None
-  if group is None or group == h and b == 1:
-    return core(q, k, v, allowed)
-  allowed = jnp.broadcast_to(allowed, (b, 1) + allowed.shape[2:])
-
-  def one_row(row):
-    # Each step: [1, group, L, D] heads of this row and its [1, 1, Lq or 1, Lk] mask.
-    qr, kr, vr, ar = row
-    split = lambda t: t.reshape((h // group, 1, group) + t.shape[1:])
-    return jax.lax.map(lambda heads: core(*heads, ar[None]), (split(qr), split(kr), split(vr)))
-
-  out = jax.lax.map(one_row, (q, k, v, allowed))  # [B, H / group, 1, group, ...]
-  merge = lambda t: t.reshape((b, h) + t.shape[4:])
-  return (merge(out[0]), merge(out[1])) if first_row else merge(out)
+  blocks = cpu_query_blocks(lq, k.shape[2]) if dropout is None and parallel.platform() == "cpu" else None
+  if blocks is None or blocks == 1:
+    return core(q, allowed)
+  pad = blocks * CPU_QUERY_BLOCK - lq  # padded queries are computed and dropped
+  to_blocks = lambda t: jnp.moveaxis(
+      jnp.pad(t, ((0, 0), (0, 0), (0, pad), (0, 0))).reshape(t.shape[:2] + (blocks, CPU_QUERY_BLOCK, t.shape[3])),
+      2, 0)  # [blocks, ..., CPU_QUERY_BLOCK, last]
+  if allowed.ndim == 4 and allowed.shape[2] > 1:  # a mask per query: its rows go with their block
+    out = jax.lax.map(lambda xs: core(*xs), (to_blocks(q), to_blocks(allowed)))
+  else:
+    out = jax.lax.map(lambda qb: core(qb, allowed), to_blocks(q))
+  ctx = jnp.moveaxis(out[0] if first_row else out, 0, 2).reshape(b, h, blocks * CPU_QUERY_BLOCK, d)[:, :, :lq]
+  return (ctx, out[1][0]) if first_row else ctx
 
 
 def _layer_norm(cfg: EncoderConfig, name: str | None, deterministic: bool, **module_args) -> nn.LayerNorm:
