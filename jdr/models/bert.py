@@ -540,7 +540,8 @@ class Layer(nn.Module):
     q, k, v = self.query(x), self.key(x), self.value(x)
     # The first token's attention needs the probabilities: they stay on einsums. Attention dropout needs a
     # kernel that draws it (jdr's flash kernel), else the einsums too.
-    no_probs_needed = not first_token_attention and (deterministic or cfg.attention_dropout == 0.0)
+    drop = not deterministic and cfg.attention_dropout > 0.0
+    no_probs_needed = not first_token_attention and not drop
     fused = no_probs_needed and (cfg.attention == "fused" or (
         cfg.attention == "auto" and parallel.platform() != "cpu"))
     # Inside a shard_map that checks each value's manual axes (gradient caching's chunk loops over a mesh)
@@ -548,7 +549,6 @@ class Layer(nn.Module):
     # run there, with the same masks.
     if (not first_token_attention and cfg.attention == "flash"
         and not jax.sharding.get_abstract_mesh().manual_axes):
-      drop = not deterministic and cfg.attention_dropout > 0.0
       ctx = flash_attention(q, k, v, key_mask, cfg.head_dim ** -0.5, cfg.attention_dropout if drop else 0.0,
                             self.attention_dropout.rng_key() if drop else None).astype(cfg.compute_dtype)
     elif fused:
@@ -559,7 +559,6 @@ class Layer(nn.Module):
       # Heads ahead of positions ([B, N, L, D]) before both contractions: XLA's CPU dots then see plain
       # batched [L, D] x [D, L] products instead of strided ones.
       q, k, v = (jnp.swapaxes(t, 1, 2) for t in (q, k, v))
-      drop = not deterministic and cfg.attention_dropout > 0.0
       ctx = einsum_attention(q, k, v, key_mask[:, None, None, :],
                              (lambda w: self.attention_dropout(w, deterministic)) if drop else None,
                              first_row=first_token_attention)
