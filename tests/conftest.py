@@ -4,6 +4,7 @@ import os
 import pathlib
 import shutil
 import tempfile
+import threading
 
 # One XLA compilation cache for the whole run, set before jax is imported: the tests' in-process models and
 # the many `python -m jdr...` subprocesses (and pytest-xdist's workers, which inherit the environment)
@@ -109,6 +110,81 @@ def scifact():
   if path is None:
     pytest.skip(f"real data absent: {shared_data_dir() / 'scifact'} (set JDR_SHARED_DATA)")
   return path
+
+
+class _OneThreadsStream:
+  """A sys.stdout / sys.stderr whose writes from one thread go to `mine` and from every other to `others`."""
+
+  def __init__(self, mine, others):
+    self.mine, self.others, self.owner = mine, others, threading.get_ident()
+
+  def _target(self):
+    return self.mine if threading.get_ident() == self.owner else self.others
+
+  def write(self, text):
+    return self._target().write(text)
+
+  def flush(self):
+    self._target().flush()
+
+  def __getattr__(self, name):  # isatty, fileno, encoding, ... of whichever stream this thread writes to
+    return getattr(self._target(), name)
+
+
+_ONE_MODULE_AT_A_TIME = threading.Lock()  # sys.argv, sys.stdout and jax's process-wide state are one per process
+
+
+def run_module(module: str, args, stderr=None):
+  """`python -m MODULE ARGS...` run in this process, as a subprocess.CompletedProcess: the module's main() with
+  sys.argv set as `python -m` sets it, its stdout captured and its stderr captured (or written to `stderr`, an
+  open file), the status a SystemExit gave (main()'s return value is dropped, as `python -m` drops it).
+  Writes from other threads of the test go where they went before; one module runs at a time.
+  Why: a tiny run's own process spends most of its time starting (importing jax and jdr, starting XLA,
+  tracing what the last run traced); tests whose subject is the process itself (signals, exit statuses of a
+  killed or full-disk run, device counts, several hosts) keep starting one."""
+  import importlib  # pylint: disable=g-import-not-at-top
+  import io  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  args = [str(a) for a in args]
+  out, err = io.StringIO(), stderr if stderr is not None else io.StringIO()
+  status = 0
+  with _ONE_MODULE_AT_A_TIME:
+    saved = sys.argv, sys.stdout, sys.stderr  # read now: pytest's capsys replaces them once a test runs
+    sys.argv = [module, *args]
+    sys.stdout, sys.stderr = _OneThreadsStream(out, saved[1]), _OneThreadsStream(err, saved[2])
+    try:
+      importlib.import_module(module).main()
+    except SystemExit as e:
+      status = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+      if not isinstance(e.code, (int, type(None))):
+        print(e.code, file=err)  # as the interpreter prints SystemExit("message")
+    finally:
+      sys.argv, sys.stdout, sys.stderr = saved
+  return subprocess.CompletedProcess([sys.executable, "-m", module, *args], status, out.getvalue(),
+                                     "" if stderr is not None else err.getvalue())
+
+
+@pytest.fixture
+def commands_in_process(monkeypatch):
+  """The experiments' stages (`python -m jdr.X ...` through jdr.reproduce.commands.run_command) run in the
+  test's process (`run_module`), each stage's stderr appended to its log and a failure raised as the
+  subprocess's exit status would be."""
+  import sys  # pylint: disable=g-import-not-at-top
+  from jdr.reproduce import commands  # pylint: disable=g-import-not-at-top
+
+  def run(cmd, log):
+    assert cmd[:2] == [sys.executable, "-m"], cmd
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "a", encoding="utf-8") as err:
+      err.write(f"\n$ {' '.join(cmd)}\n")
+      err.flush()
+      done = run_module(cmd[2], cmd[3:], stderr=err)
+    if done.returncode:
+      raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}; its log: {log}")
+    return done.stdout
+
+  monkeypatch.setattr(commands, "run_command", run)
 
 
 def cpu_devices_env(devices: int, **extra: str) -> dict[str, str]:

@@ -1,5 +1,7 @@
 """A damaged checkpoint is caught: each fault injected into the newest step of a real run's workdir, then the
-same command run again (a real process) resumes from the step before it, saying which step failed and why."""
+same command run again resumes from the step before it, saying which step failed and why. The faults' reruns run
+`python -m jdr.train` in the test's process (conftest.run_module); the run with no step left to resume from,
+and the rerun of a finished workdir, are processes of their own, as a user's would be."""
 
 import json
 import pathlib
@@ -9,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import write_tiny_beir
+from conftest import run_module, write_tiny_beir
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = ["--config.model.init_from=", "--config.model.fresh=tiny", "--config.batch_size=4",
@@ -17,10 +19,14 @@ TINY = ["--config.model.init_from=", "--config.model.fresh=tiny", "--config.batc
         "--config.checkpoint_every=1", "--config.keep_checkpoints=3", "--config.log_every=1"]
 
 
+def _args(workdir, data, steps, *extra):
+  return ["--config", str(ROOT / "configs" / "demo.py"), "--workdir", str(workdir), f"--config.data.dataset={data}",
+          *TINY, f"--config.num_train_steps={steps}", *extra]
+
+
 def _train(workdir, data, steps, *extra):
-  return subprocess.run([sys.executable, "-m", "jdr.train", "--config", str(ROOT / "configs" / "demo.py"),
-                         "--workdir", str(workdir), f"--config.data.dataset={data}", *TINY,
-                         f"--config.num_train_steps={steps}", *extra], capture_output=True, text=True, timeout=600)
+  return subprocess.run([sys.executable, "-m", "jdr.train", *_args(workdir, data, steps, *extra)],
+                        capture_output=True, text=True, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +84,7 @@ def test_damaged_newest_step_falls_back_to_the_one_before(trained, tmp_path, dam
   workdir = shutil.copytree(trained / "w", tmp_path / "w")
   assert (workdir / "checkpoints" / "3" / "jdr_checksums.json").exists()  # sealed once orbax finished it
   damage(workdir / "checkpoints" / "3")
-  proc = _train(workdir, trained / "data", 4)
+  proc = run_module("jdr.train", _args(workdir, trained / "data", 4))
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "Traceback" not in proc.stderr
   assert f"checkpoint {workdir / 'checkpoints' / '3'} is damaged:" in proc.stderr

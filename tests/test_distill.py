@@ -182,8 +182,7 @@ def test_mined_teacher_scores_train_margin_mse_and_listwise_kl(tmp_path, setup):
   """`python -m jdr.mine --cross-encoder` writes the teacher's score beside each negative and positive (the
   scores the cross-encoder gives those pairs when asked again); a student trains on them with MarginMSE and
   listwise KL as loss terms, nothing scored during training."""
-  import subprocess  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
+  from conftest import run_module  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   from jdr.training import trainer  # pylint: disable=g-import-not-at-top
   from jdr.evaluation import reranking
@@ -192,9 +191,8 @@ def test_mined_teacher_scores_train_margin_mse_and_listwise_kl(tmp_path, setup):
   from jdr.negatives import mining  # pylint: disable=g-import-not-at-top
   beir, teacher = setup
   out = tmp_path / "mined"
-  proc = subprocess.run([sys.executable, "-m", "jdr.mine", "--data", str(beir), "--out", str(out), "--depth", "6",
-                         "--cross-encoder", str(teacher), "--ce-max-length", "64"],
-                        capture_output=True, text=True, timeout=600, check=False)
+  proc = run_module("jdr.mine", ["--data", beir, "--out", out, "--depth", "6", "--cross-encoder", teacher,
+                                 "--ce-max-length", "64"])
   assert proc.returncode == 0, proc.stderr[-3000:]
   mined = mining.read(out)
   assert mined.teacher is not None and np.isfinite(mined.positive_teacher[:, 0]).all()

@@ -2,13 +2,12 @@
 over the un-merged base (peft-adapter/ + peft-base/), both give jdr's query vectors in transformers."""
 
 import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+
+from conftest import run_module
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ROWS = 3
@@ -32,10 +31,8 @@ def exported(tmp_path_factory):
                "optimizer.warmup_steps=0", "batch_size=4", "log_every=1", "num_train_steps=3",
                "checkpoint_every=100", "data.query_max_length=16", "data.doc_max_length=16",
                f"data.dataset={data}", "data.eval_split="]
-  env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  proc = subprocess.run([sys.executable, "-m", "jdr.train", "--config", str(ROOT / "configs" / "demo.py:tiny"),
-                         "--workdir", str(workdir)] + [f"--config.{o}" for o in overrides],
-                        env=env, capture_output=True, text=True, timeout=600, cwd=tmp)
+  proc = run_module("jdr.train", ["--config", str(ROOT / "configs" / "demo.py:tiny"), "--workdir", str(workdir)]
+                    + [f"--config.{o}" for o in overrides])
   assert proc.returncode == 0, proc.stderr[-4000:]
   out = tmp / "export"
   export.main(["--workdir", str(workdir), "--out", str(out)])

@@ -3,14 +3,12 @@ the retrievers' own, and `python -m jdr.mine` end to end: its report, its direct
 
 import json
 import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from jdr.negatives import mining
-from tests.conftest import write_tiny_beir
+from tests.conftest import run_module, write_tiny_beir
 
 
 def _oracle(rows, scores, positives, f, pos_scores, teacher, pos_teacher):
@@ -331,9 +329,8 @@ def mine_data(tmp_path_factory):
   return beir
 
 
-def _mine(*args, env=None):
-  return subprocess.run([sys.executable, "-m", "jdr.mine", *map(str, args)], capture_output=True, text=True,
-                        timeout=600, check=False, env=env)
+def _mine(*args):
+  return run_module("jdr.mine", args)
 
 
 @pytest.mark.slow

@@ -4,13 +4,11 @@ data as their BEIR copy, only the judged queries kept, and every bad file named 
 import json
 import os
 import pathlib
-import subprocess
-import sys
 
 import ml_collections
 import pytest
 
-from conftest import cpu_devices_env
+from conftest import run_module
 from jdr.data import formats
 from jdr.data import msmarco
 from jdr.data import pairs
@@ -144,11 +142,8 @@ def _train(workdir, data, *extra):
           "--config.optimizer.learning_rate=1e-3", "--config.optimizer.warmup_steps=2", "--config.batch_size=4",
           "--config.log_every=1", "--config.data.query_max_length=16", "--config.data.doc_max_length=32",
           "--config.num_train_steps=3", "--config.checkpoint_every=0"]
-  env = cpu_devices_env(1)
-  env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-  return subprocess.run([sys.executable, "-m", "jdr.train", "--config", str(ROOT / "configs" / "demo.py"),
-                         "--workdir", str(workdir), f"--config.data.dataset={data}", *tiny, *extra],
-                        env=env, capture_output=True, text=True, timeout=900)
+  return run_module("jdr.train", ["--config", str(ROOT / "configs" / "demo.py"), "--workdir", str(workdir),
+                                  f"--config.data.dataset={data}", *tiny, *extra])
 
 
 @pytest.mark.long

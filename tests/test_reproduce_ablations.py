@@ -89,7 +89,7 @@ def _refuse(*args, **kwargs):
 
 
 @pytest.mark.long
-def test_pretrain_ablation_tiny_end_to_end_and_rerun_skips(tmp_path, monkeypatch, capsys):
+def test_pretrain_ablation_tiny_end_to_end_and_rerun_skips(tmp_path, monkeypatch, capsys, commands_in_process):
   from jdr.reproduce import __main__ as command  # pylint: disable=g-import-not-at-top
   out = tmp_path / "ablation"
   argv = ["pretrain-ablation", "--out", str(out), "--tiny", "--methods", "ict,bm25", "--seeds", "0"]
@@ -120,7 +120,7 @@ def test_pretrain_ablation_tiny_end_to_end_and_rerun_skips(tmp_path, monkeypatch
 
 
 @pytest.mark.long
-def test_fgd_ablation_tiny_end_to_end_and_rerun_skips(tmp_path, monkeypatch, capsys):
+def test_fgd_ablation_tiny_end_to_end_and_rerun_skips(tmp_path, monkeypatch, capsys, commands_in_process):
   from jdr.reproduce import __main__ as command  # pylint: disable=g-import-not-at-top
   out = tmp_path / "fgd"
   argv = ["fgd-ablation", "--out", str(out), "--tiny", "--methods", "fgd", "--single-seed-methods", "",

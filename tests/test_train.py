@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import cpu_devices_env, write_tiny_beir
+from conftest import cpu_devices_env, run_module, write_tiny_beir
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -214,7 +214,11 @@ def test_preemption_handler_stops_once_then_leaves_the_default():
   assert signal.getsignal(signal.SIGINT) is before and not stop.requested()
 
 
-def _run_train(tmp_path, *args, devices=1):
+def _run_train(tmp_path, *args, devices=1, own_process=False):
+  """`python -m jdr.train ARGS`: on one device in this process (conftest.run_module), on several, or where the
+  run must start jax itself, in a process of its own (jax fixes the device count when it starts)."""
+  if devices == 1 and not own_process:
+    return run_module("jdr.train", args)
   return subprocess.run([sys.executable, "-m", "jdr.train", *args], env=_env(devices), capture_output=True,
                         text=True, timeout=600, cwd=tmp_path)
 
@@ -264,7 +268,7 @@ def test_cpu_devices_split_the_host_and_are_refused_once_jax_runs(tmp_path):
   process where JAX already runs with another count gets a clear error, not a silent single device."""
   data = write_tiny_beir(tmp_path / "data")
   proc = _run_train(tmp_path, *_train_cmd(tmp_path / "w", data, "--config.batch_size=12",
-                                          "--config.mesh.cpu_devices=8")[3:], devices=1)
+                                          "--config.mesh.cpu_devices=8")[3:], own_process=True)
   assert proc.returncode != 0
   assert "batch_size=12 is not divisible by the 8 data-parallel devices" in proc.stderr
   from jdr.runtime import parallel  # pylint: disable=g-import-not-at-top
