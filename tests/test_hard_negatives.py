@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import cpu_devices_env, write_tiny_beir
+from conftest import cpu_devices_env, run_module, write_tiny_beir
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = ["model.init_from=", "model.fresh=tiny", "model.pooling=mean", "model.dropout=0.1",
@@ -219,8 +219,8 @@ def test_killed_and_resumed_equals_uninterrupted(tmp_path, recipe, extra):
   (ADORE: per-step retrieval against the fixed index)."""
   data = write_tiny_beir(tmp_path / "data")
   common = extra + ["num_train_steps=24", "checkpoint_every=4", "data.eval_split="]
-  subprocess.run(_cmd(recipe, tmp_path / "straight", data, common), env=_env(), check=True,
-                 capture_output=True, timeout=600)
+  # The straight run and the resume run in this process (conftest.run_module); the killed one is a process.
+  assert run_module("jdr.train", _cmd(recipe, tmp_path / "straight", data, common)[3:]).returncode == 0
   workdir = tmp_path / "killed"
   proc = subprocess.Popen(_cmd(recipe, workdir, data, common), env=_env(), stdout=subprocess.DEVNULL,
                           stderr=subprocess.DEVNULL)
@@ -231,7 +231,8 @@ def test_killed_and_resumed_equals_uninterrupted(tmp_path, recipe, extra):
   proc.wait()
   saved = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
   assert 12 in saved and 24 not in saved, saved
-  subprocess.run(_cmd(recipe, workdir, data, common), env=_env(), check=True, capture_output=True, timeout=600)
+  rerun = run_module("jdr.train", _cmd(recipe, workdir, data, common)[3:])
+  assert rerun.returncode == 0, rerun.stderr[-3000:]
   from jdr.runtime import checkpoint  # pylint: disable=g-import-not-at-top
   straight = jax.tree.leaves(checkpoint.latest_params(tmp_path / "straight"))
   resumed = jax.tree.leaves(checkpoint.latest_params(workdir))

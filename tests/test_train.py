@@ -179,8 +179,9 @@ def test_signalled_run_saves_its_step_and_resumes_exactly(tmp_path):
   steps = 40
   common = [f"--config.num_train_steps={steps}", "--config.checkpoint_every=1000", "--config.data.eval_split=",
             *ANCE]
-  subprocess.run(_train_cmd(tmp_path / "straight", data, *common), env=_env(), check=True,
-                 capture_output=True, timeout=600)
+  # The uninterrupted run and the last resume run in this process (conftest.run_module); the signalled ones are
+  # processes.
+  assert run_module("jdr.train", _train_cmd(tmp_path / "straight", data, *common)[3:]).returncode == 0
 
   workdir = tmp_path / "stopped"
   first = _stop_after_8_more_steps(_train_cmd(workdir, data, *common), workdir, signal.SIGINT)
@@ -188,7 +189,8 @@ def test_signalled_run_saves_its_step_and_resumes_exactly(tmp_path):
   second = _stop_after_8_more_steps(_train_cmd(workdir, data, *common), workdir, signal.SIGTERM)
   assert first < second < steps, (first, second)
 
-  subprocess.run(_train_cmd(workdir, data, *common), env=_env(), check=True, capture_output=True, timeout=600)
+  last = run_module("jdr.train", _train_cmd(workdir, data, *common)[3:])
+  assert last.returncode == 0, last.stderr[-3000:]
   from jdr.runtime import checkpoint  # pylint: disable=g-import-not-at-top
   straight = jax.tree.leaves(checkpoint.latest_params(tmp_path / "straight"))
   resumed = jax.tree.leaves(checkpoint.latest_params(workdir))
