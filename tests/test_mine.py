@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jdr.negatives import mining
-from tests.conftest import run_module, write_tiny_beir
+from conftest import run_module, write_tiny_beir
 
 
 def _oracle(rows, scores, positives, f, pos_scores, teacher, pos_teacher):

@@ -1,6 +1,6 @@
 """README.md's commands, run: every command of its ```bash blocks, in order, from an empty directory.
 
-Each runs as `python -m jdr.X` would (its main() with sys.argv set, in this process: one import of jax for
+Each runs as `python -m jdr.X` would (conftest.run_module: its main() with sys.argv set, in this process: one import of jax for
 all of them), scaled down:
 SciFact becomes a tiny generated BEIR dataset, `minilm` a tiny random BERT, and every training run takes 2
 steps of a tiny batch and evaluates nothing (evaluation during training has tests of its own). The rest of
@@ -9,13 +9,11 @@ earlier command wrote fails here. The commands that are not run are listed in SK
 command that is neither run nor listed fails the test.
 """
 
-import importlib
 import json
 import math
 import pathlib
 import re
 import shlex
-import sys
 import time
 
 import jax
@@ -23,7 +21,7 @@ import jax.numpy as jnp
 import pytest
 import transformers
 
-from conftest import write_tiny_beir
+from conftest import run_module, write_tiny_beir
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -100,7 +98,7 @@ def test_readme_lists_its_commands_and_skips_only_known_ones():
 
 
 @pytest.mark.long
-def test_readme_commands_run_in_order_from_an_empty_directory(tmp_path, monkeypatch, tiny_model, capsys):
+def test_readme_commands_run_in_order_from_an_empty_directory(tmp_path, monkeypatch, tiny_model):
   data = write_tiny_beir(tmp_path / "data")
   work = tmp_path / "checkout"
   work.mkdir()
@@ -111,14 +109,9 @@ def test_readme_commands_run_in_order_from_an_empty_directory(tmp_path, monkeypa
     if skip_reason(words):
       continue
     words = scaled(words, data, tiny_model)
-    monkeypatch.setattr(sys, "argv", [words[2], *words[3:]])
     start = time.perf_counter()
-    try:
-      status = importlib.import_module(words[2]).main()  # what `python -m` runs, with sys.argv as it sets it
-    except SystemExit as e:
-      status = e.code
-    assert status in (None, 0) or not isinstance(status, int), \
-        f"{shlex.join(words)} exited {status}:\n{capsys.readouterr().err[-3000:]}"
+    done = run_module(words[2], words[3:])  # what `python -m` runs, in this process
+    assert done.returncode == 0, f"{shlex.join(words)} exited {done.returncode}:\n{done.stderr[-3000:]}"
     ran.append((words[2], time.perf_counter() - start))
     if words[2] == "jdr.train":  # each recipe trained its 2 steps to finite losses
       log = pathlib.Path(words[words.index("--workdir") + 1]) / "metrics.jsonl"
