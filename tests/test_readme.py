@@ -1,7 +1,7 @@
 """README.md's commands, run: every command of its ```bash blocks, in order, from an empty directory.
 
-Each runs as `python -m jdr.X` would (conftest.run_module: its main() with sys.argv set, in this process: one import of jax for
-all of them), scaled down:
+Each runs as `python -m jdr.X` would (conftest.run_module: its main() with sys.argv set, in this process: one
+import of jax for all of them), scaled down:
 SciFact becomes a tiny generated BEIR dataset, `minilm` a tiny random BERT, and every training run takes 2
 steps of a tiny batch and evaluates nothing (evaluation during training has tests of its own). The rest of
 each command (its recipe, its paths, which run feeds which) is the README's, so a command that needs a file no
