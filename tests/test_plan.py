@@ -36,11 +36,12 @@ def test_train_hours_follow_the_recipe_steps_and_tokens():
 
 def test_ance_refreshes_once_at_the_start_and_every_m_steps():
   mine = _one(_stages("ance"), "mine")
-  # 600,000 steps, a refresh every 10,000: the start's mining and 59 snapshots (none at the last step).
-  assert mine.what.startswith("60 x top-200")
+  # 600,000 steps, a refresh every 10,000, each in force 10,000 steps after its snapshot: the start's mining and
+  # the 58 refreshes in force before the end (the one snapshotted at step 590,000 would be in force at 600,000).
+  assert mine.what.startswith("59 x top-200")
   docs, queries = 8_841_823, 502_939
   one = docs / 6_722 + queries * 64 / (6_722 * 1_242_251 / 5_183) + -(-queries // 32) * 0.00468
-  assert mine.seconds == pytest.approx(60 * one)
+  assert mine.seconds == pytest.approx(59 * one)
 
 
 def test_host_bound_stages_do_not_shrink_with_gpus_and_unmeasured_ones_say_so():

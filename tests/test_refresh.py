@@ -143,6 +143,36 @@ def test_initial_params_mines_generation_zero_up_front(tmp_path):
   r.close()
 
 
+def test_a_generation_past_the_last_step_is_not_mined_and_a_longer_resume_mines_it_as_a_longer_run(tmp_path):
+  # every 5, delay 2: generation 2 is snapshotted at step 10 and in force from 12, so a 12-step run never uses it.
+  longer = AsyncRefresher(fake_mine(), every=5, delay=2, directory=tmp_path / "whole", log=lambda _: None,
+                          last_step=25)
+  expected = run(longer, range(25))
+  longer.close()
+
+  lines, miner = [], fake_mine()
+  short = AsyncRefresher(miner, every=5, delay=2, directory=tmp_path / "cut", log=lines.append, last_step=12)
+  got = run(short, range(12))
+  short.close()
+  assert miner.calls == [0, 1], "generation 2 would first be used at step 12, after the run's last step"
+  assert (tmp_path / "cut" / "snapshot-00000010.npz").exists() and not (tmp_path / "cut" / "gen-000002.json").exists()
+  assert any("generation 2 would come in force at step 12" in line and "not mined" in line for line in lines)
+
+  again = fake_mine()  # the same run resumed at its last step mines nothing
+  same = AsyncRefresher(again, every=5, delay=2, directory=tmp_path / "cut", log=lambda _: None, last_step=12)
+  assert run(same, [11]) == {11: expected[11]}
+  same.close()
+  assert again.calls == []
+
+  resumed_miner = fake_mine()  # trained on to 25 steps: generation 2 comes from the step-10 snapshot
+  resumed = AsyncRefresher(resumed_miner, every=5, delay=2, directory=tmp_path / "cut", log=lambda _: None,
+                           last_step=25)
+  got.update(run(resumed, range(12, 25)))
+  resumed.close()
+  assert got == expected
+  assert resumed_miner.calls[0] == 2
+
+
 def test_resume_gives_the_same_pools(tmp_path):
   whole = AsyncRefresher(fake_mine(0.005), every=5, delay=2, directory=tmp_path / "whole", log=lambda _: None)
   expected = run(whole, range(25))
@@ -215,7 +245,7 @@ def test_resume_while_a_mine_was_in_flight(tmp_path):
   second.close()
   assert got == expected
   assert mine.calls == [2, 3, 4], "generation 2 re-mined from its snapshot; 0 and 1 read from disk"
-  assert any("re-mining it from snapshot-00000010.npz" in line for line in lines)
+  assert any("not mined when the run stopped; mining it from snapshot-00000010.npz" in line for line in lines)
   assert not (tmp_path / "killed" / "snapshot-00000010.npz").exists()
 
   # With a bounded wait, the resumed run falls back on generation 1 from disk while 2 is re-mined (held until

@@ -212,7 +212,8 @@ def stages(config: ml_collections.ConfigDict) -> list[Stage]:
     out.append(Stage("mine", f"top-{own.top_n + own.extra}", s, f, "device"))
   elif neg.source == "ance":
     s, f = _dense_mining(config, corpus)
-    passes = 1 + (config.num_train_steps - 1) // own.refresh_every
+    # The start, then each refresh that comes in force (refresh_delay after its snapshot) before the last step.
+    passes = 1 + max(0, (config.num_train_steps - 1 - own.refresh_delay) // own.refresh_every)
     out.append(Stage("mine", f"{passes} x top-{own.top_n} (the start, then every {own.refresh_every:,} steps)",
                      passes * s, f"{passes} x ({f}) = {passes} x {_f(s)} s", "device"))
   if distill.enabled(config.distill):

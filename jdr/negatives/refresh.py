@@ -24,7 +24,8 @@ Only the two newest finished generations are kept (and the one in force, should 
 size a generation is 502,939 x 200 rows, 400 MB, and the paper's 60 refreshes would leave 24 GB. Each removal
 is logged. A run resumed from a checkpoint older than the generations kept re-mines the one it needs from the
 params it resumes with, and says its negatives differ from the uninterrupted run's. Snapshots are the size of
-the model and are deleted once mined.
+the model and are deleted once mined; a generation no step of the run would use (in force at the run's last
+step or later) is not mined, and its snapshot stays for a resume that trains longer.
 """
 
 from __future__ import annotations
@@ -134,6 +135,10 @@ class AsyncRefresher:
   `initial_params` mines generation 0 in the constructor, for callers that need pools before the first
   `prepare`; it is ignored when `directory` already holds a run (a resume).
 
+  `last_step` (the run's number of steps) skips the mines no step of the run would use: a generation that
+  comes in force at `last_step` or later gets its snapshot saved and not mined, so a resume that trains longer
+  mines it from the params an uninterrupted longer run would have used.
+
   `inline=True` mines on the caller's thread at the snapshot step instead (training pauses while it runs).
   The schedule makes the pools at every step the same either way; the trainer asks for it on several hosts,
   where a mine's cross-host gather of the corpus vectors is a collective: issued from a worker thread beside
@@ -142,7 +147,7 @@ class AsyncRefresher:
 
   def __init__(self, mine: Callable[[Any, int], Pools], *, every: int, delay: int, directory: pathlib.Path,
                max_wait_s: float = float("inf"), log: Callable[[str], None] = print,
-               initial_params: Any | None = None, inline: bool = False):
+               initial_params: Any | None = None, inline: bool = False, last_step: int | None = None):
     if every < 1:
       raise ValueError(f"every must be >= 1, got {every}")
     if delay < 0:
@@ -152,6 +157,7 @@ class AsyncRefresher:
     self._mine = mine
     self.inline = inline
     self.every, self.delay = int(every), int(delay)
+    self.last_step = None if last_step is None else int(last_step)
     self.directory = paths.as_path(directory)
     self.max_wait_s = float(max_wait_s)
     self._log = log
@@ -211,6 +217,10 @@ class AsyncRefresher:
     host = None
     for k in generations:
       if self._known(k):
+        continue
+      if self._after_the_run(k):
+        if k * self.every == step:
+          self._save_unmined(k, step, params)
         continue
       if first and self._restore(k, params):
         continue
@@ -324,6 +334,21 @@ class AsyncRefresher:
                "differ from an uninterrupted run")
     self._say(line)
 
+  def _after_the_run(self, k: int) -> bool:
+    return self.last_step is not None and activation_step(k, self.every, self.delay) >= self.last_step
+
+  def _save_unmined(self, k: int, step: int, params: Any) -> None:
+    path = self._snapshot_path(step)
+    if not path.exists():  # a resume at this very step has it already
+      try:
+        save_snapshot(path, _to_host(params))
+      except OSError as e:
+        self._say(f"refresh: cannot save {path.name} ({e}); a longer resumed run mines generation {k} from "
+                  "the params it resumes with")
+        return
+    self._say(f"refresh: generation {k} would come in force at step {activation_step(k, self.every, self.delay)}, "
+              f"after the run's last step ({self.last_step - 1}): not mined; {path.name} is kept for a longer run")
+
   def _known(self, k: int) -> bool:
     with self._cond:
       return (k in self._ready or k in self._pending or k in self._failed
@@ -379,8 +404,7 @@ class AsyncRefresher:
       except (OSError, ValueError) as e:
         self._say(f"refresh: cannot read {snapshot.name} for generation {k}: {e}")
         return False
-      self._say(f"refresh: generation {k} was being mined when the run stopped; re-mining it from "
-                            f"{snapshot.name}")
+      self._say(f"refresh: generation {k} was not mined when the run stopped; mining it from {snapshot.name}")
       self._enqueue(k, k * self.every, host, snapshot)
       return True
     return False

@@ -106,11 +106,12 @@ class Run:
   dataset: str  # data.dataset
   data_kind: str  # data.kind
   seed: int
+  num_train_steps: int
 
   @classmethod
   def of(cls, config: ml_collections.ConfigDict) -> Run:
     return cls(batch_size=config.batch_size, train_towers=config.model.train_towers, dataset=config.data.dataset,
-               data_kind=config.data.kind, seed=config.seed)
+               data_kind=config.data.kind, seed=config.seed, num_train_steps=config.num_train_steps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,7 +259,6 @@ def _check_ance(ance, run: Run, chosen: bool) -> None:
 
 def _ance(ance, run: Run, env: Build) -> Negatives:
   """ANCE: the model's own top-n, re-mined every `refresh_every` steps by a background re-encode."""
-  del run
   data, workdir, encoder, top_n = env.data, env.workdir, env.encoder, ance.top_n
   qid_list = pairs.training_queries(data.train_qrels)
   backend, dtype = ance.backend, ance.corpus_dtype
@@ -272,7 +272,8 @@ def _ance(ance, run: Run, env: Build) -> Negatives:
   max_wait = float("inf") if ance.refresh_max_wait_s < 0 else float(ance.refresh_max_wait_s)
   refresher = refresh.AsyncRefresher(mine, every=ance.refresh_every, delay=ance.refresh_delay,
                                      directory=workdir / "ance", max_wait_s=max_wait, log=retrieved.log,
-                                     initial_params=env.initial_params, inline=jax.process_count() > 1)
+                                     initial_params=env.initial_params, inline=jax.process_count() > 1,
+                                     last_step=run.num_train_steps)
   sampler = RefreshedNegatives(refresher, qid_list, data.train_qrels, data.corpus, top_n, triple_plan(ance))
   return Negatives("tokens", sampler=sampler, refresher=refresher, top_n=top_n, pools_in_use=sampler.rows_of,
                    triples_per_query=ance.triples_per_query)
