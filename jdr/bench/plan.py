@@ -192,6 +192,7 @@ def step_tokens(config: ml_collections.ConfigDict) -> int:
 
 def stages(config: ml_collections.ConfigDict) -> list[Stage]:
   """Prepare, mine, train and evaluate of a full recipe at its corpus's size (module docstring)."""
+  from jdr.negatives import refresh  # pylint: disable=g-import-not-at-top
   from jdr.negatives import retrieved  # pylint: disable=g-import-not-at-top
   from jdr.negatives import sources  # pylint: disable=g-import-not-at-top
   from jdr.training import distill  # pylint: disable=g-import-not-at-top
@@ -212,8 +213,8 @@ def stages(config: ml_collections.ConfigDict) -> list[Stage]:
     out.append(Stage("mine", f"top-{own.top_n + own.extra}", s, f, "device"))
   elif neg.source == "ance":
     s, f = _dense_mining(config, corpus)
-    # The start, then each refresh that comes in force (refresh_delay after its snapshot) before the last step.
-    passes = 1 + max(0, (config.num_train_steps - 1 - own.refresh_delay) // own.refresh_every)
+    # Generation 0, then each refresh in force by the last step (the refresher mines no later one).
+    passes = 1 + refresh.generation_at(config.num_train_steps - 1, own.refresh_every, own.refresh_delay)
     out.append(Stage("mine", f"{passes} x top-{own.top_n} (the start, then every {own.refresh_every:,} steps)",
                      passes * s, f"{passes} x ({f}) = {passes} x {_f(s)} s", "device"))
   if distill.enabled(config.distill):

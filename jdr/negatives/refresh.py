@@ -218,15 +218,16 @@ class AsyncRefresher:
     for k in generations:
       if self._known(k):
         continue
-      if self._after_the_run(k):
-        if k * self.every == step:
-          self._save_unmined(k, step, params)
-        continue
-      if first and self._restore(k, params):
+      after_the_run = self._after_the_run(k)
+      if after_the_run and (k * self.every != step or self._snapshot_path(step).exists()):
+        continue  # not mined; a resume at its snapshot step has the snapshot already
+      if not after_the_run and first and self._restore(k, params):
         continue
       if host is None:
         host = _to_host(params)
-      if k * self.every == step:
+      if after_the_run:
+        self._save_unmined(k, step, host)
+      elif k * self.every == step:
         self._snapshot_and_enqueue(k, step, host)
         if k == 0:
           self._blocking.add(0)  # nothing to train on before it
@@ -337,17 +338,13 @@ class AsyncRefresher:
   def _after_the_run(self, k: int) -> bool:
     return self.last_step is not None and activation_step(k, self.every, self.delay) >= self.last_step
 
-  def _save_unmined(self, k: int, step: int, params: Any) -> None:
-    path = self._snapshot_path(step)
-    if not path.exists():  # a resume at this very step has it already
-      try:
-        save_snapshot(path, _to_host(params))
-      except OSError as e:
-        self._say(f"refresh: cannot save {path.name} ({e}); a longer resumed run mines generation {k} from "
-                  "the params it resumes with")
-        return
-    self._say(f"refresh: generation {k} would come in force at step {activation_step(k, self.every, self.delay)}, "
-              f"after the run's last step ({self.last_step - 1}): not mined; {path.name} is kept for a longer run")
+  def _save_unmined(self, k: int, step: int, host: Any) -> None:
+    path = self._save_snapshot(step, host, f"a longer resumed run mines generation {k} from the params it "
+                                           "resumes with")
+    if path is not None:
+      self._say(f"refresh: generation {k} would come in force at step "
+                f"{activation_step(k, self.every, self.delay)}, after the run's last step ({self.last_step - 1}): "
+                f"not mined; {path.name} is kept for a longer run")
 
   def _known(self, k: int) -> bool:
     with self._cond:
@@ -425,13 +422,18 @@ class AsyncRefresher:
   # ---------------------------------------------------------------- worker
 
   def _snapshot_and_enqueue(self, k: int, step: int, host: Any) -> None:
+    # Unsaved, the mine can still run; only a kill before it finishes loses the generation.
+    path = self._save_snapshot(step, host, f"generation {k} is not resumable until mined")
+    self._enqueue(k, step, host, path)
+
+  def _save_snapshot(self, step: int, host: Any, if_unsaved: str) -> pathlib.Path | None:
     path = self._snapshot_path(step)
     try:
       save_snapshot(path, host)
-    except OSError as e:  # the mine can still run; only a kill before it finishes loses the generation
-      self._say(f"refresh: cannot save {path.name} ({e}); generation {k} is not resumable until mined")
-      path = None
-    self._enqueue(k, step, host, path)
+    except OSError as e:
+      self._say(f"refresh: cannot save {path.name} ({e}); {if_unsaved}")
+      return None
+    return path
 
   def _enqueue(self, k: int, snapshot_step: int, host: Any, snapshot: pathlib.Path | None) -> None:
     if self.inline:
