@@ -172,6 +172,65 @@ def test_tower_pools_encoder_output(encoder_params, how):
   np.testing.assert_allclose(out, numpy_pool(hidden, mask, how), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("remat", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_first_token_only_is_the_whole_encoders_first_position(encoder_params, remat):
+  """The last layer computed at the first position alone gives what the whole encoder gives there: without
+  dropout, and with it (the same masks: a different key would move the output by far more than rounding),
+  its output and every parameter's gradient."""
+  ids, mask = batch()
+  cfg = TINY.replace(remat=remat, attention_dropout=0.2)
+
+  def first(params, only, key):
+    rngs = {} if key is None else {"dropout": jax.random.key(key)}
+    out = Encoder(cfg).apply({"params": params}, ids, mask, deterministic=key is None,
+                             first_token_only=only, rngs=rngs)
+    assert out.shape == ((3, 1, 32) if only else (3, 9, 32))
+    return out[:, :1]
+
+  readout = jax.random.normal(jax.random.key(4), (3, 1, 32))
+  for key in (None, 3):
+    whole, alone = first(encoder_params, False, key), first(encoder_params, True, key)
+    np.testing.assert_allclose(alone, whole, rtol=0, atol=1e-6)
+    grads = [jax.grad(lambda p, only=only: jnp.sum(first(p, only, key) * readout))(encoder_params)
+             for only in (False, True)]
+    scale = max(np.abs(np.asarray(g)).max() for g in jax.tree.leaves(grads[0]))
+    for g_whole, g_alone in zip(*map(jax.tree.leaves, grads)):
+      assert np.abs(np.asarray(g_whole - g_alone)).max() <= 1e-5 * scale
+  assert np.abs(np.asarray(first(encoder_params, True, 3) - first(encoder_params, True, 5))).max() > 1e-2
+
+
+def test_dropout_bits_of_a_corner_are_the_whole_arrays_there():
+  from jdr.models.dropout import dropout_bits  # pylint: disable=g-import-not-at-top
+  key = jax.random.key(2)
+  whole = np.asarray(dropout_bits(key, (2, 3, 6, 6)))
+  np.testing.assert_array_equal(np.asarray(dropout_bits(key, (2, 3, 1, 6), whole=(2, 3, 6, 6))), whole[:, :, :1])
+  np.testing.assert_array_equal(np.asarray(dropout_bits(key, (2, 1, 2, 4), whole=(2, 3, 6, 6))),
+                                whole[:, :1, :2, :4])
+  with pytest.raises(ValueError, match="not a part of it"):
+    dropout_bits(key, (2, 4), whole=(2, 3))
+
+
+def test_cls_towers_and_the_cross_encoder_run_the_last_layer_at_the_first_position_only():
+  """[CLS] pooling (and the cross-encoder's head) read the first position alone: the compiled forward drops
+  the last layer's query, output and MLP matmuls at every other position."""
+  from jdr.models.cross import CrossEncoder  # pylint: disable=g-import-not-at-top
+  ids, mask = batch(length=16)
+  e, f = TINY.hidden_size, TINY.intermediate_size
+  skipped = 2 * 3 * 15 * (2 * e * e + 2 * e * f)  # rows x other positions x (query, output, MLP) multiply-adds
+
+  def flops(module, params):
+    compiled = jax.jit(lambda p: module.apply({"params": p}, ids, mask)).lower(params).compile()
+    analysis = compiled.cost_analysis()
+    return (analysis[0] if isinstance(analysis, list) else analysis)["flops"]
+
+  towers = {how: Tower(TowerConfig(encoder=TINY, pooling=how)) for how in ("cls", "mean")}
+  params = nn.unbox(towers["mean"].init(jax.random.key(0), ids, mask)["params"])
+  assert flops(towers["mean"], params) - flops(towers["cls"], params) >= 0.9 * skipped
+  cross = CrossEncoder(TINY)
+  cross_params = nn.unbox(cross.init(jax.random.key(0), ids, mask)["params"])
+  assert flops(towers["mean"], params) - flops(cross, cross_params) >= 0.9 * skipped
+
+
 def test_projection_head_and_normalization():
   ids, mask = batch()
   cfg = TowerConfig(encoder=TINY, pooling="mean", projection_dim=7)

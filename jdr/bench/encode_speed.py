@@ -107,15 +107,19 @@ def reference_model(model: str, info: dict, device: str):
   return SentenceTransformer(modules=parts, device=device)
 
 
-def model_flops(model: str, lengths: list[int]) -> float:
+def model_flops(model: str, lengths: list[int], pooling: str = "mean") -> float:
   """Forward FLOPs of the model's encoder over texts of these lengths (GeGLU's input projection is twice
-  as wide as its output: 1.5x a GELU MLP of the same intermediate size)."""
+  as wide as its output: 1.5x a GELU MLP of the same intermediate size); [CLS] pooling needs less of a BERT
+  family encoder's last layer (`peak.encoder_flops`), which jdr computes alone."""
   import pathlib  # pylint: disable=g-import-not-at-top
   from jdr.models import architectures  # pylint: disable=g-import-not-at-top
+  from jdr.models import bert  # pylint: disable=g-import-not-at-top
   path = hf.minilm_path() if model == "minilm" else pathlib.Path(model)
   cfg = architectures.config_from_hf(json.loads((path / "config.json").read_text()))
   mlp = cfg.intermediate_size * (1.5 if cfg.model_type == "modernbert" else 1)
-  return peak_lib.encoder_flops(lengths, layers=cfg.num_layers, hidden=cfg.hidden_size, intermediate=int(mlp))
+  first = pooling == "cls" and architectures.module(cfg) is bert.Encoder
+  return peak_lib.encoder_flops(lengths, layers=cfg.num_layers, hidden=cfg.hidden_size, intermediate=int(mlp),
+                                first_position=first)
 
 
 def _seconds(work):
@@ -161,7 +165,7 @@ def main(argv=None) -> None:
   if [t.tolist() for t in token_ids] != [list(ids) for ids in call["input_ids"]]:
     raise SystemExit("jdr's token ids differ from the tokenizer's own call")
   lengths = [len(t) for t in token_ids]
-  flops = model_flops(model, lengths)
+  flops = model_flops(model, lengths, runtime.info["pooling"])
 
   tokens_per_batch = args.tokens_per_batch or encoder_runtime.default_tokens_per_batch()
   compile_s = warm_up(runtime, lengths, tokens_per_batch)

@@ -40,15 +40,23 @@ def matmul_peak_flops(n: int = 2048, repeats: int = 5, dtype: str = "float32") -
   return rates
 
 
-def encoder_flops(num_tokens: np.ndarray, *, layers: int, hidden: int, intermediate: int) -> float:
+def encoder_flops(num_tokens: np.ndarray, *, layers: int, hidden: int, intermediate: int,
+                  first_position: bool = False) -> float:
   """Forward FLOPs of a BERT encoder over documents of the given (unpadded) lengths.
 
   Per token and layer: Q, K, V and output projections (8 H^2), the feed-forward pair (4 H I); per
   document and layer: attention scores and the weighted sum (4 n^2 H). Padding is not counted, so
-  this is the useful work, the same for every implementation.
+  this is the useful work, the same for every implementation. `first_position`: only the first position's
+  output is read ([CLS] pooling), so the last layer's useful work is the keys and values of every token (4
+  H^2) and the rest of the layer at the first position alone (4 H^2 + 4 H I, attention 4 n H).
   """
   n = np.asarray(num_tokens, dtype=np.float64)
-  return float(layers * (n.sum() * (8 * hidden**2 + 4 * hidden * intermediate) + 4 * hidden * (n**2).sum()))
+  per_token = 8 * hidden**2 + 4 * hidden * intermediate
+  full = n.sum() * per_token + 4 * hidden * (n**2).sum()
+  if not first_position:
+    return float(layers * full)
+  last = n.sum() * 4 * hidden**2 + len(n) * (4 * hidden**2 + 4 * hidden * intermediate) + 4 * hidden * n.sum()
+  return float((layers - 1) * full + last)
 
 
 def torch_device() -> str:

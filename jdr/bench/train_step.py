@@ -1,7 +1,8 @@
 """Training step time: jdr's jitted step vs an equivalent PyTorch step, same model, same shapes, one process.
 
   python -m jdr.bench train-step [--batch-size 32] [--query-length 32] [--doc-length 128] [--steps 10]
-                                 [--cpu-devices N] [--model minilm|llama-lora] [--shape small|tiny]
+                                 [--cpu-devices N] [--pooling mean|cls] [--model minilm|llama-lora]
+                                 [--shape small|tiny]
 
 Both sides train the bundled all-MiniLM-L6-v2 as one shared tower (mean pooling, L2-normalized) on a batch of
 B queries and B positive documents with in-batch softmax NLL, dropout on, AdamW (lr 2e-5, weight decay 0.01,
@@ -15,6 +16,9 @@ alone. jdr's step is also timed data-parallel over --cpu-devices XLA CPU devices
 trainer's mesh.cpu_devices, parameters replicated, the batch split); "jdr" is the faster of the two, named in
 "jdr_setting", and both are printed. The PyTorch step uses all cores through its own intra-op threads. jdr's
 steps and PyTorch's are timed in turns of several steps each, so both see the same minutes of the host.
+--pooling cls pools both sides' [CLS] vectors instead (the pooling of the seed papers' towers): PyTorch still
+computes every position of the last layer, jdr its first only, and the FLOP fractions count the work [CLS]
+pooling needs (`peak.encoder_flops`).
 
 --model llama-lora: a random Llama decoder (--shape small: 4 layers x 256 hidden, 8 heads, 4 KV heads, 688
 intermediate; tiny: model.fresh=llama-tiny, 2 x 64) over the MiniLM tokenizer's vocabulary, trained through LoRA
@@ -65,6 +69,7 @@ def bench_config(args) -> ml_collections.ConfigDict:
     c.loss.temperature = LORA_TEMPERATURE
   else:
     c.model.init_from = "minilm"
+    c.model.pooling = getattr(args, "pooling", "mean")
   c.data.query_max_length, c.data.doc_max_length = args.query_length, args.doc_length
   c.batch_size = args.batch_size
   c.optimizer.learning_rate, c.optimizer.warmup_steps = 2e-5, 0
@@ -180,7 +185,10 @@ def torch_step_runner(args, batch):
   def embed(ids, mask):
     hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
     m = mask.unsqueeze(-1).float()
-    pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
+    if getattr(args, "pooling", "mean") == "cls":
+      pooled = hidden[:, 0]
+    else:
+      pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
     return torch.nn.functional.normalize(pooled, dim=-1)
 
   def run_step(_=0):
@@ -294,6 +302,8 @@ def main(argv=None) -> None:
                       help="on a CPU host, also time jdr's step data-parallel over this many XLA CPU devices (the "
                            "trainer's mesh.cpu_devices; default: one per core, at most 8, dividing the batch); "
                            "1: one device only")
+  parser.add_argument("--pooling", choices=("mean", "cls"), default="mean",
+                      help="minilm's pooling on both sides (mean: the model's own)")
   parser.add_argument("--model", choices=("minilm", "llama-lora"), default="minilm",
                       help="minilm: all-MiniLM-L6-v2, every weight trained; llama-lora: a random Llama decoder "
                            "trained through LoRA adapters, against transformers + PEFT (see the module docstring)")
@@ -328,8 +338,9 @@ def main(argv=None) -> None:
     lora_main(args, batch)
     return
   peak = peak_lib.matmul_peak_flops()
-  flops = 3 * (peak_lib.encoder_flops([args.query_length] * b, layers=6, hidden=384, intermediate=1536)
-               + peak_lib.encoder_flops([args.doc_length] * b, layers=6, hidden=384, intermediate=1536))
+  shape = dict(layers=6, hidden=384, intermediate=1536, first_position=args.pooling == "cls")
+  flops = 3 * (peak_lib.encoder_flops([args.query_length] * b, **shape)
+               + peak_lib.encoder_flops([args.doc_length] * b, **shape))
   one_device_s, split_s, torch_s = timed_steps(args, batch, torch_step_runner)
   jdr_s = min(one_device_s, split_s or one_device_s)
   no_dropout_s = _time_steps(jdr_step_runner(args, batch, dropout=0.0), args.steps)
@@ -340,6 +351,7 @@ def main(argv=None) -> None:
       "jdr": round(jdr_s, 4), "reference": round(torch_s, 4), "ratio": round(torch_s / jdr_s, 3),
       "reference_name": "transformers BertModel + torch AdamW", "reference_device": peak_lib.torch_device(),
       "batch_size": b, "query_length": args.query_length, "doc_length": args.doc_length,
+      "pooling": args.pooling,
       "encode_chunk_rows": args.encode_chunk_rows,
       "peak_gflops": round(peak["peak"] / 1e9, 1),
       "jdr_peak_fraction": round(flops / jdr_s / peak["peak"], 3),

@@ -55,8 +55,9 @@ class CrossEncoder(nn.Module):
   @nn.compact
   def __call__(self, input_ids, attention_mask, token_type_ids=None, *, deterministic: bool = True):
     cfg = self.config
-    hidden = Encoder(cfg, name="encoder")(input_ids, attention_mask, token_type_ids, deterministic=deterministic)
-    x = hidden[:, 0]
+    # The head reads the first position alone: the last layer computes nothing else.
+    x = Encoder(cfg, name="encoder")(input_ids, attention_mask, token_type_ids, deterministic=deterministic,
+                                     first_token_only=True)[:, 0]
     drop = Dropout(cfg.hidden_dropout)
     if cfg.model_type == "roberta":
       x = drop(x, deterministic=deterministic)

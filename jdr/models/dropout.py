@@ -4,6 +4,8 @@ The attention kernel in `jdr.models.flash_attention` computes the same bits for 
 so the fused and the einsum attention drop the same probabilities.
 """
 
+import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -36,8 +38,12 @@ def drop_threshold(rate: float) -> int:
   return round(rate * 2**32)
 
 
-def dropout_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+def dropout_bits(key: jax.Array, shape: tuple[int, ...], whole: tuple[int, ...] | None = None) -> jax.Array:
   """32 random bits per element of `shape`: a counter-based hash of the element's flat index under the key.
+
+  `whole`: the array of `shape` is the leading corner (index 0 up along every axis) of an array of this
+  shape, and each element draws the bits it draws there: a layer that computes only the first position of
+  each row (`jdr.models.bert.Layer`'s `first_token_only`) drops what the whole layer would.
 
   Each element's bits depend only on (key, its index in the whole array), so a sharded array draws the same
   mask as one device (the index comes from per-axis iotas, which XLA partitions), and under vmap each row's
@@ -45,12 +51,15 @@ def dropout_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   between cost ~12 integer ops an element, where threefry's 20 rounds gave 16 bits for ~40, so the masks take
   a fraction of threefry's time (docs/performance.md, `train-step`, "Dropout masks").
   """
+  whole = tuple(shape) if whole is None else tuple(whole)
+  if len(whole) != len(shape) or any(s > w for s, w in zip(shape, whole)):
+    raise ValueError(f"dropout over {tuple(shape)} as the corner of {whole}: not a part of it")
   words = key_words(key)
   index = jnp.zeros(shape, jnp.uint32)
   stride = 1
   for axis in reversed(range(len(shape))):
     index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(stride % 2**32)
-    stride *= shape[axis]
+    stride *= whole[axis]
   return hash_bits(index, words[0], words[1])
 
 
@@ -66,16 +75,20 @@ class Dropout(nn.Module):
   rate: float
 
   @nn.compact
-  def __call__(self, x, deterministic: bool):
+  def __call__(self, x, deterministic: bool, whole: tuple[int, ...] | None = None):
+    """`whole`: x is the leading corner of an array of this shape, and drops what that array would there
+    (`dropout_bits`)."""
     if deterministic or self.rate == 0.0:
       return x
     if self.rate >= 1.0:
       return jnp.zeros_like(x)
     key = self.make_rng("dropout")
-    if x.size < 2**32:
-      keep = dropout_bits(key, x.shape) >= jnp.uint32(drop_threshold(self.rate))
-    else:
+    if math.prod(whole or x.shape) < 2**32:
+      keep = dropout_bits(key, x.shape, whole) >= jnp.uint32(drop_threshold(self.rate))
+    elif whole is None:
       keep = jax.random.bernoulli(key, 1.0 - self.rate, x.shape)
+    else:
+      keep = jax.random.bernoulli(key, 1.0 - self.rate, whole)[tuple(slice(0, n) for n in x.shape)]
     return jnp.where(keep, x / jnp.asarray(1.0 - self.rate, x.dtype), jnp.zeros((), x.dtype))
 
   def rng_key(self) -> jax.Array:

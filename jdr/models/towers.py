@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jdr.models import architectures
+from jdr.models import bert
 from jdr.models.bert import EncoderConfig
 
 POOLINGS = ("cls", "mean", "max", "last")
@@ -207,8 +208,11 @@ class Tower(nn.Module):
         raise ValueError("the BoW-MLP tower has no token vectors or attention (the masked-LM loss and FGD "
                          "need a transformer tower)")
       return self.head(self.bow(input_ids, attention_mask, deterministic=deterministic))
+    # [CLS] pooling reads the first position alone: a BERT-family encoder's last layer computes nothing else.
+    first_only = cfg.pooling == "cls" and not token_vectors and isinstance(self.encoder, bert.Encoder)
     hidden = self.encoder(input_ids, attention_mask, token_type_ids, deterministic=deterministic,
-                          first_token_attention=first_token_attention)
+                          first_token_attention=first_token_attention,
+                          **({"first_token_only": True} if first_only else {}))
     if first_token_attention:
       hidden, attention = hidden
       return self.head(pool(hidden, attention_mask, cfg.pooling)), attention
