@@ -21,6 +21,34 @@ def test_factories_split_on_semicolons_or_terminal_parts():
     adore_step.parse_factories("Flat,OPQ48")
 
 
+@pytest.mark.parametrize("flags, isa", [
+    ("fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile", ["AVX-512", "AVX512-BF16", "AMX"]),
+    ("fpu avx2 avx512f avx512_bf16", ["AVX-512", "AVX512-BF16", "no AMX"]),
+    ("fpu sse4_2 avx2", ["AVX2", "no AMX"]),
+])
+def test_cpu_info_names_the_model_and_its_matmul_instruction_sets(tmp_path, flags, isa):
+  from jdr.bench import peak  # pylint: disable=g-import-not-at-top
+  two = "".join(f"processor\t: {i}\nmodel name\t: Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz\nflags\t\t: {flags}\n\n"
+                for i in range(2))
+  (tmp_path / "cpuinfo").write_text(two)
+  assert peak.cpu_info(str(tmp_path / "cpuinfo")) == {"model": "Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz",
+                                                       "isa": isa}
+
+
+def test_peak_flops_of_cls_pooling_count_the_last_layer_at_the_first_position():
+  """[CLS] pooling's useful work: the whole model less the last layer's query, output and MLP products at every
+  position but the first, and its attention rows but the first (a float64 count by loops, per document)."""
+  from jdr.bench import peak  # pylint: disable=g-import-not-at-top
+  lengths, layers, h, i = [7, 3, 12], 3, 8, 20
+  full = peak.encoder_flops(lengths, layers=layers, hidden=h, intermediate=i)
+  skipped = 0.0
+  for n in lengths:
+    for _ in range(1, n):  # positions past the first: query and output projections, the MLP pair, their attention
+      skipped += 2 * (2 * h * h) + 2 * (2 * h * i) + 2 * (2 * n * h)
+  first = peak.encoder_flops(lengths, layers=layers, hidden=h, intermediate=i, first_position=True)
+  assert first == pytest.approx(full - skipped, rel=1e-12)
+
+
 def test_ance_analysis_splits_steps_by_pending_mine_and_removes_waits():
   def line(step, time, wait, pending):
     return {"step": step, "time": time, "train/loss": 1.0, "train/negatives/wait_seconds": wait,

@@ -38,6 +38,8 @@ def main() -> None:
   parser.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's arguments; NAME --help lists them")
   print(host_memory.status(), file=sys.stderr)
   args = parser.parse_args()
+  from jdr.bench import peak  # pylint: disable=g-import-not-at-top
+  print(f"host CPU: {peak.cpu_line()}", file=sys.stderr)
   # jax takes 75% of a GPU's memory at start by default; the PyTorch reference shares the device.
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   importlib.import_module(BENCHMARKS[args.name]).main(args.args)

@@ -86,7 +86,8 @@ def main(argv=None) -> None:
     st_s = time.perf_counter() - start
   # The same network and inputs: the scores agree (truncation may differ by a token at the boundary).
   agreement = float(np.corrcoef(ours, theirs.reshape(-1))[0, 1])
-  result = {"benchmark": "cross-encoder", "units": "pairs/s", "pairs": len(pairs), "max_length": args.max_length,
+  result = {"benchmark": "cross-encoder", "host_cpu": peak_lib.cpu_line(), "units": "pairs/s", "pairs": len(pairs),
+            "max_length": args.max_length,
             "batch_size": args.batch_size, "jdr_batching": "fixed" if args.same_batch else "tokens per batch", "device": jax.devices()[0].device_kind,
             "jdr": round(len(pairs) / jdr_s, 2), "reference": round(len(pairs) / st_s, 2),
             "reference_name": "sentence-transformers CrossEncoder.predict",

@@ -203,7 +203,8 @@ def main(argv=None) -> None:
 
   jdr_rate, ref_rate = len(texts) / jdr_s, len(texts) / ref_s
   result = {
-      "benchmark": "encode", "model": args.shape or args.model, "units": "docs/s", "jdr": round(jdr_rate, 2), "reference": round(ref_rate, 2),
+      "benchmark": "encode", "host_cpu": peak_lib.cpu_line(), "model": args.shape or args.model, "units": "docs/s",
+      "jdr": round(jdr_rate, 2), "reference": round(ref_rate, 2),
       "ratio": round(jdr_rate / ref_rate, 3), "reference_name": "sentence-transformers encode", "reference_device": device,
       "num_docs": len(texts), "max_length": args.max_length, "dtype": args.dtype,
       "real_tokens": int(sum(lengths)),

@@ -1,8 +1,42 @@
-"""The machine's float32 matrix-multiply peak, measured, so a benchmark can report FLOP/s as a fraction."""
+"""The machine's float32 matrix-multiply peak, measured, so a benchmark can report FLOP/s as a fraction; and the
+CPU it ran on, so a figure names its host."""
 
+import os
+import platform
 import time
 
 import numpy as np
+
+
+def cpu_info(path: str = "/proc/cpuinfo") -> dict:
+  """The CPU's model name and the matmul instruction sets it reports (Linux's /proc/cpuinfo; elsewhere the
+  platform's processor name and no instruction sets): {"model", "isa": [...]}."""
+  model, flags = platform.processor() or platform.machine(), set()
+  try:
+    with open(path, encoding="utf-8") as f:
+      for line in f:
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and not flags:
+          model = value.strip()
+        elif key.strip() == "flags":
+          flags = set(value.split())
+          break
+  except OSError:
+    pass
+  isa = []
+  if flags:
+    isa.append("AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2")
+    isa += ["AVX512-BF16"] if "avx512_bf16" in flags else []
+    isa.append("AMX" if "amx_tile" in flags else "no AMX")
+  return {"model": model, "isa": isa}
+
+
+def cpu_line() -> str:
+  """What a benchmark prints of its host's CPU, e.g. 'AMD EPYC (AVX-512, AVX512-BF16, no AMX), 2 cores usable'."""
+  info = cpu_info()
+  usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  isa = f" ({', '.join(info['isa'])})" if info["isa"] else ""
+  return f"{info['model']}{isa}, {usable} cores usable"
 
 
 def _best_rate(matmul, a, b, repeats: int) -> float:

@@ -178,7 +178,7 @@ def main(argv=None) -> None:
   batches = [maker.local(s) for s in range(args.steps + 1)]
   params = jax.device_get(trainer.initial_params(built.model, built, config, jax.random.PRNGKey(config.seed), None))
 
-  result = {"benchmark": "pretrain", "units": "pairs/s", "batch_size": batch_size,
+  result = {"benchmark": "pretrain", "host_cpu": peak_lib.cpu_line(), "units": "pairs/s", "batch_size": batch_size,
             "chunk_size": args.chunk_size, "budget_mib": args.budget_mib, "largest_batch": largest,
             "device": jax.devices()[0].device_kind, "source": config.data.pretrain_source}
   cached = _config(batch_size, args.chunk_size)

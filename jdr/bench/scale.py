@@ -664,11 +664,10 @@ def describe(name: str, figures: dict) -> str:
 
 
 def hardware() -> dict:
-  cpu = platform.processor() or platform.machine()
+  from jdr.bench import peak  # pylint: disable=g-import-not-at-top
+  cpu = peak.cpu_info()["model"]
   memory = None
   try:
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-      cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     with open("/proc/meminfo", encoding="ascii") as f:
       memory = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
   except OSError:

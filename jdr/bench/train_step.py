@@ -265,7 +265,7 @@ def lora_main(args, batch) -> None:
   one_device_s, split_s, torch_s = timed_steps(args, batch, torch_lora_step_runner)
   jdr_s = min(one_device_s, split_s or one_device_s)
   result = {
-      "benchmark": "train-step", "model": "llama-lora", "shape": args.shape,
+      "benchmark": "train-step", "host_cpu": peak_lib.cpu_line(), "model": "llama-lora", "shape": args.shape,
       "units": "seconds/step (ratio = reference / jdr)",
       "jdr": round(jdr_s, 4), "reference": round(torch_s, 4), "ratio": round(torch_s / jdr_s, 3),
       "jdr_ms": round(jdr_s * 1e3, 1), "reference_ms": round(torch_s * 1e3, 1),
@@ -347,7 +347,7 @@ def main(argv=None) -> None:
   parts = jdr_part_seconds(args, batch)
   parts = {"towers": no_dropout_s - parts["update"] - parts["loss"], "dropout": one_device_s - no_dropout_s, **parts}
   result = {
-      "benchmark": "train-step", "units": "seconds/step (ratio = reference / jdr)",
+      "benchmark": "train-step", "host_cpu": peak_lib.cpu_line(), "units": "seconds/step (ratio = reference / jdr)",
       "jdr": round(jdr_s, 4), "reference": round(torch_s, 4), "ratio": round(torch_s / jdr_s, 3),
       "reference_name": "transformers BertModel + torch AdamW", "reference_device": peak_lib.torch_device(),
       "batch_size": b, "query_length": args.query_length, "doc_length": args.doc_length,
