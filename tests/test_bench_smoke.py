@@ -35,6 +35,37 @@ def test_cpu_info_names_the_model_and_its_matmul_instruction_sets(tmp_path, flag
                                                        "isa": isa}
 
 
+def test_cpu_suite_runs_each_benchmark_alone_and_holds_each_ratio_to_its_goal(monkeypatch, capsys, tmp_path):
+  """`python -m jdr.bench cpu`: one benchmark after another, the table reads each one's JSON and says whether its
+  float32 goal is met; a failed benchmark is a row saying so, not a missing row."""
+  from jdr.bench import cpu_suite  # pylint: disable=g-import-not-at-top
+  failed = cpu_suite.run_one(["no-such-benchmark"])  # a real subprocess: argparse refuses the name
+  assert failed == {"error": "`python -m jdr.bench no-such-benchmark` exited 2 with no JSON line"}
+  calls = []
+
+  def fake(args):
+    calls.append(args)
+    if args[0] == "pretrain":
+      return {"error": "`python -m jdr.bench pretrain` exited 1 with no JSON line"}
+    if args[0] == "train-step":
+      return {"benchmark": "train-step", "jdr": 2.1, "reference": 2.7, "ratio": 1.286, "jdr_setting": "1 device",
+              "jdr_peak_fraction": 0.7, "reference_peak_fraction": 0.55}
+    return {"benchmark": "encode", "dtype": "float32", "jdr": 30.9, "reference": 24.0, "ratio": 1.288,
+            "jdr_peak_fraction": 0.84, "reference_peak_fraction": 0.65}
+
+  monkeypatch.setattr(cpu_suite, "run_one", fake)
+  cpu_suite.main(["--only", "encode,train-step,pretrain", "--out", str(tmp_path / "cpu.json")])
+  out = capsys.readouterr().out
+  assert calls == [["encode"], ["train-step"], ["pretrain"]]
+  assert "| encode | 30.9 docs/s | 24.0 docs/s | 1.288 | 1.3 (not met) | 84% / 65% |" in out
+  assert "| train-step | 2.1 s/step (1 device) | 2.7 s/step | 1.286 | 1.2 (met) | 70% / 55% |" in out
+  assert "| pretrain | `python -m jdr.bench pretrain` exited 1 with no JSON line |" in out
+  assert out.startswith("host CPU: ")
+  assert set(json.loads((tmp_path / "cpu.json").read_text())) == {"host_cpu", "encode", "train-step", "pretrain"}
+  with pytest.raises(SystemExit):
+    cpu_suite.main(["--only", "encode,nothing"])
+
+
 def test_peak_flops_of_cls_pooling_count_the_last_layer_at_the_first_position():
   """[CLS] pooling's useful work: the whole model less the last layer's query, output and MLP products at every
   position but the first, and its attention rows but the first (a float64 count by loops, per document)."""

@@ -16,6 +16,7 @@ BENCHMARKS = {
     "adore-step": "jdr.bench.adore_step",
     "ance-refresh": "jdr.bench.ance_refresh",
     "compiled": "jdr.bench.compiled_kernels",
+    "cpu": "jdr.bench.cpu_suite",
     "cross-encoder": "jdr.bench.cross_encoder",
     "device": "jdr.bench.device",
     "encode": "jdr.bench.encode_speed",
