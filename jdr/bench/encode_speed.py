@@ -113,11 +113,10 @@ def model_flops(model: str, lengths: list[int], pooling: str = "mean") -> float:
   family encoder's last layer (`peak.encoder_flops`), which jdr computes alone."""
   import pathlib  # pylint: disable=g-import-not-at-top
   from jdr.models import architectures  # pylint: disable=g-import-not-at-top
-  from jdr.models import bert  # pylint: disable=g-import-not-at-top
   path = hf.minilm_path() if model == "minilm" else pathlib.Path(model)
   cfg = architectures.config_from_hf(json.loads((path / "config.json").read_text()))
   mlp = cfg.intermediate_size * (1.5 if cfg.model_type == "modernbert" else 1)
-  first = pooling == "cls" and architectures.module(cfg) is bert.Encoder
+  first = pooling == "cls" and architectures.computes_first_position_alone(cfg)
   return peak_lib.encoder_flops(lengths, layers=cfg.num_layers, hidden=cfg.hidden_size, intermediate=int(mlp),
                                 first_position=first)
 

@@ -114,6 +114,12 @@ def module(cfg):
   return _modernbert().ModernBertEncoder if is_modernbert(cfg) else bert.Encoder
 
 
+def computes_first_position_alone(cfg) -> bool:
+  """Whether the encoder for `cfg` can compute its last layer at the first position alone (a BERT-family
+  `bert.Encoder`'s `first_token_only`), which is all [CLS] pooling reads."""
+  return module(cfg) is bert.Encoder
+
+
 def serving_params(params: dict, cfg) -> dict:
   if is_decoder(cfg):
     return _decoder().serving_params(params, cfg)

@@ -543,19 +543,20 @@ class Layer(nn.Module):
     # `deterministic`, `first_token_attention` and `first_token_only` are positional: nn.remat marks them
     # static by position.
     cfg = self.config
-    if first_token_only:
-      return self._first_token_only(x, key_mask, deterministic, first_token_attention)
-    q, k, v = self.query(x), self.key(x), self.value(x)
+    length = x.shape[1]
+    # `first_token_only`: one query, so one [1, L] row of logits a head, on the einsums on every platform.
+    rows = x[:, :1] if first_token_only else x
+    q, k, v = self.query(rows), self.key(x), self.value(x)
     # The first token's attention needs the probabilities: they stay on einsums. Attention dropout needs a
     # kernel that draws it (jdr's flash kernel), else the einsums too.
     drop = not deterministic and cfg.attention_dropout > 0.0
     no_probs_needed = not first_token_attention and not drop
-    fused = no_probs_needed and (cfg.attention == "fused" or (
+    fused = not first_token_only and no_probs_needed and (cfg.attention == "fused" or (
         cfg.attention == "auto" and parallel.platform() != "cpu"))
     # Inside a shard_map that checks each value's manual axes (gradient caching's chunk loops over a mesh)
     # a Pallas call's operands would all have to vary alike, which its interpreter cannot do: the einsums
     # run there, with the same masks.
-    if (not first_token_attention and cfg.attention == "flash"
+    if (not first_token_attention and not first_token_only and cfg.attention == "flash"
         and not jax.sharding.get_abstract_mesh().manual_axes):
       ctx = flash_attention(q, k, v, key_mask, cfg.head_dim ** -0.5, cfg.attention_dropout if drop else 0.0,
                             self.attention_dropout.rng_key() if drop else None).astype(cfg.compute_dtype)
@@ -567,35 +568,17 @@ class Layer(nn.Module):
       # Heads ahead of positions ([B, N, L, D]) before both contractions: XLA's CPU dots then see plain
       # batched [L, D] x [D, L] products instead of strided ones.
       q, k, v = (jnp.swapaxes(t, 1, 2) for t in (q, k, v))
-      ctx = einsum_attention(q, k, v, key_mask[:, None, None, :],
-                             (lambda w: self.attention_dropout(w, deterministic)) if drop else None,
+      # The weights of the first query alone draw the bits of the whole [B, N, L, L] weights' first row, as
+      # the flash kernel's tiles do.
+      dropout = lambda w: self.attention_dropout(w, deterministic, whole=(*w.shape[:-2], length, length))
+      ctx = einsum_attention(q, k, v, key_mask[:, None, None, :], dropout if drop else None,
                              first_row=first_token_attention)
       if first_token_attention:
         ctx, first_probs = ctx
       ctx = jnp.swapaxes(ctx, 1, 2)
-    out = self.tail(ctx, x, deterministic)
+    out = self.tail(ctx, rows, deterministic, length=length)
     if not first_token_attention:
       return out
-    return out, FirstTokenAttention(first_probs, v, x[:, 0, :])
-
-  def _first_token_only(self, x, key_mask, deterministic: bool, first_token_attention: bool):
-    """The block's output at the first position, [B, 1, H] (`first_token_only`), with its
-    `FirstTokenAttention` where asked. One query is a [1, L] row of logits a head, so it runs on the einsums on
-    every platform; its dropout draws the bits the whole [B, N, L, L] weights draw in their first row, as the
-    flash kernel's tiles do."""
-    cfg = self.config
-    length = x.shape[1]
-    first = x[:, :1]
-    q = self.query(first) * jnp.asarray(cfg.head_dim ** -0.5, x.dtype)
-    q, k, v = (jnp.swapaxes(t, 1, 2) for t in (q, self.key(x), self.value(x)))
-    drop = not deterministic and cfg.attention_dropout > 0.0
-    dropout = lambda w: self.attention_dropout(w, deterministic, whole=(*w.shape[:-2], length, length))
-    ctx = einsum_attention(q, k, v, key_mask[:, None, None, :], dropout if drop else None,
-                           first_row=first_token_attention)
-    if not first_token_attention:
-      return self.tail(jnp.swapaxes(ctx, 1, 2), first, deterministic, length=length)
-    ctx, first_probs = ctx
-    out = self.tail(jnp.swapaxes(ctx, 1, 2), first, deterministic, length=length)
     return out, FirstTokenAttention(first_probs, v, x[:, 0, :])
 
   def tail(self, context, residual, deterministic: bool, length: int | None = None):

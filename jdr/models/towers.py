@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 
 from jdr.models import architectures
-from jdr.models import bert
 from jdr.models.bert import EncoderConfig
 
 POOLINGS = ("cls", "mean", "max", "last")
@@ -209,7 +208,8 @@ class Tower(nn.Module):
                          "need a transformer tower)")
       return self.head(self.bow(input_ids, attention_mask, deterministic=deterministic))
     # [CLS] pooling reads the first position alone: a BERT-family encoder's last layer computes nothing else.
-    first_only = cfg.pooling == "cls" and not token_vectors and isinstance(self.encoder, bert.Encoder)
+    first_only = (cfg.pooling == "cls" and not token_vectors
+                  and architectures.computes_first_position_alone(cfg.encoder))
     hidden = self.encoder(input_ids, attention_mask, token_type_ids, deterministic=deterministic,
                           first_token_attention=first_token_attention,
                           **({"first_token_only": True} if first_only else {}))
