@@ -4,6 +4,7 @@ log analysis are right on hand-made inputs."""
 import json
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -64,6 +65,63 @@ def test_cpu_suite_runs_each_benchmark_alone_and_holds_each_ratio_to_its_goal(mo
   assert set(json.loads((tmp_path / "cpu.json").read_text())) == {"host_cpu", "encode", "train-step", "pretrain"}
   with pytest.raises(SystemExit):
     cpu_suite.main(["--only", "encode,nothing"])
+
+
+def test_xla_flags_names_each_candidates_matmul_kernels_and_times_them_in_turns(monkeypatch, capsys):
+  """`python -m jdr.bench xla-flags`: the kernels are read from the compiled HLO (a flag this jaxlib ignores compiles
+  the same kernels); the candidates run forward then backward, the default always among them, each against it."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jdr.bench import xla_cpu_flags  # pylint: disable=g-import-not-at-top
+  hlo = jax.jit(lambda a, b: a @ b).lower(jnp.ones((8, 16)), jnp.ones((16, 4))).compile().as_text()
+  kernels = xla_cpu_flags.dot_kernels(hlo)
+  assert sum(kernels.values()) == 1, (kernels, hlo)  # one matmul, named once whichever kernel runs it
+  hlo = textwrap.dedent("""\
+      HloModule m
+
+      %ynn_computation (a: f32[4,8], b: f32[8,2]) -> f32[4,2] {
+        ROOT %d = f32[4,2]{1,0} dot(f32[4,8]{1,0} %a, f32[8,2]{1,0} %b), lhs_contracting_dims={1}
+      }
+
+      %add_computation (x: f32[4,2]) -> f32[4,2] {
+        ROOT %e = f32[4,2]{1,0} add(f32[4,2]{1,0} %x, f32[4,2]{1,0} %x)
+      }
+
+      ENTRY %main (p: f32[4,8], q: f32[8,2]) -> f32[4,2] {
+        %f = f32[4,2]{1,0} fusion(%p, %q), kind=kCustom, calls=%ynn_computation, backend_config="__ynn_fusion"
+        %g = f32[4,2]{1,0} fusion(%f), kind=kCustom, calls=%add_computation, backend_config="__ynn_fusion"
+        %o = f32[4,2]{1,0} custom-call(%p, %q), custom_call_target="__onednn$matmul"
+        ROOT %h = f32[4,2]{1,0} dot(%g, %o), lhs_contracting_dims={1}
+      }
+      """)
+  # A YNN fusion of elementwise work is not a matmul; the entry's own dot is XLA's.
+  assert xla_cpu_flags.dot_kernels(hlo) == {"ynn": 1, "onednn": 1, "xla dot": 1}
+  # One candidate's own process, as the benchmark starts it, at a tiny size.
+  one = xla_cpu_flags.measure("minilm", rows=1, length=16, batches=1, repeats=1)
+  assert one["ms_per_batch"] > 0 and sum(one["kernels"].values()) >= 6 * 8  # six layers of eight products
+
+  calls = []
+
+  def fake(name, args):
+    calls.append(name)
+    if name == "xnnpack":
+      return {"error": "exited 1: no such flag"}
+    return {"kernels": {"ynn": 40}, "ms_per_batch": {"default": 100.0, "onednn": 80.0}[name] + len(calls)}
+
+  monkeypatch.setattr(xla_cpu_flags, "run_candidate", fake)
+  xla_cpu_flags.main(["--candidates", "onednn,xnnpack", "--rounds", "2"])
+  captured = capsys.readouterr()
+  result = json.loads(captured.out.strip().splitlines()[-1])
+  assert calls == ["default", "onednn", "xnnpack", "xnnpack", "onednn", "default"]
+  assert result["candidates"]["default"]["rounds_ms"] == [101.0, 106.0]
+  assert result["candidates"]["onednn"]["ms_per_batch"] == 83.5  # the median of 82 and 85
+  assert result["candidates"]["onednn"]["speed_vs_default"] == round(103.5 / 83.5, 3)
+  assert result["candidates"]["xnnpack"] == {"error": "exited 1: no such flag"}
+  assert "| xnnpack | `--xla_cpu_use_xnnpack=true` | exited 1: no such flag | | |" in captured.err
+  from jdr.bench import cpu_suite  # pylint: disable=g-import-not-at-top
+  assert (cpu_suite.row("xla-flags", result) ==
+          f"| xla-flags | fastest: onednn, 83.5 ms a batch | default 103.5 ms a batch | {round(103.5 / 83.5, 3)} | | |")
+  assert "| onednn | `--xla_cpu_use_onednn=true" in cpu_suite.table({"xla-flags": result})
 
 
 def test_peak_flops_of_cls_pooling_count_the_last_layer_at_the_first_position():

@@ -29,6 +29,7 @@ BENCHMARKS = {
     "sizing": "jdr.bench.sizing_table",
     "suite": "jdr.bench.eval_suite",
     "train-step": "jdr.bench.train_step",
+    "xla-flags": "jdr.bench.xla_cpu_flags",
 }
 
 

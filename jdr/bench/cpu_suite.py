@@ -1,6 +1,6 @@
 """jdr against the PyTorch tools on this CPU, every comparison one after the other: one command for a host's rows.
 
-  python -m jdr.bench cpu [--only encode,encode-bf16,train-step,pretrain] [--out FILE]
+  python -m jdr.bench cpu [--only encode,encode-bf16,train-step,pretrain,xla-flags] [--out FILE]
 
 Runs each benchmark as `python -m jdr.bench NAME` in a process of its own, one at a time (two at once would share
 the cores and halve both figures), with its defaults:
@@ -10,10 +10,13 @@ the cores and halve both figures), with its defaults:
                 cosine to its own float32 vectors and nDCG@10 on SciFact test in both precisions
   train-step    the MiniLM training step against transformers + torch AdamW
   pretrain      pretraining pairs/s with gradient caching against sentence-transformers' CachedMNRL
+  xla-flags     the kernels XLA's CPU backend gives the encoder's matmuls under each candidate flag set (oneDNN,
+                XNNPACK, XLA's own dots) and MiniLM's forward time under each, against the default in the same run
 
 then prints the host's CPU line and one table: each figure, its reference's from the same run, the ratio, the
 fractions of the matmul peak, and the goal each ratio is held to in float32 (encoding 1.3, the train step 1.2,
-cached pretraining 1.2). `--out` also writes every benchmark's JSON line, keyed by name, with the CPU line.
+cached pretraining 1.2), with the flags' own table below it. `--out` also writes every benchmark's JSON line,
+keyed by name, with the CPU line.
 """
 
 import argparse
@@ -29,6 +32,7 @@ RUNS = {
     "encode-bf16": (["encode", "--dtype", "bfloat16", "--scifact-test"], None),
     "train-step": (["train-step"], 1.2),
     "pretrain": (["pretrain"], 1.2),
+    "xla-flags": (["xla-flags"], None),
 }
 
 
@@ -50,6 +54,14 @@ def row(name: str, result: dict) -> str:
   """One markdown row: benchmark | jdr | reference | ratio | goal | jdr / reference share of the matmul peak."""
   if "error" in result:
     return f"| {name} | {result['error']} | | | | |"
+  if result["benchmark"] == "xla-flags":  # not a comparison with PyTorch: the fastest flags against none
+    timed = {n: r for n, r in result["candidates"].items() if "ms_per_batch" in r}
+    if not timed:
+      return f"| {name} | no candidate ran | | | | |"
+    best = min(timed, key=lambda n: timed[n]["ms_per_batch"])
+    default = timed.get("default", {}).get("ms_per_batch", "no")
+    return (f"| {name} | fastest: {best}, {timed[best]['ms_per_batch']} ms a batch | default {default} ms a batch | "
+            f"{timed[best].get('speed_vs_default', '')} | | |")
   goal = RUNS[name][1]
   ratio = result["ratio"]
   met = "" if goal is None else f"{goal} ({'met' if ratio >= goal else 'not met'})"
@@ -76,6 +88,11 @@ def table(results: dict) -> str:
     lines.append(f"\nbfloat16 against float32: cosine jdr {extra['jdr_cosine_to_float32']}, reference "
                  f"{extra['reference_cosine_to_float32']}; SciFact test nDCG@10 "
                  f"{extra.get('scifact_test_ndcg@10', 'not measured')}")
+  if "candidates" in results.get("xla-flags", {}):
+    from jdr.bench import xla_cpu_flags  # pylint: disable=g-import-not-at-top
+    lines.append(f"\nXLA's CPU flags, MiniLM's forward over {results['xla-flags']['rows']} x "
+                 f"{results['xla-flags']['length']} tokens, two batches at once:\n"
+                 f"{xla_cpu_flags.table(results['xla-flags']['candidates'])}")
   return "\n".join(lines)
 
 
