@@ -97,8 +97,9 @@ def test_xla_flags_names_each_candidates_matmul_kernels_and_times_them_in_turns(
   # A YNN fusion of elementwise work is not a matmul; the entry's own dot is XLA's.
   assert xla_cpu_flags.dot_kernels(hlo) == {"ynn": 1, "onednn": 1, "xla dot": 1}
   # One candidate's own process, as the benchmark starts it, at a tiny size.
-  one = xla_cpu_flags.measure("minilm", rows=1, length=16, batches=1, repeats=1)
-  assert one["ms_per_batch"] > 0 and sum(one["kernels"].values()) >= 6 * 8  # six layers of eight products
+  for dtype in ("float32", "bfloat16"):
+    one = xla_cpu_flags.measure("minilm", rows=1, length=16, batches=1, repeats=1, dtype=dtype)
+    assert one["ms_per_batch"] > 0 and sum(one["kernels"].values()) >= 6 * 8  # six layers of eight products
 
   calls = []
 

@@ -1,6 +1,6 @@
 """jdr against the PyTorch tools on this CPU, every comparison one after the other: one command for a host's rows.
 
-  python -m jdr.bench cpu [--only encode,encode-bf16,train-step,pretrain,xla-flags] [--out FILE]
+  python -m jdr.bench cpu [--only encode,encode-bf16,train-step,pretrain,xla-flags,xla-flags-bf16] [--out FILE]
 
 Runs each benchmark as `python -m jdr.bench NAME` in a process of its own, one at a time (two at once would share
 the cores and halve both figures), with its defaults:
@@ -12,6 +12,7 @@ the cores and halve both figures), with its defaults:
   pretrain      pretraining pairs/s with gradient caching against sentence-transformers' CachedMNRL
   xla-flags     the kernels XLA's CPU backend gives the encoder's matmuls under each candidate flag set (oneDNN,
                 XNNPACK, XLA's own dots) and MiniLM's forward time under each, against the default in the same run
+  xla-flags-bf16  the same with the forward in bfloat16 (where oneDNN would bring AMX's bfloat16 products)
 
 then prints the host's CPU line and one table: each figure, its reference's from the same run, the ratio, the
 fractions of the matmul peak, and the goal each ratio is held to in float32 (encoding 1.3, the train step 1.2,
@@ -33,6 +34,7 @@ RUNS = {
     "train-step": (["train-step"], 1.2),
     "pretrain": (["pretrain"], 1.2),
     "xla-flags": (["xla-flags"], None),
+    "xla-flags-bf16": (["xla-flags", "--dtype", "bfloat16"], None),
 }
 
 
@@ -88,11 +90,12 @@ def table(results: dict) -> str:
     lines.append(f"\nbfloat16 against float32: cosine jdr {extra['jdr_cosine_to_float32']}, reference "
                  f"{extra['reference_cosine_to_float32']}; SciFact test nDCG@10 "
                  f"{extra.get('scifact_test_ndcg@10', 'not measured')}")
-  if "candidates" in results.get("xla-flags", {}):
-    from jdr.bench import xla_cpu_flags  # pylint: disable=g-import-not-at-top
-    lines.append(f"\nXLA's CPU flags, MiniLM's forward over {results['xla-flags']['rows']} x "
-                 f"{results['xla-flags']['length']} tokens, two batches at once:\n"
-                 f"{xla_cpu_flags.table(results['xla-flags']['candidates'])}")
+  for name in ("xla-flags", "xla-flags-bf16"):
+    if "candidates" in results.get(name, {}):
+      from jdr.bench import xla_cpu_flags  # pylint: disable=g-import-not-at-top
+      flags = results[name]
+      lines.append(f"\nXLA's CPU flags, MiniLM's forward in {flags.get('dtype', 'float32')} over {flags['rows']} x "
+                   f"{flags['length']} tokens, two batches at once:\n{xla_cpu_flags.table(flags['candidates'])}")
   return "\n".join(lines)
 
 

@@ -1,6 +1,6 @@
 """Which kernels XLA's CPU backend gives the encoder's matmuls on this host, and how fast it encodes under each flag.
 
-  python -m jdr.bench xla-flags [--candidates default,onednn,...] [--rounds 2] [--model minilm]
+  python -m jdr.bench xla-flags [--candidates default,onednn,...] [--rounds 2] [--model minilm] [--dtype bfloat16]
 
 XLA reads XLA_FLAGS once, when its backend starts, so each candidate runs in a process of its own: it loads the
 model (MiniLM by default), compiles `jdr.encode`'s forward over --rows x --length tokens, names the kernels its
@@ -62,12 +62,12 @@ def dot_kernels(hlo_text: str) -> dict[str, int]:
   return {kind: n for kind, n in counts.items() if n}
 
 
-def measure(model: str, rows: int, length: int, batches: int, repeats: int) -> dict:
+def measure(model: str, rows: int, length: int, batches: int, repeats: int, dtype: str = "float32") -> dict:
   """In this process (its XLA flags already read): the forward's dot kernels and ms a batch, two at once."""
   import numpy as np  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   from jdr.retrieval import encoder_runtime  # pylint: disable=g-import-not-at-top
-  runtime = encoder_runtime.load_runtime(model, max_length=length)
+  runtime = encoder_runtime.load_runtime(model, max_length=length, dtype=dtype)
   rng = np.random.default_rng(0)
   vocab = len(runtime.tokenizer)
   ids = [rng.integers(min(1000, vocab // 2), vocab, (rows, length)).astype(np.int32) for _ in range(2)]
@@ -101,7 +101,7 @@ def run_candidate(name: str, args) -> dict:
   # Through `python -m jdr.bench`, as every benchmark runs (its malloc settings included).
   command = [sys.executable, "-m", "jdr.bench", "xla-flags", "--measure", "--model", args.model,
              "--rows", str(args.rows), "--length", str(args.length), "--batches", str(args.batches),
-             "--repeats", str(args.repeats)]
+             "--repeats", str(args.repeats), "--dtype", args.dtype]
   done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, check=False)
   lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
   if done.returncode or not lines:
@@ -152,10 +152,12 @@ def main(argv=None) -> None:
   parser.add_argument("--batches", type=int, default=10, help="batches per thread a repeat")
   parser.add_argument("--repeats", type=int, default=3, help="repeats a round; the round's time is their median")
   parser.add_argument("--rounds", type=int, default=2, help="rounds over the candidates, in turns")
+  parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                      help="what the forward computes in (bfloat16: as `jdr.encode --dtype bfloat16`)")
   parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # one candidate's process
   args = parser.parse_args(argv)
   if args.measure:
-    print(json.dumps(measure(args.model, args.rows, args.length, args.batches, args.repeats)))
+    print(json.dumps(measure(args.model, args.rows, args.length, args.batches, args.repeats, args.dtype)))
     return
   names = [n for n in args.candidates.split(",") if n]
   unknown = [n for n in names if n not in CANDIDATES]
@@ -171,10 +173,10 @@ def main(argv=None) -> None:
   summary = summarize(runs)
   from jdr.bench import peak as peak_lib  # pylint: disable=g-import-not-at-top
   cpu = peak_lib.cpu_line()
-  print(f"host CPU: {cpu}; {args.model}'s forward over {args.rows} x {args.length} tokens, two batches at once\n"
-        f"{table(summary)}", file=sys.stderr)
-  print(json.dumps({"benchmark": "xla-flags", "host_cpu": cpu, "model": args.model, "rows": args.rows,
-                    "length": args.length, "candidates": summary}))
+  print(f"host CPU: {cpu}; {args.model}'s forward in {args.dtype} over {args.rows} x {args.length} tokens, two "
+        f"batches at once\n{table(summary)}", file=sys.stderr)
+  print(json.dumps({"benchmark": "xla-flags", "host_cpu": cpu, "model": args.model, "dtype": args.dtype,
+                    "rows": args.rows, "length": args.length, "candidates": summary}))
 
 
 if __name__ == "__main__":
