@@ -573,28 +573,33 @@ def test_serving_params_give_the_same_vectors_bit_for_bit(model_type):
   assert _cast_leaves(towers.serving_params(params, Tower(f32))) == _cast_leaves(params)  # float32: no cast
 
 
-def test_attention_logits_round_their_cotangent_in_half_precision():
+@pytest.mark.parametrize("layout", ["bnld", "blnd"])
+def test_attention_logits_round_their_cotangent_in_half_precision(layout):
   """The einsum attention's logits: float32 out; in bfloat16 the backward rounds the cotangent to bfloat16
   before the dQ and dK products (as FlashAttention rounds dS), checked against float64 products of the rounded
-  cotangent; float32 keeps autodiff's own backward."""
+  cotangent; float32 keeps autodiff's own backward. With the heads behind the positions ("blnd") the same,
+  laid out so."""
   from jdr.models import bert  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(0)
-  q32, k32 = (rng.standard_normal((2, 3, 5, 8)).astype(np.float32) for _ in range(2))
+  q32, k32 = (rng.standard_normal((2, 3, 5, 8)).astype(np.float32) for _ in range(2))  # [B, N, L, D]
   g = jnp.asarray(rng.standard_normal((2, 3, 5, 7))[..., :5].astype(np.float32))
   plain = lambda q, k: jnp.einsum("bnqd,bnkd->bnqk", q, k, preferred_element_type=jnp.float32)
+  laid = (lambda t: jnp.swapaxes(t, 1, 2)) if layout == "blnd" else (lambda t: t)
+  logits_of = lambda q, k: bert.attention_logits(q, k, layout)
   q, k = jnp.asarray(q32, jnp.bfloat16), jnp.asarray(k32, jnp.bfloat16)
-  logits, vjp = jax.vjp(bert.attention_logits, q, k)
+  logits, vjp = jax.vjp(logits_of, laid(q), laid(k))
   assert logits.dtype == jnp.float32
   np.testing.assert_array_equal(logits, plain(q, k))
-  dq, dk = vjp(g)
+  dq, dk = (laid(t) for t in vjp(g))
   assert dq.dtype == dk.dtype == jnp.bfloat16
   f64 = lambda x: np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
   rounded = f64(g.astype(jnp.bfloat16))
   np.testing.assert_allclose(f64(dq), np.einsum("bnqk,bnkd->bnqd", rounded, f64(k)), rtol=2**-8, atol=1e-6)
   np.testing.assert_allclose(f64(dk), np.einsum("bnqk,bnqd->bnkd", rounded, f64(q)), rtol=2**-8, atol=1e-6)
   # float32: the same backward as the plain einsum's
-  for got, want in zip(jax.vjp(bert.attention_logits, q32, k32)[1](g), jax.vjp(plain, q32, k32)[1](g)):
-    np.testing.assert_array_equal(got, want)
+  got = jax.vjp(logits_of, laid(q32), laid(k32))[1](g)
+  for got, want in zip(got, jax.vjp(plain, q32, k32)[1](g)):
+    np.testing.assert_array_equal(laid(got), want)
 
 
 def test_softmax_weighted_values_normalized_after_the_product_are_the_float64_attention():
@@ -648,11 +653,13 @@ def test_softmax_weighted_values_normalized_after_the_product_are_the_float64_at
   np.testing.assert_allclose(np.asarray(half, np.float64), oracle(logits, values), rtol=2e-2, atol=2e-2)
 
 
-def test_cpu_attention_a_query_block_at_a_time_is_the_float64_attention(monkeypatch):
+@pytest.mark.parametrize("layout", ["bnld", "blnd"])
+def test_cpu_attention_a_query_block_at_a_time_is_the_float64_attention(monkeypatch, layout):
   """`einsum_attention` on a CPU runs rows of 314 keys and more 32 queries at a time (a loop over blocks, the
   last padded): against float64 softmax(scaled q k^T, masked) @ v for a key mask and a per-query [L, L] mask,
   with the first query's probabilities; its outputs and gradients against the same call computed with all
-  queries at once; with dropout it keeps them all at once."""
+  queries at once; with dropout it keeps them all at once. With the heads behind the positions ("blnd", the
+  projections' own layout) the same, laid out so."""
   from jdr.models import bert  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(0)
   b, h, length, d = 2, 3, 330, 8
@@ -664,20 +671,24 @@ def test_cpu_attention_a_query_block_at_a_time_is_the_float64_attention(monkeypa
 
   def oracle(allowed):
     # A row with every key masked is uniform, as float32 min in the softmax gives.
-    logits = np.where(allowed, np.einsum("bnqd,bnkd->bnqk", q, k) * 0.5, np.finfo(np.float32).min)
+    q_, k_, v_ = (laid(t) for t in (q, k, v))  # [B, N, L, D] whatever the layout
+    logits = np.where(allowed, np.einsum("bnqd,bnkd->bnqk", q_, k_) * 0.5, np.finfo(np.float32).min)
     weights = np.exp(logits - logits.max(-1, keepdims=True))
     probs = weights / weights.sum(-1, keepdims=True)
-    return probs @ v, probs[:, :, 0, :]
+    return laid(probs @ v_), probs[:, :, 0, :]
 
+  laid = (lambda t: np.swapaxes(t, 1, 2)) if layout == "blnd" else (lambda t: t)
+  q, k, v = (laid(t) for t in (q, k, v))
   f32 = lambda t: jnp.asarray(t, jnp.float32)
   for allowed in (key_mask[:, None, None, :], local[:, None]):
     # A fresh function for each trace: jax caches a traced function's program.
-    run = lambda: lambda *qkv: bert.einsum_attention(*qkv, jnp.asarray(allowed), first_row=True, logit_scale=0.5)
-    w = f32(rng.normal(0, 1, (b, h, length, d)))
+    run = lambda: lambda *qkv: bert.einsum_attention(*qkv, jnp.asarray(allowed), first_row=True, logit_scale=0.5,
+                                                     layout=layout)
+    w = f32(rng.normal(0, 1, laid(np.zeros((b, h, length, d))).shape))
     grad = lambda: jax.grad(lambda *qkv: jnp.sum(run()(*qkv)[0] * w), argnums=(0, 1, 2))(f32(q), f32(k), f32(v))
     assert "scan" in str(jax.make_jaxpr(run())(f32(q), f32(k), f32(v)))
     out, first = run()(f32(q), f32(k), f32(v))
-    assert out.shape == (b, h, length, d) and first.shape == (b, h, length)
+    assert out.shape == laid(np.zeros((b, h, length, d))).shape and first.shape == (b, h, length)
     want_out, want_first = oracle(allowed)
     np.testing.assert_allclose(np.asarray(out, np.float64), want_out, rtol=1e-5, atol=2e-6)
     np.testing.assert_allclose(np.asarray(first, np.float64), want_first, rtol=1e-5, atol=1e-7)
@@ -687,11 +698,15 @@ def test_cpu_attention_a_query_block_at_a_time_is_the_float64_attention(monkeypa
       assert "scan" not in str(jax.make_jaxpr(run())(f32(q), f32(k), f32(v)))
       whole_out, whole_first = run()(f32(q), f32(k), f32(v))
       whole_grads = grad()
-    np.testing.assert_allclose(np.asarray(out), np.asarray(whole_out), rtol=1e-6, atol=1e-7)
+    # [B, L, N, D] operands reach XLA's dots in another layout, blocks and all at once each their own: float32
+    # rounding apart.
+    np.testing.assert_allclose(np.asarray(out), np.asarray(whole_out), rtol=1e-6,
+                               atol=1e-7 if layout == "bnld" else 1e-6)
     np.testing.assert_allclose(np.asarray(first), np.asarray(whole_first), rtol=1e-6, atol=1e-9)
     for got, want in zip(grads, whole_grads):
       np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
-  dropped = lambda *qkv: bert.einsum_attention(*qkv, jnp.asarray(key_mask[:, None, None, :]), lambda w: w * 0.5)
+  dropped = lambda *qkv: bert.einsum_attention(*qkv, jnp.asarray(key_mask[:, None, None, :]), lambda w: w * 0.5,
+                                               layout=layout)
   assert "scan" not in str(jax.make_jaxpr(dropped)(f32(q), f32(k), f32(v)))
 
 

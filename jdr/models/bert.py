@@ -13,6 +13,7 @@ is cast back to float32, so bfloat16 changes speed and memory, not the interface
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -238,8 +239,14 @@ def heads_projection(cfg: EncoderConfig, name: str | None = None) -> Dense:
   return Dense(cfg, (cfg.num_heads, cfg.head_dim), ("embed", "heads", "kv"), name=name)
 
 
-def attention_logits(q: jax.Array, k: jax.Array) -> jax.Array:
-  """float32 [B, N, Lq, Lk] logits of [B, N, Lq, D] queries and [B, N, Lk, D] keys.
+# Where the heads sit in attention's queries, keys and values: "bnld" ([B, N, L, D]) or "blnd" ([B, L, N, D], as
+# the projections give them); the einsum subscripts of each product in each.
+_QKV = {"bnld": "bnqd", "blnd": "bqnd"}
+_KV = {"bnld": "bnkd", "blnd": "bknd"}
+
+
+def attention_logits(q: jax.Array, k: jax.Array, layout: str = "bnld") -> jax.Array:
+  """float32 [B, N, Lq, Lk] logits of queries and keys laid out as `layout` says ([B, N, L, D] or [B, L, N, D]).
 
   In half precision the backward rounds the logits' cotangent to the inputs' dtype before the two products
   that give dQ and dK, as FlashAttention's backward (and jdr's flash kernel) rounds dS: autodiff would carry
@@ -248,33 +255,37 @@ def attention_logits(q: jax.Array, k: jax.Array) -> jax.Array:
   for the H200, change by change"). float32 inputs keep autodiff's own backward, bit for bit.
   """
   if q.dtype == jnp.float32:
-    return jnp.einsum("bnqd,bnkd->bnqk", q, k, preferred_element_type=jnp.float32)
-  return _half_precision_logits(q, k)
+    return jnp.einsum(f"{_QKV[layout]},{_KV[layout]}->bnqk", q, k, preferred_element_type=jnp.float32)
+  return _half_precision_logits(q, k, layout)
 
 
-@jax.custom_vjp
-def _half_precision_logits(q, k):
-  return jnp.einsum("bnqd,bnkd->bnqk", q, k, preferred_element_type=jnp.float32)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _half_precision_logits(q, k, layout):
+  return jnp.einsum(f"{_QKV[layout]},{_KV[layout]}->bnqk", q, k, preferred_element_type=jnp.float32)
 
 
-def _half_precision_logits_fwd(q, k):
-  return _half_precision_logits(q, k), (q, k)
+def _half_precision_logits_fwd(q, k, layout):
+  return _half_precision_logits(q, k, layout), (q, k)
 
 
-def _half_precision_logits_bwd(residuals, grad):
+def _half_precision_logits_bwd(layout, residuals, grad):
   q, k = residuals
   grad = grad.astype(q.dtype)
   # Half-precision products accumulate in float32 and round once.
-  return jnp.einsum("bnqk,bnkd->bnqd", grad, k), jnp.einsum("bnqk,bnqd->bnkd", grad, q)
+  return (jnp.einsum(f"bnqk,{_KV[layout]}->{_QKV[layout]}", grad, k),
+          jnp.einsum(f"bnqk,{_QKV[layout]}->{_KV[layout]}", grad, q))
 
 
 _half_precision_logits.defvjp(_half_precision_logits_fwd, _half_precision_logits_bwd)
 
 
-def softmax_weighted_values(logits: jax.Array, values: jax.Array, dropout=lambda w: w, first_row: bool = False):
+def softmax_weighted_values(logits: jax.Array, values: jax.Array, dropout=lambda w: w, first_row: bool = False,
+                            layout: str | None = None):
   """softmax(logits) over the last axis, through `dropout`, times `values` ([..., Lq, Lk] float32 logits,
-  [..., Lk, D] values -> [..., Lq, D] in the values' dtype); `first_row=True` returns (that, the first query's
-  probabilities [..., Lk] after dropout), from the same computation, so asking for them changes nothing.
+  [..., Lk, D] values -> [..., Lq, D] in the values' dtype; with `layout` "bnld" or "blnd", [B, N, Lq, Lk]
+  logits and values laid out so, and the result laid out as the values); `first_row=True` returns (that, the
+  first query's probabilities [..., Lk] after dropout), from the same computation, so asking for them changes
+  nothing.
 
   On a CPU the product is normalized after it: exp(logits - row max) multiplies the values and the [Lq, D]
   product is divided by the row sums, instead of dividing the [Lq, Lk] weights, one pass over the weights
@@ -284,17 +295,19 @@ def softmax_weighted_values(logits: jax.Array, values: jax.Array, dropout=lambda
   (docs/performance-history.md, "The training step on an AVX-512 CPU"). Elsewhere the probabilities are
   formed first, the form the accelerators' figures were measured with.
   """
+  # The product's rows come out heads first ([B, N, Lq, D]) and move to the values' layout after the division.
+  product = "...qk,...kd->...qd" if layout is None else f"bnqk,{_KV[layout]}->bnqd"
+  laid_out = (lambda t: jnp.swapaxes(t, 1, 2)) if layout == "blnd" else (lambda t: t)
   if parallel.platform() != "cpu":
     probs = dropout(jax.nn.softmax(logits, axis=-1))
-    out = jnp.einsum("...qk,...kd->...qd", probs.astype(values.dtype), values)
+    out = laid_out(jnp.einsum(product, probs.astype(values.dtype), values))
     return (out, probs[..., 0, :]) if first_row else out
   peak = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
   weights = jnp.exp(logits - peak)
   total = jnp.sum(weights, axis=-1, keepdims=True)
   weights = dropout(weights)
-  weighted = jnp.einsum("...qk,...kd->...qd", weights.astype(values.dtype), values,
-                        preferred_element_type=jnp.float32)
-  out = (weighted / total).astype(values.dtype)
+  weighted = jnp.einsum(product, weights.astype(values.dtype), values, preferred_element_type=jnp.float32)
+  out = laid_out((weighted / total).astype(values.dtype))
   return (out, weights[..., 0, :] / total[..., 0, :]) if first_row else out
 
 
@@ -313,12 +326,13 @@ def cpu_query_blocks(lq: int, lk: int) -> int | None:
 
 
 def einsum_attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, dropout=None,
-                     first_row: bool = False, logit_scale: float | None = None):
+                     first_row: bool = False, logit_scale: float | None = None, layout: str = "bnld"):
   """Attention of q [B, H, Lq, D] over k, v [B, H, Lk, D] where `allowed` (boolean, broadcastable to [B, 1, Lq,
   Lk]) is True: [B, H, Lq, D] in v's dtype, or (that, the first query's probabilities [B, H, Lk]) with
-  `first_row`. `dropout` (a function of the weights) is applied to the attention weights; None draws none.
-  The logits are float32 (`attention_logits`), times `logit_scale` where given; masked keys get exactly zero
-  weight (a boolean mask, not an additive bias).
+  `first_row`. With `layout="blnd"` q, k, v and the result are [B, L, H, D] instead. `dropout` (a function of
+  the weights) is applied to the attention weights; None draws none. The logits are float32
+  (`attention_logits`), times `logit_scale` where given; masked keys get exactly zero weight (a boolean mask,
+  not an additive bias).
 
   On a CPU, without dropout, long rows run their queries 32 at a time (`cpu_query_blocks`), every row and
   head in each block: the [B, H, L, L] logits of all queries at once go through memory between the products
@@ -327,29 +341,35 @@ def einsum_attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Arra
   64.9 over 1 x 1024; over 4 x 256 4.7 against 5.0, where the whole model ran the same either way, so rows
   that short keep all queries at once (docs/performance-history.md, "Encoding on an AVX-512 CPU"). Blocks of
   queries, not of rows or heads: a mesh splits rows and heads, and a loop over a split axis would gather it
-  on every device. Each query computes what it computed with all of them. Dropout draws its mask from a Flax
-  module, which a loop cannot call.
+  on every device. Each query computes what it computed with all of them (laid out as [B, L, H, D], to float32
+  rounding). Dropout draws its mask from a Flax module, which a loop cannot call.
   """
   def core(q, allowed):
-    logits = attention_logits(q, k)
+    logits = attention_logits(q, k, layout)
     if logit_scale is not None:
       logits = logits * logit_scale
     logits = jnp.where(allowed, logits, jnp.finfo(jnp.float32).min)
-    return softmax_weighted_values(logits, v, dropout or (lambda w: w), first_row=first_row)
+    return softmax_weighted_values(logits, v, dropout or (lambda w: w), first_row=first_row, layout=layout)
 
-  b, h, lq, d = q.shape
-  blocks = cpu_query_blocks(lq, k.shape[2]) if dropout is None and parallel.platform() == "cpu" else None
+  axis = 2 if layout == "bnld" else 1  # q's and the result's positions
+  lq = q.shape[axis]
+  blocks = cpu_query_blocks(lq, k.shape[axis]) if dropout is None and parallel.platform() == "cpu" else None
   if blocks is None or blocks == 1:
     return core(q, allowed)
   pad = blocks * CPU_QUERY_BLOCK - lq  # padded queries are computed and dropped
-  to_blocks = lambda t: jnp.moveaxis(
-      jnp.pad(t, ((0, 0), (0, 0), (0, pad), (0, 0))).reshape(t.shape[:2] + (blocks, CPU_QUERY_BLOCK, t.shape[3])),
-      2, 0)  # [blocks, ..., CPU_QUERY_BLOCK, last]
+
+  def to_blocks(t, axis):  # [blocks, ..., CPU_QUERY_BLOCK, ...]: `axis` split in two, the blocks first
+    widths = [(0, pad) if i == axis else (0, 0) for i in range(t.ndim)]
+    t = jnp.pad(t, widths).reshape(t.shape[:axis] + (blocks, CPU_QUERY_BLOCK) + t.shape[axis + 1:])
+    return jnp.moveaxis(t, axis, 0)
+
   if allowed.ndim == 4 and allowed.shape[2] > 1:  # a mask per query: its rows go with their block
-    out = jax.lax.map(lambda xs: core(*xs), (to_blocks(q), to_blocks(allowed)))
+    out = jax.lax.map(lambda xs: core(*xs), (to_blocks(q, axis), to_blocks(allowed, 2)))
   else:
-    out = jax.lax.map(lambda qb: core(qb, allowed), to_blocks(q))
-  ctx = jnp.moveaxis(out[0] if first_row else out, 0, 2).reshape(b, h, blocks * CPU_QUERY_BLOCK, d)[:, :, :lq]
+    out = jax.lax.map(lambda qb: core(qb, allowed), to_blocks(q, axis))
+  ctx = jnp.moveaxis(out[0] if first_row else out, 0, axis)
+  ctx = ctx.reshape(ctx.shape[:axis] + (blocks * CPU_QUERY_BLOCK,) + ctx.shape[axis + 2:])
+  ctx = jax.lax.slice_in_dim(ctx, 0, lq, axis=axis)
   return (ctx, out[1][0]) if first_row else ctx
 
 
@@ -565,21 +585,28 @@ class Layer(nn.Module):
     else:
       # Scaling q ([B, L, N, D]) is cheaper than scaling the [B, N, L, L] logits.
       q = q * jnp.asarray(cfg.head_dim ** -0.5, q.dtype)
-      # Heads ahead of positions ([B, N, L, D]) before both contractions: XLA's CPU dots then see plain
-      # batched [L, D] x [D, L] products instead of strided ones.
-      q, k, v = (jnp.swapaxes(t, 1, 2) for t in (q, k, v))
+      # Encoding on a CPU, rows under the query blocks' length: the einsums take the projections' [B, L, N, D]
+      # as they are and XLA lays out their operands. The same float32 vectors bit for bit, and in bfloat16 a
+      # 6% faster forward, where heads swapped ahead of positions beforehand made XLA's CPU compiler widen the
+      # logits' operands to float32; with query blocks (512 tokens) 4% slower in float32, so those, training
+      # and the accelerators keep the heads ahead (docs/performance-history.md, "Encoding on an AVX-512 CPU").
+      layout = "blnd" if (parallel.platform() == "cpu" and deterministic
+                          and cpu_query_blocks(rows.shape[1], length) is None) else "bnld"
+      if layout == "bnld":
+        q, k, v = (jnp.swapaxes(t, 1, 2) for t in (q, k, v))
       # The weights of the first query alone draw the bits of the whole [B, N, L, L] weights' first row, as
       # the flash kernel's tiles do.
       dropout = lambda w: self.attention_dropout(w, deterministic, whole=(*w.shape[:-2], length, length))
       ctx = einsum_attention(q, k, v, key_mask[:, None, None, :], dropout if drop else None,
-                             first_row=first_token_attention)
+                             first_row=first_token_attention, layout=layout)
       if first_token_attention:
         ctx, first_probs = ctx
-      ctx = jnp.swapaxes(ctx, 1, 2)
+      if layout == "bnld":
+        ctx = jnp.swapaxes(ctx, 1, 2)
     out = self.tail(ctx, rows, deterministic, length=length)
     if not first_token_attention:
       return out
-    return out, FirstTokenAttention(first_probs, v, x[:, 0, :])
+    return out, FirstTokenAttention(first_probs, v if layout == "bnld" else jnp.swapaxes(v, 1, 2), x[:, 0, :])
 
   def tail(self, context, residual, deterministic: bool, length: int | None = None):
     """The block after attention, on heads' outputs `context` [..., N, D] with their block inputs `residual`
