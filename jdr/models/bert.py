@@ -585,12 +585,13 @@ class Layer(nn.Module):
     else:
       # Scaling q ([B, L, N, D]) is cheaper than scaling the [B, N, L, L] logits.
       q = q * jnp.asarray(cfg.head_dim ** -0.5, q.dtype)
-      # Encoding on a CPU, rows under the query blocks' length: the einsums take the projections' [B, L, N, D]
-      # as they are and XLA lays out their operands. The same float32 vectors bit for bit, and in bfloat16 a
-      # 6% faster forward, where heads swapped ahead of positions beforehand made XLA's CPU compiler widen the
-      # logits' operands to float32; with query blocks (512 tokens) 4% slower in float32, so those, training
-      # and the accelerators keep the heads ahead (docs/performance-history.md, "Encoding on an AVX-512 CPU").
-      layout = "blnd" if (parallel.platform() == "cpu" and deterministic
+      # Encoding in half precision on a CPU, rows under the query blocks' length: the einsums take the
+      # projections' [B, L, N, D] as they are and XLA lays out their operands. Heads swapped ahead of positions
+      # beforehand made XLA's CPU compiler widen the logits' bfloat16 operands to float32: MiniLM's bfloat16
+      # forward is 6% faster so. In float32 the vectors were bitwise the same and no faster (with query blocks
+      # 4% slower, the cross-encoder's first position 1.5%), so float32, training and the accelerators keep
+      # the heads ahead (docs/performance-history.md, "Encoding on an AVX-512 CPU").
+      layout = "blnd" if (parallel.platform() == "cpu" and deterministic and q.dtype != jnp.float32
                           and cpu_query_blocks(rows.shape[1], length) is None) else "bnld"
       if layout == "bnld":
         q, k, v = (jnp.swapaxes(t, 1, 2) for t in (q, k, v))
