@@ -38,9 +38,11 @@ RUNS = {
 }
 
 
-def run_one(args: list[str]) -> dict:
-  """The last JSON line of `python -m jdr.bench ARGS`, its stderr passed through as it comes."""
-  done = subprocess.run([sys.executable, "-m", "jdr.bench", *args], stdout=subprocess.PIPE, text=True, check=False)
+def run_one(args: list[str], env: dict[str, str] | None = None) -> dict:
+  """The last JSON line of `python -m jdr.bench ARGS` (in environment `env`, else this one's), its stderr passed
+  through as it comes."""
+  done = subprocess.run([sys.executable, "-m", "jdr.bench", *args], stdout=subprocess.PIPE, text=True, check=False,
+                        env=env)
   lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
   if done.returncode or not lines:
     return {"error": f"`python -m jdr.bench {' '.join(args)}` exited {done.returncode} with "

@@ -22,7 +22,6 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -99,15 +98,10 @@ def run_candidate(name: str, args) -> dict:
   env = dict(os.environ)
   env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {CANDIDATES[name]}".strip()
   # Through `python -m jdr.bench`, as every benchmark runs (its malloc settings included).
-  command = [sys.executable, "-m", "jdr.bench", "xla-flags", "--measure", "--model", args.model,
-             "--rows", str(args.rows), "--length", str(args.length), "--batches", str(args.batches),
-             "--repeats", str(args.repeats), "--dtype", args.dtype]
-  done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, check=False)
-  lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-  if done.returncode or not lines:
-    tail = done.stderr.strip().splitlines()[-1:] or ["no output"]
-    return {"error": f"exited {done.returncode}: {tail[0][:300]}"}
-  return json.loads(lines[-1])
+  from jdr.bench import cpu_suite  # pylint: disable=g-import-not-at-top
+  return cpu_suite.run_one(["xla-flags", "--measure", "--model", args.model, "--rows", str(args.rows), "--length",
+                            str(args.length), "--batches", str(args.batches), "--repeats", str(args.repeats),
+                            "--dtype", args.dtype], env=env)
 
 
 def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
