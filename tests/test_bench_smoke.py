@@ -40,7 +40,8 @@ def test_cpu_suite_runs_each_benchmark_alone_and_holds_each_ratio_to_its_goal(mo
   """`python -m jdr.bench cpu`: one benchmark after another, the table reads each one's JSON and says whether its
   float32 goal is met; a failed benchmark is a row saying so, not a missing row."""
   from jdr.bench import cpu_suite  # pylint: disable=g-import-not-at-top
-  failed = cpu_suite.run_one(["no-such-benchmark"])  # a real subprocess: argparse refuses the name
+  from jdr.bench import own_process  # pylint: disable=g-import-not-at-top
+  failed = own_process.run(["no-such-benchmark"])  # a real subprocess: argparse refuses the name
   assert failed == {"error": "`python -m jdr.bench no-such-benchmark` exited 2 with no JSON line"}
   calls = []
 
@@ -54,7 +55,7 @@ def test_cpu_suite_runs_each_benchmark_alone_and_holds_each_ratio_to_its_goal(mo
     return {"benchmark": "encode", "dtype": "float32", "jdr": 30.9, "reference": 24.0, "ratio": 1.288,
             "jdr_peak_fraction": 0.84, "reference_peak_fraction": 0.65}
 
-  monkeypatch.setattr(cpu_suite, "run_one", fake)
+  monkeypatch.setattr(own_process, "run", fake)
   cpu_suite.main(["--only", "encode,train-step,pretrain", "--out", str(tmp_path / "cpu.json")])
   out = capsys.readouterr().out
   assert calls == [["encode"], ["train-step"], ["pretrain"]]

@@ -22,9 +22,9 @@ keyed by name, with the CPU line.
 
 import argparse
 import json
-import subprocess
 import sys
 
+from jdr.bench import own_process
 from jdr.bench import peak as peak_lib
 
 # name -> (the benchmark's own arguments, the float32 goal for its ratio or None)
@@ -36,18 +36,6 @@ RUNS = {
     "xla-flags": (["xla-flags"], None),
     "xla-flags-bf16": (["xla-flags", "--dtype", "bfloat16"], None),
 }
-
-
-def run_one(args: list[str], env: dict[str, str] | None = None) -> dict:
-  """The last JSON line of `python -m jdr.bench ARGS` (in environment `env`, else this one's), its stderr passed
-  through as it comes."""
-  done = subprocess.run([sys.executable, "-m", "jdr.bench", *args], stdout=subprocess.PIPE, text=True, check=False,
-                        env=env)
-  lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-  if done.returncode or not lines:
-    return {"error": f"`python -m jdr.bench {' '.join(args)}` exited {done.returncode} with "
-                     f"{'no JSON line' if not lines else 'an error'}"}
-  return json.loads(lines[-1])
 
 
 def _fraction(value) -> str:
@@ -113,7 +101,7 @@ def main(argv=None) -> None:
   results = {}
   for name in names:
     print(f"== {name}: python -m jdr.bench {' '.join(RUNS[name][0])}", file=sys.stderr, flush=True)
-    results[name] = run_one(RUNS[name][0])
+    results[name] = own_process.run(RUNS[name][0])
   cpu = peak_lib.cpu_line()
   print(f"host CPU: {cpu}\n{table(results)}")
   if args.out:

@@ -26,6 +26,8 @@ import sys
 import threading
 import time
 
+from jdr.bench import own_process
+
 # name -> the XLA flags it adds to those already in XLA_FLAGS
 CANDIDATES = {
     "default": "",
@@ -97,9 +99,7 @@ def run_candidate(name: str, args) -> dict:
   """`measure` in a process of its own, under the candidate's flags added to XLA_FLAGS."""
   env = dict(os.environ)
   env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {CANDIDATES[name]}".strip()
-  # Through `python -m jdr.bench`, as every benchmark runs (its malloc settings included).
-  from jdr.bench import cpu_suite  # pylint: disable=g-import-not-at-top
-  return cpu_suite.run_one(["xla-flags", "--measure", "--model", args.model, "--rows", str(args.rows), "--length",
+  return own_process.run(["xla-flags", "--measure", "--model", args.model, "--rows", str(args.rows), "--length",
                             str(args.length), "--batches", str(args.batches), "--repeats", str(args.repeats),
                             "--dtype", args.dtype], env=env)
 
