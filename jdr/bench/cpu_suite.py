@@ -26,6 +26,7 @@ import sys
 
 from jdr.bench import own_process
 from jdr.bench import peak as peak_lib
+from jdr.bench import xla_cpu_flags
 
 # name -> (the benchmark's own arguments, the float32 goal for its ratio or None)
 RUNS = {
@@ -82,7 +83,6 @@ def table(results: dict) -> str:
                  f"{extra.get('scifact_test_ndcg@10', 'not measured')}")
   for name in ("xla-flags", "xla-flags-bf16"):
     if "candidates" in results.get(name, {}):
-      from jdr.bench import xla_cpu_flags  # pylint: disable=g-import-not-at-top
       flags = results[name]
       lines.append(f"\nXLA's CPU flags, MiniLM's forward in {flags.get('dtype', 'float32')} over {flags['rows']} x "
                    f"{flags['length']} tokens, two batches at once:\n{xla_cpu_flags.table(flags['candidates'])}")

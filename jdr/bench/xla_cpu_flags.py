@@ -100,8 +100,8 @@ def run_candidate(name: str, args) -> dict:
   env = dict(os.environ)
   env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {CANDIDATES[name]}".strip()
   return own_process.run(["xla-flags", "--measure", "--model", args.model, "--rows", str(args.rows), "--length",
-                            str(args.length), "--batches", str(args.batches), "--repeats", str(args.repeats),
-                            "--dtype", args.dtype], env=env)
+                          str(args.length), "--batches", str(args.batches), "--repeats", str(args.repeats),
+                          "--dtype", args.dtype], env=env)
 
 
 def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
